@@ -1,0 +1,282 @@
+//! # outbox-relay
+//!
+//! A transactional outbox relay: applications insert event rows into an outbox table in the
+//! same transaction as their business change; the relay publishes them to RabbitMQ or Kafka,
+//! at least once, in order per aggregate.
+//!
+//! ## Map of the crate
+//! - [`config`]: figment loading (defaults ← `relay.toml` ← `RELAY_*`) and validation, once.
+//! - [`store`]: PostgreSQL — every SQL statement (claim, settle, reclaim, migrations).
+//! - [`relay`]: the loop — claim → publish → settle; knows no SQL and no broker.
+//! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
+//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker.
+//! - [`retry`]: the backoff policy (pure).
+//! - [`template`]: routing-key / topic templates.
+//! - [`telemetry`]: metric names, `record_*` functions, the `/metrics` + health server.
+//! - [`redact`]: masking passwords before anything is logged.
+//!
+//! ## Row lifecycle
+//! `pending` → (claim) `processing` → (broker confirm) `sent` (or deleted with retention 0);
+//! a message-level failure sends it back to `pending` with backoff, and to `failed` after
+//! `retry.max_attempts`; a connection-level failure hands it back without spending an attempt.
+
+pub mod config;
+pub mod publish;
+pub mod redact;
+pub mod relay;
+pub mod retry;
+pub mod store;
+pub mod telemetry;
+pub mod template;
+pub mod watermark;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, PublisherConfig};
+use crate::publish::Publisher;
+use crate::publish::envelope::EnvelopeConfig;
+use crate::relay::{Backoff, LoopSettings, Relay};
+use crate::store::{PayloadKind, Store, StoreError};
+use crate::telemetry::Health;
+
+/// Why `run` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// The database refused a schema step (not a connection problem).
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// The metrics address could not be bound.
+    #[error("cannot listen on metrics.listen {addr}: {source}")]
+    MetricsBind {
+        /// The configured address.
+        addr: std::net::SocketAddr,
+        /// The bind error.
+        source: std::io::Error,
+    },
+    /// The publisher could not be built from its configuration.
+    #[error("{0}")]
+    Publisher(String),
+}
+
+/// Builds the configured publisher (not yet connected).
+pub fn build_publisher(
+    config: &Config,
+    payload_kind: PayloadKind,
+) -> Result<Arc<dyn Publisher>, RunError> {
+    let envelope = EnvelopeConfig {
+        source: config.relay.source.clone(),
+        payload_kind,
+    };
+    match &config.publisher {
+        PublisherConfig::RabbitMq(c) => Ok(Arc::new(publish::rabbitmq::RabbitMqPublisher::new(
+            c.clone(),
+            envelope,
+        ))),
+        PublisherConfig::Kafka(_) => Err(RunError::Publisher(
+            "publisher.kind = \"kafka\" is not available in this build yet".into(),
+        )),
+    }
+}
+
+/// Runs the relay until `shutdown` is cancelled, then drains within `relay.shutdown_timeout`.
+///
+/// The database may be down at start or at any time: the relay waits and reconnects. Only
+/// errors that retrying cannot fix (a missing table without `auto_migrate`, a payload column of
+/// the wrong type, a metrics address in use) end it.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
+    let health = Arc::new(Health::default());
+    telemetry::install();
+    telemetry::record_info(&config.relay.instance_id, config.publisher.kind());
+
+    let server = match config.metrics_listen {
+        Some(addr) => {
+            let listener = telemetry::bind(addr)
+                .await
+                .map_err(|source| RunError::MetricsBind { addr, source })?;
+            tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+            let (health, token) = (Arc::clone(&health), shutdown.clone());
+            Some(tokio::spawn(async move {
+                if let Err(e) = telemetry::serve(listener, health, token).await {
+                    tracing::error!(error = %e, "metrics server stopped");
+                }
+            }))
+        }
+        None => None,
+    };
+
+    let store = Store::new(&config.database, &config.relay.instance_id)?;
+    let Some((payload_kind, table_oid)) = prepare_schema(&store, &config, &health, &shutdown).await? else {
+        return Ok(()); // shut down while waiting for the database
+    };
+    let publisher = build_publisher(&config, payload_kind)?;
+    tracing::info!(
+        instance = %config.relay.instance_id,
+        database = %config.database.redacted_url(),
+        table = %config.database.table,
+        payload = ?payload_kind,
+        publisher = %publisher.describe(),
+        ordering = ?config.relay.ordering,
+        batch_size = config.relay.batch_size,
+        max_in_flight = config.relay.max_in_flight,
+        notify = config.relay.notify,
+        "outbox-relay starting"
+    );
+
+    let wake = Arc::new(Notify::new());
+    let background = CancellationToken::new();
+    let mut helpers = Vec::new();
+    if config.relay.notify {
+        helpers.push(tokio::spawn(listen_loop(
+            config.database.url.clone(),
+            config.database.table.channel(),
+            Arc::clone(&wake),
+            background.clone(),
+        )));
+    }
+    helpers.push(tokio::spawn(relay::reclaim_loop(
+        store.clone(),
+        config.relay.lease_timeout,
+        config.retry,
+        Arc::clone(&wake),
+        background.clone(),
+    )));
+    helpers.push(tokio::spawn(backlog_loop(store.clone(), background.clone())));
+
+    let settings = LoopSettings {
+        relay: config.relay.clone(),
+        retry: config.retry,
+        delete_on_confirm: config.cleanup.retention.is_zero(),
+        table_oid,
+    };
+    let engine = Relay::new(store, Arc::clone(&publisher), settings, health, wake);
+    engine.run(shutdown.clone()).await;
+
+    background.cancel();
+    for h in helpers {
+        let _ = h.await;
+    }
+    publisher.close().await;
+    if let Some(server) = server {
+        let _ = server.await;
+    }
+    tracing::info!("outbox-relay stopped");
+    Ok(())
+}
+
+/// Migrates (when configured) and inspects the table, waiting out database outages.
+async fn prepare_schema(
+    store: &Store,
+    config: &Config,
+    health: &Health,
+    shutdown: &CancellationToken,
+) -> Result<Option<(PayloadKind, u32)>, RunError> {
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    loop {
+        let attempt = async {
+            if config.database.auto_migrate {
+                let applied = store.migrate().await?;
+                if !applied.is_empty() {
+                    tracing::info!(table = %store.table(), versions = ?applied, "applied schema migrations");
+                }
+            }
+            store.inspect().await
+        }
+        .await;
+        match attempt {
+            Ok(found) => {
+                health.set_database(true);
+                return Ok(Some(found));
+            }
+            Err(e) if e.is_connection() => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "database unavailable at start; retrying");
+                tokio::select! {
+                    () = tokio::time::sleep(delay) => {}
+                    () = shutdown.cancelled() => return Ok(None),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// LISTENs on the table's channel on a dedicated connection and wakes the loop on every
+/// NOTIFY; after a lost connection it reconnects, re-LISTENs and wakes the loop once so that
+/// nothing inserted meanwhile waits for the poll.
+async fn listen_loop(url: String, channel: String, wake: Arc<Notify>, shutdown: CancellationToken) {
+    use futures::StreamExt;
+    use tokio_postgres::AsyncMessage;
+
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    while !shutdown.is_cancelled() {
+        let session = async {
+            let pg = store::pg_config(&url)?;
+            let (client, mut conn) = pg.connect(tokio_postgres::NoTls).await?;
+            let (tx, mut closed) = tokio::sync::oneshot::channel::<Option<tokio_postgres::Error>>();
+            let wake_on_notify = Arc::clone(&wake);
+            tokio::spawn(async move {
+                let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
+                let mut err = None;
+                while let Some(msg) = messages.next().await {
+                    match msg {
+                        Ok(AsyncMessage::Notification(_)) => wake_on_notify.notify_one(),
+                        Ok(_) => {}
+                        Err(e) => {
+                            err = Some(e);
+                            break;
+                        }
+                    }
+                }
+                let _ = tx.send(err);
+            });
+            client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
+            tracing::debug!(%channel, "listening for NOTIFY");
+            wake.notify_one();
+            let ended = tokio::select! {
+                r = &mut closed => Some(r.ok().flatten()),
+                () = shutdown.cancelled() => None,
+            };
+            drop(client);
+            Ok::<_, StoreError>(ended)
+        }
+        .await;
+        match session {
+            Ok(None) => return,
+            Ok(Some(err)) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = ?err.map(|e| e.to_string()), retry_in = ?delay, "LISTEN connection lost; polling until it is back");
+                sleep_or(delay, &shutdown).await;
+            }
+            Err(e) => {
+                let delay = backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "cannot LISTEN for notifications; polling meanwhile");
+                sleep_or(delay, &shutdown).await;
+            }
+        }
+    }
+}
+
+async fn sleep_or(d: Duration, token: &CancellationToken) {
+    tokio::select! {
+        () = tokio::time::sleep(d) => {}
+        () = token.cancelled() => {}
+    }
+}
+
+/// Refreshes the backlog gauges every 5 s.
+async fn backlog_loop(store: Store, shutdown: CancellationToken) {
+    loop {
+        match store.backlog().await {
+            Ok(b) => telemetry::record_backlog(&b),
+            Err(e) => tracing::debug!(error = %e, "backlog gauges not refreshed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}

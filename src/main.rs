@@ -1,0 +1,120 @@
+//! The `outbox-relay` binary: parse the command line, load the configuration, set up logging
+//! and signals, and hand over to the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use outbox_relay::config::{Config, ConfigSource};
+use tokio_util::sync::CancellationToken;
+
+mod cli;
+
+/// Transactional outbox relay: PostgreSQL outbox table → RabbitMQ or Kafka.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-relay", version, about)]
+struct Cli {
+    /// Configuration file (default ./relay.toml if present; env RELAY_CONFIG).
+    #[arg(long, global = true, env = "RELAY_CONFIG")]
+    config: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "RELAY_LOG_FORMAT")]
+    log_format: LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the relay daemon until SIGTERM/SIGINT.
+    Run,
+    /// Apply the schema in sql/ to the configured database (idempotent).
+    Migrate {
+        /// Print the DDL for the configured table instead of applying it.
+        #[arg(long)]
+        print: bool,
+    },
+    /// Validate the configuration, then connect to the database and the broker.
+    Check,
+}
+
+fn init_tracing(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=warn,rdkafka=warn,tokio_postgres=warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Cli::parse();
+    init_tracing(args.log_format);
+    let source = match args.config {
+        Some(path) => ConfigSource::Explicit(path),
+        None => ConfigSource::Default,
+    };
+    let config = match Config::load(&source) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("outbox-relay: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outbox-relay: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = runtime.block_on(async move {
+        match args.command {
+            Command::Run => {
+                let shutdown = CancellationToken::new();
+                spawn_signal_handler(shutdown.clone());
+                outbox_relay::run(config, shutdown).await.map_err(anyhow::Error::from)
+            }
+            Command::Migrate { print } => cli::migrate(&config, print).await,
+            Command::Check => cli::check(&config).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("outbox-relay: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Cancels `token` on the first SIGTERM or SIGINT.
+fn spawn_signal_handler(token: CancellationToken) {
+    tokio::spawn(async move {
+        let terminate = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot watch SIGTERM");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping claims and draining"),
+            () = terminate => tracing::info!("SIGTERM: stopping claims and draining"),
+        }
+        token.cancel();
+    });
+}

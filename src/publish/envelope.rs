@@ -1,0 +1,164 @@
+//! The wire format shared by every transport: CloudEvents binary-mode attributes and the
+//! row's own headers (contract §4).
+
+use chrono::SecondsFormat;
+use serde_json::Value;
+
+use crate::store::{OutboxMessage, PayloadKind};
+use crate::template::{Fields, Template};
+
+/// Settings the envelope needs besides the row.
+#[derive(Debug, Clone)]
+pub struct EnvelopeConfig {
+    /// CloudEvents `source`.
+    pub source: String,
+    /// Payload column type, for `datacontenttype`.
+    pub payload_kind: PayloadKind,
+}
+
+/// CloudEvents attributes of one message, in binding-neutral form (`(name, value)`).
+pub fn cloud_event_attributes<'a>(
+    msg: &'a OutboxMessage,
+    cfg: &'a EnvelopeConfig,
+) -> Vec<(&'static str, String)> {
+    let mut attrs = vec![
+        ("specversion", "1.0".to_owned()),
+        ("id", msg.id.to_string()),
+        ("type", msg.event_type.clone()),
+        ("source", cfg.source.clone()),
+        (
+            "time",
+            msg.created_at.to_rfc3339_opts(SecondsFormat::Micros, true),
+        ),
+        ("aggregatetype", msg.aggregate_type.clone()),
+    ];
+    if let Some(subject) = &msg.aggregate_id {
+        attrs.push(("subject", subject.clone()));
+    }
+    attrs
+}
+
+/// The row's `headers` as `(name, value)` strings: strings as they are, other values as their
+/// JSON text, `null` omitted. A `headers` value that is not an object yields no headers and a
+/// note saying so (never an error).
+pub fn row_headers(msg: &OutboxMessage) -> (Vec<(String, String)>, Option<String>) {
+    if msg.headers.is_empty() {
+        return (Vec::new(), None);
+    }
+    match serde_json::from_slice::<Value>(&msg.headers) {
+        Ok(Value::Object(map)) => {
+            let headers = map
+                .into_iter()
+                .filter_map(|(k, v)| match v {
+                    Value::Null => None,
+                    Value::String(s) => Some((k, s)),
+                    other => Some((k, other.to_string())),
+                })
+                .collect();
+            (headers, None)
+        }
+        Ok(other) => (
+            Vec::new(),
+            Some(format!("headers is a JSON {} rather than an object; sent without row headers", json_kind(&other))),
+        ),
+        Err(e) => (Vec::new(), Some(format!("headers is not valid JSON ({e}); sent without row headers"))),
+    }
+}
+
+fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+/// The routing key / topic: the row's `destination` when set, else the rendered template.
+pub fn destination(msg: &OutboxMessage, template: &Template) -> String {
+    match &msg.destination {
+        Some(d) if !d.is_empty() => d.clone(),
+        _ => template.render(&Fields {
+            aggregate_type: &msg.aggregate_type,
+            event_type: &msg.event_type,
+            aggregate_id: msg.aggregate_id.as_deref(),
+        }),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use uuid::Uuid;
+
+    pub(crate) fn message(headers: &str) -> OutboxMessage {
+        OutboxMessage {
+            id: Uuid::nil(),
+            seq: 1,
+            aggregate_type: "order".into(),
+            aggregate_id: Some("42".into()),
+            event_type: "created".into(),
+            payload: b"{}".to_vec(),
+            headers: headers.as_bytes().to_vec(),
+            destination: None,
+            attempts: 1,
+            created_at: chrono::Utc.with_ymd_and_hms(2026, 1, 2, 3, 4, 5).unwrap(),
+        }
+    }
+
+    #[test]
+    fn header_values_become_strings_and_nulls_vanish() {
+        let m = message(r#"{"a":"x","b":1,"c":null,"d":{"e":[true]},"f":false}"#);
+        let (mut h, note) = row_headers(&m);
+        h.sort();
+        assert_eq!(
+            h,
+            vec![
+                ("a".into(), "x".into()),
+                ("b".into(), "1".into()),
+                ("d".into(), r#"{"e":[true]}"#.into()),
+                ("f".into(), "false".into()),
+            ]
+        );
+        assert!(note.is_none());
+    }
+
+    #[test]
+    fn non_object_headers_are_noted_not_fatal() {
+        let (h, note) = row_headers(&message("[1,2]"));
+        assert!(h.is_empty());
+        assert!(note.unwrap().contains("array"));
+    }
+
+    #[test]
+    fn cloud_event_attributes_follow_the_contract() {
+        let cfg = EnvelopeConfig {
+            source: "/outbox/test/outbox_messages".into(),
+            payload_kind: PayloadKind::Json,
+        };
+        let m = message("{}");
+        let attrs = cloud_event_attributes(&m, &cfg);
+        let get = |k: &str| attrs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("specversion"), Some("1.0"));
+        assert_eq!(get("id"), Some("00000000-0000-0000-0000-000000000000"));
+        assert_eq!(get("type"), Some("created"));
+        assert_eq!(get("subject"), Some("42"));
+        assert_eq!(get("aggregatetype"), Some("order"));
+        assert_eq!(get("time"), Some("2026-01-02T03:04:05.000000Z"));
+        let mut m = m;
+        m.aggregate_id = None;
+        assert!(cloud_event_attributes(&m, &cfg).iter().all(|(k, _)| *k != "subject"));
+    }
+
+    #[test]
+    fn destination_overrides_template() {
+        let t = Template::parse("{aggregate_type}.{event_type}").unwrap();
+        let mut m = message("{}");
+        assert_eq!(destination(&m, &t), "order.created");
+        m.destination = Some("special".into());
+        assert_eq!(destination(&m, &t), "special");
+    }
+}

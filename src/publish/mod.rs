@@ -1,0 +1,54 @@
+//! The publisher boundary: one small trait, one outcome type, one transport per file.
+//!
+//! The relay loop only sees [`Publisher`] and [`Outcome`]. Each transport classifies its own
+//! errors into [`Outcome::Rejected`] (message-level: spend an attempt, back off) or
+//! [`Outcome::Unavailable`] (connection-level: hand the row back, reconnect) — the split that
+//! decides whether a broker outage can ever dead-letter a message (it cannot).
+
+pub mod envelope;
+pub mod rabbitmq;
+
+use async_trait::async_trait;
+
+use crate::store::OutboxMessage;
+
+/// The result of publishing one message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// The broker confirmed the message: mark it sent.
+    Confirmed,
+    /// The broker refused this message (nack, unroutable, too large, unknown topic, …):
+    /// spend the attempt and back off.
+    Rejected(String),
+    /// The broker could not be reached or the connection broke before an answer: hand the
+    /// row back without spending an attempt, and reconnect.
+    Unavailable(String),
+}
+
+/// A connection-level error from [`Publisher::connect`].
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct ConnectError(pub String);
+
+/// A broker the relay can publish to.
+#[async_trait]
+pub trait Publisher: Send + Sync + 'static {
+    /// `rabbitmq` or `kafka` (for logs and metrics).
+    fn kind(&self) -> &'static str;
+
+    /// Where it publishes, with secrets masked (for logs).
+    fn describe(&self) -> String;
+
+    /// (Re)establishes the connection; idempotent when already connected.
+    async fn connect(&self) -> Result<(), ConnectError>;
+
+    /// Whether the last known state of the connection is usable.
+    fn is_connected(&self) -> bool;
+
+    /// Publishes one message and waits for the broker's answer. Many calls may be in flight at
+    /// once; the caller keeps per-aggregate order by not starting message n+1 before n returns.
+    async fn publish(&self, msg: &OutboxMessage) -> Outcome;
+
+    /// Closes the connection cleanly (best effort).
+    async fn close(&self);
+}

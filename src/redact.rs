@@ -1,0 +1,110 @@
+//! Redaction of secrets in connection strings before they reach a log line or an error.
+
+/// Replaces the password of a URL (`scheme://user:pass@host`) or of a libpq key/value string
+/// (`password=...`) with `***`. Anything that cannot be parsed is returned with every
+/// `user:pass@` userinfo masked as a precaution.
+pub fn redact_url(raw: &str) -> String {
+    if raw.contains("://") {
+        return redact_userinfo(raw);
+    }
+    redact_keyword_password(raw)
+}
+
+fn redact_userinfo(raw: &str) -> String {
+    // Works on comma-separated broker lists too: each `user:pass@` is masked.
+    let mut out = String::with_capacity(raw.len());
+    let mut rest = raw;
+    while let Some(scheme_end) = rest.find("://") {
+        let (head, tail) = rest.split_at(scheme_end + 3);
+        out.push_str(head);
+        let authority_end = tail.find(['/', '?', '#', ',']).unwrap_or(tail.len());
+        let authority = &tail[..authority_end];
+        match authority.rfind('@') {
+            Some(at) => {
+                let userinfo = &authority[..at];
+                match userinfo.find(':') {
+                    Some(colon) => {
+                        out.push_str(&userinfo[..colon]);
+                        out.push_str(":***");
+                    }
+                    None => out.push_str(userinfo),
+                }
+                out.push_str(&authority[at..]);
+            }
+            None => out.push_str(authority),
+        }
+        rest = &tail[authority_end..];
+    }
+    out.push_str(rest);
+    redact_query_password(&out)
+}
+
+fn redact_query_password(s: &str) -> String {
+    // `?password=...` in a URL's query string.
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(pos) = rest.find("password=") {
+        let boundary_ok = pos == 0 || matches!(rest.as_bytes()[pos - 1], b'?' | b'&' | b' ');
+        out.push_str(&rest[..pos + "password=".len()]);
+        rest = &rest[pos + "password=".len()..];
+        if boundary_ok {
+            let end = rest.find(['&', ' ', '#']).unwrap_or(rest.len());
+            out.push_str("***");
+            rest = &rest[end..];
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn redact_keyword_password(s: &str) -> String {
+    s.split(' ')
+        .map(|part| match part.split_once('=') {
+            Some((k, _)) if k.eq_ignore_ascii_case("password") => format!("{k}=***"),
+            _ => part.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redact_url;
+
+    #[test]
+    fn masks_url_password() {
+        assert_eq!(
+            redact_url("postgres://app:s3cret@db:5432/test"),
+            "postgres://app:***@db:5432/test"
+        );
+        assert_eq!(
+            redact_url("amqp://guest:guest@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+    }
+
+    #[test]
+    fn leaves_urls_without_password() {
+        assert_eq!(
+            redact_url("postgres://postgres@127.0.0.1/test"),
+            "postgres://postgres@127.0.0.1/test"
+        );
+        assert_eq!(redact_url("amqp://127.0.0.1"), "amqp://127.0.0.1");
+    }
+
+    #[test]
+    fn masks_password_with_at_sign_and_query() {
+        assert_eq!(
+            redact_url("postgres://u:p@ss@h/db?password=x&sslmode=require"),
+            "postgres://u:***@h/db?password=***&sslmode=require"
+        );
+    }
+
+    #[test]
+    fn masks_keyword_style() {
+        assert_eq!(
+            redact_url("host=db user=app password=hunter2 dbname=x"),
+            "host=db user=app password=*** dbname=x"
+        );
+    }
+}

@@ -1,0 +1,517 @@
+//! The relay loop: claim → publish → settle. It knows no SQL and no broker: rows come from
+//! [`Store`], messages go through [`Publisher`].
+//!
+//! Invariants, enforced here:
+//! - At least once: a row becomes `sent` only after the broker confirmed it; a row whose
+//!   outcome could not be recorded stays `processing` and is reclaimed after the lease.
+//! - A broker outage never spends an attempt: connection-level outcomes hand rows back.
+//! - Per-aggregate order (`ordering = "aggregate"`): a claimed run of one aggregate is published
+//!   one message at a time, each only after the previous was confirmed; when one fails, the
+//!   rest of its run is handed back unpublished.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Ordering, RelayConfig};
+use crate::publish::{Outcome, Publisher};
+use crate::retry::RetryPolicy;
+use crate::store::{Failure, OutboxMessage, Store, StoreError};
+use crate::telemetry::{self, Health};
+use crate::watermark::Watermark;
+
+/// Exponential reconnect delays (100 ms doubling to 30 s), reset on success.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    /// Starts at `first`, doubles up to `max`.
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self { next: first, max }
+    }
+
+    /// The delay to wait now; the following one is twice as long (capped).
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        d.mul_f64(0.8 + 0.2 * rand::random::<f64>())
+    }
+}
+
+fn reconnect_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(100), Duration::from_secs(30))
+}
+
+/// What the loop needs besides the store and the publisher.
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    /// `[relay]`
+    pub relay: RelayConfig,
+    /// `[retry]`
+    pub retry: RetryPolicy,
+    /// Delete rows on confirm instead of marking them sent (`cleanup.retention = "0s"`).
+    pub delete_on_confirm: bool,
+    /// The outbox table's oid (for the ordering guard's lock query).
+    pub table_oid: u32,
+}
+
+/// The claim/publish/settle engine shared by the dispatcher and its batch tasks.
+pub struct Relay {
+    store: Store,
+    publisher: Arc<dyn Publisher>,
+    settings: LoopSettings,
+    health: Arc<Health>,
+    // Woken by NOTIFY, by finished batches (their aggregates' next rows are now claimable) and
+    // by connection-level failures (so the dispatcher reconnects at once).
+    wake: Arc<Notify>,
+}
+
+/// Per-row result of publishing a batch.
+enum RowResult {
+    Confirmed,
+    Rejected(String),
+    /// Connection-level failure, shutdown, or not attempted because an earlier row of its
+    /// aggregate did not go through: hand back without spending the attempt.
+    HandBack,
+}
+
+impl Relay {
+    /// Wires the engine.
+    pub fn new(
+        store: Store,
+        publisher: Arc<dyn Publisher>,
+        settings: LoopSettings,
+        health: Arc<Health>,
+        wake: Arc<Notify>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            store,
+            publisher,
+            settings,
+            health,
+            wake,
+        })
+    }
+
+    /// Claims and publishes until `shutdown`; then drains in-flight batches until
+    /// `relay.shutdown_timeout`, handing back whatever is still unconfirmed.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let hard_stop = CancellationToken::new();
+        let tasks = TaskTracker::new();
+        self.dispatch(&shutdown, &hard_stop, &tasks).await;
+
+        tasks.close();
+        let timeout = self.settings.relay.shutdown_timeout;
+        // Leave time to hand rows back before the deadline.
+        let publish_deadline = timeout.saturating_sub((timeout / 5).min(Duration::from_secs(2)));
+        let in_flight = tasks.len();
+        if in_flight > 0 {
+            tracing::info!(batches = in_flight, "draining in-flight messages");
+        }
+        if tokio::time::timeout(publish_deadline, tasks.wait()).await.is_err() {
+            tracing::warn!(
+                batches = tasks.len(),
+                "shutdown_timeout is near: handing back messages still waiting for the broker"
+            );
+            hard_stop.cancel();
+            if tokio::time::timeout(timeout - publish_deadline, tasks.wait())
+                .await
+                .is_err()
+            {
+                tracing::error!(
+                    batches = tasks.len(),
+                    "batches did not finish handing back rows before shutdown_timeout; their rows stay processing until lease_timeout"
+                );
+            }
+        }
+    }
+
+    async fn dispatch(
+        self: &Arc<Self>,
+        shutdown: &CancellationToken,
+        hard_stop: &CancellationToken,
+        tasks: &TaskTracker,
+    ) {
+        let cfg = &self.settings.relay;
+        let capacity = Arc::new(Semaphore::new(cfg.max_in_flight));
+        let mut watermark = Watermark::new();
+        let mut broker_backoff = reconnect_backoff();
+        let mut db_backoff = reconnect_backoff();
+        let mut last_blocking_warning: Option<Instant> = None;
+
+        while !shutdown.is_cancelled() {
+            if !self.publisher.is_connected() {
+                self.health.set_broker(false);
+                match self.publisher.connect().await {
+                    Ok(()) => {
+                        tracing::info!(publisher = %self.publisher.describe(), "connected to the broker");
+                        self.health.set_broker(true);
+                        broker_backoff = reconnect_backoff();
+                    }
+                    Err(e) => {
+                        let delay = broker_backoff.next_delay();
+                        tracing::warn!(error = %e, retry_in = ?delay, "broker unavailable; not claiming rows until it is back");
+                        sleep_or_cancel(delay, shutdown).await;
+                        continue;
+                    }
+                }
+            }
+
+            // Wait for room in the in-flight window, then take as much of it as one batch may.
+            let first = tokio::select! {
+                p = capacity.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                () = shutdown.cancelled() => break,
+            };
+            let limit = cfg.batch_size.min(capacity.available_permits() + 1);
+            let permit = match capacity.clone().try_acquire_many_owned(u32_of(limit - 1)) {
+                Ok(mut more) => {
+                    more.merge(first);
+                    more
+                }
+                Err(_) => first,
+            };
+            let limit = permit.num_permits();
+
+            let mark = if cfg.ordering == Ordering::Aggregate {
+                match self.observe_watermark(&mut watermark, &mut last_blocking_warning).await {
+                    Ok(w) => w,
+                    Err(e) => {
+                        drop(permit);
+                        self.database_down(&e, &mut db_backoff, shutdown).await;
+                        continue;
+                    }
+                }
+            } else {
+                i64::MAX
+            };
+
+            let rows = match self.store.claim(cfg.ordering, limit, mark).await {
+                Ok(rows) => rows,
+                Err(e) => {
+                    drop(permit);
+                    self.database_down(&e, &mut db_backoff, shutdown).await;
+                    continue;
+                }
+            };
+            if !self.health.database() {
+                tracing::info!("database connection restored");
+            }
+            self.health.set_database(true);
+            db_backoff = reconnect_backoff();
+            telemetry::record_claim(rows.len());
+
+            let full = rows.len() == limit;
+            if !rows.is_empty() {
+                let mut permit = permit;
+                if !full {
+                    // Give back the part of the window the claim did not use.
+                    if let Some(rest) = permit.split(limit - rows.len()) {
+                        drop(rest);
+                    }
+                }
+                let relay = Arc::clone(self);
+                let hard_stop = hard_stop.clone();
+                tasks.spawn(async move { relay.process_batch(rows, permit, hard_stop).await });
+            }
+            if !full {
+                // Nothing more is ready: wait for a NOTIFY, a finished batch, or the poll.
+                let poll = if watermark.holding() {
+                    cfg.poll_interval.min(Duration::from_millis(50))
+                } else {
+                    cfg.poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
+                };
+                tokio::select! {
+                    () = self.wake.notified() => {}
+                    () = tokio::time::sleep(poll) => {}
+                    () = shutdown.cancelled() => {}
+                }
+            }
+        }
+    }
+
+    async fn database_down(&self, e: &StoreError, backoff: &mut Backoff, shutdown: &CancellationToken) {
+        let delay = backoff.next_delay();
+        self.health.set_database(false);
+        tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
+        sleep_or_cancel(delay, shutdown).await;
+    }
+
+    /// Reads the sequence, then the table's writers, and returns the highest final `seq`.
+    async fn observe_watermark(
+        &self,
+        watermark: &mut Watermark,
+        last_warning: &mut Option<Instant>,
+    ) -> Result<i64, StoreError> {
+        // Order matters: the sequence first, then the writers (see crate::watermark).
+        let last = self.store.last_seq().await?;
+        let writers = self.store.writers(self.settings.table_oid).await?;
+        let now = Instant::now();
+        let mark = watermark.observe(last, &writers.writers, now);
+        let lag = watermark.lag(now);
+        telemetry::record_watermark_lag(lag);
+        if lag > Duration::from_secs(5)
+            && last_warning.is_none_or(|t| now.duration_since(t) > Duration::from_secs(30))
+        {
+            *last_warning = Some(now);
+            tracing::warn!(
+                held_for = ?lag,
+                oldest_writer_age_seconds = writers.oldest_writer_age.unwrap_or_default(),
+                writers = writers.writers.len(),
+                "ordered publishing is held back by a long-running transaction that writes to the outbox table; rows after it wait until it commits or rolls back"
+            );
+        }
+        Ok(mark)
+    }
+
+    /// Publishes one claimed batch and records every row's outcome.
+    async fn process_batch(
+        self: Arc<Self>,
+        rows: Vec<OutboxMessage>,
+        _permit: OwnedSemaphorePermit,
+        hard_stop: CancellationToken,
+    ) {
+        let chains = chains(rows, self.settings.relay.ordering);
+        let mut running: FuturesUnordered<_> = chains
+            .into_iter()
+            .map(|chain| self.publish_chain(chain, &hard_stop))
+            .collect();
+        let mut results: Vec<(OutboxMessage, RowResult)> = Vec::new();
+        while let Some(chain) = running.next().await {
+            results.extend(chain);
+        }
+        drop(running);
+        self.settle(results).await;
+        // The next rows of these aggregates may be claimable now.
+        self.wake.notify_one();
+    }
+
+    /// Publishes a chain in order, stopping at the first row that does not go through.
+    async fn publish_chain(
+        &self,
+        chain: Vec<OutboxMessage>,
+        hard_stop: &CancellationToken,
+    ) -> Vec<(OutboxMessage, RowResult)> {
+        let mut out = Vec::with_capacity(chain.len());
+        let mut stopped = false;
+        for msg in chain {
+            if stopped {
+                out.push((msg, RowResult::HandBack));
+                continue;
+            }
+            let started = Instant::now();
+            let outcome = tokio::select! {
+                o = self.publisher.publish(&msg) => o,
+                () = hard_stop.cancelled() => Outcome::Unavailable("shutting down".into()),
+            };
+            let result = match outcome {
+                Outcome::Confirmed => {
+                    let e2e = (chrono::Utc::now() - msg.created_at)
+                        .to_std()
+                        .unwrap_or_default();
+                    telemetry::record_published(&msg.aggregate_type, started.elapsed(), e2e);
+                    RowResult::Confirmed
+                }
+                Outcome::Rejected(reason) => {
+                    telemetry::record_publish_failure(false);
+                    stopped = true;
+                    RowResult::Rejected(reason)
+                }
+                Outcome::Unavailable(reason) => {
+                    telemetry::record_publish_failure(true);
+                    if !hard_stop.is_cancelled() {
+                        tracing::warn!(id = %msg.id, seq = msg.seq, reason = %reason, "broker unavailable; handing the row back without spending an attempt");
+                        self.health.set_broker(false);
+                        self.wake.notify_one();
+                    }
+                    stopped = true;
+                    RowResult::HandBack
+                }
+            };
+            out.push((msg, result));
+        }
+        out
+    }
+
+    /// Records outcomes, retrying while the database is unreachable (up to the lease: after
+    /// that another relay may have reclaimed the rows, and they will be published again).
+    async fn settle(&self, results: Vec<(OutboxMessage, RowResult)>) {
+        let mut sent = Vec::new();
+        let mut failures = Vec::new();
+        let mut hand_back = Vec::new();
+        for (msg, result) in results {
+            match result {
+                RowResult::Confirmed => sent.push(msg.id),
+                RowResult::Rejected(error) => {
+                    let attempts = u32::try_from(msg.attempts).unwrap_or(0);
+                    let delay = self.settings.retry.next_delay(attempts);
+                    if self.settings.retry.exhausted(attempts) {
+                        tracing::error!(id = %msg.id, seq = msg.seq, attempts, error = %error, "message dead-lettered after its last attempt");
+                    } else {
+                        tracing::warn!(id = %msg.id, seq = msg.seq, attempts, error = %error, retry_in = ?delay, "message rejected by the broker; will retry");
+                    }
+                    failures.push(Failure {
+                        id: msg.id,
+                        error,
+                        delay,
+                    });
+                }
+                RowResult::HandBack => hand_back.push(msg.id),
+            }
+        }
+
+        let deadline = Instant::now() + self.settings.relay.lease_timeout;
+        let mut backoff = reconnect_backoff();
+        let delete = self.settings.delete_on_confirm;
+        let max_attempts = self.settings.retry.max_attempts;
+        loop {
+            let result = async {
+                if !sent.is_empty() {
+                    self.store.mark_sent(&sent, delete).await?;
+                    sent.clear();
+                }
+                if !failures.is_empty() {
+                    let outcome = self.store.fail(&failures, max_attempts).await?;
+                    telemetry::record_dead_lettered(outcome.dead_lettered.len() as u64);
+                    failures.clear();
+                }
+                if !hand_back.is_empty() {
+                    self.store.release(&hand_back).await?;
+                    hand_back.clear();
+                }
+                Ok::<(), StoreError>(())
+            }
+            .await;
+            match result {
+                Ok(()) => return,
+                Err(e) if Instant::now() < deadline => {
+                    let delay = backoff.next_delay();
+                    self.health.set_database(false);
+                    tracing::warn!(error = %e, retry_in = ?delay, "cannot record publish outcomes yet; retrying");
+                    tokio::time::sleep(delay).await;
+                }
+                Err(e) => {
+                    tracing::error!(
+                        error = %e,
+                        unrecorded = sent.len() + failures.len() + hand_back.len(),
+                        "gave up recording publish outcomes; those rows stay processing and are published again after lease_timeout"
+                    );
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Splits a claimed batch into chains published concurrently: one per aggregate (in `seq`
+/// order) with `ordering = "aggregate"`, one per row otherwise or when the row has no
+/// aggregate id.
+fn chains(rows: Vec<OutboxMessage>, ordering: Ordering) -> Vec<Vec<OutboxMessage>> {
+    if ordering == Ordering::None {
+        return rows.into_iter().map(|r| vec![r]).collect();
+    }
+    let mut index: HashMap<(String, String), usize> = HashMap::new();
+    let mut out: Vec<Vec<OutboxMessage>> = Vec::new();
+    for row in rows {
+        match &row.aggregate_id {
+            None => out.push(vec![row]),
+            Some(id) => {
+                let key = (row.aggregate_type.clone(), id.clone());
+                match index.get(&key) {
+                    Some(&i) => out[i].push(row),
+                    None => {
+                        index.insert(key, out.len());
+                        out.push(vec![row]);
+                    }
+                }
+            }
+        }
+    }
+    for chain in &mut out {
+        chain.sort_by_key(|m| m.seq);
+    }
+    out
+}
+
+fn u32_of(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+async fn sleep_or_cancel(d: Duration, token: &CancellationToken) {
+    tokio::select! {
+        () = tokio::time::sleep(d) => {}
+        () = token.cancelled() => {}
+    }
+}
+
+/// Hands expired leases back every `min(lease_timeout / 2, 30s)` until `shutdown`.
+pub async fn reclaim_loop(store: Store, lease: Duration, retry: RetryPolicy, wake: Arc<Notify>, shutdown: CancellationToken) {
+    let period = (lease / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+    loop {
+        match store.reclaim_expired(lease, retry.max_attempts).await {
+            Ok((0, 0)) => {}
+            Ok((reclaimed, dead)) => {
+                tracing::warn!(reclaimed, dead_lettered = dead, lease = ?lease, "reclaimed rows whose relay stopped while holding them");
+                telemetry::record_dead_lettered(dead);
+                wake.notify_one();
+            }
+            Err(e) => tracing::debug!(error = %e, "lease reclaim skipped"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use uuid::Uuid;
+
+    fn row(seq: i64, agg: Option<&str>) -> OutboxMessage {
+        OutboxMessage {
+            id: Uuid::new_v4(),
+            seq,
+            aggregate_type: "t".into(),
+            aggregate_id: agg.map(str::to_owned),
+            event_type: "e".into(),
+            payload: vec![],
+            headers: vec![],
+            destination: None,
+            attempts: 1,
+            created_at: chrono::Utc::now(),
+        }
+    }
+
+    #[test]
+    fn aggregate_chains_keep_seq_order_and_split_null_ids() {
+        let rows = vec![row(3, Some("a")), row(1, Some("a")), row(2, Some("b")), row(4, None), row(5, None)];
+        let c = chains(rows, Ordering::Aggregate);
+        let seqs: Vec<Vec<i64>> = c.iter().map(|ch| ch.iter().map(|m| m.seq).collect()).collect();
+        assert_eq!(seqs, vec![vec![1, 3], vec![2], vec![4], vec![5]]);
+    }
+
+    #[test]
+    fn unordered_chains_are_single_rows() {
+        let rows = vec![row(1, Some("a")), row(2, Some("a"))];
+        assert_eq!(chains(rows, Ordering::None).len(), 2);
+    }
+
+    #[test]
+    fn backoff_doubles_and_caps() {
+        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(350));
+        let d: Vec<Duration> = (0..4).map(|_| b.next_delay()).collect();
+        assert!(d[0] <= Duration::from_millis(100) && d[0] >= Duration::from_millis(80));
+        assert!(d[1] <= Duration::from_millis(200) && d[1] >= Duration::from_millis(160));
+        assert!(d[3] <= Duration::from_millis(350) && d[3] >= Duration::from_millis(280));
+    }
+}

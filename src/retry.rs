@@ -1,0 +1,105 @@
+//! Retry policy: capped exponential backoff with jitter, as a pure function.
+//!
+//! `backoff(n) = min(max_delay, base_delay * 2^(n-1))`, then a delay drawn uniformly from
+//! `[d * (1 - jitter), d]`. The random draw is passed in so the policy is testable.
+
+use std::time::Duration;
+
+/// The retry settings of `[retry]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RetryPolicy {
+    /// Delay after the first failed attempt.
+    pub base_delay: Duration,
+    /// Cap on any single delay.
+    pub max_delay: Duration,
+    /// Attempts after which a row is dead-lettered (`failed`).
+    pub max_attempts: u32,
+    /// Fraction of the delay that may be taken off at random (0 ≤ jitter ≤ 1).
+    pub jitter: f64,
+}
+
+impl RetryPolicy {
+    /// The un-jittered delay after `attempts` attempts (1-based; 0 is treated as 1).
+    pub fn ceiling(&self, attempts: u32) -> Duration {
+        let exp = attempts.saturating_sub(1).min(63);
+        let factor = 1u128 << exp;
+        let nanos = self.base_delay.as_nanos().saturating_mul(factor);
+        let capped = nanos.min(self.max_delay.as_nanos());
+        Duration::from_nanos(u64::try_from(capped).unwrap_or(u64::MAX))
+    }
+
+    /// The delay before the next attempt, given a uniform draw `unit` in `[0, 1)`.
+    pub fn delay(&self, attempts: u32, unit: f64) -> Duration {
+        let d = self.ceiling(attempts);
+        let unit = unit.clamp(0.0, 1.0);
+        let keep = 1.0 - self.jitter * (1.0 - unit);
+        d.mul_f64(keep.clamp(0.0, 1.0))
+    }
+
+    /// The delay before the next attempt, drawn with the thread RNG.
+    pub fn next_delay(&self, attempts: u32) -> Duration {
+        self.delay(attempts, rand::random::<f64>())
+    }
+
+    /// Whether a row that has used `attempts` attempts is out of retries.
+    pub fn exhausted(&self, attempts: u32) -> bool {
+        attempts >= self.max_attempts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy() -> RetryPolicy {
+        RetryPolicy {
+            base_delay: Duration::from_secs(1),
+            max_delay: Duration::from_secs(300),
+            max_attempts: 12,
+            jitter: 0.2,
+        }
+    }
+
+    #[test]
+    fn doubles_from_base_and_caps() {
+        let p = policy();
+        assert_eq!(p.ceiling(1), Duration::from_secs(1));
+        assert_eq!(p.ceiling(2), Duration::from_secs(2));
+        assert_eq!(p.ceiling(5), Duration::from_secs(16));
+        assert_eq!(p.ceiling(9), Duration::from_secs(256));
+        assert_eq!(p.ceiling(10), Duration::from_secs(300));
+        assert_eq!(p.ceiling(u32::MAX), Duration::from_secs(300));
+        assert_eq!(p.ceiling(0), Duration::from_secs(1));
+    }
+
+    #[test]
+    fn jitter_stays_within_bounds() {
+        let p = policy();
+        for attempts in 1..20 {
+            let d = p.ceiling(attempts);
+            assert_eq!(p.delay(attempts, 1.0), d);
+            assert_eq!(p.delay(attempts, 0.0), d.mul_f64(0.8));
+            for i in 0..100 {
+                let x = p.delay(attempts, f64::from(i) / 100.0);
+                assert!(x <= d && x >= d.mul_f64(0.8), "{x:?} outside [{d:?}*0.8, {d:?}]");
+            }
+        }
+    }
+
+    #[test]
+    fn zero_jitter_is_exact() {
+        let p = RetryPolicy {
+            jitter: 0.0,
+            ..policy()
+        };
+        assert_eq!(p.delay(3, 0.123), Duration::from_secs(4));
+    }
+
+    #[test]
+    fn exhausted_at_max_attempts() {
+        let p = policy();
+        assert!(!p.exhausted(11));
+        assert!(p.exhausted(12));
+        assert!(p.exhausted(13));
+    }
+}

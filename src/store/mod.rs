@@ -1,0 +1,588 @@
+//! PostgreSQL: every query the relay runs lives here (claim, settle, reclaim, the ordering
+//! watermark's observations, migrations, status and dead-letter tools).
+//!
+//! Claiming is a state change (`pending` → `processing`) committed before anything is
+//! published, so no row lock is ever held across a call to the broker. Settling only touches
+//! rows still locked by this instance, so a row whose lease was reclaimed by another relay is
+//! never overwritten.
+
+pub mod schema;
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+use tokio_postgres::types::{FromSql, Type};
+use uuid::Uuid;
+
+use crate::config::{DatabaseConfig, Ordering, TableName};
+
+/// A database failure; none of these carry the connection URL.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// No connection could be had from the pool (database down, pool exhausted, timeout).
+    #[error("cannot get a database connection: {0}")]
+    Pool(#[from] deadpool_postgres::PoolError),
+    /// A statement failed.
+    #[error("database error: {0}")]
+    Db(#[from] tokio_postgres::Error),
+    /// The schema is missing or not what the relay expects.
+    #[error("{0}")]
+    Schema(String),
+    /// The URL could not be turned into a pool.
+    #[error("cannot build the connection pool: {0}")]
+    Build(String),
+}
+
+impl StoreError {
+    /// Whether the error is a lost or refused connection rather than a bad statement.
+    pub fn is_connection(&self) -> bool {
+        match self {
+            Self::Pool(_) => true,
+            Self::Db(e) => e.is_closed() || e.code().is_none(),
+            Self::Schema(_) | Self::Build(_) => false,
+        }
+    }
+}
+
+/// Short alias for store results.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Raw bytes of a `jsonb`, `json`, `bytea` or `text` column: the payload as it goes on the wire.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawBytes(pub Vec<u8>);
+
+impl<'a> FromSql<'a> for RawBytes {
+    fn from_sql(
+        ty: &Type,
+        raw: &'a [u8],
+    ) -> Result<Self, Box<dyn std::error::Error + Sync + Send>> {
+        if *ty == Type::JSONB {
+            // jsonb's binary form is a version byte (1) followed by the JSON text.
+            match raw.split_first() {
+                Some((1, text)) => Ok(Self(text.to_vec())),
+                _ => Err("unsupported jsonb binary version".into()),
+            }
+        } else {
+            Ok(Self(raw.to_vec()))
+        }
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        matches!(*ty, Type::JSONB | Type::JSON | Type::BYTEA | Type::TEXT | Type::VARCHAR)
+    }
+}
+
+/// Whether payloads are JSON text or arbitrary bytes (detected from the column type at start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadKind {
+    /// `jsonb` or `json`: sent as JSON text, content type `application/json`.
+    Json,
+    /// `bytea`: sent as is, content type `application/octet-stream`.
+    Binary,
+}
+
+impl PayloadKind {
+    /// The `datacontenttype` sent with the message.
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Self::Json => "application/json",
+            Self::Binary => "application/octet-stream",
+        }
+    }
+}
+
+/// One claimed outbox row.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OutboxMessage {
+    /// Message id, for downstream dedup.
+    pub id: Uuid,
+    /// Insert order.
+    pub seq: i64,
+    /// Aggregate type (may be empty).
+    pub aggregate_type: String,
+    /// Aggregate id; `None` means no ordering constraint.
+    pub aggregate_id: Option<String>,
+    /// Event type.
+    pub event_type: String,
+    /// Body bytes.
+    pub payload: Vec<u8>,
+    /// The row's `headers` JSON text (an object, normally).
+    pub headers: Vec<u8>,
+    /// Per-row routing key / topic override.
+    pub destination: Option<String>,
+    /// Attempts including this one.
+    pub attempts: i32,
+    /// When the application inserted the row.
+    pub created_at: DateTime<Utc>,
+}
+
+/// A message-level failure to record: back off, or dead-letter when out of attempts.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// Row id.
+    pub id: Uuid,
+    /// Why it failed (stored in `last_error`).
+    pub error: String,
+    /// Delay before the next attempt.
+    pub delay: Duration,
+}
+
+/// What [`Store::fail`] did with the failures.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FailOutcome {
+    /// Rows scheduled for another attempt.
+    pub retried: u64,
+    /// Rows moved to `failed`.
+    pub dead_lettered: Vec<Uuid>,
+}
+
+/// One observation for the ordering watermark (see [`crate::watermark`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WriterSnapshot {
+    /// Transactions (xid as text) that hold a lock on the outbox table, other than relays.
+    pub writers: Vec<String>,
+    /// Age in seconds of the oldest of those transactions.
+    pub oldest_writer_age: Option<f64>,
+}
+
+const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_type, t.payload, \
+                         t.headers, t.destination, t.attempts, t.created_at";
+
+/// The SQL text of every statement, rendered once for the configured table.
+#[derive(Debug, Clone)]
+struct Queries {
+    claim_none: String,
+    claim_aggregate: String,
+    mark_sent: String,
+    delete_sent: String,
+    fail: String,
+    release: String,
+    reclaim: String,
+    last_seq: String,
+    writers: String,
+    backlog: String,
+}
+
+impl Queries {
+    fn new(table: &TableName) -> Self {
+        let t = table.qualified();
+        let seq = table.prefixed("_seq");
+        Self {
+            // $1 batch size, $2 instance id.
+            claim_none: format!(
+                "WITH cand AS ( \
+                   SELECT id FROM {t} \
+                   WHERE status = 'pending' AND available_at <= now() \
+                   ORDER BY seq LIMIT $1 \
+                   FOR UPDATE SKIP LOCKED) \
+                 UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+                   locked_by = $2, locked_at = now() \
+                 FROM cand WHERE t.id = cand.id \
+                 RETURNING {RETURNING}"
+            ),
+            // $1 batch size, $2 instance id, $3 watermark (highest seq that is final), $4 scan window.
+            //
+            // A candidate is claimable when every unsent row of its aggregate with a smaller seq
+            // is itself a candidate locked by this statement (so the whole run goes to one
+            // relay, published in seq order) — checked per candidate against the gap to the
+            // previous candidate of its aggregate, then required along the whole chain.
+            // Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap
+            // and so blocks everything after them: no two relays ever hold one aggregate.
+            claim_aggregate: format!(
+                "WITH cand AS ( \
+                   SELECT id, seq, aggregate_type, aggregate_id FROM {t} \
+                   WHERE status = 'pending' AND available_at <= now() \
+                     AND (aggregate_id IS NULL OR seq <= $3) \
+                   ORDER BY seq LIMIT $4 \
+                   FOR UPDATE SKIP LOCKED), \
+                 ranked AS ( \
+                   SELECT c.*, lag(c.seq) OVER (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.seq) AS prev_seq \
+                   FROM cand c), \
+                 checked AS ( \
+                   SELECT r.id, r.seq, r.aggregate_type, r.aggregate_id, \
+                     (r.aggregate_id IS NULL OR NOT EXISTS ( \
+                        SELECT 1 FROM {t} e \
+                        WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id \
+                          AND e.status <> 'sent' AND e.seq < r.seq \
+                          AND (r.prev_seq IS NULL OR e.seq > r.prev_seq))) AS free \
+                   FROM ranked r), \
+                 chained AS ( \
+                   SELECT id, seq, bool_and(free) OVER (PARTITION BY aggregate_type, aggregate_id ORDER BY seq) AS ok \
+                   FROM checked), \
+                 picked AS ( \
+                   SELECT id FROM chained WHERE ok ORDER BY seq LIMIT $1) \
+                 UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+                   locked_by = $2, locked_at = now() \
+                 FROM picked WHERE t.id = picked.id \
+                 RETURNING {RETURNING}"
+            ),
+            // $1 ids, $2 instance id.
+            mark_sent: format!(
+                "UPDATE {t} SET status = 'sent', sent_at = now(), locked_by = NULL, locked_at = NULL, last_error = NULL \
+                 WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+            ),
+            delete_sent: format!(
+                "DELETE FROM {t} WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+            ),
+            // $1 ids, $2 errors, $3 delays (ms), $4 instance id, $5 max attempts.
+            fail: format!(
+                "UPDATE {t} AS t SET \
+                   status = CASE WHEN t.attempts >= $5 THEN 'failed' ELSE 'pending' END, \
+                   available_at = CASE WHEN t.attempts >= $5 THEN t.available_at \
+                                  ELSE now() + f.delay_ms * interval '1 millisecond' END, \
+                   last_error = f.error, locked_by = NULL, locked_at = NULL \
+                 FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms) \
+                 WHERE t.id = f.id AND t.status = 'processing' AND t.locked_by = $4 \
+                 RETURNING t.id, t.status"
+            ),
+            // Hand back without spending the attempt the claim counted. $1 ids, $2 instance id.
+            release: format!(
+                "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
+                   locked_by = NULL, locked_at = NULL \
+                 WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+            ),
+            // Rows whose lease expired: the claim already spent their attempt. $1 lease (ms), $2 max attempts.
+            reclaim: format!(
+                "UPDATE {t} SET \
+                   status = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
+                   last_error = 'lease expired: relay ' || coalesce(locked_by, '?') || ' stopped while holding the row', \
+                   locked_by = NULL, locked_at = NULL \
+                 WHERE status = 'processing' AND locked_at < now() - $1 * interval '1 millisecond' \
+                 RETURNING id, status"
+            ),
+            last_seq: format!("SELECT last_value, is_called FROM {seq}"),
+            // Cheap on a large table: each part walks a partial index. The oldest unsent row is
+            // approximated by the lowest seq among pending and processing rows.
+            backlog: format!(
+                "SELECT \
+                   (SELECT count(*) FROM {t} WHERE status = 'pending' AND available_at <= now()), \
+                   (SELECT count(*) FROM {t} WHERE status = 'pending' AND available_at > now()), \
+                   (SELECT coalesce(extract(epoch FROM now() - least( \
+                       (SELECT created_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1), \
+                       (SELECT min(created_at) FROM {t} WHERE status = 'processing'))), 0)::float8), \
+                   (SELECT count(*) FROM {t} WHERE status = 'failed'), \
+                   (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
+                      WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
+                        SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
+                          AND e.aggregate_id = f.aggregate_id AND e.status <> 'sent' AND e.seq < f.seq)) b)"
+            ),
+            // $1 the table's oid. Transactions that hold a lock on the table and may still commit
+            // rows; the relay's own sessions (application_name outbox-relay…) never insert.
+            writers: "SELECT a.backend_xid::text, extract(epoch FROM now() - a.xact_start)::float8 \
+                      FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                      WHERE l.locktype = 'relation' AND l.relation = $1 AND l.granted \
+                        AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
+                        AND a.application_name NOT LIKE 'outbox-relay%'"
+                .to_owned(),
+        }
+    }
+}
+
+/// The outbox table and its connection pool.
+#[derive(Clone)]
+pub struct Store {
+    pool: Pool,
+    table: TableName,
+    instance_id: String,
+    q: std::sync::Arc<Queries>,
+}
+
+/// The `application_name` the relay's sessions use; the ordering guard ignores them.
+pub const APPLICATION_NAME: &str = "outbox-relay";
+
+impl Store {
+    /// Builds the pool; connects lazily, so this succeeds while the database is down.
+    pub fn new(cfg: &DatabaseConfig, instance_id: &str) -> Result<Self> {
+        let pg = pg_config(&cfg.url)?;
+        let mgr = Manager::from_config(
+            pg,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(mgr)
+            .max_size(cfg.pool_size)
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(Duration::from_secs(5)))
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .build()
+            .map_err(|e| StoreError::Build(e.to_string()))?;
+        Ok(Self {
+            pool,
+            table: cfg.table.clone(),
+            instance_id: instance_id.to_owned(),
+            q: std::sync::Arc::new(Queries::new(&cfg.table)),
+        })
+    }
+
+    /// The configured table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// This relay's `locked_by` value.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    /// A pooled connection (for callers such as tests and CLI tools).
+    pub async fn client(&self) -> Result<deadpool_postgres::Object> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// Round trip to the database.
+    pub async fn ping(&self) -> Result<()> {
+        self.client().await?.simple_query("SELECT 1").await?;
+        Ok(())
+    }
+
+    /// Applies pending migrations under an advisory lock; returns the versions applied.
+    pub async fn migrate(&self) -> Result<Vec<i32>> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        tx.execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay:migrate'))", &[])
+            .await?;
+        tx.batch_execute(schema::VERSION_TABLE_DDL).await?;
+        let key = self.table.qualified();
+        let current: i32 = tx
+            .query_opt(
+                "SELECT version FROM outbox_relay_schema_version WHERE table_name = $1",
+                &[&key],
+            )
+            .await?
+            .map(|r| r.get(0))
+            .unwrap_or(0);
+        if let Some(schema) = &self.table.schema {
+            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                .await?;
+        }
+        let mut applied = Vec::new();
+        for m in schema::MIGRATIONS.iter().filter(|m| m.version > current) {
+            tx.batch_execute(&schema::render(m.sql, &self.table))
+                .await?;
+            applied.push(m.version);
+        }
+        if let Some(&version) = applied.last() {
+            tx.execute(
+                "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, $2) \
+                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now()",
+                &[&key, &version],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    /// Checks that the table exists and returns its payload kind and oid.
+    pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
+        let client = self.client().await?;
+        let t = self.table.qualified();
+        let row = client
+            .query_opt(
+                "SELECT c.oid, format_type(a.atttypid, a.atttypmod) \
+                 FROM pg_class c LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'payload' \
+                 WHERE c.oid = to_regclass($1)",
+                &[&t],
+            )
+            .await?
+            .ok_or_else(|| {
+                StoreError::Schema(format!(
+                    "table {t} does not exist: run `outbox-relay migrate` or set database.auto_migrate = true"
+                ))
+            })?;
+        let oid: u32 = row.get(0);
+        let ty: Option<String> = row.get(1);
+        let kind = match ty.as_deref() {
+            Some("jsonb" | "json") => PayloadKind::Json,
+            Some("bytea") => PayloadKind::Binary,
+            Some(other) => {
+                return Err(StoreError::Schema(format!(
+                    "{t}.payload has type {other}; the relay supports jsonb, json and bytea"
+                )));
+            }
+            None => return Err(StoreError::Schema(format!("{t} has no payload column"))),
+        };
+        Ok((kind, oid))
+    }
+
+    /// Claims up to `limit` ready rows. With [`Ordering::Aggregate`], only rows at or below
+    /// `watermark` (for rows with an aggregate id) whose earlier unsent rows all come along.
+    pub async fn claim(
+        &self,
+        ordering: Ordering,
+        limit: usize,
+        watermark: i64,
+    ) -> Result<Vec<OutboxMessage>> {
+        let client = self.client().await?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = match ordering {
+            Ordering::None => {
+                let stmt = client.prepare_cached(&self.q.claim_none).await?;
+                client.query(&stmt, &[&limit, &self.instance_id]).await?
+            }
+            Ordering::Aggregate => {
+                let stmt = client.prepare_cached(&self.q.claim_aggregate).await?;
+                let scan = limit.saturating_mul(4).max(1000);
+                client
+                    .query(&stmt, &[&limit, &self.instance_id, &watermark, &scan])
+                    .await?
+            }
+        };
+        let mut out = rows
+            .iter()
+            .map(|r| {
+                Ok(OutboxMessage {
+                    id: r.try_get(0)?,
+                    seq: r.try_get(1)?,
+                    aggregate_type: r.try_get(2)?,
+                    aggregate_id: r.try_get(3)?,
+                    event_type: r.try_get(4)?,
+                    payload: r.try_get::<_, RawBytes>(5)?.0,
+                    headers: r.try_get::<_, RawBytes>(6)?.0,
+                    destination: r.try_get(7)?,
+                    attempts: r.try_get(8)?,
+                    created_at: r.try_get(9)?,
+                })
+            })
+            .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
+        out.sort_unstable_by_key(|m| m.seq);
+        Ok(out)
+    }
+
+    /// Marks confirmed rows `sent`, or deletes them when `delete` (retention 0).
+    pub async fn mark_sent(&self, ids: &[Uuid], delete: bool) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let client = self.client().await?;
+        let sql = if delete {
+            &self.q.delete_sent
+        } else {
+            &self.q.mark_sent
+        };
+        let stmt = client.prepare_cached(sql).await?;
+        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Records message-level failures: back to `pending` after `delay`, or `failed` once the
+    /// row has used `max_attempts`.
+    pub async fn fail(&self, failures: &[Failure], max_attempts: u32) -> Result<FailOutcome> {
+        if failures.is_empty() {
+            return Ok(FailOutcome::default());
+        }
+        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+        let delays: Vec<i64> = failures
+            .iter()
+            .map(|f| i64::try_from(f.delay.as_millis()).unwrap_or(i64::MAX))
+            .collect();
+        let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.fail).await?;
+        let rows = client
+            .query(&stmt, &[&ids, &errors, &delays, &self.instance_id, &max])
+            .await?;
+        let mut out = FailOutcome::default();
+        for r in rows {
+            let status: &str = r.try_get(1)?;
+            if status == "failed" {
+                out.dead_lettered.push(r.try_get(0)?);
+            } else {
+                out.retried += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Hands rows back to `pending` without spending an attempt (connection-level failure,
+    /// shutdown, or rows never published because an earlier row of their aggregate failed).
+    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.release).await?;
+        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Returns `processing` rows whose lease expired to `pending` (or `failed` when out of
+    /// attempts). Returns (reclaimed, dead-lettered).
+    pub async fn reclaim_expired(&self, lease: Duration, max_attempts: u32) -> Result<(u64, u64)> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.reclaim).await?;
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        let rows = client.query(&stmt, &[&lease_ms, &max]).await?;
+        let failed = rows
+            .iter()
+            .filter(|r| r.get::<_, &str>(1) == "failed")
+            .count() as u64;
+        Ok((rows.len() as u64 - failed, failed))
+    }
+
+    /// The highest `seq` drawn so far (committed or not).
+    pub async fn last_seq(&self) -> Result<i64> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.last_seq).await?;
+        let row = client.query_one(&stmt, &[]).await?;
+        let last: i64 = row.try_get(0)?;
+        let called: bool = row.try_get(1)?;
+        Ok(if called { last } else { last - 1 })
+    }
+
+    /// Transactions that hold a lock on the outbox table and might still commit rows.
+    pub async fn writers(&self, table_oid: u32) -> Result<WriterSnapshot> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.writers).await?;
+        let rows = client.query(&stmt, &[&table_oid]).await?;
+        let mut writers = Vec::with_capacity(rows.len());
+        let mut oldest: Option<f64> = None;
+        for r in rows {
+            writers.push(r.try_get::<_, String>(0)?);
+            let age: Option<f64> = r.try_get(1)?;
+            if let Some(age) = age {
+                oldest = Some(oldest.map_or(age, |o| o.max(age)));
+            }
+        }
+        writers.sort_unstable();
+        writers.dedup();
+        Ok(WriterSnapshot {
+            writers,
+            oldest_writer_age: oldest,
+        })
+    }
+}
+
+impl Store {
+    /// The backlog gauges: pending (ready / waiting), oldest unsent age, dead letters, blocked
+    /// aggregates.
+    pub async fn backlog(&self) -> Result<crate::telemetry::Backlog> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.backlog).await?;
+        let r = client.query_one(&stmt, &[]).await?;
+        Ok(crate::telemetry::Backlog {
+            ready: r.try_get(0)?,
+            waiting: r.try_get(1)?,
+            oldest_pending_age: r.try_get(2)?,
+            failed: r.try_get(3)?,
+            blocked_aggregates: r.try_get(4)?,
+        })
+    }
+}
+
+/// Parses a libpq URL and names the session `outbox-relay` unless the URL names it.
+pub fn pg_config(url: &str) -> Result<tokio_postgres::Config> {
+    let mut pg: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| StoreError::Build(format!("bad database URL: {e}")))?;
+    if pg.get_application_name().is_none() {
+        pg.application_name(APPLICATION_NAME);
+    }
+    pg.connect_timeout(Duration::from_secs(5));
+    Ok(pg)
+}

@@ -1,0 +1,130 @@
+//! The DDL in `sql/`, embedded, rendered for the configured table name, and applied.
+//!
+//! The files are written for the default table `outbox_messages` so users can copy them as
+//! they are. Rendering replaces that name: the NOTIFY channel literal becomes the table name as
+//! written, index and trigger names (which PostgreSQL does not let us qualify) get the bare
+//! name, and every other reference gets the schema-qualified name.
+
+use crate::config::TableName;
+
+/// One versioned migration file.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// Version recorded in `outbox_relay_schema_version` once applied.
+    pub version: i32,
+    /// File name under `sql/`.
+    pub name: &'static str,
+    /// The DDL as written for the default table.
+    pub sql: &'static str,
+}
+
+/// Every migration, in order.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "0001_outbox_messages.sql",
+    sql: include_str!("../../sql/0001_outbox_messages.sql"),
+}];
+
+/// The table that records which version each outbox table is at.
+pub const VERSION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_schema_version (\n    \
+    table_name text PRIMARY KEY,\n    version integer NOT NULL,\n    \
+    applied_at timestamptz NOT NULL DEFAULT now()\n)";
+
+const DEFAULT_NAME: &str = "outbox_messages";
+
+/// Renders `sql` (written for `outbox_messages`) for `table`.
+pub fn render(sql: &str, table: &TableName) -> String {
+    let mut out = String::with_capacity(sql.len() + 256);
+    let mut rest = sql;
+    while let Some(pos) = rest.find(DEFAULT_NAME) {
+        let (before, tail) = rest.split_at(pos);
+        let after = &tail[DEFAULT_NAME.len()..];
+        let left_is_word = before
+            .chars()
+            .next_back()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+        out.push_str(before);
+        if left_is_word {
+            out.push_str(DEFAULT_NAME);
+        } else if before.ends_with('\'') && after.starts_with('\'') {
+            // The NOTIFY channel: the configured name as written.
+            out.push_str(&table.channel());
+        } else if names_unqualifiable_object(&out) {
+            out.push_str(&table.name);
+        } else {
+            out.push_str(&table.qualified());
+        }
+        rest = after;
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Whether the SQL just before a name is a clause whose object name may not be schema-qualified.
+fn names_unqualifiable_object(preceding: &str) -> bool {
+    let words: Vec<String> = preceding
+        .split_whitespace()
+        .rev()
+        .take(4)
+        .map(str::to_ascii_uppercase)
+        .collect();
+    let w = |i: usize| words.get(i).map(String::as_str);
+    match (w(0), w(1), w(2), w(3)) {
+        // CREATE INDEX [IF NOT EXISTS] name
+        (Some("INDEX"), ..) | (Some("EXISTS"), Some("NOT"), Some("IF"), Some("INDEX")) => true,
+        // CREATE TRIGGER name / DROP TRIGGER IF EXISTS name
+        (Some("TRIGGER"), ..) | (Some("EXISTS"), Some("IF"), Some("TRIGGER"), _) => true,
+        _ => false,
+    }
+}
+
+/// The whole DDL for `table`, as `migrate --print` shows it and `migrate` applies it.
+pub fn full_ddl(table: &TableName) -> String {
+    let mut out = String::new();
+    if let Some(schema) = &table.schema {
+        out.push_str(&format!("CREATE SCHEMA IF NOT EXISTS {schema};\n\n"));
+    }
+    for m in MIGRATIONS {
+        out.push_str(&format!("-- {} (version {})\n", m.name, m.version));
+        out.push_str(&render(m.sql, table));
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_table_renders_unchanged() {
+        let t = TableName::parse("outbox_messages").unwrap();
+        assert_eq!(render(MIGRATIONS[0].sql, &t), MIGRATIONS[0].sql);
+    }
+
+    #[test]
+    fn qualified_table_renders_every_kind_of_name() {
+        let t = TableName::parse("app.events").unwrap();
+        let sql = render(MIGRATIONS[0].sql, &t);
+        assert!(!sql.contains("outbox_messages"), "{sql}");
+        assert!(sql.contains("CREATE SEQUENCE IF NOT EXISTS app.events_seq;"));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION app.events_next_seq()"));
+        assert!(sql.contains("nextval('app.events_seq')"));
+        assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.events ("));
+        assert!(sql.contains("DEFAULT app.events_next_seq()"));
+        assert!(sql.contains("OWNED BY app.events.seq"));
+        assert!(sql.contains("CREATE INDEX IF NOT EXISTS events_pending_idx\n    ON app.events (seq)"));
+        assert!(sql.contains("pg_notify('app.events', '')"));
+        assert!(sql.contains("DROP TRIGGER IF EXISTS events_notify ON app.events;"));
+        assert!(sql.contains("CREATE TRIGGER events_notify\n    AFTER INSERT ON app.events"));
+        assert!(sql.contains("EXECUTE FUNCTION app.events_notify()"));
+    }
+
+    #[test]
+    fn full_ddl_creates_schema() {
+        let t = TableName::parse("app.events").unwrap();
+        assert!(full_ddl(&t).starts_with("CREATE SCHEMA IF NOT EXISTS app;"));
+        let t = TableName::parse("events").unwrap();
+        assert!(full_ddl(&t).starts_with("-- 0001_outbox_messages.sql"));
+    }
+}

@@ -1,0 +1,192 @@
+//! Routing templates: `{aggregate_type}.{event_type}` and friends.
+//!
+//! A template is parsed once at start (an unknown placeholder is a configuration error) and
+//! rendered per message without allocation beyond the output string.
+
+use std::fmt;
+
+/// The fields a template may name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placeholder {
+    /// `{aggregate_type}`
+    AggregateType,
+    /// `{event_type}`
+    EventType,
+    /// `{aggregate_id}` (empty when the row has none)
+    AggregateId,
+}
+
+impl Placeholder {
+    fn parse(name: &str) -> Option<Self> {
+        match name {
+            "aggregate_type" => Some(Self::AggregateType),
+            "event_type" => Some(Self::EventType),
+            "aggregate_id" => Some(Self::AggregateId),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Part {
+    Literal(String),
+    Field(Placeholder),
+}
+
+/// A parsed routing template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template {
+    source: String,
+    parts: Vec<Part>,
+}
+
+/// Why a template was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TemplateError {
+    /// `{name}` is not one of the known placeholders.
+    #[error(
+        "unknown placeholder {{{0}}} (known: {{aggregate_type}}, {{event_type}}, {{aggregate_id}})"
+    )]
+    UnknownPlaceholder(String),
+    /// A `{` without its `}`.
+    #[error("unclosed '{{' at byte {0}")]
+    Unclosed(usize),
+    /// A `}` without its `{`.
+    #[error("unmatched '}}' at byte {0}")]
+    Unmatched(usize),
+    /// The template renders to nothing.
+    #[error("template is empty")]
+    Empty,
+}
+
+/// The values a template is rendered with.
+#[derive(Debug, Clone, Copy)]
+pub struct Fields<'a> {
+    /// The row's `aggregate_type`.
+    pub aggregate_type: &'a str,
+    /// The row's `event_type`.
+    pub event_type: &'a str,
+    /// The row's `aggregate_id`, if any.
+    pub aggregate_id: Option<&'a str>,
+}
+
+impl Template {
+    /// Parses `source`; `{{` and `}}` are not special, braces must pair.
+    pub fn parse(source: &str) -> Result<Self, TemplateError> {
+        if source.is_empty() {
+            return Err(TemplateError::Empty);
+        }
+        let mut parts = Vec::new();
+        let mut literal = String::new();
+        let mut rest = source.char_indices().peekable();
+        while let Some((at, c)) = rest.next() {
+            match c {
+                '{' => {
+                    let mut name = String::new();
+                    let mut closed = false;
+                    for (_, c) in rest.by_ref() {
+                        if c == '}' {
+                            closed = true;
+                            break;
+                        }
+                        name.push(c);
+                    }
+                    if !closed {
+                        return Err(TemplateError::Unclosed(at));
+                    }
+                    let field = Placeholder::parse(&name)
+                        .ok_or_else(|| TemplateError::UnknownPlaceholder(name.clone()))?;
+                    if !literal.is_empty() {
+                        parts.push(Part::Literal(std::mem::take(&mut literal)));
+                    }
+                    parts.push(Part::Field(field));
+                }
+                '}' => return Err(TemplateError::Unmatched(at)),
+                c => literal.push(c),
+            }
+        }
+        if !literal.is_empty() {
+            parts.push(Part::Literal(literal));
+        }
+        Ok(Self {
+            source: source.to_owned(),
+            parts,
+        })
+    }
+
+    /// Renders the template for one message.
+    pub fn render(&self, fields: &Fields<'_>) -> String {
+        let mut out = String::with_capacity(self.source.len() + 16);
+        for part in &self.parts {
+            match part {
+                Part::Literal(s) => out.push_str(s),
+                Part::Field(Placeholder::AggregateType) => out.push_str(fields.aggregate_type),
+                Part::Field(Placeholder::EventType) => out.push_str(fields.event_type),
+                Part::Field(Placeholder::AggregateId) => {
+                    out.push_str(fields.aggregate_id.unwrap_or_default())
+                }
+            }
+        }
+        out
+    }
+
+    /// The template as written in the configuration.
+    pub fn as_str(&self) -> &str {
+        &self.source
+    }
+}
+
+impl fmt::Display for Template {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.source)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FIELDS: Fields<'static> = Fields {
+        aggregate_type: "order",
+        event_type: "created",
+        aggregate_id: Some("42"),
+    };
+
+    #[test]
+    fn renders_every_placeholder() {
+        let t = Template::parse("{aggregate_type}.{event_type}.{aggregate_id}").unwrap();
+        assert_eq!(t.render(&FIELDS), "order.created.42");
+    }
+
+    #[test]
+    fn keeps_literals_around_placeholders() {
+        let t = Template::parse("events-{aggregate_type}-v1").unwrap();
+        assert_eq!(t.render(&FIELDS), "events-order-v1");
+        assert_eq!(Template::parse("fixed").unwrap().render(&FIELDS), "fixed");
+    }
+
+    #[test]
+    fn missing_aggregate_id_renders_empty() {
+        let t = Template::parse("{aggregate_type}/{aggregate_id}").unwrap();
+        let f = Fields {
+            aggregate_id: None,
+            ..FIELDS
+        };
+        assert_eq!(t.render(&f), "order/");
+    }
+
+    #[test]
+    fn rejects_unknown_placeholder() {
+        assert_eq!(
+            Template::parse("{aggregate_type}.{tenant}"),
+            Err(TemplateError::UnknownPlaceholder("tenant".into()))
+        );
+    }
+
+    #[test]
+    fn rejects_unbalanced_braces_and_empty() {
+        assert_eq!(Template::parse("a.{event_type"), Err(TemplateError::Unclosed(2)));
+        assert_eq!(Template::parse("a}b"), Err(TemplateError::Unmatched(1)));
+        assert_eq!(Template::parse(""), Err(TemplateError::Empty));
+    }
+}
