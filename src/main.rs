@@ -46,7 +46,7 @@ enum Command {
 
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=warn,rdkafka=warn,tokio_postgres=warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=error,rdkafka=warn,tokio_postgres=warn"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
