@@ -76,9 +76,10 @@ pub fn build_publisher(
             c.clone(),
             envelope,
         ))),
-        PublisherConfig::Kafka(_) => Err(RunError::Publisher(
-            "publisher.kind = \"kafka\" is not available in this build yet".into(),
-        )),
+        PublisherConfig::Kafka(c) => Ok(Arc::new(publish::kafka::KafkaPublisher::new(
+            c.clone(),
+            envelope,
+        ))),
     }
 }
 

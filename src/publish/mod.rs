@@ -6,6 +6,7 @@
 //! decides whether a broker outage can ever dead-letter a message (it cannot).
 
 pub mod envelope;
+pub mod kafka;
 pub mod rabbitmq;
 
 use async_trait::async_trait;

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Starts what the relay and its tests need on a development machine, idempotently:
+# PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672) and tansu, a Kafka-protocol broker
+# (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+say() { printf 'services.sh: %s\n' "$*" >&2; }
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+wait_port() {
+    for _ in $(seq 1 "${3:-600}"); do port_open "$1" && return 0; sleep 0.1; done
+    say "$2 did not come up on 127.0.0.1:$1"; return 1
+}
+
+if ! port_open 5432; then
+    say "starting PostgreSQL"
+    pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | head -1)" main start
+    wait_port 5432 PostgreSQL
+fi
+psql -h 127.0.0.1 -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1 \
+    || psql -h 127.0.0.1 -U postgres -d postgres -qc "CREATE DATABASE test"
+
+if ! port_open 5672; then
+    say "starting RabbitMQ"
+    rabbitmq-server -detached
+    wait_port 5672 RabbitMQ 1200
+fi
+
+scripts/tansu.sh start memory

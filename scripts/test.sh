@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite against real PostgreSQL, RabbitMQ and Kafka (tansu): starts the
+# services if needed (building tansu the first time), then runs every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/services.sh
+exec cargo test --all-targets "$@"

@@ -1,0 +1,336 @@
+//! Kafka transport (rdkafka with its bundled librdkafka): an idempotent producer with
+//! `acks=all`, records keyed by aggregate id, many records in flight. Delivery reports are
+//! classified into message-level and connection-level outcomes.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rdkafka::ClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::util::Timeout;
+
+use super::envelope::{self, EnvelopeConfig};
+use super::{ConnectError, Outcome, Publisher};
+use crate::config::KafkaConfig;
+use crate::store::OutboxMessage;
+
+/// Routes librdkafka's errors and logs to tracing and tracks broker reachability.
+struct Context {
+    up: Arc<AtomicBool>,
+}
+
+impl ClientContext for Context {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => {
+                tracing::error!(target: "rdkafka", facility = fac, "{message}")
+            }
+            L::Warning => tracing::warn!(target: "rdkafka", facility = fac, "{message}"),
+            _ => tracing::debug!(target: "rdkafka", facility = fac, "{message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        if matches!(
+            error.rdkafka_error_code(),
+            Some(RDKafkaErrorCode::AllBrokersDown | RDKafkaErrorCode::Fatal)
+        ) {
+            self.up.store(false, Ordering::Relaxed);
+        }
+        tracing::warn!(target: "rdkafka", error = %error, "{reason}");
+    }
+}
+
+/// Publishes to Kafka topics rendered from a template.
+pub struct KafkaPublisher {
+    cfg: KafkaConfig,
+    envelope: EnvelopeConfig,
+    producer: std::sync::RwLock<Option<FutureProducer<Context>>>,
+    up: Arc<AtomicBool>,
+    connecting: tokio::sync::Mutex<()>,
+}
+
+/// Property names whose values must never be logged.
+fn is_secret(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    k.contains("password") || k.contains("secret") || k.ends_with(".key") || k.contains("key.pem") || k.contains("jaas")
+}
+
+impl KafkaPublisher {
+    /// A publisher that creates its producer on the first [`Publisher::connect`].
+    pub fn new(cfg: KafkaConfig, envelope: EnvelopeConfig) -> Self {
+        Self {
+            cfg,
+            envelope,
+            producer: std::sync::RwLock::new(None),
+            up: Arc::new(AtomicBool::new(false)),
+            connecting: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The librdkafka configuration: our required settings, then the user's properties.
+    pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &cfg.brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set(
+                "message.timeout.ms",
+                cfg.message_timeout.as_millis().to_string(),
+            )
+            .set("client.id", crate::store::APPLICATION_NAME);
+        for (k, v) in &cfg.properties {
+            c.set(k, v);
+        }
+        c
+    }
+
+    fn producer(&self) -> Option<FutureProducer<Context>> {
+        let guard = self.producer.read().unwrap_or_else(|p| p.into_inner());
+        guard.clone()
+    }
+
+    fn record_headers(&self, msg: &OutboxMessage) -> OwnedHeaders {
+        let (row_headers, note) = envelope::row_headers(msg);
+        if let Some(note) = note {
+            tracing::warn!(id = %msg.id, "{note}");
+        }
+        let mut headers = OwnedHeaders::new_with_capacity(row_headers.len() + 8);
+        for (k, v) in &row_headers {
+            headers = headers.insert(Header {
+                key: k,
+                value: Some(v.as_bytes()),
+            });
+        }
+        // CloudEvents Kafka binding: `ce_<attr>` headers, `content-type` for datacontenttype.
+        for (name, value) in envelope::cloud_event_attributes(msg, &self.envelope) {
+            let key = format!("ce_{name}");
+            headers = headers.insert(Header {
+                key: &key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        headers.insert(Header {
+            key: "content-type",
+            value: Some(self.envelope.payload_kind.content_type().as_bytes()),
+        })
+    }
+}
+
+/// Whether `topic` is a legal Kafka topic name.
+pub fn valid_topic(topic: &str) -> bool {
+    !topic.is_empty()
+        && topic.len() <= 249
+        && topic != "."
+        && topic != ".."
+        && topic
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Maps a delivery error to an outcome: problems of this record (too large, unknown topic,
+/// not authorised, invalid) are message-level; anything that says the cluster could not be
+/// reached or did not answer in time is connection-level and never spends an attempt.
+pub fn classify_error(err: &KafkaError) -> Outcome {
+    use RDKafkaErrorCode as C;
+    let text = err.to_string();
+    match err.rdkafka_error_code() {
+        Some(
+            C::MessageSizeTooLarge
+            | C::InvalidMessageSize
+            | C::InvalidMessage
+            | C::InvalidRecord
+            | C::UnknownTopicOrPartition
+            | C::UnknownTopic
+            | C::UnknownPartition
+            | C::InvalidTopic
+            | C::TopicAuthorizationFailed
+            | C::ClusterAuthorizationFailed
+            | C::PolicyViolation
+            | C::UnsupportedForMessageFormat
+            | C::InvalidArgument
+            | C::BadMessage,
+        ) => Outcome::Rejected(text),
+        _ => Outcome::Unavailable(text),
+    }
+}
+
+#[async_trait]
+impl Publisher for KafkaPublisher {
+    fn kind(&self) -> &'static str {
+        "kafka"
+    }
+
+    fn describe(&self) -> String {
+        let props: Vec<String> = self
+            .cfg
+            .properties
+            .iter()
+            .map(|(k, v)| {
+                if is_secret(k) {
+                    format!("{k}=***")
+                } else {
+                    format!("{k}={v}")
+                }
+            })
+            .collect();
+        format!(
+            "kafka {} topic {:?}{}",
+            crate::redact::redact_url(&self.cfg.brokers),
+            self.cfg.topic.as_str(),
+            if props.is_empty() {
+                String::new()
+            } else {
+                format!(" properties [{}]", props.join(", "))
+            }
+        )
+    }
+
+    async fn connect(&self) -> Result<(), ConnectError> {
+        let _serial = self.connecting.lock().await;
+        if self.is_connected() {
+            return Ok(());
+        }
+        let producer = match self.producer() {
+            Some(p) => p,
+            None => {
+                let ctx = Context {
+                    up: Arc::clone(&self.up),
+                };
+                let p: FutureProducer<Context> = Self::client_config(&self.cfg)
+                    .create_with_context(ctx)
+                    .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
+                let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
+                *guard = Some(p.clone());
+                p
+            }
+        };
+        // Producing is lazy; ask for metadata to learn whether any broker answers at all.
+        let probe = producer.clone();
+        let metadata = tokio::task::spawn_blocking(move || {
+            probe
+                .client()
+                .fetch_metadata(None, Duration::from_secs(5))
+                .map(|m| m.brokers().len())
+        })
+        .await
+        .map_err(|e| ConnectError(format!("metadata probe failed: {e}")))?;
+        match metadata {
+            Ok(n) if n > 0 => {
+                self.up.store(true, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(_) => Err(ConnectError(format!(
+                "Kafka at {} reported no brokers",
+                crate::redact::redact_url(&self.cfg.brokers)
+            ))),
+            Err(e) => Err(ConnectError(format!(
+                "cannot reach Kafka at {}: {e}",
+                crate::redact::redact_url(&self.cfg.brokers)
+            ))),
+        }
+    }
+
+    fn is_connected(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+
+    async fn publish(&self, msg: &OutboxMessage) -> Outcome {
+        let Some(producer) = self.producer() else {
+            return Outcome::Unavailable("Kafka producer not created yet".to_owned());
+        };
+        let topic = envelope::destination(msg, &self.cfg.topic);
+        if !valid_topic(&topic) {
+            return Outcome::Rejected(format!(
+                "{topic:.100?} is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-])"
+            ));
+        }
+        let mut record = FutureRecord::to(&topic)
+            .payload(&msg.payload)
+            .headers(self.record_headers(msg));
+        if let Some(key) = &msg.aggregate_id {
+            record = record.key(key);
+        }
+        match producer
+            .send(record, Timeout::After(self.cfg.message_timeout))
+            .await
+        {
+            Ok(_) => {
+                self.up.store(true, Ordering::Relaxed);
+                Outcome::Confirmed
+            }
+            Err((err, _)) => {
+                let outcome = classify_error(&err);
+                if matches!(outcome, Outcome::Unavailable(_)) {
+                    self.up.store(false, Ordering::Relaxed);
+                }
+                outcome
+            }
+        }
+    }
+
+    async fn close(&self) {
+        let producer = {
+            let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
+            guard.take()
+        };
+        if let Some(p) = producer {
+            let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(5))).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_names() {
+        assert!(valid_topic("orders"));
+        assert!(valid_topic("a.b-c_D9"));
+        assert!(!valid_topic(""));
+        assert!(!valid_topic("."));
+        assert!(!valid_topic("has space"));
+        assert!(!valid_topic("slash/topic"));
+        assert!(!valid_topic(&"x".repeat(250)));
+    }
+
+    #[test]
+    fn classifies_message_and_connection_errors() {
+        let msg = |c| KafkaError::MessageProduction(c);
+        for c in [
+            RDKafkaErrorCode::MessageSizeTooLarge,
+            RDKafkaErrorCode::UnknownTopicOrPartition,
+            RDKafkaErrorCode::UnknownTopic,
+            RDKafkaErrorCode::TopicAuthorizationFailed,
+            RDKafkaErrorCode::InvalidRecord,
+        ] {
+            assert!(matches!(classify_error(&msg(c)), Outcome::Rejected(_)), "{c:?}");
+        }
+        for c in [
+            RDKafkaErrorCode::MessageTimedOut,
+            RDKafkaErrorCode::AllBrokersDown,
+            RDKafkaErrorCode::BrokerTransportFailure,
+            RDKafkaErrorCode::NotEnoughReplicas,
+            RDKafkaErrorCode::RequestTimedOut,
+            RDKafkaErrorCode::QueueFull,
+        ] {
+            assert!(matches!(classify_error(&msg(c)), Outcome::Unavailable(_)), "{c:?}");
+        }
+    }
+
+    #[test]
+    fn secrets_are_recognised() {
+        assert!(is_secret("sasl.password"));
+        assert!(is_secret("ssl.key.password"));
+        assert!(is_secret("sasl.oauthbearer.client.secret"));
+        assert!(is_secret("ssl.key.pem"));
+        assert!(!is_secret("compression.type"));
+    }
+}
