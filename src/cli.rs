@@ -1,8 +1,8 @@
-//! The operator commands other than `run`: `migrate` and `check`.
+//! The operator commands other than `run`: `migrate`, `check`, `status`, `dead-letters`.
 
 use anyhow::{Context, Result, bail};
 use outbox_relay::config::Config;
-use outbox_relay::store::{PayloadKind, Store, schema};
+use outbox_relay::store::{PayloadKind, Selection, Store, schema};
 
 /// `migrate [--print]`.
 pub async fn migrate(config: &Config, print: bool) -> Result<()> {
@@ -60,6 +60,98 @@ pub async fn check(config: &Config) -> Result<()> {
     publisher.close().await;
     if failed {
         bail!("check failed");
+    }
+    Ok(())
+}
+
+fn store(config: &Config) -> Result<Store> {
+    Ok(Store::new(&config.database, &config.relay.instance_id)?)
+}
+
+fn db_context(config: &Config) -> String {
+    format!(
+        "cannot read {} on {}",
+        config.database.table,
+        config.database.redacted_url()
+    )
+}
+
+/// `status [--json]`.
+pub async fn status(config: &Config, json: bool) -> Result<()> {
+    let report = store(config)?
+        .status()
+        .await
+        .with_context(|| db_context(config))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12}",
+        "AGGREGATE TYPE", "READY", "WAITING", "PROCESSING", "SENT", "FAILED", "BLOCKED", "OLDEST (s)"
+    );
+    let line = |name: &str, c: &outbox_relay::store::StatusCounts| {
+        println!(
+            "{:<24} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12.1}",
+            name, c.ready, c.waiting, c.processing, c.sent, c.failed, c.blocked_aggregates, c.oldest_pending_age_seconds
+        );
+    };
+    for (ty, c) in &report.by_aggregate_type {
+        line(if ty.is_empty() { "(empty)" } else { ty }, c);
+    }
+    line("TOTAL", &report.overall);
+    Ok(())
+}
+
+/// `dead-letters list [--limit N] [--json]`.
+pub async fn dead_letters_list(config: &Config, limit: i64, json: bool) -> Result<()> {
+    let rows = store(config)?
+        .dead_letters(limit)
+        .await
+        .with_context(|| db_context(config))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(());
+    }
+    if rows.is_empty() {
+        println!("no dead letters in {}", config.database.table);
+        return Ok(());
+    }
+    for r in &rows {
+        println!(
+            "{}  seq {}  {}/{}  {}  attempts {}  {}",
+            r.id,
+            r.seq,
+            r.aggregate_type,
+            r.aggregate_id.as_deref().unwrap_or("-"),
+            r.event_type,
+            r.attempts,
+            r.last_error.as_deref().unwrap_or("")
+        );
+    }
+    Ok(())
+}
+
+/// `dead-letters retry|discard (--id ID… | --all)`.
+pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) -> Result<()> {
+    let store = store(config)?;
+    let changed = if retry {
+        store.retry_dead_letters(&sel).await
+    } else {
+        store.discard_dead_letters(&sel).await
+    }
+    .with_context(|| db_context(config))?;
+    let verb = if retry { "set back to pending" } else { "discarded" };
+    println!("{} dead letter(s) {verb}", changed.len());
+    if let Selection::Ids(ids) = &sel {
+        let missing: Vec<String> = ids
+            .iter()
+            .filter(|id| !changed.contains(id))
+            .map(ToString::to_string)
+            .collect();
+        if !missing.is_empty() {
+            bail!("not dead letters in {}: {}", config.database.table, missing.join(", "));
+        }
     }
     Ok(())
 }

@@ -146,6 +146,13 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunE
         background.clone(),
     )));
     helpers.push(tokio::spawn(backlog_loop(store.clone(), background.clone())));
+    if !config.cleanup.retention.is_zero() {
+        helpers.push(tokio::spawn(cleanup_loop(
+            store.clone(),
+            config.cleanup.clone(),
+            background.clone(),
+        )));
+    }
 
     let settings = LoopSettings {
         relay: config.relay.clone(),
@@ -277,6 +284,35 @@ async fn backlog_loop(store: Store, shutdown: CancellationToken) {
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(5)) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+/// Deletes `sent` rows older than `cleanup.retention`, a batch at a time, every
+/// `cleanup.interval`. `failed` rows are never deleted automatically.
+async fn cleanup_loop(store: Store, cfg: config::CleanupConfig, shutdown: CancellationToken) {
+    loop {
+        let mut total = 0u64;
+        loop {
+            match store.cleanup_batch(cfg.retention, cfg.batch_size).await {
+                Ok(n) => {
+                    total += n;
+                    if n < cfg.batch_size as u64 || shutdown.is_cancelled() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "retention cleanup skipped");
+                    break;
+                }
+            }
+        }
+        if total > 0 {
+            tracing::info!(deleted = total, retention = ?cfg.retention, "deleted sent rows past retention");
+        }
+        tokio::select! {
+            () = tokio::time::sleep(cfg.interval) => {}
             () = shutdown.cancelled() => return,
         }
     }

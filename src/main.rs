@@ -42,6 +42,53 @@ enum Command {
     },
     /// Validate the configuration, then connect to the database and the broker.
     Check,
+    /// Show row counts by status, the lag and dead letters, overall and per aggregate type.
+    Status {
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Inspect, retry or discard dead letters (rows in status `failed`).
+    #[command(subcommand, name = "dead-letters")]
+    DeadLetters(DeadLetters),
+}
+
+#[derive(Debug, Subcommand)]
+enum DeadLetters {
+    /// List dead letters, oldest first.
+    List {
+        /// At most this many rows.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Set dead letters back to pending with attempts reset (unblocks their aggregate).
+    Retry(Which),
+    /// Delete dead letters for good (unblocks their aggregate).
+    Discard(Which),
+}
+
+#[derive(Debug, clap::Args)]
+#[group(required = true, multiple = false)]
+struct Which {
+    /// Row ids.
+    #[arg(long = "id", num_args = 1..)]
+    ids: Vec<uuid::Uuid>,
+    /// Every dead letter.
+    #[arg(long)]
+    all: bool,
+}
+
+impl Which {
+    fn selection(self) -> outbox_relay::store::Selection {
+        if self.all {
+            outbox_relay::store::Selection::All
+        } else {
+            outbox_relay::store::Selection::Ids(self.ids)
+        }
+    }
 }
 
 fn init_tracing(format: LogFormat) {
@@ -86,6 +133,16 @@ fn main() -> ExitCode {
             }
             Command::Migrate { print } => cli::migrate(&config, print).await,
             Command::Check => cli::check(&config).await,
+            Command::Status { json } => cli::status(&config, json).await,
+            Command::DeadLetters(DeadLetters::List { limit, json }) => {
+                cli::dead_letters_list(&config, limit, json).await
+            }
+            Command::DeadLetters(DeadLetters::Retry(which)) => {
+                cli::dead_letters_apply(&config, true, which.selection()).await
+            }
+            Command::DeadLetters(DeadLetters::Discard(which)) => {
+                cli::dead_letters_apply(&config, false, which.selection()).await
+            }
         }
     });
     match result {
