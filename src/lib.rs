@@ -89,6 +89,19 @@ pub fn build_publisher(
 /// errors that retrying cannot fix (a missing table without `auto_migrate`, a payload column of
 /// the wrong type, a metrics address in use) end it.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
+    run_with(config, None, shutdown).await
+}
+
+/// Makes the publisher once the payload column's type is known.
+pub type PublisherFactory = Box<dyn FnOnce(PayloadKind) -> Arc<dyn Publisher> + Send>;
+
+/// [`run`] with the publisher supplied by the caller instead of built from the configuration
+/// (benchmarks use a no-op publisher to measure the database path alone; tests use fakes).
+pub async fn run_with(
+    config: Config,
+    publisher: Option<PublisherFactory>,
+    shutdown: CancellationToken,
+) -> Result<(), RunError> {
     let health = Arc::new(Health::default());
     telemetry::install();
     telemetry::record_info(&config.relay.instance_id, config.publisher.kind());
@@ -113,7 +126,10 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunE
     let Some((payload_kind, table_oid)) = prepare_schema(&store, &config, &health, &shutdown).await? else {
         return Ok(()); // shut down while waiting for the database
     };
-    let publisher = build_publisher(&config, payload_kind)?;
+    let publisher = match publisher {
+        Some(make) => make(payload_kind),
+        None => build_publisher(&config, payload_kind)?,
+    };
     tracing::info!(
         instance = %config.relay.instance_id,
         database = %config.database.redacted_url(),
