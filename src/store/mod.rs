@@ -190,19 +190,24 @@ impl Queries {
             ),
             // $1 batch size, $2 instance id, $3 watermark (highest seq that is final), $4 scan window.
             //
-            // A candidate is claimable when every unsent row of its aggregate with a smaller seq
-            // is itself a candidate locked by this statement (so the whole run goes to one
-            // relay, published in seq order) — checked per candidate against the gap to the
+            // Candidates skip aggregates whose head (first unsent row) is not ready (in flight
+            // elsewhere, backing off or dead), so a long blocked aggregate cannot fill the scan
+            // window and starve the others. A candidate is claimable when every unsent row of its
+            // aggregate with a smaller seq is itself a candidate locked by this statement (so the
+            // whole run goes to one relay, published in seq order) — checked per candidate against the gap to the
             // previous candidate of its aggregate, then required along the whole chain.
             // Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap
             // and so blocks everything after them: no two relays ever hold one aggregate.
             claim_aggregate: format!(
                 "WITH cand AS ( \
-                   SELECT id, seq, aggregate_type, aggregate_id FROM {t} \
-                   WHERE status = 'pending' AND available_at <= now() \
-                     AND (aggregate_id IS NULL OR seq <= $3) \
-                   ORDER BY seq LIMIT $4 \
-                   FOR UPDATE SKIP LOCKED), \
+                   SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id FROM {t} c \
+                   WHERE c.status = 'pending' AND c.available_at <= now() \
+                     AND (c.aggregate_id IS NULL OR (c.seq <= $3 AND ( \
+                       SELECT h.status = 'pending' AND h.available_at <= now() FROM {t} h \
+                       WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
+                         AND h.status <> 'sent' ORDER BY h.seq LIMIT 1))) \
+                   ORDER BY c.seq LIMIT $4 \
+                   FOR UPDATE OF c SKIP LOCKED), \
                  ranked AS ( \
                    SELECT c.*, lag(c.seq) OVER (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.seq) AS prev_seq \
                    FROM cand c), \
