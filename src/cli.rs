@@ -12,25 +12,40 @@ pub async fn migrate(config: &Config, print: bool) -> Result<()> {
     }
     let store = Store::new(&config.database, &config.relay.instance_id)?;
     let applied = store.migrate().await.with_context(|| {
-        format!("cannot migrate {} on {}", config.database.table, config.database.redacted_url())
+        format!(
+            "cannot migrate {} on {}",
+            config.database.table,
+            config.database.redacted_url()
+        )
     })?;
     if applied.is_empty() {
         println!("{} is up to date", config.database.table);
     } else {
-        println!("{}: applied schema versions {:?}", config.database.table, applied);
+        println!(
+            "{}: applied schema versions {:?}",
+            config.database.table, applied
+        );
     }
     Ok(())
 }
 
 /// `check`: configuration (already validated by the time this runs), database, broker.
 pub async fn check(config: &Config) -> Result<()> {
-    println!("config: ok (publisher {}, table {})", config.publisher.kind(), config.database.table);
+    println!(
+        "config: ok (publisher {}, table {})",
+        config.publisher.kind(),
+        config.database.table
+    );
     let mut failed = false;
     let store = Store::new(&config.database, &config.relay.instance_id)?;
     let kind = match store.ping().await {
         Ok(()) => match store.inspect().await {
             Ok((kind, _)) => {
-                println!("database: ok ({}, table {} found)", config.database.redacted_url(), config.database.table);
+                println!(
+                    "database: ok ({}, table {} found)",
+                    config.database.redacted_url(),
+                    config.database.table
+                );
                 kind
             }
             Err(e) => {
@@ -53,7 +68,10 @@ pub async fn check(config: &Config) -> Result<()> {
             failed = true;
         }
         Err(_) => {
-            println!("broker: FAILED: no answer within 15s ({})", publisher.describe());
+            println!(
+                "broker: FAILED: no answer within 15s ({})",
+                publisher.describe()
+            );
             failed = true;
         }
     }
@@ -88,12 +106,26 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
     }
     println!(
         "{:<24} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12}",
-        "AGGREGATE TYPE", "READY", "WAITING", "PROCESSING", "SENT", "FAILED", "BLOCKED", "OLDEST (s)"
+        "AGGREGATE TYPE",
+        "READY",
+        "WAITING",
+        "PROCESSING",
+        "SENT",
+        "FAILED",
+        "BLOCKED",
+        "OLDEST (s)"
     );
     let line = |name: &str, c: &outbox_relay::store::StatusCounts| {
         println!(
             "{:<24} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12.1}",
-            name, c.ready, c.waiting, c.processing, c.sent, c.failed, c.blocked_aggregates, c.oldest_pending_age_seconds
+            name,
+            c.ready,
+            c.waiting,
+            c.processing,
+            c.sent,
+            c.failed,
+            c.blocked_aggregates,
+            c.oldest_pending_age_seconds
         );
     };
     for (ty, c) in &report.by_aggregate_type {
@@ -141,7 +173,11 @@ pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) ->
         store.discard_dead_letters(&sel).await
     }
     .with_context(|| db_context(config))?;
-    let verb = if retry { "set back to pending" } else { "discarded" };
+    let verb = if retry {
+        "set back to pending"
+    } else {
+        "discarded"
+    };
     println!("{} dead letter(s) {verb}", changed.len());
     if let Selection::Ids(ids) = &sel {
         let missing: Vec<String> = ids
@@ -150,7 +186,11 @@ pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) ->
             .map(ToString::to_string)
             .collect();
         if !missing.is_empty() {
-            bail!("not dead letters in {}: {}", config.database.table, missing.join(", "));
+            bail!(
+                "not dead letters in {}: {}",
+                config.database.table,
+                missing.join(", ")
+            );
         }
     }
     Ok(())

@@ -20,7 +20,9 @@ use crate::template::Template;
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// `--config` named a file that does not exist.
-    #[error("config file {0} does not exist (pass an existing file to --config, or omit it to use ./relay.toml or the defaults)")]
+    #[error(
+        "config file {0} does not exist (pass an existing file to --config, or omit it to use ./relay.toml or the defaults)"
+    )]
     MissingFile(PathBuf),
     /// The file or environment could not be parsed (unknown key, wrong type, bad syntax).
     #[error("{0}")]
@@ -65,7 +67,11 @@ impl<'de> Deserialize<'de> for HumanDuration {
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<HumanDuration, E> {
                 humantime::parse_duration(v.trim())
                     .map(HumanDuration)
-                    .map_err(|e| E::custom(format!("bad duration {v:?}: {e} (write e.g. \"500ms\", \"30s\", \"5m\")")))
+                    .map_err(|e| {
+                        E::custom(format!(
+                            "bad duration {v:?}: {e} (write e.g. \"500ms\", \"30s\", \"5m\")"
+                        ))
+                    })
             }
         }
         d.deserialize_str(V)
@@ -281,7 +287,11 @@ impl TableName {
         let (schema, name) = match (parts.next(), parts.next(), parts.next()) {
             (Some(name), None, _) => (None, name),
             (Some(schema), Some(name), None) => (Some(schema), name),
-            _ => return Err(format!("{raw:?} has more than one '.'; write table or schema.table")),
+            _ => {
+                return Err(format!(
+                    "{raw:?} has more than one '.'; write table or schema.table"
+                ));
+            }
         };
         if let Some(schema) = schema {
             validate_identifier(schema)?;
@@ -289,7 +299,9 @@ impl TableName {
         validate_identifier(name)?;
         // Derived object names (`<name>_next_seq`, `<name>_aggregate_idx`) must fit in 63 bytes.
         if name.len() > 40 {
-            return Err(format!("{name:?} is longer than 40 characters (names of its index and functions are derived from it)"));
+            return Err(format!(
+                "{name:?} is longer than 40 characters (names of its index and functions are derived from it)"
+            ));
         }
         Ok(Self {
             schema: schema.map(str::to_owned),
@@ -540,7 +552,10 @@ impl RawConfig {
             return Err(ConfigError::invalid("database.url", "must not be empty"));
         }
         let pg: tokio_postgres::Config = d.url.parse().map_err(|e| {
-            ConfigError::invalid("database.url", format!("{} is not a PostgreSQL URL: {e}", redact_url(&d.url)))
+            ConfigError::invalid(
+                "database.url",
+                format!("{} is not a PostgreSQL URL: {e}", redact_url(&d.url)),
+            )
         })?;
         if d.pool_size < 2 || d.pool_size > 1000 {
             return Err(ConfigError::invalid(
@@ -548,12 +563,16 @@ impl RawConfig {
                 format!("{} is out of range (2..=1000)", d.pool_size),
             ));
         }
-        let table = TableName::parse(&d.table).map_err(|r| ConfigError::invalid("database.table", r))?;
+        let table =
+            TableName::parse(&d.table).map_err(|r| ConfigError::invalid("database.table", r))?;
 
         let r = self.relay;
         let instance_id = match r.instance_id {
             Some(id) if id.trim().is_empty() => {
-                return Err(ConfigError::invalid("relay.instance_id", "must not be empty"));
+                return Err(ConfigError::invalid(
+                    "relay.instance_id",
+                    "must not be empty",
+                ));
             }
             Some(id) => id,
             None => default_instance_id(),
@@ -590,7 +609,11 @@ impl RawConfig {
                 return Err(ConfigError::invalid("relay.source", "must not be empty"));
             }
             Some(s) => s,
-            None => format!("/outbox/{}/{}", pg.get_dbname().unwrap_or("postgres"), table),
+            None => format!(
+                "/outbox/{}/{}",
+                pg.get_dbname().unwrap_or("postgres"),
+                table
+            ),
         };
 
         let rt = self.retry;
@@ -602,7 +625,10 @@ impl RawConfig {
             ));
         }
         if rt.max_attempts == 0 {
-            return Err(ConfigError::invalid("retry.max_attempts", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "retry.max_attempts",
+                "must be at least 1",
+            ));
         }
         if !(0.0..=1.0).contains(&rt.jitter) {
             return Err(ConfigError::invalid(
@@ -622,17 +648,27 @@ impl RawConfig {
                     ));
                 }
                 if q.exchange.len() > 255 {
-                    return Err(ConfigError::invalid("publisher.rabbitmq.exchange", "is longer than 255 bytes"));
+                    return Err(ConfigError::invalid(
+                        "publisher.rabbitmq.exchange",
+                        "is longer than 255 bytes",
+                    ));
                 }
-                if !matches!(q.exchange_type.as_str(), "direct" | "topic" | "fanout" | "headers") {
+                if !matches!(
+                    q.exchange_type.as_str(),
+                    "direct" | "topic" | "fanout" | "headers"
+                ) {
                     return Err(ConfigError::invalid(
                         "publisher.rabbitmq.exchange_type",
-                        format!("{:?} is not one of direct, topic, fanout, headers", q.exchange_type),
+                        format!(
+                            "{:?} is not one of direct, topic, fanout, headers",
+                            q.exchange_type
+                        ),
                     ));
                 }
                 positive("publisher.rabbitmq.confirm_timeout", q.confirm_timeout)?;
-                let routing_key = Template::parse(&q.routing_key)
-                    .map_err(|e| ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string()))?;
+                let routing_key = Template::parse(&q.routing_key).map_err(|e| {
+                    ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string())
+                })?;
                 PublisherConfig::RabbitMq(RabbitMqConfig {
                     url: q.url,
                     exchange: q.exchange,
@@ -645,7 +681,10 @@ impl RawConfig {
             "kafka" => {
                 let k = p.kafka;
                 if k.brokers.trim().is_empty() {
-                    return Err(ConfigError::invalid("publisher.kafka.brokers", "must not be empty"));
+                    return Err(ConfigError::invalid(
+                        "publisher.kafka.brokers",
+                        "must not be empty",
+                    ));
                 }
                 positive("publisher.kafka.message_timeout", k.message_timeout)?;
                 let topic = Template::parse(&k.topic)
@@ -671,7 +710,10 @@ impl RawConfig {
             Some(self.metrics.listen.parse().map_err(|e| {
                 ConfigError::invalid(
                     "metrics.listen",
-                    format!("{:?} is not an address like 127.0.0.1:9187: {e}", self.metrics.listen),
+                    format!(
+                        "{:?} is not an address like 127.0.0.1:9187: {e}",
+                        self.metrics.listen
+                    ),
                 )
             })?)
         };
@@ -679,7 +721,10 @@ impl RawConfig {
         let c = self.cleanup;
         positive("cleanup.interval", c.interval)?;
         if c.batch_size == 0 {
-            return Err(ConfigError::invalid("cleanup.batch_size", "must be at least 1"));
+            return Err(ConfigError::invalid(
+                "cleanup.batch_size",
+                "must be at least 1",
+            ));
         }
 
         Ok(Config {
@@ -738,7 +783,7 @@ pub fn default_instance_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    
+
     /// Loads `toml` as `--config` with `env` set, inside a figment jail (own cwd and env).
     fn load_str(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let mut out = None;
@@ -783,14 +828,21 @@ mod tests {
         assert!(q.declare_exchange);
         assert_eq!(q.routing_key.as_str(), "{aggregate_type}.{event_type}");
         assert_eq!(q.confirm_timeout, Duration::from_secs(30));
-        assert!(c.relay.instance_id.contains(&std::process::id().to_string()));
+        assert!(
+            c.relay
+                .instance_id
+                .contains(&std::process::id().to_string())
+        );
     }
 
     #[test]
     fn env_overrides_file() {
         let c = load_str(
             "[relay]\nbatch_size = 100\n[publisher.rabbitmq]\nexchange = \"from-file\"\n",
-            &[("RELAY__BATCH_SIZE", "200"), ("PUBLISHER__RABBITMQ__EXCHANGE", "from-env")],
+            &[
+                ("RELAY__BATCH_SIZE", "200"),
+                ("PUBLISHER__RABBITMQ__EXCHANGE", "from-env"),
+            ],
         )
         .unwrap();
         assert_eq!(c.relay.batch_size, 200);
@@ -828,7 +880,10 @@ mod tests {
     #[test]
     fn bare_number_duration_is_rejected() {
         let e = err("[relay]\npoll_interval = 5\n");
-        assert!(e.contains("relay.poll_interval") && e.contains("duration"), "{e}");
+        assert!(
+            e.contains("relay.poll_interval") && e.contains("duration"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -840,7 +895,10 @@ mod tests {
     #[test]
     fn hostile_table_name_is_rejected() {
         let e = err("[database]\ntable = \"x; drop table y\"\n");
-        assert!(e.contains("database.table") && e.contains("identifier"), "{e}");
+        assert!(
+            e.contains("database.table") && e.contains("identifier"),
+            "{e}"
+        );
         assert!(err("[database]\ntable = \"a.b.c\"\n").contains("database.table"));
         assert!(err("[database]\ntable = \"1abc\"\n").contains("database.table"));
     }
@@ -848,13 +906,18 @@ mod tests {
     #[test]
     fn unknown_placeholder_is_rejected() {
         let e = err("[publisher.rabbitmq]\nrouting_key = \"{tenant}.x\"\n");
-        assert!(e.contains("publisher.rabbitmq.routing_key") && e.contains("tenant"), "{e}");
+        assert!(
+            e.contains("publisher.rabbitmq.routing_key") && e.contains("tenant"),
+            "{e}"
+        );
     }
 
     #[test]
     fn ranges_are_checked() {
         assert!(err("[relay]\nbatch_size = 0\n").contains("relay.batch_size"));
-        assert!(err("[relay]\nbatch_size = 600\nmax_in_flight = 500\n").contains("relay.max_in_flight"));
+        assert!(
+            err("[relay]\nbatch_size = 600\nmax_in_flight = 500\n").contains("relay.max_in_flight")
+        );
         assert!(err("[retry]\njitter = 1.5\n").contains("retry.jitter"));
         assert!(err("[retry]\nmax_attempts = 0\n").contains("retry.max_attempts"));
         assert!(err("[relay]\nordering = \"fifo\"\n").contains("relay.ordering"));
@@ -865,7 +928,10 @@ mod tests {
     #[test]
     fn password_never_in_errors() {
         let e = err("[publisher.rabbitmq]\nurl = \"http://guest:hunter2@x\"\n");
-        assert!(!e.contains("hunter2") && e.contains("publisher.rabbitmq.url"), "{e}");
+        assert!(
+            !e.contains("hunter2") && e.contains("publisher.rabbitmq.url"),
+            "{e}"
+        );
         let e = err("[database]\nurl = \"postgres://u:hunter2@h:notaport/db\"\n");
         assert!(!e.contains("hunter2") && e.contains("database.url"), "{e}");
     }

@@ -123,7 +123,9 @@ pub async fn run_with(
     };
 
     let store = Store::new(&config.database, &config.relay.instance_id)?;
-    let Some((payload_kind, table_oid)) = prepare_schema(&store, &config, &health, &shutdown).await? else {
+    let Some((payload_kind, table_oid)) =
+        prepare_schema(&store, &config, &health, &shutdown).await?
+    else {
         return Ok(()); // shut down while waiting for the database
     };
     let publisher = match publisher {
@@ -161,7 +163,10 @@ pub async fn run_with(
         Arc::clone(&wake),
         background.clone(),
     )));
-    helpers.push(tokio::spawn(backlog_loop(store.clone(), background.clone())));
+    helpers.push(tokio::spawn(backlog_loop(
+        store.clone(),
+        background.clone(),
+    )));
     if !config.cleanup.retention.is_zero() {
         helpers.push(tokio::spawn(cleanup_loop(
             store.clone(),
@@ -232,56 +237,75 @@ async fn prepare_schema(
 /// NOTIFY; after a lost connection it reconnects, re-LISTENs and wakes the loop once so that
 /// nothing inserted meanwhile waits for the poll.
 async fn listen_loop(url: String, channel: String, wake: Arc<Notify>, shutdown: CancellationToken) {
-    use futures::StreamExt;
-    use tokio_postgres::AsyncMessage;
-
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     while !shutdown.is_cancelled() {
         let session = async {
             let pg = store::pg_config(&url)?;
-            let (client, mut conn) = pg.connect(tokio_postgres::NoTls).await?;
-            let (tx, mut closed) = tokio::sync::oneshot::channel::<Option<tokio_postgres::Error>>();
-            let wake_on_notify = Arc::clone(&wake);
-            tokio::spawn(async move {
-                let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
-                let mut err = None;
-                while let Some(msg) = messages.next().await {
-                    match msg {
-                        Ok(AsyncMessage::Notification(_)) => wake_on_notify.notify_one(),
-                        Ok(_) => {}
-                        Err(e) => {
-                            err = Some(e);
-                            break;
-                        }
-                    }
-                }
-                let _ = tx.send(err);
-            });
-            client.batch_execute(&format!("LISTEN \"{channel}\"")).await?;
-            tracing::debug!(%channel, "listening for NOTIFY");
-            wake.notify_one();
-            let ended = tokio::select! {
-                r = &mut closed => Some(r.ok().flatten()),
-                () = shutdown.cancelled() => None,
-            };
-            drop(client);
-            Ok::<_, StoreError>(ended)
+            if store::tls_required(&pg) {
+                listen_session(&pg, store::make_tls()?, &channel, &wake, &shutdown).await
+            } else {
+                listen_session(&pg, tokio_postgres::NoTls, &channel, &wake, &shutdown).await
+            }
         }
         .await;
+        let delay = backoff.next_delay();
         match session {
             Ok(None) => return,
             Ok(Some(err)) => {
-                let delay = backoff.next_delay();
-                tracing::warn!(error = ?err.map(|e| e.to_string()), retry_in = ?delay, "LISTEN connection lost; polling until it is back");
-                sleep_or(delay, &shutdown).await;
+                tracing::warn!(error = ?err, retry_in = ?delay, "LISTEN connection lost; polling until it is back");
             }
             Err(e) => {
-                let delay = backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?delay, "cannot LISTEN for notifications; polling meanwhile");
-                sleep_or(delay, &shutdown).await;
             }
         }
+        sleep_or(delay, &shutdown).await;
     }
+}
+
+/// One LISTEN connection: `Ok(None)` on shutdown, `Ok(Some(reason))` when it was lost.
+async fn listen_session<T>(
+    pg: &tokio_postgres::Config,
+    tls: T,
+    channel: &str,
+    wake: &Arc<Notify>,
+    shutdown: &CancellationToken,
+) -> Result<Option<String>, StoreError>
+where
+    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
+    T::Stream: Send + 'static,
+{
+    use futures::StreamExt;
+    use tokio_postgres::AsyncMessage;
+
+    let (client, mut conn) = pg.connect(tls).await?;
+    let (tx, mut closed) = tokio::sync::oneshot::channel::<String>();
+    let wake_on_notify = Arc::clone(wake);
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
+        let mut reason = "connection closed".to_owned();
+        while let Some(msg) = messages.next().await {
+            match msg {
+                Ok(AsyncMessage::Notification(_)) => wake_on_notify.notify_one(),
+                Ok(_) => {}
+                Err(e) => {
+                    reason = e.to_string();
+                    break;
+                }
+            }
+        }
+        let _ = tx.send(reason);
+    });
+    client
+        .batch_execute(&format!("LISTEN \"{channel}\""))
+        .await?;
+    tracing::debug!(%channel, "listening for NOTIFY");
+    wake.notify_one();
+    let ended = tokio::select! {
+        r = &mut closed => Some(r.unwrap_or_else(|_| "connection task ended".to_owned())),
+        () = shutdown.cancelled() => None,
+    };
+    drop(client);
+    Ok(ended)
 }
 
 async fn sleep_or(d: Duration, token: &CancellationToken) {

@@ -92,8 +92,9 @@ impl Which {
 }
 
 fn init_tracing(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,lapin=error,rdkafka=warn,tokio_postgres=warn"));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("info,lapin=error,rdkafka=warn,tokio_postgres=warn")
+    });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
@@ -117,7 +118,10 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("outbox-relay: cannot start the async runtime: {e}");
@@ -129,7 +133,9 @@ fn main() -> ExitCode {
             Command::Run => {
                 let shutdown = CancellationToken::new();
                 spawn_signal_handler(shutdown.clone());
-                outbox_relay::run(config, shutdown).await.map_err(anyhow::Error::from)
+                outbox_relay::run(config, shutdown)
+                    .await
+                    .map_err(anyhow::Error::from)
             }
             Command::Migrate { print } => cli::migrate(&config, print).await,
             Command::Check => cli::check(&config).await,

@@ -117,7 +117,10 @@ impl Relay {
         if in_flight > 0 {
             tracing::info!(batches = in_flight, "draining in-flight messages");
         }
-        if tokio::time::timeout(publish_deadline, tasks.wait()).await.is_err() {
+        if tokio::time::timeout(publish_deadline, tasks.wait())
+            .await
+            .is_err()
+        {
             tracing::warn!(
                 batches = tasks.len(),
                 "shutdown_timeout is near: handing back messages still waiting for the broker"
@@ -182,7 +185,10 @@ impl Relay {
             let limit = permit.num_permits();
 
             let mark = if cfg.ordering == Ordering::Aggregate {
-                match self.observe_watermark(&mut watermark, &mut last_blocking_warning).await {
+                match self
+                    .observe_watermark(&mut watermark, &mut last_blocking_warning)
+                    .await
+                {
                     Ok(w) => w,
                     Err(e) => {
                         drop(permit);
@@ -238,7 +244,12 @@ impl Relay {
         }
     }
 
-    async fn database_down(&self, e: &StoreError, backoff: &mut Backoff, shutdown: &CancellationToken) {
+    async fn database_down(
+        &self,
+        e: &StoreError,
+        backoff: &mut Backoff,
+        shutdown: &CancellationToken,
+    ) {
         let delay = backoff.next_delay();
         self.health.set_database(false);
         tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
@@ -453,7 +464,13 @@ async fn sleep_or_cancel(d: Duration, token: &CancellationToken) {
 }
 
 /// Hands expired leases back every `min(lease_timeout / 2, 30s)` until `shutdown`.
-pub async fn reclaim_loop(store: Store, lease: Duration, retry: RetryPolicy, wake: Arc<Notify>, shutdown: CancellationToken) {
+pub async fn reclaim_loop(
+    store: Store,
+    lease: Duration,
+    retry: RetryPolicy,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
     let period = (lease / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
     loop {
         match store.reclaim_expired(lease, retry.max_attempts).await {
@@ -494,9 +511,18 @@ mod tests {
 
     #[test]
     fn aggregate_chains_keep_seq_order_and_split_null_ids() {
-        let rows = vec![row(3, Some("a")), row(1, Some("a")), row(2, Some("b")), row(4, None), row(5, None)];
+        let rows = vec![
+            row(3, Some("a")),
+            row(1, Some("a")),
+            row(2, Some("b")),
+            row(4, None),
+            row(5, None),
+        ];
         let c = chains(rows, Ordering::Aggregate);
-        let seqs: Vec<Vec<i64>> = c.iter().map(|ch| ch.iter().map(|m| m.seq).collect()).collect();
+        let seqs: Vec<Vec<i64>> = c
+            .iter()
+            .map(|ch| ch.iter().map(|m| m.seq).collect())
+            .collect();
         assert_eq!(seqs, vec![vec![1, 3], vec![2], vec![4], vec![5]]);
     }
 

@@ -81,7 +81,10 @@ mod tests {
             assert_eq!(p.delay(attempts, 0.0), d.mul_f64(0.8));
             for i in 0..100 {
                 let x = p.delay(attempts, f64::from(i) / 100.0);
-                assert!(x <= d && x >= d.mul_f64(0.8), "{x:?} outside [{d:?}*0.8, {d:?}]");
+                assert!(
+                    x <= d && x >= d.mul_f64(0.8),
+                    "{x:?} outside [{d:?}*0.8, {d:?}]"
+                );
             }
         }
     }

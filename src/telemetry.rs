@@ -66,8 +66,8 @@ pub fn install() -> Option<PrometheusHandle> {
     HANDLE
         .get_or_init(|| {
             let latency = [
-                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                30.0, 60.0, 300.0,
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0, 300.0,
             ];
             let sizes = [1.0, 5.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0];
             PrometheusBuilder::new()
@@ -208,7 +208,10 @@ pub async fn serve(
 async fn metrics_handler(State(s): State<ServerState>) -> (StatusCode, String) {
     match &s.handle {
         Some(h) => (StatusCode::OK, h.render()),
-        None => (StatusCode::SERVICE_UNAVAILABLE, "metrics recorder not installed\n".into()),
+        None => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "metrics recorder not installed\n".into(),
+        ),
     }
 }
 

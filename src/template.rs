@@ -185,7 +185,10 @@ mod tests {
 
     #[test]
     fn rejects_unbalanced_braces_and_empty() {
-        assert_eq!(Template::parse("a.{event_type"), Err(TemplateError::Unclosed(2)));
+        assert_eq!(
+            Template::parse("a.{event_type"),
+            Err(TemplateError::Unclosed(2))
+        );
         assert_eq!(Template::parse("a}b"), Err(TemplateError::Unmatched(1)));
         assert_eq!(Template::parse(""), Err(TemplateError::Empty));
     }

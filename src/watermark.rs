@@ -109,7 +109,10 @@ mod tests {
         assert_eq!(m.observe(5, &w(&["100"]), t), 0);
         assert!(m.holding());
         // 100 still running, a new writer 101 appears, seq moved on.
-        assert_eq!(m.observe(8, &w(&["100", "101"]), t + Duration::from_secs(1)), 0);
+        assert_eq!(
+            m.observe(8, &w(&["100", "101"]), t + Duration::from_secs(1)),
+            0
+        );
         assert_eq!(m.lag(t + Duration::from_secs(2)), Duration::from_secs(2));
         // 100 ended: the first observation is final; the second still waits for 101.
         assert_eq!(m.observe(8, &w(&["101"]), t), 5);

@@ -59,9 +59,17 @@ pub fn row_headers(msg: &OutboxMessage) -> (Vec<(String, String)>, Option<String
         }
         Ok(other) => (
             Vec::new(),
-            Some(format!("headers is a JSON {} rather than an object; sent without row headers", json_kind(&other))),
+            Some(format!(
+                "headers is a JSON {} rather than an object; sent without row headers",
+                json_kind(&other)
+            )),
         ),
-        Err(e) => (Vec::new(), Some(format!("headers is not valid JSON ({e}); sent without row headers"))),
+        Err(e) => (
+            Vec::new(),
+            Some(format!(
+                "headers is not valid JSON ({e}); sent without row headers"
+            )),
+        ),
     }
 }
 
@@ -150,7 +158,11 @@ pub(crate) mod tests {
         assert_eq!(get("time"), Some("2026-01-02T03:04:05.000000Z"));
         let mut m = m;
         m.aggregate_id = None;
-        assert!(cloud_event_attributes(&m, &cfg).iter().all(|(k, _)| *k != "subject"));
+        assert!(
+            cloud_event_attributes(&m, &cfg)
+                .iter()
+                .all(|(k, _)| *k != "subject")
+        );
     }
 
     #[test]

@@ -59,7 +59,11 @@ pub struct KafkaPublisher {
 /// Property names whose values must never be logged.
 fn is_secret(key: &str) -> bool {
     let k = key.to_ascii_lowercase();
-    k.contains("password") || k.contains("secret") || k.ends_with(".key") || k.contains("key.pem") || k.contains("jaas")
+    k.contains("password")
+        || k.contains("secret")
+        || k.ends_with(".key")
+        || k.contains("key.pem")
+        || k.contains("jaas")
 }
 
 impl KafkaPublisher {
@@ -311,7 +315,10 @@ mod tests {
             RDKafkaErrorCode::TopicAuthorizationFailed,
             RDKafkaErrorCode::InvalidRecord,
         ] {
-            assert!(matches!(classify_error(&msg(c)), Outcome::Rejected(_)), "{c:?}");
+            assert!(
+                matches!(classify_error(&msg(c)), Outcome::Rejected(_)),
+                "{c:?}"
+            );
         }
         for c in [
             RDKafkaErrorCode::MessageTimedOut,
@@ -321,7 +328,10 @@ mod tests {
             RDKafkaErrorCode::RequestTimedOut,
             RDKafkaErrorCode::QueueFull,
         ] {
-            assert!(matches!(classify_error(&msg(c)), Outcome::Unavailable(_)), "{c:?}");
+            assert!(
+                matches!(classify_error(&msg(c)), Outcome::Unavailable(_)),
+                "{c:?}"
+            );
         }
     }
 

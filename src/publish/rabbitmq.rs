@@ -7,7 +7,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
@@ -106,15 +108,15 @@ fn exchange_kind(name: &str) -> ExchangeKind {
 pub fn classify_confirmation(confirmation: Confirmation) -> Outcome {
     match confirmation {
         Confirmation::Ack(None) => Outcome::Confirmed,
-        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => Outcome::Rejected(
-            format!(
+        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
+            Outcome::Rejected(format!(
                 "returned by the broker: {} {} (no queue bound for exchange {:?}, routing key {:?})",
                 returned.reply_code,
                 returned.reply_text,
                 returned.delivery.exchange.as_str(),
                 returned.delivery.routing_key.as_str()
-            ),
-        ),
+            ))
+        }
         Confirmation::Nack(None) => Outcome::Rejected("nacked by the broker".to_owned()),
         Confirmation::NotRequested => {
             Outcome::Unavailable("channel is not in confirm mode".to_owned())
@@ -153,7 +155,12 @@ impl Publisher for RabbitMqPublisher {
             Connection::connect(&self.cfg.url, props),
         )
         .await
-        .map_err(|_| ConnectError(format!("timed out connecting to {}", redact_url(&self.cfg.url))))?
+        .map_err(|_| {
+            ConnectError(format!(
+                "timed out connecting to {}",
+                redact_url(&self.cfg.url)
+            ))
+        })?
         .map_err(|e| fail("cannot connect to", e))?;
         let channel = conn
             .create_channel()
@@ -259,7 +266,10 @@ mod tests {
 
     #[test]
     fn plain_ack_is_confirmed_and_nack_rejected() {
-        assert_eq!(classify_confirmation(Confirmation::Ack(None)), Outcome::Confirmed);
+        assert_eq!(
+            classify_confirmation(Confirmation::Ack(None)),
+            Outcome::Confirmed
+        );
         assert!(matches!(
             classify_confirmation(Confirmation::Nack(None)),
             Outcome::Rejected(_)

@@ -22,10 +22,10 @@ use crate::config::{DatabaseConfig, Ordering, TableName};
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No connection could be had from the pool (database down, pool exhausted, timeout).
-    #[error("cannot get a database connection: {0}")]
+    #[error("cannot get a database connection: {}", chain(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     /// A statement failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", chain(.0))]
     Db(#[from] tokio_postgres::Error),
     /// The schema is missing or not what the relay expects.
     #[error("{0}")]
@@ -33,6 +33,22 @@ pub enum StoreError {
     /// The URL could not be turned into a pool.
     #[error("cannot build the connection pool: {0}")]
     Build(String),
+}
+
+/// An error and its causes, `outer: inner: innermost` (tokio-postgres hides the cause of
+/// connection and TLS failures behind a generic message).
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 impl StoreError {
@@ -70,7 +86,10 @@ impl<'a> FromSql<'a> for RawBytes {
     }
 
     fn accepts(ty: &Type) -> bool {
-        matches!(*ty, Type::JSONB | Type::JSON | Type::BYTEA | Type::TEXT | Type::VARCHAR)
+        matches!(
+            *ty,
+            Type::JSONB | Type::JSON | Type::BYTEA | Type::TEXT | Type::VARCHAR
+        )
     }
 }
 
@@ -317,12 +336,13 @@ impl Queries {
             ),
             // $1 the table's oid. Transactions that hold a lock on the table and may still commit
             // rows; the relay's own sessions (application_name outbox-relay…) never insert.
-            writers: "SELECT a.backend_xid::text, extract(epoch FROM now() - a.xact_start)::float8 \
+            writers:
+                "SELECT a.backend_xid::text, extract(epoch FROM now() - a.xact_start)::float8 \
                       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
                       WHERE l.locktype = 'relation' AND l.relation = $1 AND l.granted \
                         AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
                         AND a.application_name NOT LIKE 'outbox-relay%'"
-                .to_owned(),
+                    .to_owned(),
         }
     }
 }
@@ -343,13 +363,14 @@ impl Store {
     /// Builds the pool; connects lazily, so this succeeds while the database is down.
     pub fn new(cfg: &DatabaseConfig, instance_id: &str) -> Result<Self> {
         let pg = pg_config(&cfg.url)?;
-        let mgr = Manager::from_config(
-            pg,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let mgr_cfg = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let mgr = if tls_required(&pg) {
+            Manager::from_config(pg, make_tls()?, mgr_cfg)
+        } else {
+            Manager::from_config(pg, NoTls, mgr_cfg)
+        };
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
             .runtime(Runtime::Tokio1)
@@ -391,8 +412,11 @@ impl Store {
     pub async fn migrate(&self) -> Result<Vec<i32>> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
-        tx.execute("SELECT pg_advisory_xact_lock(hashtext('outbox-relay:migrate'))", &[])
-            .await?;
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('outbox-relay:migrate'))",
+            &[],
+        )
+        .await?;
         tx.batch_execute(schema::VERSION_TABLE_DDL).await?;
         let key = self.table.qualified();
         let current: i32 = tx
@@ -651,7 +675,9 @@ impl StatusCounts {
         self.processing += o.processing;
         self.sent += o.sent;
         self.failed += o.failed;
-        self.oldest_pending_age_seconds = self.oldest_pending_age_seconds.max(o.oldest_pending_age_seconds);
+        self.oldest_pending_age_seconds = self
+            .oldest_pending_age_seconds
+            .max(o.oldest_pending_age_seconds);
         self.blocked_aggregates += o.blocked_aggregates;
     }
 }
@@ -723,7 +749,11 @@ impl Store {
         for r in blocked {
             let ty: String = r.try_get(0)?;
             let n: i64 = r.try_get(1)?;
-            report.by_aggregate_type.entry(ty).or_default().blocked_aggregates = n;
+            report
+                .by_aggregate_type
+                .entry(ty)
+                .or_default()
+                .blocked_aggregates = n;
         }
         for c in report.by_aggregate_type.values() {
             report.overall.add(c);
@@ -781,6 +811,29 @@ impl Store {
         let rows = client.query(sql, &[&ids, &all]).await?;
         rows.iter().map(|r| Ok(r.try_get(0)?)).collect()
     }
+}
+
+/// Whether the URL asks for TLS (`sslmode=require`). `prefer` (libpq's default) connects
+/// without TLS, so a server with a self-signed certificate keeps working out of the box.
+pub fn tls_required(pg: &tokio_postgres::Config) -> bool {
+    pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require
+}
+
+/// TLS for `sslmode=require`: rustls, verifying the server against the system trust store.
+pub fn make_tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for cert in native.certs {
+        // A certificate the store cannot parse is skipped, as libpq would.
+        let _ = roots.add(cert);
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| StoreError::Build(format!("TLS setup failed: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
 /// Parses a libpq URL and names the session `outbox-relay` unless the URL names it.

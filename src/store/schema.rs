@@ -113,7 +113,9 @@ mod tests {
         assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.events ("));
         assert!(sql.contains("DEFAULT app.events_next_seq()"));
         assert!(sql.contains("OWNED BY app.events.seq"));
-        assert!(sql.contains("CREATE INDEX IF NOT EXISTS events_pending_idx\n    ON app.events (seq)"));
+        assert!(
+            sql.contains("CREATE INDEX IF NOT EXISTS events_pending_idx\n    ON app.events (seq)")
+        );
         assert!(sql.contains("pg_notify('app.events', '')"));
         assert!(sql.contains("DROP TRIGGER IF EXISTS events_notify ON app.events;"));
         assert!(sql.contains("CREATE TRIGGER events_notify\n    AFTER INSERT ON app.events"));
