@@ -26,4 +26,4 @@ if ! port_open 5672; then
     wait_port 5672 RabbitMQ 1200
 fi
 
-scripts/tansu.sh start memory
+scripts/tansu.sh start

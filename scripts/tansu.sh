@@ -2,15 +2,14 @@
 # Local Kafka-protocol broker for development and tests: tansu (crates.io, Apache-2.0).
 #
 #   scripts/tansu.sh install            build tansu once into the cache (about 15 min on 2 cores)
-#   scripts/tansu.sh start [memory|postgres]
-#                                            start it on 127.0.0.1:9092 (memory storage by default)
+#   scripts/tansu.sh start                 start it on 127.0.0.1:9092 (memory storage)
 #   scripts/tansu.sh stop | status
 #   scripts/tansu.sh topic NAME [PARTITIONS]   create a topic (tansu does not auto-create)
 #   scripts/tansu.sh path               print the tansu binary's path
 #
 # Environment: OUTBOX_RELAY_CACHE (default /var/cache/outbox-relay) holds the build, the log and
-# the pid file; TANSU_PORT (default 9092); TANSU_PG_URL for the postgres storage engine
-# (default postgres://postgres@127.0.0.1:5432/tansu, created if missing).
+# the pid file; TANSU_PORT (default 9092). Memory storage only: tansu's postgres engine needs a
+# schema that its crate does not ship, so a broker restart loses what it held.
 set -euo pipefail
 
 TANSU_VERSION=0.6.0
@@ -35,27 +34,18 @@ install() {
 }
 
 start() {
-    local storage=${1:-memory}
     install
     if port_open; then
         say "something already listens on 127.0.0.1:$PORT; assuming it is tansu"
         return 0
     fi
-    local engine="memory://tansu/"
-    if [ "$storage" = postgres ]; then
-        local url=${TANSU_PG_URL:-postgres://postgres@127.0.0.1:5432/tansu}
-        local db=${url##*/}
-        psql "${url%/*}/postgres" -tAc "SELECT 1 FROM pg_database WHERE datname = '$db'" | grep -q 1 \
-            || psql "${url%/*}/postgres" -qc "CREATE DATABASE \"$db\""
-        engine="$url"
-    fi
     mkdir -p "$CACHE"
     nohup "$BIN" broker --listener-url "tcp://127.0.0.1:$PORT" \
         --advertised-listener-url "tcp://127.0.0.1:$PORT" \
-        --storage-engine "$engine" >"$LOG" 2>&1 &
+        --storage-engine "memory://tansu/" >"$LOG" 2>&1 &
     echo $! >"$PIDFILE"
     for _ in $(seq 1 100); do
-        port_open && { say "tansu listening on 127.0.0.1:$PORT ($storage storage, log $LOG)"; return 0; }
+        port_open && { say "tansu listening on 127.0.0.1:$PORT (log $LOG)"; return 0; }
         sleep 0.1
     done
     say "tansu did not start; last log lines:"; tail -20 "$LOG" >&2; return 1
@@ -70,7 +60,7 @@ stop() {
 
 case "${1:-}" in
     install) install ;;
-    start) start "${2:-memory}" ;;
+    start) start ;;
     stop) stop ;;
     status) port_open && echo "tansu up on 127.0.0.1:$PORT" || { echo "tansu down"; exit 1; } ;;
     topic) "$BIN" topic create "$2" --partitions "${3:-3}" --broker "tcp://127.0.0.1:$PORT" ;;
