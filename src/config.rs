@@ -959,4 +959,29 @@ mod tests {
         assert_eq!(t.prefixed("_seq"), "app.outbox_seq");
         assert_eq!(t.channel(), "app.outbox");
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+            /// Arbitrary file contents load or fail with an error that names the problem;
+            /// they never panic.
+            #[test]
+            fn loader_never_panics(body in "(\\[[a-z.]{1,12}\\]\n|[a-z_]{1,12} = (\"[^\"\\\\]{0,12}\"|[0-9]{1,4}|true)\n){0,6}") {
+                match load_str(&body, &[]) {
+                    Ok(_) => {}
+                    Err(e) => prop_assert!(!e.to_string().is_empty()),
+                }
+            }
+
+            #[test]
+            fn table_names_are_identifiers_or_errors(raw in ".{0,80}") {
+                if let Ok(t) = TableName::parse(&raw) {
+                    prop_assert!(t.qualified().chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.'));
+                }
+            }
+        }
+    }
 }

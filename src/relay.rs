@@ -318,6 +318,8 @@ impl Relay {
                 out.push((msg, RowResult::HandBack));
                 continue;
             }
+            #[cfg(debug_assertions)]
+            crash_switch::check(&msg);
             let started = Instant::now();
             let outcome = tokio::select! {
                 o = self.publisher.publish(&msg) => o,
@@ -450,6 +452,29 @@ fn chains(rows: Vec<OutboxMessage>, ordering: Ordering) -> Vec<Vec<OutboxMessage
         chain.sort_by_key(|m| m.seq);
     }
     out
+}
+
+/// Fault injection for the crash-loop test, compiled into debug builds only: with
+/// `OUTBOX_RELAY_TEST_CRASH_HEADER=<name>` set, the process aborts when it is about to publish
+/// a row whose headers contain `<name>`, as a row that crashes the relay would.
+#[cfg(debug_assertions)]
+mod crash_switch {
+    use std::sync::OnceLock;
+
+    use crate::publish::envelope::row_headers;
+    use crate::store::OutboxMessage;
+
+    static HEADER: OnceLock<Option<String>> = OnceLock::new();
+
+    pub(super) fn check(msg: &OutboxMessage) {
+        let header = HEADER.get_or_init(|| std::env::var("OUTBOX_RELAY_TEST_CRASH_HEADER").ok());
+        if let Some(name) = header
+            && row_headers(msg).0.iter().any(|(k, _)| k == name)
+        {
+            eprintln!("test crash switch: aborting before publishing row {}", msg.id);
+            std::process::abort();
+        }
+    }
 }
 
 fn u32_of(n: usize) -> u32 {

@@ -105,4 +105,35 @@ mod tests {
         assert!(p.exhausted(12));
         assert!(p.exhausted(13));
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #[test]
+            fn delay_is_capped_jittered_and_monotone_in_its_ceiling(
+                base_ms in 1u64..10_000,
+                extra_ms in 0u64..1_000_000,
+                jitter in 0.0f64..=1.0,
+                attempts in 0u32..100,
+                unit in 0.0f64..1.0,
+            ) {
+                let p = RetryPolicy {
+                    base_delay: Duration::from_millis(base_ms),
+                    max_delay: Duration::from_millis(base_ms + extra_ms),
+                    max_attempts: 12,
+                    jitter,
+                };
+                let ceiling = p.ceiling(attempts);
+                prop_assert!(ceiling <= p.max_delay);
+                prop_assert!(ceiling >= p.base_delay.min(p.max_delay));
+                prop_assert!(p.ceiling(attempts + 1) >= ceiling);
+                let d = p.delay(attempts, unit);
+                prop_assert!(d <= ceiling);
+                // Allow a nanosecond of float rounding at the lower bound.
+                prop_assert!(d + Duration::from_nanos(1) >= ceiling.mul_f64(1.0 - jitter));
+            }
+        }
+    }
 }

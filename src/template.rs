@@ -192,4 +192,26 @@ mod tests {
         assert_eq!(Template::parse("a}b"), Err(TemplateError::Unmatched(1)));
         assert_eq!(Template::parse(""), Err(TemplateError::Empty));
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            /// Any input either parses or is rejected with an error; never a panic.
+            #[test]
+            fn parse_never_panics(src in ".{0,64}") {
+                if let Ok(t) = Template::parse(&src) {
+                    let _ = t.render(&FIELDS);
+                }
+            }
+
+            /// Literal text without braces renders as itself; placeholders render their values.
+            #[test]
+            fn literals_round_trip(prefix in "[a-z.\\-]{0,12}", suffix in "[a-z.\\-]{0,12}") {
+                let t = Template::parse(&format!("{prefix}{{aggregate_type}}{suffix}")).unwrap();
+                prop_assert_eq!(t.render(&FIELDS), format!("{prefix}order{suffix}"));
+            }
+        }
+    }
 }

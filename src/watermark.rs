@@ -142,4 +142,64 @@ mod tests {
         assert_eq!(m.observe(1000, &[], t), 1000);
         assert_eq!(m.observe(900, &[], t), 1000);
     }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Step {
+            Begin,
+            Draw(usize),
+            End(usize),
+            Observe,
+        }
+
+        fn step() -> impl Strategy<Value = Step> {
+            prop_oneof![
+                Just(Step::Begin),
+                (0usize..8).prop_map(Step::Draw),
+                (0usize..8).prop_map(Step::End),
+                Just(Step::Observe),
+            ]
+        }
+
+        proptest! {
+            /// Model: writers take the table lock when they begin, draw seqs while running and
+            /// may commit any of them later. The watermark must never reach a seq that a
+            /// running writer could still commit, and must catch up once nobody writes.
+            #[test]
+            fn never_passes_a_running_writer(steps in proptest::collection::vec(step(), 1..200)) {
+                let mut m = Watermark::new();
+                let mut next_seq = 0i64;
+                let mut next_xid = 0u32;
+                // running writers: (xid, seqs drawn)
+                let mut running: Vec<(u32, Vec<i64>)> = Vec::new();
+                let t = Instant::now();
+                for s in steps {
+                    match s {
+                        Step::Begin => { next_xid += 1; running.push((next_xid, Vec::new())); }
+                        Step::Draw(i) if !running.is_empty() => {
+                            next_seq += 1;
+                            let k = i % running.len();
+                            running[k].1.push(next_seq);
+                        }
+                        Step::End(i) if !running.is_empty() => { running.remove(i % running.len()); }
+                        Step::Observe => {
+                            let writers: Vec<String> = running.iter().map(|(x, _)| x.to_string()).collect();
+                            let w = m.observe(next_seq, &writers, t);
+                            for (xid, seqs) in &running {
+                                for s in seqs {
+                                    prop_assert!(*s > w, "watermark {w} passed seq {s} of running writer {xid}");
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                running.clear();
+                prop_assert_eq!(m.observe(next_seq, &[], t), next_seq);
+            }
+        }
+    }
 }
