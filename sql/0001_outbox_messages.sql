@@ -50,6 +50,9 @@ CREATE INDEX IF NOT EXISTS outbox_messages_aggregate_idx
 -- Lease reclaim of rows a dead relay left in processing.
 CREATE INDEX IF NOT EXISTS outbox_messages_processing_idx
     ON outbox_messages (locked_at) WHERE status = 'processing';
+-- Rows reclaimed from a relay that died holding them: claimed one at a time (see the relay).
+CREATE INDEX IF NOT EXISTS outbox_messages_suspect_idx
+    ON outbox_messages (seq) WHERE status = 'pending' AND last_error LIKE 'lease expired:%';
 -- Dead letters.
 CREATE INDEX IF NOT EXISTS outbox_messages_failed_idx
     ON outbox_messages (seq) WHERE status = 'failed';

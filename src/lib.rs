@@ -320,7 +320,10 @@ async fn backlog_loop(store: Store, shutdown: CancellationToken) {
     loop {
         match store.backlog().await {
             Ok(b) => telemetry::record_backlog(&b),
-            Err(e) => tracing::debug!(error = %e, "backlog gauges not refreshed"),
+            Err(e) if e.is_connection() => {
+                tracing::debug!(error = %e, "backlog gauges not refreshed")
+            }
+            Err(e) => tracing::warn!(error = %e, "backlog gauges not refreshed"),
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(5)) => {}
@@ -343,7 +346,11 @@ async fn cleanup_loop(store: Store, cfg: config::CleanupConfig, shutdown: Cancel
                     }
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, "retention cleanup skipped");
+                    if e.is_connection() {
+                        tracing::debug!(error = %e, "retention cleanup skipped");
+                    } else {
+                        tracing::warn!(error = %e, "retention cleanup failed");
+                    }
                     break;
                 }
             }

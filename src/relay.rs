@@ -200,6 +200,31 @@ impl Relay {
                 i64::MAX
             };
 
+            // A row reclaimed from a relay that died goes out alone first: if it is what killed
+            // that relay, only its own attempts are spent.
+            match self.store.claim_suspect(mark).await {
+                Ok(Some(row)) => {
+                    tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
+                    let mut permit = permit;
+                    let one = permit.split(1);
+                    drop(permit);
+                    if let Some(one) = one {
+                        let relay = Arc::clone(self);
+                        let hard_stop = hard_stop.clone();
+                        tasks.spawn(
+                            async move { relay.process_batch(vec![row], one, hard_stop).await },
+                        );
+                    }
+                    continue;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    drop(permit);
+                    self.database_down(&e, &mut db_backoff, shutdown).await;
+                    continue;
+                }
+            }
+
             let rows = match self.store.claim(cfg.ordering, limit, mark).await {
                 Ok(rows) => rows,
                 Err(e) => {
@@ -471,7 +496,10 @@ mod crash_switch {
         if let Some(name) = header
             && row_headers(msg).0.iter().any(|(k, _)| k == name)
         {
-            eprintln!("test crash switch: aborting before publishing row {}", msg.id);
+            eprintln!(
+                "test crash switch: aborting before publishing row {}",
+                msg.id
+            );
             std::process::abort();
         }
     }
@@ -505,7 +533,7 @@ pub async fn reclaim_loop(
                 telemetry::record_dead_lettered(dead);
                 wake.notify_one();
             }
-            Err(e) => tracing::debug!(error = %e, "lease reclaim skipped"),
+            Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),
         }
         tokio::select! {
             () = tokio::time::sleep(period) => {}

@@ -166,6 +166,11 @@ pub struct WriterSnapshot {
     pub oldest_writer_age: Option<f64>,
 }
 
+/// `last_error` prefix of rows reclaimed from a relay that died while holding them.
+const SUSPECT: &str = "lease expired:";
+const NOT_SUSPECT: &str = "(last_error IS NULL OR last_error NOT LIKE 'lease expired:%')";
+const NOT_SUSPECT_C: &str = "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')";
+
 const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_type, t.payload, \
                          t.headers, t.destination, t.attempts, t.created_at";
 
@@ -173,6 +178,7 @@ const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_
 #[derive(Debug, Clone)]
 struct Queries {
     claim_none: String,
+    claim_suspect: String,
     claim_aggregate: String,
     mark_sent: String,
     delete_sent: String,
@@ -199,11 +205,28 @@ impl Queries {
             claim_none: format!(
                 "WITH cand AS ( \
                    SELECT id FROM {t} \
-                   WHERE status = 'pending' AND available_at <= now() \
+                   WHERE status = 'pending' AND available_at <= now() AND {NOT_SUSPECT} \
                    ORDER BY seq LIMIT $1 \
                    FOR UPDATE SKIP LOCKED) \
                  UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
                    locked_by = $2, locked_at = now() \
+                 FROM cand WHERE t.id = cand.id \
+                 RETURNING {RETURNING}"
+            ),
+            // One row that was held by a relay that died (a suspect of the crash), claimed on its
+            // own so that a row which kills the relay spends only its own attempts, never those
+            // of rows that happened to share its batch. $1 instance id, $2 watermark.
+            claim_suspect: format!(
+                "WITH cand AS ( \
+                   SELECT c.id FROM {t} c \
+                   WHERE c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
+                     AND (c.aggregate_id IS NULL OR (c.seq <= $2 AND NOT EXISTS ( \
+                       SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
+                         AND e.aggregate_id = c.aggregate_id AND e.status <> 'sent' AND e.seq < c.seq))) \
+                   ORDER BY c.seq LIMIT 1 \
+                   FOR UPDATE OF c SKIP LOCKED) \
+                 UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+                   locked_by = $1, locked_at = now() \
                  FROM cand WHERE t.id = cand.id \
                  RETURNING {RETURNING}"
             ),
@@ -220,7 +243,7 @@ impl Queries {
             claim_aggregate: format!(
                 "WITH cand AS ( \
                    SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id FROM {t} c \
-                   WHERE c.status = 'pending' AND c.available_at <= now() \
+                   WHERE c.status = 'pending' AND c.available_at <= now() AND {NOT_SUSPECT_C} \
                      AND (c.aggregate_id IS NULL OR (c.seq <= $3 AND ( \
                        SELECT h.status = 'pending' AND h.available_at <= now() FROM {t} h \
                        WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
@@ -277,9 +300,9 @@ impl Queries {
             reclaim: format!(
                 "UPDATE {t} SET \
                    status = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
-                   last_error = 'lease expired: relay ' || coalesce(locked_by, '?') || ' stopped while holding the row', \
-                   locked_by = NULL, locked_at = NULL \
-                 WHERE status = 'processing' AND locked_at < now() - $1 * interval '1 millisecond' \
+                   last_error = '{SUSPECT} relay ' || coalesce(locked_by, '?') || ' stopped while holding the row', \
+                   available_at = now(), locked_by = NULL, locked_at = NULL \
+                 WHERE status = 'processing' AND locked_at < now() - $1::bigint * interval '1 millisecond' \
                  RETURNING id, status"
             ),
             status: format!(
@@ -315,7 +338,7 @@ impl Queries {
             // $1 retention (ms), $2 batch size. Short statements: no long locks on the table.
             cleanup: format!(
                 "DELETE FROM {t} WHERE id IN ( \
-                   SELECT id FROM {t} WHERE status = 'sent' AND sent_at < now() - $1 * interval '1 millisecond' \
+                   SELECT id FROM {t} WHERE status = 'sent' AND sent_at < now() - $1::bigint * interval '1 millisecond' \
                    ORDER BY sent_at LIMIT $2)"
             ),
             last_seq: format!("SELECT last_value, is_called FROM {seq}"),
@@ -506,23 +529,21 @@ impl Store {
         };
         let mut out = rows
             .iter()
-            .map(|r| {
-                Ok(OutboxMessage {
-                    id: r.try_get(0)?,
-                    seq: r.try_get(1)?,
-                    aggregate_type: r.try_get(2)?,
-                    aggregate_id: r.try_get(3)?,
-                    event_type: r.try_get(4)?,
-                    payload: r.try_get::<_, RawBytes>(5)?.0,
-                    headers: r.try_get::<_, RawBytes>(6)?.0,
-                    destination: r.try_get(7)?,
-                    attempts: r.try_get(8)?,
-                    created_at: r.try_get(9)?,
-                })
-            })
+            .map(message_of)
             .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
         out.sort_unstable_by_key(|m| m.seq);
         Ok(out)
+    }
+
+    /// Claims one row that a dead relay held (see `SUSPECT`), if any is ready; it is then
+    /// published in a batch of its own.
+    pub async fn claim_suspect(&self, watermark: i64) -> Result<Option<OutboxMessage>> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.claim_suspect).await?;
+        let row = client
+            .query_opt(&stmt, &[&self.instance_id, &watermark])
+            .await?;
+        Ok(row.as_ref().map(message_of).transpose()?)
     }
 
     /// Marks confirmed rows `sent`, or deletes them when `delete` (retention 0).
@@ -811,6 +832,21 @@ impl Store {
         let rows = client.query(sql, &[&ids, &all]).await?;
         rows.iter().map(|r| Ok(r.try_get(0)?)).collect()
     }
+}
+
+fn message_of(r: &tokio_postgres::Row) -> Result<OutboxMessage, tokio_postgres::Error> {
+    Ok(OutboxMessage {
+        id: r.try_get(0)?,
+        seq: r.try_get(1)?,
+        aggregate_type: r.try_get(2)?,
+        aggregate_id: r.try_get(3)?,
+        event_type: r.try_get(4)?,
+        payload: r.try_get::<_, RawBytes>(5)?.0,
+        headers: r.try_get::<_, RawBytes>(6)?.0,
+        destination: r.try_get(7)?,
+        attempts: r.try_get(8)?,
+        created_at: r.try_get(9)?,
+    })
 }
 
 /// Whether the URL asks for TLS (`sslmode=require`). `prefer` (libpq's default) connects
