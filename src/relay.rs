@@ -154,7 +154,11 @@ impl Relay {
         while !shutdown.is_cancelled() {
             if !self.publisher.is_connected() {
                 self.health.set_broker(false);
-                match self.publisher.connect().await {
+                let connected = tokio::select! {
+                    r = self.publisher.connect() => r,
+                    () = shutdown.cancelled() => break,
+                };
+                match connected {
                     Ok(()) => {
                         tracing::info!(publisher = %self.publisher.describe(), "connected to the broker");
                         self.health.set_broker(true);
