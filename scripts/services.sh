@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Starts what the relay and its tests need on a development machine, idempotently:
-# PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672) and tansu, a Kafka-protocol broker
-# (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time).
+# PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
+# (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
+# and Prometheus's promtool for the deploy/ checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +25,13 @@ if ! port_open 5672; then
     say "starting RabbitMQ"
     rabbitmq-server -detached
     wait_port 5672 RabbitMQ 1200
+fi
+
+# tests/deploy.rs runs promtool and tests/ops.rs a real Prometheus (Debian's `prometheus`).
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    say "installing prometheus (promtool) from Debian's packages"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
 fi
 
 scripts/tansu.sh start

@@ -785,6 +785,7 @@ mod tests {
     use super::*;
 
     /// Loads `toml` as `--config` with `env` set, inside a figment jail (own cwd and env).
+    #[allow(clippy::result_large_err)] // figment::Jail's closure returns figment::Error
     fn load_str(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
         let mut out = None;
         figment::Jail::expect_with(|jail| {

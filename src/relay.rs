@@ -242,10 +242,10 @@ impl Relay {
             }
             self.health.set_database(true);
             db_backoff = reconnect_backoff();
-            telemetry::record_claim(rows.len());
-
             let full = rows.len() == limit;
             if !rows.is_empty() {
+                // Idle polls are not claims: recording them would bury the batch sizes in zeros.
+                telemetry::record_claim(rows.len());
                 let mut permit = permit;
                 if !full {
                     // Give back the part of the window the claim did not use.

@@ -1,0 +1,635 @@
+//! `outbox-bench`: measures the relay against the ceilings of its parts, in one run, so that
+//! every figure can be quoted as a ratio measured on the same (noisy) machine.
+//!
+//! ```text
+//! cargo build --release --bins
+//! target/release/outbox-bench [--rows N] [--quick] [--only db,broker,naive,relay,latency,claim] [--json-only]
+//! ```
+//!
+//! Phases (each on fresh `bench_<phase>_<run id>` tables, exchanges, queues and topics, removed
+//! afterwards unless `--keep`):
+//! 1. `db`: the relay's own claim + settle loop (`run_with`, in process) with a no-op publisher.
+//! 2. `broker`: the relay's publishers alone, N synthetic messages, ≤1000 in flight.
+//! 3. `naive`: the blog-post loop (SKIP LOCKED LIMIT 50 by created_at, confirm and UPDATE per row).
+//! 4. `relay`: the `outbox-relay` binary draining N rows, ordering none/aggregate × RabbitMQ/Kafka.
+//! 5. `latency`: commit → consumer receive at a steady insert rate, NOTIFY on and off.
+//! 6. peak RSS of the relay processes of 4 and 5.
+//! 7. `claim`: EXPLAIN (ANALYZE, BUFFERS) of the claim on 10k and 5M-row (99 % sent) tables.
+//!
+//! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
+//! See `benches/README.md`.
+
+#[path = "outbox-bench/phases.rs"]
+mod phases;
+#[path = "outbox-bench/util.rs"]
+mod util;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use clap::{Parser, ValueEnum};
+use outbox_relay::config::{Config, RawConfig};
+use outbox_relay::store::Store;
+use serde_json::{Map, Value, json};
+use tokio_postgres::Client;
+
+use crate::util::{Rabbit, create_topic, delete_topic, drop_table, pg_connect, scratch_dir};
+
+/// Throughput, latency and claim-cost benchmark of outbox-relay against its ceilings.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "outbox-bench", version, about)]
+struct Args {
+    /// Rows (or messages) per throughput phase [default: 100000; 10000 with --quick].
+    #[arg(long)]
+    rows: Option<usize>,
+    /// Short run: 10,000 rows, naive loop 2,000 rows, latency 200/s for 5 s, no claim phase.
+    #[arg(long)]
+    quick: bool,
+    /// Only these phases (comma-separated); the claim phase runs only when named here.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<Phase>,
+    /// Print only the JSON line on stdout (plans and table go nowhere; progress still on stderr).
+    #[arg(long)]
+    json_only: bool,
+    /// PostgreSQL URL (the tables are created there).
+    #[arg(long, env = "BENCH_DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    database_url: String,
+    /// RabbitMQ URL.
+    #[arg(long, env = "BENCH_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    amqp_url: String,
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "BENCH_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    kafka_brokers: String,
+    /// The tansu binary, used to create and delete topics (tansu does not auto-create them).
+    #[arg(long, env = "BENCH_TANSU", default_value = "/var/cache/outbox-relay/tansu/bin/tansu")]
+    tansu: PathBuf,
+    /// Rows the naive loop drains out of the N-row backlog [default: min(N, 20000); 2000 with --quick].
+    #[arg(long)]
+    naive_rows: Option<usize>,
+    /// Latency phase insert rate, rows/s [default: 1000; 200 with --quick].
+    #[arg(long)]
+    latency_rate: Option<u32>,
+    /// Latency phase duration, seconds [default: 10; 5 with --quick].
+    #[arg(long)]
+    latency_secs: Option<u64>,
+    /// Rows of the large table of the claim phase (99 % of them sent).
+    #[arg(long, default_value_t = 5_000_000)]
+    claim_rows: usize,
+    /// Distinct aggregate ids in the backlog tables.
+    #[arg(long, default_value_t = 1000)]
+    aggregates: usize,
+    /// Extra environment for the relay processes (KEY=VALUE, repeatable), e.g.
+    /// RELAY_RELAY__MAX_IN_FLIGHT=4000. Recorded in the JSON.
+    #[arg(long = "relay-env", value_name = "KEY=VALUE")]
+    relay_env: Vec<String>,
+    /// Give up a drain after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout: u64,
+    /// Keep the tables, queues, exchanges and topics.
+    #[arg(long)]
+    keep: bool,
+    /// Profile each relay drain with `perf record -e cpu-clock` (files kept in the scratch dir).
+    #[arg(long)]
+    perf: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Phase {
+    /// 1. DB ceiling.
+    Db,
+    /// 2. Broker ceilings.
+    Broker,
+    /// 3. Naive loop.
+    Naive,
+    /// 4. Relay process drains (4 runs).
+    Relay,
+    /// 5. Latency.
+    Latency,
+    /// 7. Claim cost.
+    Claim,
+}
+
+/// What the phases create, removed after each phase (and at exit, whatever happened).
+#[derive(Default)]
+struct Resources {
+    tables: Vec<String>,
+    bindings: Vec<String>,
+    topics: Vec<String>,
+}
+
+/// One row of the readable table.
+struct Figure {
+    phase: String,
+    label: String,
+    value: f64,
+    unit: String,
+}
+
+/// Everything measured.
+#[derive(Default)]
+struct Report {
+    figures: Vec<Figure>,
+    json: Map<String, Value>,
+    details: Map<String, Value>,
+    notes: Vec<String>,
+    errors: Vec<String>,
+    plans: Vec<(String, String)>,
+}
+
+impl Report {
+    fn figure(&mut self, phase: &str, key: &str, label: &str, value: f64, unit: &str) {
+        self.figures.push(Figure {
+            phase: phase.to_owned(),
+            label: label.to_owned(),
+            value,
+            unit: unit.to_owned(),
+        });
+        self.json.insert(key.to_owned(), num(value));
+    }
+
+    fn detail(&mut self, key: &str, value: Value) {
+        self.details.insert(key.to_owned(), value);
+    }
+
+    fn note(&mut self, note: String) {
+        self.notes.push(note);
+    }
+
+    fn plan(&mut self, title: &str, plan: &str) {
+        self.plans.push((title.to_owned(), plan.to_owned()));
+    }
+
+    fn get(&self, key: &str) -> Option<f64> {
+        self.json.get(key).and_then(Value::as_f64)
+    }
+}
+
+fn num(v: f64) -> Value {
+    if v.is_finite() {
+        json!((v * 1000.0).round() / 1000.0)
+    } else {
+        Value::Null
+    }
+}
+
+/// The run's settings, connections, resources and report.
+struct Ctx {
+    args: Args,
+    rows: usize,
+    naive_rows: usize,
+    lat_rate: u32,
+    lat_secs: u64,
+    run_id: String,
+    t0: Instant,
+    dir: PathBuf,
+    relay_bin: PathBuf,
+    pg: Client,
+    rabbit: Option<Rabbit>,
+    res: Resources,
+    report: Report,
+    peak_rss_kib: u64,
+    extra_env: Vec<(String, String)>,
+}
+
+impl Ctx {
+    fn progress(&self, msg: impl AsRef<str>) {
+        eprintln!("[{:>7.1}s] {}", self.t0.elapsed().as_secs_f64(), msg.as_ref());
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs(self.args.timeout)
+    }
+
+    /// A validated configuration for `table` (defaults, the bench's URLs, no metrics server).
+    fn config(&self, table: &str, tweak: impl FnOnce(&mut RawConfig)) -> Result<Config> {
+        let mut raw = RawConfig::default();
+        raw.database.url = self.args.database_url.clone();
+        raw.database.table = table.to_owned();
+        raw.database.auto_migrate = false;
+        raw.relay.instance_id = Some(format!("outbox-bench-{}", std::process::id()));
+        raw.metrics.listen = String::new();
+        raw.publisher.rabbitmq.url = self.args.amqp_url.clone();
+        raw.publisher.kafka.brokers = self.args.kafka_brokers.clone();
+        tweak(&mut raw);
+        raw.validate().map_err(|e| anyhow!("bench configuration: {e}"))
+    }
+
+    /// Creates `bench_<tag>_<run id>` with the library's migration.
+    async fn new_table(&mut self, tag: &str) -> Result<String> {
+        let table = format!("bench_{tag}_{}", self.run_id);
+        let config = self.config(&table, |_| {})?;
+        let store = Store::new(&config.database, "outbox-bench")?;
+        self.res.tables.push(table.clone());
+        store
+            .migrate()
+            .await
+            .with_context(|| format!("cannot migrate {table}"))?;
+        Ok(table)
+    }
+
+    /// A fresh durable topic exchange bound to a fresh durable queue (same name).
+    async fn new_binding(&mut self, tag: &str) -> Result<String> {
+        let name = format!("bench_{tag}_{}", self.run_id);
+        self.res.bindings.push(name.clone());
+        self.rabbit().await?.binding(&name).await?;
+        Ok(name)
+    }
+
+    /// A fresh 3-partition topic.
+    async fn new_topic(&mut self, tag: &str) -> Result<String> {
+        let name = format!("bench_{tag}_{}", self.run_id);
+        self.res.topics.push(name.clone());
+        create_topic(&self.args.tansu, &self.args.kafka_brokers, &name, 3).await?;
+        Ok(name)
+    }
+
+    async fn rabbit(&mut self) -> Result<&Rabbit> {
+        let stale = self
+            .rabbit
+            .as_ref()
+            .is_none_or(|r| !r.connection().status().connected());
+        if stale {
+            self.rabbit = Some(Rabbit::connect(&self.args.amqp_url).await?);
+        }
+        self.rabbit
+            .as_ref()
+            .ok_or_else(|| anyhow!("no RabbitMQ connection"))
+    }
+
+    /// The relay's environment for `table` (the caller adds publisher and ordering).
+    fn relay_env(&self, table: &str) -> Vec<(String, String)> {
+        [
+            ("RELAY_DATABASE__URL", self.args.database_url.as_str()),
+            ("RELAY_DATABASE__TABLE", table),
+            ("RELAY_DATABASE__AUTO_MIGRATE", "false"),
+            ("RELAY_METRICS__LISTEN", ""),
+            ("RELAY_PUBLISHER__RABBITMQ__URL", self.args.amqp_url.as_str()),
+            ("RELAY_PUBLISHER__KAFKA__BROKERS", self.args.kafka_brokers.as_str()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    }
+
+    /// Removes everything created so far (unless `--keep`).
+    async fn cleanup(&mut self) {
+        let res = std::mem::take(&mut self.res);
+        if self.args.keep {
+            return;
+        }
+        for t in &res.tables {
+            if let Err(e) = drop_table(&self.pg, t).await {
+                eprintln!("warning: cannot drop table {t}: {e:#}");
+            }
+        }
+        for b in &res.bindings {
+            let deleted = match self.rabbit().await {
+                Ok(r) => r.delete(b).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = deleted {
+                eprintln!("warning: cannot delete RabbitMQ queue/exchange {b}: {e:#}");
+            }
+        }
+        for t in &res.topics {
+            if let Err(e) = delete_topic(&self.args.tansu, &self.args.kafka_brokers, t).await {
+                eprintln!("warning: cannot delete topic {t}: {e:#}");
+            }
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("BENCH_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("outbox-bench: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(main_async(args)) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("outbox-bench: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn main_async(args: Args) -> Result<ExitCode> {
+    let mut ctx = setup(args).await?;
+    let interrupted = {
+        let mut signals = Signals::new()?;
+        tokio::select! {
+            () = run(&mut ctx) => false,
+            sig = signals.recv() => {
+                eprintln!("outbox-bench: {sig}: stopping and cleaning up");
+                true
+            }
+        }
+    };
+    // The phase future is dropped here: relay children are killed (kill_on_drop) and the
+    // in-process loop is cancelled (drop guard). Now remove tables, queues and topics.
+    ctx.cleanup().await;
+    if interrupted {
+        return Ok(ExitCode::from(130));
+    }
+    finish(&mut ctx);
+    if ctx.args.keep || ctx.args.perf {
+        eprintln!("outbox-bench: logs kept in {}", ctx.dir.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&ctx.dir);
+    }
+    Ok(if ctx.report.errors.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+struct Signals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    async fn recv(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
+async fn setup(args: Args) -> Result<Ctx> {
+    let rows = args.rows.unwrap_or(if args.quick { 10_000 } else { 100_000 });
+    if rows == 0 {
+        bail!("--rows must be at least 1");
+    }
+    let naive_rows = args
+        .naive_rows
+        .unwrap_or(if args.quick { 2_000 } else { 20_000 })
+        .min(rows);
+    let lat_rate = args.latency_rate.unwrap_or(if args.quick { 200 } else { 1000 });
+    let lat_secs = args.latency_secs.unwrap_or(if args.quick { 5 } else { 10 });
+    let mut extra_env = Vec::new();
+    for kv in &args.relay_env {
+        let (k, v) = kv
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--relay-env {kv:?}: expected KEY=VALUE"))?;
+        if !k.starts_with("RELAY_") {
+            bail!("--relay-env {kv:?}: the name must start with RELAY_");
+        }
+        extra_env.push((k.to_owned(), v.to_owned()));
+    }
+    let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let relay_bin = std::env::current_exe()?.with_file_name("outbox-relay");
+    let needs_relay = args.only.is_empty()
+        || args.only.contains(&Phase::Relay)
+        || args.only.contains(&Phase::Latency);
+    if needs_relay && !relay_bin.is_file() {
+        bail!(
+            "{} not found: build both binaries with `cargo build --release --bins`",
+            relay_bin.display()
+        );
+    }
+    let pg = pg_connect(&args.database_url).await?;
+    let dir = scratch_dir(&run_id)?;
+    Ok(Ctx {
+        rows,
+        naive_rows,
+        lat_rate,
+        lat_secs,
+        run_id,
+        t0: Instant::now(),
+        dir,
+        relay_bin,
+        pg,
+        rabbit: None,
+        res: Resources::default(),
+        report: Report::default(),
+        peak_rss_kib: 0,
+        extra_env,
+        args,
+    })
+}
+
+async fn run(ctx: &mut Ctx) {
+    let selected = |p: Phase| {
+        if ctx.args.only.is_empty() {
+            !(p == Phase::Claim && ctx.args.quick)
+        } else {
+            ctx.args.only.contains(&p)
+        }
+    };
+    let plan: Vec<Phase> = [
+        Phase::Db,
+        Phase::Broker,
+        Phase::Naive,
+        Phase::Relay,
+        Phase::Latency,
+        Phase::Claim,
+    ]
+    .into_iter()
+    .filter(|p| selected(*p))
+    .collect();
+    ctx.progress(format!(
+        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}",
+        ctx.run_id,
+        ctx.rows,
+        ctx.naive_rows,
+        ctx.lat_rate,
+        ctx.lat_secs,
+        plan,
+        if ctx.extra_env.is_empty() {
+            String::new()
+        } else {
+            format!(", relay env {:?}", ctx.extra_env)
+        }
+    ));
+    for phase in plan {
+        let name = format!("{phase:?}").to_lowercase();
+        ctx.progress(format!("phase {name}: started"));
+        let started = Instant::now();
+        let result = match phase {
+            Phase::Db => phases::db_ceiling(ctx).await,
+            Phase::Broker => phases::broker_ceiling(ctx).await,
+            Phase::Naive => phases::naive(ctx).await,
+            Phase::Relay => phases::relay_runs(ctx).await,
+            Phase::Latency => phases::latency(ctx).await,
+            Phase::Claim => phases::claim(ctx).await,
+        };
+        ctx.cleanup().await;
+        let secs = started.elapsed().as_secs_f64();
+        ctx.report
+            .details
+            .entry("phase_seconds")
+            .or_insert_with(|| json!({}))
+            .as_object_mut()
+            .map(|m| m.insert(name.clone(), num(secs)));
+        match result {
+            Ok(()) => ctx.progress(format!("phase {name}: finished in {secs:.1} s")),
+            Err(e) => {
+                ctx.progress(format!("phase {name}: FAILED after {secs:.1} s: {e:#}"));
+                ctx.report.errors.push(format!("{name}: {e:#}"));
+            }
+        }
+    }
+}
+
+/// Ratios, peak RSS, then the plans, the table and the JSON line.
+fn finish(ctx: &mut Ctx) {
+    if ctx.peak_rss_kib > 0 {
+        let mib = ctx.peak_rss_kib as f64 / 1024.0;
+        ctx.report.figure(
+            "6 memory",
+            "relay_peak_rss_mib",
+            "relay peak RSS (VmHWM), max over relay processes",
+            mib,
+            "MiB",
+        );
+    }
+    let r = &ctx.report;
+    let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => Some(a / b),
+        _ => None,
+    };
+    let rmq_none = r.get("relay_rabbitmq_none_msgs_per_s");
+    let kafka_none = r.get("relay_kafka_none_msgs_per_s");
+    let db = r.get("db_ceiling_rows_per_s");
+    let rmq_ceiling = r.get("rabbitmq_ceiling_msgs_per_s");
+    let min_ceiling = match (db, rmq_ceiling) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        _ => None,
+    };
+    let ratios = [
+        (
+            "ratio_relay_rabbitmq_none_vs_min_ceiling",
+            "relay rabbitmq none / min(db ceiling, rabbitmq ceiling)",
+            ratio(rmq_none, min_ceiling),
+        ),
+        (
+            "ratio_relay_kafka_none_vs_db_ceiling",
+            "relay kafka none / db ceiling",
+            ratio(kafka_none, db),
+        ),
+        (
+            "ratio_relay_rabbitmq_none_vs_naive",
+            "relay rabbitmq none / naive loop",
+            ratio(rmq_none, r.get("naive_rabbitmq_msgs_per_s")),
+        ),
+        (
+            "ratio_aggregate_vs_none_rabbitmq",
+            "relay rabbitmq: aggregate / none",
+            ratio(r.get("relay_rabbitmq_aggregate_msgs_per_s"), rmq_none),
+        ),
+        (
+            "ratio_aggregate_vs_none_kafka",
+            "relay kafka: aggregate / none",
+            ratio(r.get("relay_kafka_aggregate_msgs_per_s"), kafka_none),
+        ),
+    ];
+    for (key, label, value) in ratios {
+        if let Some(v) = value {
+            ctx.report.figure("ratios", key, label, v, "×");
+        }
+    }
+
+    let report = &ctx.report;
+    let mut text = String::new();
+    for (title, plan) in &report.plans {
+        text.push_str(&format!("--- plan: {title}\n{plan}\n\n"));
+    }
+    let w = report
+        .figures
+        .iter()
+        .map(|f| f.label.chars().count())
+        .max()
+        .unwrap_or(10)
+        .max(6);
+    text.push_str(&format!(
+        "{:<18} {:<w$} {:>12}  unit\n",
+        "phase", "figure", "value"
+    ));
+    text.push_str(&format!("{}\n", "-".repeat(18 + w + 20)));
+    for f in &report.figures {
+        text.push_str(&format!(
+            "{:<18} {:<w$} {:>12}  {}\n",
+            f.phase,
+            f.label,
+            fmt_value(f.value, &f.unit),
+            f.unit
+        ));
+    }
+    for n in &report.notes {
+        text.push_str(&format!("note: {n}\n"));
+    }
+    for e in &report.errors {
+        text.push_str(&format!("ERROR: {e}\n"));
+    }
+    if ctx.args.json_only {
+        eprint!("{text}");
+    } else {
+        print!("{text}");
+    }
+
+    let mut out = Map::new();
+    out.insert("run_id".into(), json!(ctx.run_id));
+    out.insert("rows".into(), json!(ctx.rows));
+    out.insert("naive_rows".into(), json!(ctx.naive_rows));
+    out.insert("quick".into(), json!(ctx.args.quick));
+    out.insert("latency_rate_per_s".into(), json!(ctx.lat_rate));
+    out.insert("latency_seconds".into(), json!(ctx.lat_secs));
+    for (k, v) in &report.json {
+        out.insert(k.clone(), v.clone());
+    }
+    out.insert("total_seconds".into(), num(ctx.t0.elapsed().as_secs_f64()));
+    out.insert("notes".into(), json!(report.notes));
+    out.insert("errors".into(), json!(report.errors));
+    out.insert("details".into(), Value::Object(report.details.clone()));
+    println!("{}", Value::Object(out));
+}
+
+fn fmt_value(v: f64, unit: &str) -> String {
+    if !v.is_finite() {
+        return "n/a".into();
+    }
+    match unit {
+        "rows/s" | "msgs/s" => group_thousands(v.round() as i64),
+        "×" => format!("{v:.2}"),
+        "MiB" => format!("{v:.1}"),
+        _ if v >= 100.0 => format!("{v:.0}"),
+        _ if v >= 10.0 => format!("{v:.1}"),
+        _ => format!("{v:.2}"),
+    }
+}
+
+fn group_thousands(n: i64) -> String {
+    let s = n.abs().to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if n < 0 { format!("-{out}") } else { out }
+}

@@ -1,0 +1,646 @@
+//! Plumbing shared by the phases: PostgreSQL helpers, the synthetic payload, the relay child
+//! process, RabbitMQ/Kafka fixtures, and CPU/RSS sampling from `/proc`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
+};
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties, ExchangeKind};
+use tokio_postgres::{Client, NoTls};
+
+/// `application_name` of the bench's own sessions. It must not start with `outbox-relay`:
+/// the ordering guard ignores those sessions, and the latency inserters are "applications".
+pub const APP_NAME: &str = "outbox-bench";
+
+/// One plain connection (not pooled) to PostgreSQL.
+pub async fn pg_connect(url: &str) -> Result<Client> {
+    let mut cfg: tokio_postgres::Config = url.parse().context("bad --database-url")?;
+    cfg.application_name(APP_NAME);
+    cfg.connect_timeout(Duration::from_secs(5));
+    let (client, conn) = cfg
+        .connect(NoTls)
+        .await
+        .context("cannot connect to PostgreSQL")?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "bench database connection ended");
+        }
+    });
+    Ok(client)
+}
+
+/// The event body: an order of about 300 bytes of JSON. `%s` are filled in order with the
+/// order number, the customer (aggregate), a total, and the order number twice (SKUs). The same
+/// template feeds SQL `format()` (table fills) and [`payload`] (synthetic broker messages).
+pub const PAYLOAD_TEMPLATE: &str = r#"{"order_id":%s,"customer_id":"customer-%s","status":"placed","currency":"EUR","total_cents":%s,"lines":[{"sku":"SKU-%s-A","qty":2,"unit_cents":1999},{"sku":"SKU-%s-B","qty":1,"unit_cents":4999}],"shipping":{"method":"standard","country":"DE","city":"Berlin","postcode":"10115","street":"Unter den Linden 1"},"channel":"web"}"#;
+
+/// The payload of order `i` as compact JSON text.
+pub fn payload(i: u64, aggregates: u64) -> String {
+    let values = [
+        i.to_string(),
+        (i % aggregates.max(1)).to_string(),
+        ((i * 7919) % 100_000).to_string(),
+        i.to_string(),
+        i.to_string(),
+    ];
+    let mut out = String::with_capacity(PAYLOAD_TEMPLATE.len() + 40);
+    let mut parts = PAYLOAD_TEMPLATE.split("%s");
+    if let Some(first) = parts.next() {
+        out.push_str(first);
+    }
+    for (part, v) in parts.zip(values.iter()) {
+        out.push_str(v);
+        out.push_str(part);
+    }
+    out
+}
+
+/// The aggregate id of row `i` (round robin over `aggregates`).
+pub fn aggregate_id(i: u64, aggregates: u64) -> String {
+    format!("order-{}", i % aggregates.max(1))
+}
+
+/// Inserts rows `from..=to` (pending) in one statement: aggregate type `order`, event
+/// `OrderPlaced`, aggregate id round robin over `aggregates`.
+pub async fn fill_range(pg: &Client, table: &str, from: i64, to: i64, aggregates: i64) -> Result<u64> {
+    let sql = format!(
+        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'order', 'order-' || (g % $3), 'OrderPlaced', \
+                format('{PAYLOAD_TEMPLATE}', g, g % $3, (g * 7919) % 100000, g, g)::jsonb \
+         FROM generate_series($1::bigint, $2::bigint) AS g"
+    );
+    pg.execute(&sql, &[&from, &to, &aggregates])
+        .await
+        .with_context(|| format!("cannot fill {table}"))
+}
+
+/// Fills `n` pending rows, then ANALYZE and CHECKPOINT so that the timed run starts from
+/// fresh statistics and does not pay for the fill's dirty buffers.
+pub async fn fill(pg: &Client, table: &str, n: usize, aggregates: usize) -> Result<()> {
+    let n = i64::try_from(n)?;
+    let aggregates = i64::try_from(aggregates.max(1))?;
+    let chunk = 1_000_000i64;
+    let mut from = 1;
+    while from <= n {
+        let to = (from + chunk - 1).min(n);
+        fill_range(pg, table, from, to, aggregates).await?;
+        from = to + 1;
+    }
+    settle_db(pg, table).await
+}
+
+/// ANALYZE the table and CHECKPOINT (superuser; skipped quietly when refused).
+pub async fn settle_db(pg: &Client, table: &str) -> Result<()> {
+    pg.batch_execute(&format!("ANALYZE {table}")).await?;
+    if let Err(e) = pg.batch_execute("CHECKPOINT").await {
+        tracing::debug!(error = %e, "CHECKPOINT refused");
+    }
+    Ok(())
+}
+
+/// Average size in bytes of the payload as the relay sends it (jsonb's text form).
+pub async fn avg_payload_bytes(pg: &Client, table: &str) -> Result<f64> {
+    let row = pg
+        .query_one(
+            &format!("SELECT coalesce(avg(octet_length(payload::text)), 0)::float8 FROM (SELECT payload FROM {table} LIMIT 1000) s"),
+            &[],
+        )
+        .await?;
+    Ok(row.try_get(0)?)
+}
+
+/// Waits until no row is `pending` or `processing`, polling every 50 ms through the partial
+/// indexes (cheap on a large table). `alive` is checked on every poll and ends the wait with
+/// its error (the relay died).
+pub async fn wait_drained(
+    pg: &Client,
+    table: &str,
+    timeout: Duration,
+    mut alive: impl FnMut() -> Result<()>,
+) -> Result<()> {
+    let sql = format!(
+        "SELECT (SELECT seq FROM {table} WHERE status = 'pending' ORDER BY seq LIMIT 1) IS NULL \
+            AND (SELECT id FROM {table} WHERE status = 'processing' ORDER BY locked_at LIMIT 1) IS NULL"
+    );
+    let stmt = pg.prepare(&sql).await?;
+    let deadline = Instant::now() + timeout;
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let done: bool = pg.query_one(&stmt, &[]).await?.try_get(0)?;
+        if done {
+            return Ok(());
+        }
+        alive()?;
+        if Instant::now() > deadline {
+            let counts = status_counts(pg, table).await.unwrap_or_default();
+            bail!("{table} not drained after {timeout:?} (counts by status: {counts:?})");
+        }
+    }
+}
+
+/// Row counts by status.
+pub async fn status_counts(pg: &Client, table: &str) -> Result<BTreeMap<String, i64>> {
+    let rows = pg
+        .query(&format!("SELECT status, count(*) FROM {table} GROUP BY status"), &[])
+        .await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get::<_, String>(0)?, r.try_get::<_, i64>(1)?)))
+        .collect()
+}
+
+/// Checks that exactly `n` rows are `sent` (and none failed).
+pub async fn verify_sent(pg: &Client, table: &str, n: usize) -> Result<()> {
+    let counts = status_counts(pg, table).await?;
+    let sent = counts.get("sent").copied().unwrap_or(0);
+    if usize::try_from(sent).ok() != Some(n) || counts.len() != 1 {
+        bail!("{table}: expected {n} rows sent, found {counts:?}");
+    }
+    Ok(())
+}
+
+/// Drops an outbox table and everything its migration created.
+pub async fn drop_table(pg: &Client, table: &str) -> Result<()> {
+    pg.batch_execute(&format!(
+        "DROP TABLE IF EXISTS {table} CASCADE; \
+         DROP SEQUENCE IF EXISTS {table}_seq; \
+         DROP FUNCTION IF EXISTS {table}_next_seq(); \
+         DROP FUNCTION IF EXISTS {table}_notify();"
+    ))
+    .await?;
+    pg.execute(
+        "DELETE FROM outbox_relay_schema_version WHERE table_name = $1",
+        &[&table],
+    )
+    .await?;
+    Ok(())
+}
+
+/// Nearest-rank percentile of sorted values.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Median of unsorted values.
+pub fn median(values: &[f64]) -> f64 {
+    let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let mid = v.len() / 2;
+    if v.len() % 2 == 1 {
+        v[mid]
+    } else {
+        (v[mid - 1] + v[mid]) / 2.0
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RabbitMQ fixtures
+
+/// An admin connection for declaring and deleting the bench's exchanges and queues.
+pub struct Rabbit {
+    conn: Connection,
+}
+
+impl Rabbit {
+    /// Connects (10 s timeout).
+    pub async fn connect(url: &str) -> Result<Self> {
+        let conn = tokio::time::timeout(
+            Duration::from_secs(10),
+            Connection::connect(url, ConnectionProperties::default()),
+        )
+        .await
+        .map_err(|_| anyhow!("timed out connecting to RabbitMQ"))?
+        .context("cannot connect to RabbitMQ")?;
+        Ok(Self { conn })
+    }
+
+    /// A new connection to the same broker (for consumers).
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+
+    /// Declares a durable topic exchange and a durable queue, both called `name`, bound with `#`.
+    pub async fn binding(&self, name: &str) -> Result<()> {
+        let ch = self.conn.create_channel().await?;
+        ch.exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("cannot declare exchange {name}"))?;
+        ch.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("cannot declare queue {name}"))?;
+        ch.queue_bind(
+            name.into(),
+            name.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .with_context(|| format!("cannot bind queue {name}"))?;
+        let _ = ch.close(200, "done".into()).await;
+        Ok(())
+    }
+
+    /// Messages ready in queue `name`.
+    pub async fn queue_len(&self, name: &str) -> Result<u32> {
+        let ch = self.conn.create_channel().await?;
+        let q = ch
+            .queue_declare(
+                name.into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await?;
+        let _ = ch.close(200, "done".into()).await;
+        Ok(q.message_count())
+    }
+
+    /// Deletes queue and exchange `name` (best effort).
+    pub async fn delete(&self, name: &str) -> Result<()> {
+        let ch = self.conn.create_channel().await?;
+        ch.queue_delete(name.into(), QueueDeleteOptions::default())
+            .await
+            .with_context(|| format!("cannot delete queue {name}"))?;
+        ch.exchange_delete(name.into(), ExchangeDeleteOptions::default())
+            .await
+            .with_context(|| format!("cannot delete exchange {name}"))?;
+        let _ = ch.close(200, "done".into()).await;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kafka (tansu) fixtures: tansu does not auto-create topics.
+
+fn tansu_broker_url(brokers: &str) -> String {
+    let first = brokers.split(',').next().unwrap_or(brokers).trim();
+    if first.contains("://") {
+        first.to_owned()
+    } else {
+        format!("tcp://{first}")
+    }
+}
+
+/// Creates `topic` with `partitions` partitions through the tansu CLI.
+pub async fn create_topic(tansu: &Path, brokers: &str, topic: &str, partitions: u32) -> Result<()> {
+    let out = tokio::process::Command::new(tansu)
+        .args(["topic", "create", topic, "--partitions", &partitions.to_string(), "--broker"])
+        .arg(tansu_broker_url(brokers))
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .with_context(|| format!("cannot run {} (set --tansu)", tansu.display()))?;
+    if !out.status.success() {
+        bail!(
+            "tansu topic create {topic} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Deletes `topic` (best effort).
+pub async fn delete_topic(tansu: &Path, brokers: &str, topic: &str) -> Result<()> {
+    let out = tokio::process::Command::new(tansu)
+        .args(["topic", "delete", topic, "--broker"])
+        .arg(tansu_broker_url(brokers))
+        .stdin(Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await?;
+    if !out.status.success() {
+        bail!("tansu topic delete {topic} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The relay as a child process
+
+/// A running `outbox-relay run`. Killed (SIGKILL) if dropped while still running, so no relay
+/// outlives the bench, whatever happens.
+pub struct RelayProcess {
+    child: tokio::process::Child,
+    pid: u32,
+    log: PathBuf,
+    perf: Option<tokio::process::Child>,
+}
+
+impl RelayProcess {
+    /// Spawns `bin run` in `dir` (so no `./relay.toml` is read) with only the given `RELAY_*`
+    /// variables (inherited `RELAY_*` are removed), logging to `log`.
+    pub fn spawn(bin: &Path, dir: &Path, env: &[(String, String)], log: &Path) -> Result<Self> {
+        let file = std::fs::File::create(log)
+            .with_context(|| format!("cannot create {}", log.display()))?;
+        let err = file.try_clone()?;
+        let mut cmd = tokio::process::Command::new(bin);
+        cmd.arg("run")
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(file)
+            .stderr(err)
+            .kill_on_drop(true);
+        for (k, _) in std::env::vars_os() {
+            if k.to_string_lossy().starts_with("RELAY_") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.env(
+            "RUST_LOG",
+            "info,lapin=error,rdkafka=warn,tokio_postgres=warn",
+        );
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
+            .spawn()
+            .with_context(|| format!("cannot start {}", bin.display()))?;
+        let pid = child
+            .id()
+            .ok_or_else(|| anyhow!("relay exited before its pid was read"))?;
+        OUR_RELAYS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(pid);
+        Ok(Self {
+            child,
+            pid,
+            log: log.to_owned(),
+            perf: None,
+        })
+    }
+
+    /// Samples the relay with `perf record -e cpu-clock` into `out` until [`Self::stop`].
+    pub fn attach_perf(&mut self, out: &Path) -> Result<()> {
+        let perf = tokio::process::Command::new("perf")
+            .args(["record", "-e", "cpu-clock", "-F", "999", "-g", "-p"])
+            .arg(self.pid.to_string())
+            .arg("-o")
+            .arg(out)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .context("cannot start perf")?;
+        self.perf = Some(perf);
+        Ok(())
+    }
+
+    /// Fails (with the end of its log) if the relay has exited.
+    pub fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!(
+                "the relay exited early ({status}); end of its log:\n{}",
+                log_tail(&self.log, 20)
+            );
+        }
+        Ok(())
+    }
+
+    /// Peak resident set size (VmHWM) in KiB.
+    pub fn peak_rss_kib(&self) -> Option<u64> {
+        proc_status_kib(self.pid, "VmHWM:")
+    }
+
+    /// SIGTERM, then waits up to `grace` for a clean exit (SIGKILL after that).
+    pub async fn stop(&mut self, grace: Duration) -> Result<ExitStatus> {
+        if let Some(mut perf) = self.perf.take() {
+            if let Some(perf_pid) = perf.id() {
+                let _ = std::process::Command::new("kill")
+                    .args(["-INT", &perf_pid.to_string()])
+                    .status();
+            }
+            let _ = tokio::time::timeout(Duration::from_secs(30), perf.wait()).await;
+        }
+        let _ = std::process::Command::new("kill")
+            .args(["-TERM", &self.pid.to_string()])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        match tokio::time::timeout(grace, self.child.wait()).await {
+            Ok(status) => Ok(status?),
+            Err(_) => {
+                let _ = self.child.kill().await;
+                bail!("the relay did not stop within {grace:?} of SIGTERM; killed")
+            }
+        }
+    }
+
+    /// The last `n` lines of its log.
+    pub fn tail(&self, n: usize) -> String {
+        log_tail(&self.log, n)
+    }
+}
+
+fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn proc_status_kib(pid: u32, key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find(|l| l.starts_with(key))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU accounting from /proc: which process group used how many cores during a timed section.
+
+/// `USER_HZ`: the unit of `/proc/*/stat` times (100 on every Linux architecture we run on).
+const TICKS_PER_SECOND: f64 = 100.0;
+
+/// Pids of the relay processes this bench started (other `outbox-relay` processes on the
+/// machine, e.g. from someone else's tests, count as "other").
+static OUR_RELAYS: std::sync::Mutex<Vec<u32>> = std::sync::Mutex::new(Vec::new());
+
+fn is_our_relay(pid: u32) -> bool {
+    OUR_RELAYS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(&pid)
+}
+
+/// CPU times of every process and of the whole machine at one instant.
+pub struct CpuSample {
+    at: Instant,
+    /// pid → (comm, start time, utime + stime)
+    procs: HashMap<u32, (String, u64, u64)>,
+    busy: u64,
+    steal: u64,
+}
+
+/// Cores used per process group over an interval.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct CpuUsage {
+    /// Cores used by each group (postgres, rabbitmq, kafka, relay, bench, other).
+    pub cores: BTreeMap<String, f64>,
+    /// Cores busy machine-wide (all processes and the kernel).
+    pub machine_busy: f64,
+    /// Cores stolen by the hypervisor.
+    pub steal: f64,
+    /// The busiest processes of group "other" (comm → cores), to see who else was running.
+    pub other_top: BTreeMap<String, f64>,
+}
+
+impl CpuSample {
+    /// Reads `/proc` now.
+    pub fn take() -> Self {
+        let mut procs = HashMap::new();
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                    continue;
+                };
+                if let Some(v) = proc_cpu(pid) {
+                    procs.insert(pid, v);
+                }
+            }
+        }
+        let (busy, steal) = machine_cpu().unwrap_or((0, 0));
+        Self {
+            at: Instant::now(),
+            procs,
+            busy,
+            steal,
+        }
+    }
+
+    /// Usage between `self` (earlier) and a sample taken now.
+    pub fn usage(&self) -> CpuUsage {
+        let now = Self::take();
+        let secs = now.at.duration_since(self.at).as_secs_f64().max(1e-6);
+        let me = std::process::id();
+        let mut cores: BTreeMap<String, f64> = BTreeMap::new();
+        let mut other: BTreeMap<String, f64> = BTreeMap::new();
+        for (pid, (comm, start, ticks)) in &now.procs {
+            // Same pid and same start time: the same process (comm may change, e.g. kworkers).
+            let before = self
+                .procs
+                .get(pid)
+                .filter(|(_, s, _)| s == start)
+                .map_or(0, |(_, _, t)| *t);
+            let delta = ticks.saturating_sub(before);
+            if delta == 0 {
+                continue;
+            }
+            let used = delta as f64 / TICKS_PER_SECOND / secs;
+            let group = group_of(comm, *pid, me);
+            *cores.entry(group.to_owned()).or_default() += used;
+            if group == "other" {
+                let name = comm.split(['/', '-', ':']).next().unwrap_or(comm).to_owned();
+                *other.entry(name).or_default() += used;
+            }
+        }
+        let round = |v: f64| (v * 100.0).round() / 100.0;
+        for v in cores.values_mut() {
+            *v = round(*v);
+        }
+        let mut top: Vec<(String, f64)> = other.into_iter().collect();
+        top.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let other_top = top
+            .into_iter()
+            .take(4)
+            .filter(|(_, v)| *v >= 0.05)
+            .map(|(k, v)| (k, round(v)))
+            .collect();
+        let r = |x: u64| round(x as f64 / TICKS_PER_SECOND / secs);
+        CpuUsage {
+            cores,
+            machine_busy: r(now.busy.saturating_sub(self.busy)),
+            steal: r(now.steal.saturating_sub(self.steal)),
+            other_top,
+        }
+    }
+}
+
+fn group_of(comm: &str, pid: u32, me: u32) -> &'static str {
+    if pid == me {
+        return "bench";
+    }
+    if is_our_relay(pid) {
+        return "relay";
+    }
+    match comm {
+        "postgres" | "postmaster" => "postgres",
+        "beam.smp" | "erl_child_setup" | "inet_gethost" | "epmd" => "rabbitmq",
+        "tansu" => "kafka",
+        _ => "other",
+    }
+}
+
+/// (comm, start time, utime + stime) of a process.
+fn proc_cpu(pid: u32) -> Option<(String, u64, u64)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let comm = stat.get(open + 1..close)?.to_owned();
+    let fields: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
+    // Fields after ") " start at stat(5) field 3 (state): utime is 14, stime 15, starttime 22.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    let start: u64 = fields.get(19)?.parse().ok()?;
+    Some((comm, start, utime + stime))
+}
+
+/// Machine-wide (busy, steal) ticks from `/proc/stat`.
+fn machine_cpu() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().next()?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // user nice system idle iowait irq softirq steal guest guest_nice
+    let busy = v.first()? + v.get(1)? + v.get(2)? + v.get(5)? + v.get(6)?;
+    let steal = *v.get(7)?;
+    Some((busy, steal))
+}
+
+/// A private scratch directory under the system temp dir.
+pub fn scratch_dir(run_id: &str) -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!("outbox-bench-{run_id}"));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir)
+}

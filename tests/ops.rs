@@ -1,0 +1,1317 @@
+//! Operations, end to end against the local PostgreSQL and RabbitMQ (contract §6, §7): what an
+//! operator sees on `/metrics`, `/healthz` and `/readyz` (also through a broker outage), the
+//! `status` and `dead-letters` commands against rows in known states, retention cleanup, and a
+//! real Prometheus scraping the relay with the shipped alert rules loaded.
+//!
+//! Each test has its own table (`ops_<hex>`, created by the binary's own `migrate`), its own
+//! exchange and queue, and its own metrics port.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use common::{
+    NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TempDir, TestTable, hex8,
+    pg_connect, wait_until,
+};
+use outbox_relay::telemetry::names;
+use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use uuid::Uuid;
+
+/// Generous bound for anything that normally takes a few seconds (gauges refresh every 5 s,
+/// broker reconnects back off up to 30 s).
+const WAIT: Duration = Duration::from_secs(60);
+
+// ---- fixtures ---------------------------------------------------------------------------------
+
+/// A port that was free a moment ago (bound on 127.0.0.1:0, then released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("bind 127.0.0.1:0")
+        .port()
+}
+
+/// The binary configured for `table` only (no broker needed): for `migrate`, `status`,
+/// `dead-letters`.
+fn cli(table: &str) -> RelayBuilder {
+    RelayBuilder::bare(table)
+        .set("database.url", PG_URL)
+        .set("database.table", table)
+}
+
+/// A fresh `ops_<hex>` table, created by `outbox-relay migrate`.
+async fn ops_table() -> TestTable {
+    let name = format!("ops_{}", hex8());
+    let out = cli(&name).output(&["migrate"], WAIT).await;
+    assert!(
+        out.status.success(),
+        "migrate failed: {}\n{}",
+        out.status,
+        out.stderr
+    );
+    assert!(
+        out.stdout.contains("applied schema versions [1]"),
+        "migrate output: {}",
+        out.stdout
+    );
+    TestTable {
+        name,
+        db: pg_connect().await,
+    }
+}
+
+/// `run` for `table` and `rabbit`, metrics on `127.0.0.1:port` (or disabled), polling fast.
+fn relay(table: &TestTable, rabbit: &RabbitFixture, metrics_port: Option<u16>) -> RelayBuilder {
+    RelayBuilder::for_test(table, rabbit, &format!("{}-relay", table.name))
+        .set("relay.poll_interval", "200ms")
+        .set(
+            "metrics.listen",
+            metrics_port.map_or_else(String::new, |p| format!("127.0.0.1:{p}")),
+        )
+}
+
+/// A row inserted directly in a given state, as if the relay (or an operator) had put it there.
+#[derive(Debug, Clone)]
+struct StateRow {
+    aggregate_type: &'static str,
+    aggregate_id: Option<&'static str>,
+    status: &'static str,
+    attempts: i32,
+    created_secs_ago: f64,
+    available_in_secs: f64,
+    sent_secs_ago: Option<f64>,
+    last_error: Option<&'static str>,
+}
+
+fn state_row(
+    aggregate_type: &'static str,
+    aggregate_id: Option<&'static str>,
+    status: &'static str,
+) -> StateRow {
+    StateRow {
+        aggregate_type,
+        aggregate_id,
+        status,
+        attempts: 0,
+        created_secs_ago: 1.0,
+        available_in_secs: -1.0,
+        sent_secs_ago: (status == "sent").then_some(1.0),
+        last_error: None,
+    }
+}
+
+impl StateRow {
+    fn created(mut self, secs_ago: f64) -> Self {
+        self.created_secs_ago = secs_ago;
+        self
+    }
+    fn available_in(mut self, secs: f64) -> Self {
+        self.available_in_secs = secs;
+        self
+    }
+    fn sent(mut self, secs_ago: f64) -> Self {
+        self.sent_secs_ago = Some(secs_ago);
+        self
+    }
+    fn failed_after(mut self, attempts: i32, error: &'static str) -> Self {
+        self.attempts = attempts;
+        self.last_error = Some(error);
+        self
+    }
+}
+
+/// Inserts `rows` one statement each (so `seq` follows the slice order); returns their ids.
+async fn insert_states(table: &TestTable, rows: &[StateRow]) -> Vec<Uuid> {
+    let sql = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, attempts, \
+           available_at, created_at, sent_at, last_error, locked_by, locked_at) \
+         VALUES ($1, $2, 'ops.event', '{{\"ops\": true}}'::jsonb, $3, $4, \
+           now() + $5::float8 * interval '1 second', now() - $6::float8 * interval '1 second', \
+           now() - $7::float8 * interval '1 second', $8, \
+           CASE WHEN $3 = 'processing' THEN 'ops-other-relay' END, \
+           CASE WHEN $3 = 'processing' THEN now() END) \
+         RETURNING id",
+        table.name
+    );
+    let mut ids = Vec::new();
+    for r in rows {
+        let row = table
+            .db
+            .query_one(
+                &sql,
+                &[
+                    &r.aggregate_type,
+                    &r.aggregate_id,
+                    &r.status,
+                    &r.attempts,
+                    &r.available_in_secs,
+                    &r.created_secs_ago,
+                    &r.sent_secs_ago,
+                    &r.last_error,
+                ],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("insert {r:?}: {e}"));
+        ids.push(row.get(0));
+    }
+    ids
+}
+
+/// `(status, attempts, last_error, available_at <= now())` of a row, `None` when it is gone.
+async fn row_state(table: &TestTable, id: Uuid) -> Option<(String, i32, Option<String>, bool)> {
+    let sql = format!(
+        "SELECT status, attempts, last_error, available_at <= now() FROM {} WHERE id = $1",
+        table.name
+    );
+    table
+        .db
+        .query_opt(&sql, &[&id])
+        .await
+        .expect("select row")
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+}
+
+// ---- HTTP -------------------------------------------------------------------------------------
+
+/// A plain HTTP/1.0 GET (the server closes the connection after the answer): (status, body).
+async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+    let exchange = async {
+        let mut stream = tokio::net::TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect {addr}: {e}"))?;
+        stream
+            .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .await
+            .map_err(|e| format!("write to {addr}: {e}"))?;
+        let mut raw = Vec::new();
+        stream
+            .read_to_end(&mut raw)
+            .await
+            .map_err(|e| format!("read from {addr}: {e}"))?;
+        let text = String::from_utf8(raw).map_err(|e| format!("non-UTF-8 answer: {e}"))?;
+        let (head, body) = text
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| format!("no end of headers in {text:?}"))?;
+        let code = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .ok_or_else(|| format!("bad status line in {head:?}"))?;
+        Ok((code, body.to_owned()))
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .map_err(|_| format!("GET http://{addr}{path}: no answer within 10s"))?
+}
+
+fn local(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
+}
+
+/// The relay's `/metrics` text.
+async fn scrape(port: u16) -> Result<String, String> {
+    match http_get(local(port), "/metrics").await? {
+        (200, body) => Ok(body),
+        (code, body) => Err(format!("/metrics answered {code}: {body}")),
+    }
+}
+
+/// The value of the sample `name{labels…}` in a Prometheus text exposition (labels not given
+/// are not compared).
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .find_map(|(series, value)| {
+            let (n, label_text) = match series.split_once('{') {
+                Some((n, rest)) => (n, rest.strip_suffix('}')?),
+                None => (series, ""),
+            };
+            if n != name {
+                return None;
+            }
+            let have: BTreeMap<&str, &str> = label_text
+                .split("\",")
+                .filter(|p| !p.is_empty())
+                .filter_map(|p| {
+                    let (k, v) = p.split_once('=')?;
+                    Some((k.trim(), v.trim_matches('"')))
+                })
+                .collect();
+            labels
+                .iter()
+                .all(|(k, v)| have.get(k) == Some(v))
+                .then(|| value.parse().ok())
+                .flatten()
+        })
+}
+
+/// Polls `/metrics` until `sample(name, labels)` satisfies `ok`; returns the value.
+async fn wait_for_sample(
+    port: u16,
+    name: &str,
+    labels: &[(&str, &str)],
+    what: &str,
+    ok: impl Fn(f64) -> bool,
+) -> f64 {
+    wait_until(WAIT, what, async || {
+        let text = scrape(port).await?;
+        match sample(&text, name, labels) {
+            Some(v) if ok(v) => Ok(v),
+            other => Err(format!("{name}{labels:?} = {other:?}")),
+        }
+    })
+    .await
+}
+
+async fn wait_ready(port: u16, want: u16) -> String {
+    wait_until(
+        WAIT,
+        &format!("/readyz answers {want}"),
+        async || match http_get(local(port), "/readyz").await? {
+            (code, body) if code == want => Ok(body),
+            (code, body) => Err(format!("{code}: {body:?}")),
+        },
+    )
+    .await
+}
+
+// ---- /metrics, /healthz, /readyz --------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_expose_every_contract_name_after_publishing() {
+    let table = ops_table().await;
+    let rabbit = RabbitFixture::new("ops_metrics", "#", "barrier.ops").await;
+    let port = free_port();
+    let relay = relay(&table, &rabbit, Some(port)).spawn();
+
+    wait_ready(port, 200).await;
+    let (code, body) = http_get(local(port), "/healthz").await.unwrap();
+    assert_eq!((code, body.trim()), (200, "ok"));
+
+    let mut rows: Vec<NewRow> = (0..5)
+        .map(|n| NewRow::new("order", Some(&format!("o-{n}")), "created", json!({"n": n})))
+        .collect();
+    rows.push(NewRow::new("invoice", Some("i-1"), "issued", json!({})));
+    rows.push(NewRow::new("invoice", None, "issued", json!({})));
+    let ids: Vec<Uuid> = table.insert(&rows).await.iter().map(|r| r.id).collect();
+    rabbit.wait_for_ids(&ids, WAIT).await;
+    table.wait_all_sent(WAIT).await;
+
+    wait_for_sample(
+        port,
+        names::PUBLISHED,
+        &[("aggregate_type", "order")],
+        "5 order messages are counted",
+        |v| v == 5.0,
+    )
+    .await;
+    wait_for_sample(
+        port,
+        names::PUBLISHED,
+        &[("aggregate_type", "invoice")],
+        "2 invoice messages are counted",
+        |v| v == 2.0,
+    )
+    .await;
+    let text = scrape(port).await.unwrap();
+
+    // Every name of the contract, with its type; histograms with buckets, sum and count.
+    let histograms = [
+        names::PUBLISH_DURATION,
+        names::END_TO_END_LATENCY,
+        names::CLAIM_BATCH_SIZE,
+    ];
+    for name in names::ALL {
+        let kind = if histograms.contains(name) {
+            "histogram"
+        } else if name.ends_with("_total") {
+            "counter"
+        } else {
+            "gauge"
+        };
+        assert!(
+            text.lines().any(|l| l == format!("# TYPE {name} {kind}")),
+            "/metrics lacks `# TYPE {name} {kind}`:\n{text}"
+        );
+    }
+    for name in histograms {
+        assert!(
+            sample(&text, &format!("{name}_bucket"), &[("le", "+Inf")]).is_some(),
+            "{name} has no +Inf bucket"
+        );
+        assert!(sample(&text, &format!("{name}_sum"), &[]).is_some());
+    }
+    for name in [names::PUBLISH_DURATION, names::END_TO_END_LATENCY] {
+        let count = sample(&text, &format!("{name}_count"), &[]).unwrap();
+        assert_eq!(count, 7.0, "{name}_count after 7 confirms");
+        assert_eq!(
+            sample(&text, &format!("{name}_bucket"), &[("le", "+Inf")]),
+            Some(7.0)
+        );
+    }
+    let claimed = sample(&text, &format!("{}_sum", names::CLAIM_BATCH_SIZE), &[]).unwrap();
+    assert!(claimed >= 7.0, "claims returned {claimed} rows in total");
+    assert_eq!(
+        sample(
+            &text,
+            names::RELAY_INFO,
+            &[
+                ("instance", &format!("{}-relay", table.name)),
+                ("publisher", "rabbitmq"),
+                ("version", env!("CARGO_PKG_VERSION")),
+            ]
+        ),
+        Some(1.0),
+        "outbox_relay_info:\n{text}"
+    );
+    for kind in ["message", "connection"] {
+        assert_eq!(
+            sample(&text, names::PUBLISH_FAILURES, &[("kind", kind)]),
+            Some(0.0),
+            "publish failures of kind {kind}"
+        );
+    }
+    assert_eq!(sample(&text, names::DEAD_LETTERED, &[]), Some(0.0));
+    for state in ["ready", "waiting"] {
+        assert!(sample(&text, names::PENDING, &[("state", state)]).is_some());
+    }
+    // No high-cardinality labels: neither a row id nor an aggregate id appears anywhere.
+    for id in &ids {
+        assert!(
+            !text.contains(&id.to_string()),
+            "a row id leaked into /metrics"
+        );
+    }
+    assert!(
+        !text.contains("o-1"),
+        "an aggregate id leaked into /metrics"
+    );
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
+    let table = ops_table().await;
+    let rabbit = RabbitFixture::new("ops_outage", "#", "barrier.ops").await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    let port = free_port();
+    let relay = relay(&table, &rabbit, Some(port))
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .spawn();
+
+    let body = wait_ready(port, 200).await;
+    assert_eq!(body, "database: up\nbroker: up\n");
+    let first = table
+        .insert(&[NewRow::new("order", Some("o-1"), "created", json!({}))])
+        .await;
+    rabbit.wait_for_ids(&[first[0].id], WAIT).await;
+
+    proxy.cut();
+    let body = wait_ready(port, 503).await;
+    assert_eq!(body, "database: up\nbroker: down\n");
+    // /healthz is liveness only: a broker outage must not get the process restarted.
+    assert_eq!(http_get(local(port), "/healthz").await.unwrap().0, 200);
+
+    let during: Vec<Uuid> = table
+        .insert(&[
+            NewRow::new("order", Some("o-1"), "updated", json!({})),
+            NewRow::new("order", Some("o-2"), "created", json!({})),
+            NewRow::new("invoice", Some("i-1"), "issued", json!({})),
+            NewRow::new("invoice", None, "issued", json!({})),
+        ])
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    wait_for_sample(
+        port,
+        names::PENDING,
+        &[("state", "ready")],
+        "the 4 rows inserted during the outage show as ready",
+        |v| v == 4.0,
+    )
+    .await;
+    let age1 = sample(&scrape(port).await.unwrap(), names::OLDEST_PENDING_AGE, &[]).unwrap();
+    let age2 = wait_for_sample(
+        port,
+        names::OLDEST_PENDING_AGE,
+        &[],
+        "the lag grows while the broker is unreachable",
+        |v| v >= age1 + 1.0,
+    )
+    .await;
+    assert!(age2 > 1.0, "lag {age2}");
+    let text = scrape(port).await.unwrap();
+    assert_eq!(
+        sample(&text, names::PENDING, &[("state", "waiting")]),
+        Some(0.0)
+    );
+    assert_eq!(
+        http_get(local(port), "/readyz").await.unwrap().0,
+        503,
+        "still not ready"
+    );
+    assert_eq!(rabbit.count(), 1, "nothing was published during the outage");
+    assert_eq!(
+        table
+            .count_where("status = 'pending' AND attempts = 0")
+            .await,
+        4,
+        "an outage spends no attempt"
+    );
+
+    proxy.heal();
+    let body = wait_ready(port, 200).await;
+    assert_eq!(body, "database: up\nbroker: up\n");
+    rabbit.wait_for_ids(&during, WAIT).await;
+    wait_until(WAIT, "the backlog gauges fall back to 0", async || {
+        let text = scrape(port).await?;
+        let got = (
+            sample(&text, names::PENDING, &[("state", "ready")]),
+            sample(&text, names::PENDING, &[("state", "waiting")]),
+            sample(&text, names::OLDEST_PENDING_AGE, &[]),
+        );
+        if got == (Some(0.0), Some(0.0), Some(0.0)) {
+            Ok(())
+        } else {
+            Err(format!("(ready, waiting, oldest age) = {got:?}"))
+        }
+    })
+    .await;
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+// ---- status -----------------------------------------------------------------------------------
+
+const STATUS_KEYS: [&str; 8] = [
+    "pending",
+    "ready",
+    "waiting",
+    "processing",
+    "sent",
+    "failed",
+    "oldest_pending_age_seconds",
+    "blocked_aggregates",
+];
+
+/// The integer counts of a `status --json` object, plus its oldest age; checks its keys.
+fn counts(v: &Value, top: bool) -> (BTreeMap<String, i64>, f64) {
+    let obj = v.as_object().expect("a JSON object");
+    let mut want: BTreeSet<&str> = STATUS_KEYS.into_iter().collect();
+    if top {
+        want.insert("by_aggregate_type");
+    }
+    let have: BTreeSet<&str> = obj.keys().map(String::as_str).collect();
+    assert_eq!(have, want, "status --json keys (contract §6)");
+    let ints = STATUS_KEYS
+        .iter()
+        .filter(|k| **k != "oldest_pending_age_seconds")
+        .map(|k| ((*k).to_owned(), obj[*k].as_i64().expect("an integer count")))
+        .collect();
+    (
+        ints,
+        obj["oldest_pending_age_seconds"]
+            .as_f64()
+            .expect("a number"),
+    )
+}
+
+fn expect(pairs: &[(&str, i64)]) -> BTreeMap<String, i64> {
+    let mut m: BTreeMap<String, i64> = STATUS_KEYS
+        .iter()
+        .filter(|k| **k != "oldest_pending_age_seconds")
+        .map(|k| ((*k).to_owned(), 0))
+        .collect();
+    for (k, v) in pairs {
+        m.insert((*k).to_owned(), *v);
+    }
+    m
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_rows_by_state_and_aggregate_type() {
+    let table = ops_table().await;
+
+    // An empty table: zeros, no types.
+    let out = cli(&table.name).output(&["status", "--json"], WAIT).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let v: Value = serde_json::from_str(&out.stdout).expect("status --json is JSON");
+    let (c, age) = counts(&v, true);
+    assert_eq!(c, expect(&[]));
+    assert_eq!(age, 0.0);
+    assert_eq!(v["by_aggregate_type"], json!({}));
+
+    insert_states(
+        &table,
+        &[
+            // order: 2 ready, 1 waiting, 1 processing, 3 sent, 1 failed that blocks o-6.
+            state_row("order", Some("o-1"), "pending").created(100.0),
+            state_row("order", Some("o-2"), "pending").created(10.0),
+            state_row("order", Some("o-3"), "pending")
+                .available_in(3600.0)
+                .failed_after(2, "nack"),
+            state_row("order", Some("o-4"), "processing").created(50.0),
+            state_row("order", Some("o-5"), "sent")
+                .created(7200.0)
+                .sent(3600.0),
+            state_row("order", Some("o-5"), "sent")
+                .created(7200.0)
+                .sent(3600.0),
+            state_row("order", None, "sent").created(7200.0),
+            state_row("order", Some("o-6"), "failed")
+                .created(7200.0)
+                .failed_after(12, "nack"),
+            // invoice: i-1 blocked by its failed row; i-2's failed row sits behind a pending
+            // one (not blocked); a failed row without aggregate id blocks nothing.
+            state_row("invoice", Some("i-1"), "failed")
+                .created(7200.0)
+                .failed_after(12, "unroutable"),
+            state_row("invoice", Some("i-2"), "pending").created(30.0),
+            state_row("invoice", Some("i-2"), "failed")
+                .created(30.0)
+                .failed_after(12, "unroutable"),
+            state_row("invoice", None, "sent"),
+            state_row("invoice", None, "failed")
+                .created(7200.0)
+                .failed_after(12, "too large"),
+            // The empty aggregate type.
+            state_row("", None, "pending").created(5.0),
+        ],
+    )
+    .await;
+
+    let out = cli(&table.name).output(&["status", "--json"], WAIT).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let v: Value = serde_json::from_str(&out.stdout).expect("status --json is JSON");
+    let (overall, overall_age) = counts(&v, true);
+    let by_type = v["by_aggregate_type"]
+        .as_object()
+        .expect("by_aggregate_type");
+    assert_eq!(
+        by_type.keys().map(String::as_str).collect::<Vec<_>>(),
+        ["", "invoice", "order"]
+    );
+    let (order, order_age) = counts(&by_type["order"], false);
+    let (invoice, invoice_age) = counts(&by_type["invoice"], false);
+    let (empty, empty_age) = counts(&by_type[""], false);
+
+    assert_eq!(
+        order,
+        expect(&[
+            ("pending", 3),
+            ("ready", 2),
+            ("waiting", 1),
+            ("processing", 1),
+            ("sent", 3),
+            ("failed", 1),
+            ("blocked_aggregates", 1),
+        ])
+    );
+    assert_eq!(
+        invoice,
+        expect(&[
+            ("pending", 1),
+            ("ready", 1),
+            ("sent", 1),
+            ("failed", 3),
+            ("blocked_aggregates", 1),
+        ])
+    );
+    assert_eq!(empty, expect(&[("pending", 1), ("ready", 1)]));
+    assert_eq!(
+        overall,
+        expect(&[
+            ("pending", 5),
+            ("ready", 4),
+            ("waiting", 1),
+            ("processing", 1),
+            ("sent", 4),
+            ("failed", 4),
+            ("blocked_aggregates", 2),
+        ])
+    );
+    for (name, c) in [
+        ("overall", &overall),
+        ("order", &order),
+        ("invoice", &invoice),
+        ("empty", &empty),
+    ] {
+        assert_eq!(
+            c["pending"],
+            c["ready"] + c["waiting"],
+            "{name}: pending = ready + waiting"
+        );
+    }
+    // The oldest unsent row (pending or processing): seconds since created_at, give or take
+    // the time this test took so far.
+    let near = |age: f64, want: f64| age >= want && age < want + 60.0;
+    assert!(near(order_age, 100.0), "order oldest {order_age}");
+    assert!(near(invoice_age, 30.0), "invoice oldest {invoice_age}");
+    assert!(near(empty_age, 5.0), "empty type oldest {empty_age}");
+    assert!(near(overall_age, 100.0), "overall oldest {overall_age}");
+
+    // The human table: the same numbers, one line per type plus TOTAL.
+    let out = cli(&table.name).output(&["status"], WAIT).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let mut lines = out.stdout.lines();
+    let header: Vec<&str> = lines.next().expect("a header").split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "AGGREGATE",
+            "TYPE",
+            "READY",
+            "WAITING",
+            "PROCESSING",
+            "SENT",
+            "FAILED",
+            "BLOCKED",
+            "OLDEST",
+            "(s)"
+        ]
+    );
+    let table_rows: BTreeMap<String, Vec<String>> = lines
+        .map(|l| {
+            let mut cells = l.split_whitespace().map(str::to_owned);
+            (cells.next().expect("a name"), cells.collect())
+        })
+        .collect();
+    let human = |c: &BTreeMap<String, i64>| -> Vec<String> {
+        [
+            "ready",
+            "waiting",
+            "processing",
+            "sent",
+            "failed",
+            "blocked_aggregates",
+        ]
+        .iter()
+        .map(|k| c[*k].to_string())
+        .collect()
+    };
+    for (name, c) in [
+        ("order", &order),
+        ("invoice", &invoice),
+        ("(empty)", &empty),
+        ("TOTAL", &overall),
+    ] {
+        let cells = table_rows
+            .get(name)
+            .unwrap_or_else(|| panic!("no {name} line in:\n{}", out.stdout));
+        assert_eq!(cells[..6], human(c)[..], "{name} line in:\n{}", out.stdout);
+        let oldest: f64 = cells[6].parse().expect("oldest seconds");
+        assert!(oldest >= 0.0, "{name} oldest {oldest}");
+    }
+    assert_eq!(table_rows.len(), 4, "{}", out.stdout);
+    let total_oldest: f64 = table_rows["TOTAL"][6].parse().unwrap();
+    assert!(near(total_oldest, 99.9), "TOTAL oldest {total_oldest}");
+
+    table.drop_table().await;
+}
+
+// ---- dead letters -----------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_list_retry_and_discard() {
+    let table = ops_table().await;
+    let ids = insert_states(
+        &table,
+        &[
+            state_row("order", Some("o-1"), "failed").failed_after(12, "nack: boom 1"),
+            state_row("order", Some("o-2"), "failed").failed_after(12, "nack: boom 2"),
+            state_row("invoice", Some("i-1"), "failed").failed_after(12, "nack: boom 3"),
+            state_row("invoice", None, "failed").failed_after(12, "nack: boom 4"),
+            state_row("order", Some("o-3"), "pending"),
+        ],
+    )
+    .await;
+    let (f1, f2, f3, f4, pending) = (ids[0], ids[1], ids[2], ids[3], ids[4]);
+    let dl = async |args: &[&str]| {
+        let mut all = vec!["dead-letters"];
+        all.extend_from_slice(args);
+        cli(&table.name).output(&all, WAIT).await
+    };
+
+    // list --json: the contract's shape, oldest (lowest seq) first, only failed rows.
+    let out = dl(&["list", "--json"]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    let list: Vec<Value> = serde_json::from_str(&out.stdout).expect("a JSON array");
+    assert_eq!(list.len(), 4);
+    let keys: BTreeSet<&str> = [
+        "id",
+        "seq",
+        "aggregate_type",
+        "aggregate_id",
+        "event_type",
+        "attempts",
+        "last_error",
+        "created_at",
+        "available_at",
+    ]
+    .into_iter()
+    .collect();
+    let mut last_seq = i64::MIN;
+    for (n, (item, id)) in list.iter().zip([f1, f2, f3, f4]).enumerate() {
+        let obj = item.as_object().unwrap();
+        assert_eq!(
+            obj.keys().map(String::as_str).collect::<BTreeSet<_>>(),
+            keys
+        );
+        assert_eq!(item["id"], id.to_string());
+        assert_eq!(item["attempts"], 12);
+        assert_eq!(item["event_type"], "ops.event");
+        assert_eq!(item["last_error"], format!("nack: boom {}", n + 1));
+        let seq = item["seq"].as_i64().unwrap();
+        assert!(seq > last_seq, "ordered by seq");
+        last_seq = seq;
+        for ts in ["created_at", "available_at"] {
+            let text = item[ts].as_str().unwrap();
+            assert!(
+                chrono::DateTime::parse_from_rfc3339(text).is_ok(),
+                "{ts} is RFC 3339: {text}"
+            );
+        }
+    }
+    assert_eq!(list[3]["aggregate_id"], Value::Null);
+    assert_eq!(list[2]["aggregate_type"], "invoice");
+
+    let out = dl(&["list", "--limit", "2", "--json"]).await;
+    let limited: Vec<Value> = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(limited, list[..2]);
+
+    let out = dl(&["list"]).await;
+    assert!(out.status.success());
+    for (id, error) in [(f1, "nack: boom 1"), (f4, "nack: boom 4")] {
+        let line = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&id.to_string()))
+            .unwrap_or_else(|| panic!("{id} not listed in:\n{}", out.stdout));
+        assert!(
+            line.contains("attempts 12") && line.ends_with(error),
+            "{line}"
+        );
+    }
+
+    // retry --id: back to pending, attempts reset, available now, last_error kept.
+    let out = dl(&["retry", "--id", &f1.to_string()]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("1 dead letter(s) set back to pending"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(
+        row_state(&table, f1).await,
+        Some(("pending".into(), 0, Some("nack: boom 1".into()), true))
+    );
+
+    // discard --id: gone.
+    let out = dl(&["discard", "--id", &f2.to_string()]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("1 dead letter(s) discarded"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(row_state(&table, f2).await, None);
+
+    // Ids that are not dead letters: a non-zero exit naming them, nothing changed.
+    let unknown = Uuid::new_v4();
+    for verb in ["retry", "discard"] {
+        for id in [unknown, pending, f2] {
+            let out = dl(&[verb, "--id", &id.to_string()]).await;
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{verb} --id {id}: {}",
+                out.stderr
+            );
+            assert!(
+                out.stderr.contains(&id.to_string()),
+                "{verb} --id {id}: the error names the id: {}",
+                out.stderr
+            );
+        }
+    }
+    assert_eq!(
+        row_state(&table, pending).await,
+        Some(("pending".into(), 0, None, true))
+    );
+    // Not a UUID at all: a usage error.
+    let out = dl(&["retry", "--id", "not-a-uuid"]).await;
+    assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
+
+    // retry --all: every remaining dead letter.
+    let out = dl(&["retry", "--all"]).await;
+    assert!(out.status.success(), "{}", out.stderr);
+    assert!(
+        out.stdout.contains("2 dead letter(s) set back to pending"),
+        "{}",
+        out.stdout
+    );
+    for (id, n) in [(f3, 3), (f4, 4)] {
+        assert_eq!(
+            row_state(&table, id).await,
+            Some(("pending".into(), 0, Some(format!("nack: boom {n}")), true))
+        );
+    }
+    let out = dl(&["list", "--json"]).await;
+    assert_eq!(out.stdout.trim(), "[]");
+    let out = dl(&["list"]).await;
+    assert!(out.stdout.contains("no dead letters"), "{}", out.stdout);
+    assert_eq!(table.status_counts().await["pending"], 4);
+
+    table.drop_table().await;
+}
+
+// ---- retention --------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_old_sent_rows_and_nothing_else() {
+    let table = ops_table().await;
+    let rabbit = RabbitFixture::new("ops_retention", "#", "barrier.ops").await;
+    let old_sent = insert_states(
+        &table,
+        &[
+            state_row("order", Some("o-1"), "sent")
+                .created(7200.0)
+                .sent(3600.0),
+            state_row("order", Some("o-2"), "sent")
+                .created(7200.0)
+                .sent(3600.0),
+            state_row("order", None, "sent").created(7200.0).sent(60.0),
+        ],
+    )
+    .await;
+    let kept = insert_states(
+        &table,
+        &[
+            state_row("order", Some("o-3"), "failed")
+                .created(7200.0)
+                .failed_after(12, "nack"),
+            // In backoff for an hour: the relay leaves it alone.
+            state_row("order", Some("o-4"), "pending")
+                .created(7200.0)
+                .available_in(3600.0),
+        ],
+    )
+    .await;
+    let relay = relay(&table, &rabbit, None)
+        .set("cleanup.retention", "1s")
+        .set("cleanup.interval", "1s")
+        .spawn();
+
+    wait_until(WAIT, "the old sent rows are deleted", async || match table
+        .count_where("status = 'sent'")
+        .await
+    {
+        0 => Ok(()),
+        n => Err(format!("{n} sent rows left")),
+    })
+    .await;
+    relay
+        .wait_for_log("deleted sent rows past retention", 1, WAIT)
+        .await;
+
+    // A fresh row is published, stays `sent` for about the retention, then goes too.
+    let fresh = table
+        .insert(&[NewRow::new("order", Some("o-5"), "created", json!({}))])
+        .await[0]
+        .id;
+    let mut oldest_seen_sent: Option<f64> = None;
+    let sql = format!(
+        "SELECT status, extract(epoch FROM now() - sent_at)::float8 FROM {} WHERE id = $1",
+        table.name
+    );
+    wait_until(WAIT, "the fresh row is sent, then deleted", async || {
+        let row = table
+            .db
+            .query_opt(&sql, &[&fresh])
+            .await
+            .map_err(|e| e.to_string())?;
+        match row {
+            None => Ok(()),
+            Some(r) => {
+                let status: String = r.get(0);
+                if status == "sent" {
+                    let age: f64 = r.get(1);
+                    oldest_seen_sent = Some(oldest_seen_sent.map_or(age, |o: f64| o.max(age)));
+                }
+                Err(format!("status {status}"))
+            }
+        }
+    })
+    .await;
+    rabbit.wait_for_ids(&[fresh], WAIT).await;
+    let oldest = oldest_seen_sent.expect("the fresh row was never seen as sent");
+    assert!(
+        oldest >= 0.5,
+        "a recently sent row must outlive the 1s retention; it was last seen sent {oldest}s after its confirm"
+    );
+
+    // The failed row and the pending row survived every cleanup run so far.
+    assert_eq!(
+        row_state(&table, kept[0]).await.map(|s| s.0),
+        Some("failed".into())
+    );
+    assert_eq!(
+        row_state(&table, kept[1]).await.map(|s| s.0),
+        Some("pending".into())
+    );
+    for id in old_sent {
+        assert_eq!(row_state(&table, id).await, None);
+    }
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_zero_deletes_rows_on_confirm() {
+    let table = ops_table().await;
+    let rabbit = RabbitFixture::new("ops_retention0", "#", "barrier.ops").await;
+    let failed = insert_states(
+        &table,
+        &[state_row("order", Some("o-1"), "failed").failed_after(12, "nack")],
+    )
+    .await[0];
+    let relay = relay(&table, &rabbit, None)
+        .set("cleanup.retention", "0s")
+        .spawn();
+
+    let ids: Vec<Uuid> = table
+        .insert(
+            &(0..20)
+                .map(|n| NewRow::new("order", Some(&format!("z-{}", n % 4)), "created", json!({})))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    wait_until(WAIT, "every published row is deleted", async || {
+        let counts = table.status_counts().await;
+        assert_eq!(
+            counts["sent"], 0,
+            "with retention 0s no row is ever left sent"
+        );
+        if counts.values().sum::<i64>() == 1 {
+            Ok(())
+        } else {
+            Err(format!("{counts:?}"))
+        }
+    })
+    .await;
+    rabbit.wait_for_ids(&ids, WAIT).await;
+    assert_eq!(
+        row_state(&table, failed).await.map(|s| s.0),
+        Some("failed".into()),
+        "dead letters are never deleted automatically"
+    );
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+// ---- a real Prometheus ------------------------------------------------------------------------
+
+/// `prometheus` (the Debian package) scraping one target every second, with the shipped alert
+/// rules loaded; killed when dropped.
+struct Prometheus {
+    child: tokio::process::Child,
+    port: u16,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Prometheus {
+    async fn start(target_port: u16) -> Self {
+        let dir = TempDir::new("ops-prometheus");
+        let rules = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/prometheus/alerts.yml");
+        let config = dir.write(
+            "prometheus.yml",
+            &format!(
+                "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
+                 rule_files:\n  - {rules}\n\
+                 scrape_configs:\n  - job_name: outbox-relay\n    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n",
+                rules = rules.display()
+            ),
+        );
+        let log = dir.path().join("prometheus.log");
+        let port = free_port();
+        let child = tokio::process::Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path().join("data").display()))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("prometheus log file"))
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start prometheus ({e}): install it with `apt-get update && apt-get install -y prometheus` (.ci/run does this in CI)"
+                )
+            });
+        let p = Self {
+            child,
+            port,
+            log,
+            _dir: dir,
+        };
+        let ready = tokio::time::timeout(WAIT, async {
+            loop {
+                if let Ok((200, _)) = http_get(local(p.port), "/-/ready").await {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        if ready.is_err() {
+            panic!("prometheus did not become ready:\n{}", p.logs());
+        }
+        p
+    }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `GET /api/v1/<path>`, the `data` of a successful answer.
+    async fn api(&self, path: &str) -> Result<Value, String> {
+        let (code, body) = http_get(local(self.port), &format!("/api/v1/{path}")).await?;
+        let v: Value = serde_json::from_str(&body).map_err(|e| format!("{code}: {e}: {body}"))?;
+        if code != 200 || v["status"] != "success" {
+            return Err(format!("{code}: {body}"));
+        }
+        Ok(v["data"].clone())
+    }
+
+    /// An instant query: (labels, value) of each series.
+    async fn query(&self, promql: &str) -> Result<Vec<(BTreeMap<String, String>, f64)>, String> {
+        let q: String = url::form_urlencoded::byte_serialize(promql.as_bytes()).collect();
+        let data = self.api(&format!("query?query={q}")).await?;
+        let value = |pair: &Value| -> Result<f64, String> {
+            pair[1]
+                .as_str()
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| format!("bad sample {pair}"))
+        };
+        match data["resultType"].as_str() {
+            Some("vector") => data["result"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    let labels = r["metric"]
+                        .as_object()
+                        .unwrap()
+                        .iter()
+                        .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_owned()))
+                        .collect();
+                    Ok((labels, value(&r["value"])?))
+                })
+                .collect(),
+            Some("scalar") => Ok(vec![(BTreeMap::new(), value(&data["result"])?)]),
+            other => Err(format!("unexpected result type {other:?} for {promql}")),
+        }
+    }
+
+    /// The single value of `promql`.
+    async fn value(&self, promql: &str) -> Result<f64, String> {
+        match self.query(promql).await?.as_slice() {
+            [(_, v)] => Ok(*v),
+            other => Err(format!("{promql}: {} series", other.len())),
+        }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
+    let table = ops_table().await;
+    let rabbit = RabbitFixture::new("ops_prometheus", "#", "barrier.ops").await;
+    // A row in backoff (so the lag is large and steady), a dead letter that blocks o-9.
+    insert_states(
+        &table,
+        &[
+            state_row("order", Some("o-1"), "pending")
+                .created(1000.0)
+                .available_in(3600.0),
+            state_row("order", Some("o-9"), "failed").failed_after(12, "nack"),
+        ],
+    )
+    .await;
+    let port = free_port();
+    let relay = relay(&table, &rabbit, Some(port)).spawn();
+    wait_ready(port, 200).await;
+    let ids: Vec<Uuid> = table
+        .insert(&[
+            NewRow::new("order", Some("o-2"), "created", json!({})),
+            NewRow::new("order", Some("o-3"), "created", json!({})),
+            NewRow::new("invoice", Some("i-1"), "issued", json!({})),
+        ])
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    rabbit.wait_for_ids(&ids, WAIT).await;
+
+    let prom = Prometheus::start(port).await;
+    wait_until(WAIT, "Prometheus scrapes the relay", async || {
+        match prom.value(r#"up{job="outbox-relay"}"#).await {
+            Ok(1.0) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+
+    // The lag Prometheus holds is the value the relay serves (the gauge changes every 5 s,
+    // the scrape every 1 s: compare when both relay readings around the query agree).
+    let lag = wait_until(
+        WAIT,
+        "Prometheus holds the relay's current lag",
+        async || {
+            let before = sample(&scrape(port).await?, names::OLDEST_PENDING_AGE, &[]);
+            let held = prom.value(names::OLDEST_PENDING_AGE).await?;
+            let after = sample(&scrape(port).await?, names::OLDEST_PENDING_AGE, &[]);
+            match (before, after) {
+                (Some(b), Some(a)) if a == b && (held - a).abs() < 1e-9 => Ok(held),
+                _ => Err(format!("relay {before:?}/{after:?}, Prometheus {held}")),
+            }
+        },
+    )
+    .await;
+    assert!(lag >= 1000.0, "the backoff row is 1000 s old: lag {lag}");
+    let expect_value = |q: &'static str, want: f64| {
+        let prom = &prom;
+        async move {
+            wait_until(WAIT, &format!("{q} = {want}"), async || {
+                match prom.value(q).await {
+                    Ok(v) if v == want => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            })
+            .await;
+        }
+    };
+    expect_value(r#"outbox_pending_messages{state="waiting"}"#, 1.0).await;
+    expect_value(r#"outbox_pending_messages{state="ready"}"#, 0.0).await;
+    expect_value("outbox_failed_messages", 1.0).await;
+    expect_value("outbox_blocked_aggregates", 1.0).await;
+    expect_value("sum(outbox_published_total)", 3.0).await;
+    expect_value("outbox_end_to_end_latency_seconds_count", 3.0).await;
+
+    // Every dashboard query runs on a real Prometheus and returns series.
+    let dashboard: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("deploy/grafana/outbox-relay.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let mut exprs = Vec::new();
+    for p in dashboard["panels"].as_array().unwrap() {
+        for t in p["targets"].as_array().cloned().unwrap_or_default() {
+            exprs.push((
+                p["title"].as_str().unwrap().to_owned(),
+                t["expr"].as_str().unwrap().to_owned(),
+            ));
+        }
+    }
+    assert!(exprs.len() > 10, "dashboard queries: {}", exprs.len());
+    // rate() needs two samples inside its window: wait for a few scrapes.
+    wait_until(
+        WAIT,
+        "Prometheus holds 3 scrapes of the relay",
+        async || match prom
+            .value(r#"count_over_time(up{job="outbox-relay"}[1m])"#)
+            .await
+        {
+            Ok(n) if n >= 3.0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )
+    .await;
+    for (title, expr) in &exprs {
+        let q = expr
+            .replace("$__rate_interval", "1m")
+            .replace("$job", ".*")
+            .replace("$instance", ".*");
+        wait_until(
+            Duration::from_secs(20),
+            &format!("panel {title:?} ({q}) returns series"),
+            async || match prom.query(&q).await {
+                Ok(series) if !series.is_empty() => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        )
+        .await;
+    }
+
+    // The shipped rules load and evaluate; the ones this state should trip are pending (or
+    // firing), and the relay is not reported down.
+    let states = wait_until(WAIT, "every rule is evaluated", async || {
+        let data = prom.api("rules").await?;
+        let mut states = BTreeMap::new();
+        for group in data["groups"].as_array().unwrap() {
+            for rule in group["rules"].as_array().unwrap() {
+                let name = rule["name"].as_str().unwrap().to_owned();
+                if rule["health"] != "ok" {
+                    return Err(format!(
+                        "{name}: health {} {}",
+                        rule["health"], rule["lastError"]
+                    ));
+                }
+                states.insert(name, rule["state"].as_str().unwrap_or_default().to_owned());
+            }
+        }
+        let tripped = [
+            "OutboxDeadLetters",
+            "OutboxBlockedAggregates",
+            "OutboxLagHigh",
+        ]
+        .iter()
+        .all(|n| {
+            states
+                .get(*n)
+                .is_some_and(|s| s == "pending" || s == "firing")
+        });
+        if states.len() >= 6 && tripped {
+            Ok(states)
+        } else {
+            Err(format!("{states:?}"))
+        }
+    })
+    .await;
+    assert_eq!(states["OutboxRelayDown"], "inactive", "{states:?}");
+    assert_eq!(states["OutboxOrderingHeldBack"], "inactive", "{states:?}");
+
+    prom.stop().await;
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
