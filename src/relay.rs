@@ -47,6 +47,9 @@ impl Backoff {
     }
 }
 
+/// How often to look for rows reclaimed from a dead relay when there were none last time.
+const SUSPECT_CHECK_PERIOD: Duration = Duration::from_secs(1);
+
 fn reconnect_backoff() -> Backoff {
     Backoff::new(Duration::from_millis(100), Duration::from_secs(30))
 }
@@ -150,6 +153,7 @@ impl Relay {
         let mut broker_backoff = reconnect_backoff();
         let mut db_backoff = reconnect_backoff();
         let mut last_blocking_warning: Option<Instant> = None;
+        let mut next_suspect_check = Instant::now();
 
         while !shutdown.is_cancelled() {
             if !self.publisher.is_connected() {
@@ -205,8 +209,14 @@ impl Relay {
             };
 
             // A row reclaimed from a relay that died goes out alone first: if it is what killed
-            // that relay, only its own attempts are spent.
-            match self.store.claim_suspect(mark).await {
+            // that relay, only its own attempts are spent. Looked for on every round while there
+            // are some, otherwise once a second (the query is cheap, but it is a round trip).
+            let suspect = if Instant::now() >= next_suspect_check {
+                self.store.claim_suspect(mark).await
+            } else {
+                Ok(None)
+            };
+            match suspect {
                 Ok(Some(row)) => {
                     tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
                     let mut permit = permit;
@@ -221,7 +231,11 @@ impl Relay {
                     }
                     continue;
                 }
-                Ok(None) => {}
+                Ok(None) => {
+                    if Instant::now() >= next_suspect_check {
+                        next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+                    }
+                }
                 Err(e) => {
                     drop(permit);
                     self.database_down(&e, &mut db_backoff, shutdown).await;
@@ -291,9 +305,7 @@ impl Relay {
         watermark: &mut Watermark,
         last_warning: &mut Option<Instant>,
     ) -> Result<i64, StoreError> {
-        // Order matters: the sequence first, then the writers (see crate::watermark).
-        let last = self.store.last_seq().await?;
-        let writers = self.store.writers(self.settings.table_oid).await?;
+        let (last, writers) = self.store.observe(self.settings.table_oid).await?;
         let now = Instant::now();
         let mark = watermark.observe(last, &writers.writers, now);
         let lag = watermark.lag(now);

@@ -617,21 +617,24 @@ impl Store {
         Ok((rows.len() as u64 - failed, failed))
     }
 
-    /// The highest `seq` drawn so far (committed or not).
-    pub async fn last_seq(&self) -> Result<i64> {
+    /// One observation for the ordering guard: the highest `seq` drawn so far (committed or
+    /// not), then the transactions that hold a lock on the outbox table and might still commit
+    /// rows. The two statements are pipelined on one connection, which the server runs in the
+    /// order sent: the sequence is read strictly before the locks (see [`crate::watermark`]).
+    pub async fn observe(&self, table_oid: u32) -> Result<(i64, WriterSnapshot)> {
         let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.last_seq).await?;
-        let row = client.query_one(&stmt, &[]).await?;
-        let last: i64 = row.try_get(0)?;
-        let called: bool = row.try_get(1)?;
-        Ok(if called { last } else { last - 1 })
-    }
-
-    /// Transactions that hold a lock on the outbox table and might still commit rows.
-    pub async fn writers(&self, table_oid: u32) -> Result<WriterSnapshot> {
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.writers).await?;
-        let rows = client.query(&stmt, &[&table_oid]).await?;
+        let seq_stmt = client.prepare_cached(&self.q.last_seq).await?;
+        let writers_stmt = client.prepare_cached(&self.q.writers).await?;
+        let oid_param: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
+        let (seq_row, rows) = tokio::join!(
+            client.query_one(&seq_stmt, &[]),
+            client.query(&writers_stmt, &oid_param)
+        );
+        let seq_row = seq_row?;
+        let last: i64 = seq_row.try_get(0)?;
+        let called: bool = seq_row.try_get(1)?;
+        let last = if called { last } else { last - 1 };
+        let rows = rows?;
         let mut writers = Vec::with_capacity(rows.len());
         let mut oldest: Option<f64> = None;
         for r in rows {
@@ -643,10 +646,13 @@ impl Store {
         }
         writers.sort_unstable();
         writers.dedup();
-        Ok(WriterSnapshot {
-            writers,
-            oldest_writer_age: oldest,
-        })
+        Ok((
+            last,
+            WriterSnapshot {
+                writers,
+                oldest_writer_age: oldest,
+            },
+        ))
     }
 }
 

@@ -1,0 +1,109 @@
+//! Commit → consumer latency of the real binary against the local PostgreSQL and RabbitMQ, at
+//! a steady insert rate: with LISTEN/NOTIFY the relay wakes on every commit; without it the
+//! latency is bounded by `relay.poll_interval`. This file holds one test so that nothing else
+//! in the suite shares the machine with it while it measures.
+
+// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use common::{NewRow, RabbitFixture, RelayBuilder, TestTable, insert_rows, pg_connect};
+use serde_json::json;
+use uuid::Uuid;
+
+struct Run {
+    p50: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+/// Inserts `rate` rows per second for `secs` seconds, one committed transaction per row, and
+/// measures commit → receive for each.
+async fn measure(table: &TestTable, rabbit: &RabbitFixture, rate: u32, secs: u32) -> Run {
+    let db = pg_connect().await;
+    let mut committed: HashMap<Uuid, Instant> = HashMap::new();
+    let mut ticker = tokio::time::interval(Duration::from_secs(1) / rate);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    for i in 0..rate * secs {
+        ticker.tick().await;
+        let agg = format!("a{}", i % 50);
+        let row = NewRow::new("latency", Some(&agg), "tick", json!({ "i": i }));
+        let ins = insert_rows(&db, &table.name, &[row]).await[0];
+        committed.insert(ins.id, Instant::now());
+    }
+    let ids: Vec<Uuid> = committed.keys().copied().collect();
+    rabbit.wait_for_ids(&ids, Duration::from_secs(60)).await;
+    let mut first: HashMap<Uuid, Instant> = HashMap::new();
+    for d in rabbit.deliveries() {
+        if let Ok(id) = d.message_id.parse::<Uuid>() {
+            first.entry(id).or_insert(d.received_at);
+        }
+    }
+    let mut lat: Vec<Duration> = committed
+        .iter()
+        .map(|(id, at)| first[id].saturating_duration_since(*at))
+        .collect();
+    lat.sort();
+    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
+    Run {
+        p50: pct(0.50),
+        p99: pct(0.99),
+        max: *lat.last().unwrap(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_to_consume_latency_with_and_without_notify() {
+    // With NOTIFY: 200 rows/s for 10 s.
+    let table = TestTable::new("latency_notify").await;
+    let rabbit = RabbitFixture::new("latency_notify", "#", "barrier.x").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "lat-notify")
+        .set("relay.ordering", "aggregate")
+        .set("relay.notify", "true")
+        .set("relay.poll_interval", "1s")
+        .spawn();
+    relay.wait_for_log("connected to the broker", 1, Duration::from_secs(30)).await;
+    let notify = measure(&table, &rabbit, 200, 10).await;
+    eprintln!(
+        "latency with NOTIFY at 200 rows/s: p50 {:?}, p99 {:?}, max {:?}",
+        notify.p50, notify.p99, notify.max
+    );
+    relay.stop().await;
+    rabbit.teardown().await;
+    assert!(notify.p50 < Duration::from_millis(10), "p50 {:?} ≥ 10 ms", notify.p50);
+    assert!(notify.p99 < Duration::from_millis(50), "p99 {:?} ≥ 50 ms", notify.p99);
+
+    // Without NOTIFY: bounded by the poll interval (plus a claim and a publish).
+    let poll = Duration::from_millis(300);
+    let table = TestTable::new("latency_poll").await;
+    let rabbit = RabbitFixture::new("latency_poll", "#", "barrier.x").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "lat-poll")
+        .set("relay.ordering", "aggregate")
+        .set("relay.notify", "false")
+        .set("relay.poll_interval", "300ms")
+        .spawn();
+    relay.wait_for_log("connected to the broker", 1, Duration::from_secs(30)).await;
+    let polled = measure(&table, &rabbit, 50, 4).await;
+    eprintln!(
+        "latency without NOTIFY (poll_interval 300ms) at 50 rows/s: p50 {:?}, p99 {:?}, max {:?}",
+        polled.p50, polled.p99, polled.max
+    );
+    relay.stop().await;
+    rabbit.teardown().await;
+    // The poll is jittered by ±10 %; allow a claim and a publish on top.
+    assert!(
+        polled.max < poll.mul_f64(1.1) + Duration::from_millis(150),
+        "max {:?} exceeds the poll interval",
+        polled.max
+    );
+    assert!(
+        polled.p50 > notify.p50,
+        "polling ({:?}) should be slower than NOTIFY ({:?})",
+        polled.p50,
+        notify.p50
+    );
+}
