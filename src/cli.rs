@@ -164,7 +164,7 @@ pub async fn dead_letters_list(config: &Config, limit: i64, json: bool) -> Resul
     Ok(())
 }
 
-/// `dead-letters retry|discard (--id ID… | --all)`.
+/// `dead-letters retry|discard (--id ID… | --all)`: all or nothing.
 pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) -> Result<()> {
     let store = store(config)?;
     let changed = if retry {
@@ -172,26 +172,18 @@ pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) ->
     } else {
         store.discard_dead_letters(&sel).await
     }
-    .with_context(|| db_context(config))?;
+    .with_context(|| {
+        format!(
+            "{} in {}",
+            if retry { "retry" } else { "discard" },
+            config.database.table
+        )
+    })?;
     let verb = if retry {
         "set back to pending"
     } else {
         "discarded"
     };
     println!("{} dead letter(s) {verb}", changed.len());
-    if let Selection::Ids(ids) = &sel {
-        let missing: Vec<String> = ids
-            .iter()
-            .filter(|id| !changed.contains(id))
-            .map(ToString::to_string)
-            .collect();
-        if !missing.is_empty() {
-            bail!(
-                "not dead letters in {}: {}",
-                config.database.table,
-                missing.join(", ")
-            );
-        }
-    }
     Ok(())
 }

@@ -54,16 +54,28 @@ struct Args {
     #[arg(long)]
     json_only: bool,
     /// PostgreSQL URL (the tables are created there).
-    #[arg(long, env = "BENCH_DATABASE_URL", default_value = "postgres://postgres@127.0.0.1:5432/test")]
+    #[arg(
+        long,
+        env = "BENCH_DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
     database_url: String,
     /// RabbitMQ URL.
-    #[arg(long, env = "BENCH_AMQP_URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    #[arg(
+        long,
+        env = "BENCH_AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+    )]
     amqp_url: String,
     /// Kafka bootstrap servers.
     #[arg(long, env = "BENCH_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
     kafka_brokers: String,
     /// The tansu binary, used to create and delete topics (tansu does not auto-create them).
-    #[arg(long, env = "BENCH_TANSU", default_value = "/var/cache/outbox-relay/tansu/bin/tansu")]
+    #[arg(
+        long,
+        env = "BENCH_TANSU",
+        default_value = "/var/cache/outbox-relay/tansu/bin/tansu"
+    )]
     tansu: PathBuf,
     /// Rows the naive loop drains out of the N-row backlog [default: min(N, 20000); 2000 with --quick].
     #[arg(long)]
@@ -195,7 +207,11 @@ struct Ctx {
 
 impl Ctx {
     fn progress(&self, msg: impl AsRef<str>) {
-        eprintln!("[{:>7.1}s] {}", self.t0.elapsed().as_secs_f64(), msg.as_ref());
+        eprintln!(
+            "[{:>7.1}s] {}",
+            self.t0.elapsed().as_secs_f64(),
+            msg.as_ref()
+        );
     }
 
     fn timeout(&self) -> Duration {
@@ -213,7 +229,8 @@ impl Ctx {
         raw.publisher.rabbitmq.url = self.args.amqp_url.clone();
         raw.publisher.kafka.brokers = self.args.kafka_brokers.clone();
         tweak(&mut raw);
-        raw.validate().map_err(|e| anyhow!("bench configuration: {e}"))
+        raw.validate()
+            .map_err(|e| anyhow!("bench configuration: {e}"))
     }
 
     /// Creates `bench_<tag>_<run id>` with the library's migration.
@@ -265,8 +282,14 @@ impl Ctx {
             ("RELAY_DATABASE__TABLE", table),
             ("RELAY_DATABASE__AUTO_MIGRATE", "false"),
             ("RELAY_METRICS__LISTEN", ""),
-            ("RELAY_PUBLISHER__RABBITMQ__URL", self.args.amqp_url.as_str()),
-            ("RELAY_PUBLISHER__KAFKA__BROKERS", self.args.kafka_brokers.as_str()),
+            (
+                "RELAY_PUBLISHER__RABBITMQ__URL",
+                self.args.amqp_url.as_str(),
+            ),
+            (
+                "RELAY_PUBLISHER__KAFKA__BROKERS",
+                self.args.kafka_brokers.as_str(),
+            ),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
@@ -310,7 +333,10 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
         )
         .init();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("outbox-bench: cannot start the runtime: {e}");
@@ -380,7 +406,9 @@ impl Signals {
 }
 
 async fn setup(args: Args) -> Result<Ctx> {
-    let rows = args.rows.unwrap_or(if args.quick { 10_000 } else { 100_000 });
+    let rows = args
+        .rows
+        .unwrap_or(if args.quick { 10_000 } else { 100_000 });
     if rows == 0 {
         bail!("--rows must be at least 1");
     }
@@ -388,7 +416,9 @@ async fn setup(args: Args) -> Result<Ctx> {
         .naive_rows
         .unwrap_or(if args.quick { 2_000 } else { 20_000 })
         .min(rows);
-    let lat_rate = args.latency_rate.unwrap_or(if args.quick { 200 } else { 1000 });
+    let lat_rate = args
+        .latency_rate
+        .unwrap_or(if args.quick { 200 } else { 1000 });
     let lat_secs = args.latency_secs.unwrap_or(if args.quick { 5 } else { 10 });
     let mut extra_env = Vec::new();
     for kv in &args.relay_env {

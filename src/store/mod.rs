@@ -33,6 +33,9 @@ pub enum StoreError {
     /// The URL could not be turned into a pool.
     #[error("cannot build the connection pool: {0}")]
     Build(String),
+    /// Some ids given to a dead-letter command are not dead letters; nothing was changed.
+    #[error("not dead letters (nothing was changed): {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
+    NotDeadLetters(Vec<Uuid>),
 }
 
 /// An error and its causes, `outer: inner: innermost` (tokio-postgres hides the cause of
@@ -57,7 +60,7 @@ impl StoreError {
         match self {
             Self::Pool(_) => true,
             Self::Db(e) => e.is_closed() || e.code().is_none(),
-            Self::Schema(_) | Self::Build(_) => false,
+            Self::Schema(_) | Self::Build(_) | Self::NotDeadLetters(_) => false,
         }
     }
 }
@@ -829,14 +832,31 @@ impl Store {
         Ok(client.execute(&stmt, &[&ms, &batch]).await?)
     }
 
+    /// Applies `sql` to the selected dead letters in one transaction: when any given id is
+    /// not a dead letter, nothing is changed.
     async fn apply_dead(&self, sql: &str, sel: &Selection) -> Result<Vec<Uuid>> {
         let (ids, all) = match sel {
             Selection::Ids(ids) => (ids.clone(), false),
             Selection::All => (Vec::new(), true),
         };
-        let client = self.client().await?;
-        let rows = client.query(sql, &[&ids, &all]).await?;
-        rows.iter().map(|r| Ok(r.try_get(0)?)).collect()
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        let rows = tx.query(sql, &[&ids, &all]).await?;
+        let changed = rows
+            .iter()
+            .map(|r| r.try_get(0))
+            .collect::<Result<Vec<Uuid>, _>>()?;
+        let missing: Vec<Uuid> = ids
+            .iter()
+            .filter(|id| !changed.contains(id))
+            .copied()
+            .collect();
+        if !missing.is_empty() {
+            tx.rollback().await?;
+            return Err(StoreError::NotDeadLetters(missing));
+        }
+        tx.commit().await?;
+        Ok(changed)
     }
 }
 

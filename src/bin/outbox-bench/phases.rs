@@ -26,8 +26,9 @@ use uuid::Uuid;
 
 use crate::Ctx;
 use crate::util::{
-    CpuSample, CpuUsage, RelayProcess, avg_payload_bytes, fill, fill_range, median, payload,
-    percentile, pg_connect, settle_db, verify_sent, wait_drained,
+    CpuSample, CpuUsage, IndexDef, RelayProcess, avg_payload_bytes, create_index, drop_index, fill,
+    fill_range, median, payload, percentile, pg_connect, settle_db, table_indexes, verify_sent,
+    wait_drained,
 };
 
 /// A publisher that confirms everything at once: the relay's database path alone.
@@ -74,7 +75,11 @@ fn cpu_text(u: &CpuUsage) -> String {
         parts.push(format!("steal {:.2}", u.steal));
     }
     if !u.other_top.is_empty() {
-        let top: Vec<String> = u.other_top.iter().map(|(k, v)| format!("{k} {v:.2}")).collect();
+        let top: Vec<String> = u
+            .other_top
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.2}"))
+            .collect();
         parts.push(format!("other = {}", top.join(", ")));
     }
     format!("cores: {}", parts.join(", "))
@@ -89,7 +94,8 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     ctx.progress(format!("db: filling {} rows into {table}", ctx.rows));
     fill(&ctx.pg, &table, ctx.rows, ctx.args.aggregates).await?;
     let bytes = avg_payload_bytes(&ctx.pg, &table).await?;
-    ctx.report.detail("payload_bytes_as_sent", json!(bytes.round()));
+    ctx.report
+        .detail("payload_bytes_as_sent", json!(bytes.round()));
     let config = ctx.config(&table, |raw| raw.relay.ordering = "none".into())?;
     let batch = config.relay.batch_size;
     let token = CancellationToken::new();
@@ -122,7 +128,10 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     verify_sent(&ctx.pg, &table, ctx.rows).await?;
 
     let r = rate(ctx.rows, elapsed);
-    ctx.progress(format!("db: {r:.0} rows/s in {elapsed:.2?}; {}", cpu_text(&usage)));
+    ctx.progress(format!(
+        "db: {r:.0} rows/s in {elapsed:.2?}; {}",
+        cpu_text(&usage)
+    ));
     ctx.report.figure(
         "1 db ceiling",
         "db_ceiling_rows_per_s",
@@ -198,7 +207,8 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
     let n = ctx.rows;
     let msgs = synthetic(n, ctx.args.aggregates);
     let avg = msgs.iter().map(|m| m.payload.len()).sum::<usize>() as f64 / n.max(1) as f64;
-    ctx.report.detail("synthetic_payload_bytes", json!(avg.round()));
+    ctx.report
+        .detail("synthetic_payload_bytes", json!(avg.round()));
     let mut errors = Vec::new();
 
     // RabbitMQ: a fresh exchange bound to a fresh durable queue.
@@ -221,14 +231,23 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
         let b = blast(&p, &msgs, 1000).await;
         p.close().await;
         if let Some(f) = &b.first_failure {
-            bail!("RabbitMQ: {} of {n} confirmed; first failure: {f}", b.confirmed);
+            bail!(
+                "RabbitMQ: {} of {n} confirmed; first failure: {f}",
+                b.confirmed
+            );
         }
         let queued = ctx.rabbit().await?.queue_len(&name).await?;
         if queued as usize != n {
-            ctx.report.note(format!("broker ceiling: queue holds {queued} messages, expected {n}"));
+            ctx.report.note(format!(
+                "broker ceiling: queue holds {queued} messages, expected {n}"
+            ));
         }
         let r = rate(n, b.elapsed);
-        ctx.progress(format!("broker: RabbitMQ {r:.0} msgs/s in {:.2?}; {}", b.elapsed, cpu_text(&b.usage)));
+        ctx.progress(format!(
+            "broker: RabbitMQ {r:.0} msgs/s in {:.2?}; {}",
+            b.elapsed,
+            cpu_text(&b.usage)
+        ));
         ctx.report.figure(
             "2 broker ceiling",
             "rabbitmq_ceiling_msgs_per_s",
@@ -268,10 +287,17 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
         let b = blast(&p, &msgs, 1000).await;
         p.close().await;
         if let Some(f) = &b.first_failure {
-            bail!("Kafka: {} of {n} confirmed; first failure: {f}", b.confirmed);
+            bail!(
+                "Kafka: {} of {n} confirmed; first failure: {f}",
+                b.confirmed
+            );
         }
         let r = rate(n, b.elapsed);
-        ctx.progress(format!("broker: Kafka {r:.0} msgs/s in {:.2?}; {}", b.elapsed, cpu_text(&b.usage)));
+        ctx.progress(format!(
+            "broker: Kafka {r:.0} msgs/s in {:.2?}; {}",
+            b.elapsed,
+            cpu_text(&b.usage)
+        ));
         ctx.report.figure(
             "2 broker ceiling",
             "kafka_ceiling_msgs_per_s",
@@ -325,9 +351,16 @@ pub async fn naive(ctx: &mut Ctx) -> Result<()> {
 
     let target = ctx.naive_rows;
     let limit = ctx.timeout();
-    ctx.progress(format!("naive: draining {target} of {} pending rows", ctx.rows));
-    let (mut t_select, mut t_publish, mut t_update, mut t_commit) =
-        (Duration::ZERO, Duration::ZERO, Duration::ZERO, Duration::ZERO);
+    ctx.progress(format!(
+        "naive: draining {target} of {} pending rows",
+        ctx.rows
+    ));
+    let (mut t_select, mut t_publish, mut t_update, mut t_commit) = (
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::ZERO,
+    );
     let mut polls = 0u64;
     let mut sent = 0usize;
     let cpu = CpuSample::take();
@@ -405,7 +438,10 @@ pub async fn naive(ctx: &mut Ctx) -> Result<()> {
     ctx.report.figure(
         "3 naive loop",
         "naive_rabbitmq_msgs_per_s",
-        &format!("SKIP LOCKED LIMIT 50 by created_at, confirm+UPDATE per row ({sent} of {} rows)", ctx.rows),
+        &format!(
+            "SKIP LOCKED LIMIT 50 by created_at, confirm+UPDATE per row ({sent} of {} rows)",
+            ctx.rows
+        ),
         r,
         "msgs/s",
     );
@@ -468,7 +504,10 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
     let ord = if ordering == "none" { "none" } else { "agg" };
     let key = format!("relay_{broker}_{ordering}");
     let table = ctx.new_table(&format!("{short}_{ord}")).await?;
-    ctx.progress(format!("relay {broker}/{ordering}: filling {} rows into {table}", ctx.rows));
+    ctx.progress(format!(
+        "relay {broker}/{ordering}: filling {} rows into {table}",
+        ctx.rows
+    ));
     fill(&ctx.pg, &table, ctx.rows, ctx.args.aggregates).await?;
 
     let mut env = ctx.relay_env(&table);
@@ -493,7 +532,8 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
     if ctx.args.perf {
         let out = ctx.dir.join(format!("{key}.perf.data"));
         relay.attach_perf(&out)?;
-        ctx.report.note(format!("{key}: perf profile in {}", out.display()));
+        ctx.report
+            .note(format!("{key}: perf profile in {}", out.display()));
     }
     let waited = wait_drained(&ctx.pg, &table, ctx.timeout(), || relay.check_alive()).await;
     let elapsed = started.elapsed();
@@ -503,7 +543,10 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
     waited?;
     let status = stopped?;
     if !status.success() {
-        bail!("the relay exited with {status} after SIGTERM; end of its log:\n{}", relay.tail(20));
+        bail!(
+            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+            relay.tail(20)
+        );
     }
     verify_sent(&ctx.pg, &table, ctx.rows).await?;
     let mut duplicates = serde_json::Value::Null;
@@ -511,7 +554,10 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
         let queued = ctx.rabbit().await?.queue_len(q).await? as usize;
         duplicates = json!(queued as i64 - ctx.rows as i64);
         if queued != ctx.rows {
-            ctx.report.note(format!("{key}: queue holds {queued} messages for {} rows", ctx.rows));
+            ctx.report.note(format!(
+                "{key}: queue holds {queued} messages for {} rows",
+                ctx.rows
+            ));
         }
     }
     let rss_mib = rss.map(|k| k as f64 / 1024.0);
@@ -527,10 +573,18 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
     ));
     let what = match ordering {
         "none" => format!("relay process → {broker}, ordering none"),
-        _ => format!("relay process → {broker}, ordering aggregate ({} aggregates)", ctx.args.aggregates),
+        _ => format!(
+            "relay process → {broker}, ordering aggregate ({} aggregates)",
+            ctx.args.aggregates
+        ),
     };
-    ctx.report
-        .figure("4 relay drain", &format!("{key}_msgs_per_s"), &what, r, "msgs/s");
+    ctx.report.figure(
+        "4 relay drain",
+        &format!("{key}_msgs_per_s"),
+        &what,
+        r,
+        "msgs/s",
+    );
     ctx.report.detail(
         &key,
         json!({
@@ -570,7 +624,11 @@ fn receipts_has(r: &Receipts, id: &str) -> bool {
 
 async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     let tag = if notify { "lat_notify" } else { "lat_poll" };
-    let key = if notify { "latency_notify" } else { "latency_poll" };
+    let key = if notify {
+        "latency_notify"
+    } else {
+        "latency_poll"
+    };
     let table = ctx.new_table(tag).await?;
     let name = ctx.new_binding(tag).await?;
     const AGGREGATES: u64 = 100;
@@ -631,7 +689,10 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     while !receipts_has(&receipts, &id.to_string()) {
         relay.check_alive()?;
         if Instant::now() > deadline {
-            bail!("the warm-up message did not arrive within 30 s; relay log:\n{}", relay.tail(20));
+            bail!(
+                "the warm-up message did not arrive within 30 s; relay log:\n{}",
+                relay.tail(20)
+            );
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -653,13 +714,17 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
     for (k, client) in clients.into_iter().enumerate() {
         let sql = insert_sql.clone();
-        tasks.spawn(insert_worker(client, sql, k as u64, workers, total, start, period, AGGREGATES));
+        tasks.spawn(insert_worker(
+            client, sql, k as u64, workers, total, start, period, AGGREGATES,
+        ));
     }
     let mut commits: Vec<(Uuid, Instant, Duration)> = Vec::with_capacity(total as usize);
     let mut worker_errors = Vec::new();
     let mut done_workers = 0;
     while done_workers < workers {
-        let Some(joined) = tasks.join_next().await else { break };
+        let Some(joined) = tasks.join_next().await else {
+            break;
+        };
         match joined {
             Ok(Ok(v)) => {
                 done_workers += 1;
@@ -693,8 +758,10 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         };
         if missing == 0 || Instant::now() > deadline {
             if missing > 0 {
-                ctx.report
-                    .note(format!("{key}: {missing} of {} messages not received within 30 s", ids.len()));
+                ctx.report.note(format!(
+                    "{key}: {missing} of {} messages not received within 30 s",
+                    ids.len()
+                ));
             }
             break;
         }
@@ -705,7 +772,10 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     let rss = relay.peak_rss_kib();
     let status = relay.stop(Duration::from_secs(45)).await?;
     if !status.success() {
-        bail!("the relay exited with {status} after SIGTERM; end of its log:\n{}", relay.tail(20));
+        bail!(
+            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+            relay.tail(20)
+        );
     }
     consumer_task.abort_all();
     let _ = conn.close(200, "done".into()).await;
@@ -727,7 +797,11 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     if lat.is_empty() {
         bail!("no message received");
     }
-    let (p50, p95, p99) = (percentile(&lat, 50.0), percentile(&lat, 95.0), percentile(&lat, 99.0));
+    let (p50, p95, p99) = (
+        percentile(&lat, 50.0),
+        percentile(&lat, 95.0),
+        percentile(&lat, 99.0),
+    );
     let max = lat.last().copied().unwrap_or(f64::NAN);
     let achieved = commits.len() as f64 / insert_window.as_secs_f64().max(1e-9);
     ctx.progress(format!(
@@ -896,11 +970,25 @@ async fn claim_table(ctx: &mut Ctx, tag: &str, n: usize, mostly_sent: bool) -> R
         format!("{}k", n / 1000)
     };
     let n64 = i64::try_from(n)?;
+    let aggregates = i64::try_from(ctx.args.aggregates)?;
+    // The large table is built fast: without indexes, with explicit seq values. The partial
+    // indexes over unsent rows (the ones the claims read) are rebuilt before the 99 % UPDATE,
+    // so they carry the dead entries that a real table has until VACUUM; the others (primary
+    // key, processing, failed, sent), which the UPDATE would only slow down, after it.
+    let indexes = if mostly_sent {
+        let all = table_indexes(&ctx.pg, &table).await?;
+        for idx in &all {
+            drop_index(&ctx.pg, &table, idx).await?;
+        }
+        all
+    } else {
+        Vec::new()
+    };
     let chunk = 1_000_000i64;
     let mut from = 1;
     while from <= n64 {
         let to = (from + chunk - 1).min(n64);
-        fill_range(&ctx.pg, &table, from, to, i64::try_from(ctx.args.aggregates)?).await?;
+        fill_range(&ctx.pg, &table, from, to, aggregates, mostly_sent).await?;
         ctx.progress(format!("claim: {table}: {to} of {n} rows inserted"));
         from = to + 1;
     }
@@ -914,6 +1002,15 @@ async fn claim_table(ctx: &mut Ctx, tag: &str, n: usize, mostly_sent: bool) -> R
     );
 
     if mostly_sent {
+        ctx.pg
+            .execute(&format!("SELECT setval('{table}_seq', $1)"), &[&n64])
+            .await?;
+        let (unsent, rest): (Vec<&IndexDef>, Vec<&IndexDef>) = indexes.iter().partition(|i| {
+            i.definition().contains("'pending'") || i.definition().contains("<> 'sent'")
+        });
+        for idx in &unsent {
+            create_index(&ctx.pg, &table, idx).await?;
+        }
         let keep_pending = (n64 / 100).max(1);
         let cut = n64 - keep_pending;
         ctx.progress(format!("claim: {table}: marking {cut} rows sent"));
@@ -925,6 +1022,10 @@ async fn claim_table(ctx: &mut Ctx, tag: &str, n: usize, mostly_sent: bool) -> R
                 &[&cut],
             )
             .await?;
+        ctx.progress(format!("claim: {table}: rebuilding the other indexes"));
+        for idx in &rest {
+            create_index(&ctx.pg, &table, idx).await?;
+        }
         // Before VACUUM: what a table looks like when vacuum lags (autovacuum is off here).
         ctx.pg.batch_execute(&format!("ANALYZE {table}")).await?;
         prepare_claims(&ctx.pg, &table, &none, &agg).await?;
@@ -951,7 +1052,9 @@ async fn claim_table(ctx: &mut Ctx, tag: &str, n: usize, mostly_sent: bool) -> R
         ctx.report
             .detail("claim_large_unvacuumed_ms", json!(before.times_ms));
         ctx.progress(format!("claim: {table}: VACUUM ANALYZE"));
-        ctx.pg.batch_execute(&format!("VACUUM ANALYZE {table}")).await?;
+        ctx.pg
+            .batch_execute(&format!("VACUUM ANALYZE {table}"))
+            .await?;
     } else {
         settle_db(&ctx.pg, &table).await?;
     }
@@ -1011,9 +1114,16 @@ async fn claim_table(ctx: &mut Ctx, tag: &str, n: usize, mostly_sent: bool) -> R
         median(&c_naive.times_ms),
         "ms",
     );
-    ctx.report.plan(&format!("claim_none on {desc}, last of {runs} runs"), &c_none.plan);
-    ctx.report.plan(&format!("claim_aggregate on {desc}, last of {runs} runs"), &c_agg.plan);
-    ctx.report.plan(&format!("naive poll on {desc}"), &c_naive.plan);
+    ctx.report.plan(
+        &format!("claim_none on {desc}, last of {runs} runs"),
+        &c_none.plan,
+    );
+    ctx.report.plan(
+        &format!("claim_aggregate on {desc}, last of {runs} runs"),
+        &c_agg.plan,
+    );
+    ctx.report
+        .plan(&format!("naive poll on {desc}"), &c_naive.plan);
     ctx.report.detail(
         &format!("claim_{which}"),
         json!({
@@ -1036,5 +1146,7 @@ async fn prepare_claims(pg: &Client, table: &str, none: &str, agg: &str) -> Resu
 }
 
 async fn deallocate(pg: &Client, none: &str, agg: &str) {
-    let _ = pg.batch_execute(&format!("DEALLOCATE {none}; DEALLOCATE {agg}")).await;
+    let _ = pg
+        .batch_execute(&format!("DEALLOCATE {none}; DEALLOCATE {agg}"))
+        .await;
 }

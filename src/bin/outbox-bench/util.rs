@@ -68,11 +68,25 @@ pub fn aggregate_id(i: u64, aggregates: u64) -> String {
 }
 
 /// Inserts rows `from..=to` (pending) in one statement: aggregate type `order`, event
-/// `OrderPlaced`, aggregate id round robin over `aggregates`.
-pub async fn fill_range(pg: &Client, table: &str, from: i64, to: i64, aggregates: i64) -> Result<u64> {
+/// `OrderPlaced`, aggregate id round robin over `aggregates`. `seq` comes from the table's
+/// default (`<table>_next_seq()`, as applications insert), or is `g` itself when
+/// `explicit_seq` (five times faster; the caller then sets the sequence).
+pub async fn fill_range(
+    pg: &Client,
+    table: &str,
+    from: i64,
+    to: i64,
+    aggregates: i64,
+    explicit_seq: bool,
+) -> Result<u64> {
+    let (seq_col, seq_val) = if explicit_seq {
+        ("seq, ", "g, ")
+    } else {
+        ("", "")
+    };
     let sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
-         SELECT 'order', 'order-' || (g % $3), 'OrderPlaced', \
+        "INSERT INTO {table} ({seq_col}aggregate_type, aggregate_id, event_type, payload) \
+         SELECT {seq_val}'order', 'order-' || (g % $3), 'OrderPlaced', \
                 format('{PAYLOAD_TEMPLATE}', g, g % $3, (g * 7919) % 100000, g, g)::jsonb \
          FROM generate_series($1::bigint, $2::bigint) AS g"
     );
@@ -90,7 +104,7 @@ pub async fn fill(pg: &Client, table: &str, n: usize, aggregates: usize) -> Resu
     let mut from = 1;
     while from <= n {
         let to = (from + chunk - 1).min(n);
-        fill_range(pg, table, from, to, aggregates).await?;
+        fill_range(pg, table, from, to, aggregates, false).await?;
         from = to + 1;
     }
     settle_db(pg, table).await
@@ -102,6 +116,71 @@ pub async fn settle_db(pg: &Client, table: &str) -> Result<()> {
     if let Err(e) = pg.batch_execute("CHECKPOINT").await {
         tracing::debug!(error = %e, "CHECKPOINT refused");
     }
+    Ok(())
+}
+
+/// One index of a table, as it can be dropped and recreated.
+pub struct IndexDef {
+    name: String,
+    def: String,
+    constraint: Option<(String, String)>,
+}
+
+impl IndexDef {
+    /// The `CREATE INDEX` text (or the constraint definition).
+    pub fn definition(&self) -> &str {
+        self.constraint.as_ref().map_or(&self.def, |(_, d)| d)
+    }
+}
+
+/// The indexes of `table` (including the primary key's).
+pub async fn table_indexes(pg: &Client, table: &str) -> Result<Vec<IndexDef>> {
+    let rows = pg
+        .query(
+            "SELECT ic.relname::text, pg_get_indexdef(i.indexrelid), con.conname::text, pg_get_constraintdef(con.oid) \
+             FROM pg_index i JOIN pg_class ic ON ic.oid = i.indexrelid \
+             LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid AND con.conrelid = i.indrelid \
+             WHERE i.indrelid = $1::text::regclass",
+            &[&table],
+        )
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let constraint = match (
+                r.try_get::<_, Option<String>>(2)?,
+                r.try_get::<_, Option<String>>(3)?,
+            ) {
+                (Some(n), Some(d)) => Some((n, d)),
+                _ => None,
+            };
+            Ok(IndexDef {
+                name: r.try_get(0)?,
+                def: r.try_get(1)?,
+                constraint,
+            })
+        })
+        .collect()
+}
+
+/// Drops one index (or its constraint).
+pub async fn drop_index(pg: &Client, table: &str, idx: &IndexDef) -> Result<()> {
+    let sql = match &idx.constraint {
+        Some((name, _)) => format!("ALTER TABLE {table} DROP CONSTRAINT {name}"),
+        None => format!("DROP INDEX {}", idx.name),
+    };
+    pg.batch_execute(&sql).await?;
+    Ok(())
+}
+
+/// Recreates one index (or its constraint).
+pub async fn create_index(pg: &Client, table: &str, idx: &IndexDef) -> Result<()> {
+    let sql = match &idx.constraint {
+        Some((name, def)) => format!("ALTER TABLE {table} ADD CONSTRAINT {name} {def}"),
+        None => idx.def.clone(),
+    };
+    pg.batch_execute(&sql)
+        .await
+        .with_context(|| format!("cannot recreate {}", idx.name))?;
     Ok(())
 }
 
@@ -150,7 +229,10 @@ pub async fn wait_drained(
 /// Row counts by status.
 pub async fn status_counts(pg: &Client, table: &str) -> Result<BTreeMap<String, i64>> {
     let rows = pg
-        .query(&format!("SELECT status, count(*) FROM {table} GROUP BY status"), &[])
+        .query(
+            &format!("SELECT status, count(*) FROM {table} GROUP BY status"),
+            &[],
+        )
         .await?;
     rows.iter()
         .map(|r| Ok((r.try_get::<_, String>(0)?, r.try_get::<_, i64>(1)?)))
@@ -317,7 +399,14 @@ fn tansu_broker_url(brokers: &str) -> String {
 /// Creates `topic` with `partitions` partitions through the tansu CLI.
 pub async fn create_topic(tansu: &Path, brokers: &str, topic: &str, partitions: u32) -> Result<()> {
     let out = tokio::process::Command::new(tansu)
-        .args(["topic", "create", topic, "--partitions", &partitions.to_string(), "--broker"])
+        .args([
+            "topic",
+            "create",
+            topic,
+            "--partitions",
+            &partitions.to_string(),
+            "--broker",
+        ])
         .arg(tansu_broker_url(brokers))
         .stdin(Stdio::null())
         .kill_on_drop(true)
@@ -344,7 +433,10 @@ pub async fn delete_topic(tansu: &Path, brokers: &str, topic: &str) -> Result<()
         .output()
         .await?;
     if !out.status.success() {
-        bail!("tansu topic delete {topic} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        bail!(
+            "tansu topic delete {topic} failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
     }
     Ok(())
 }
@@ -529,7 +621,11 @@ impl CpuSample {
         let mut procs = HashMap::new();
         if let Ok(dir) = std::fs::read_dir("/proc") {
             for entry in dir.flatten() {
-                let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                let Some(pid) = entry
+                    .file_name()
+                    .to_str()
+                    .and_then(|s| s.parse::<u32>().ok())
+                else {
                     continue;
                 };
                 if let Some(v) = proc_cpu(pid) {
@@ -568,7 +664,11 @@ impl CpuSample {
             let group = group_of(comm, *pid, me);
             *cores.entry(group.to_owned()).or_default() += used;
             if group == "other" {
-                let name = comm.split(['/', '-', ':']).next().unwrap_or(comm).to_owned();
+                let name = comm
+                    .split(['/', '-', ':'])
+                    .next()
+                    .unwrap_or(comm)
+                    .to_owned();
                 *other.entry(name).or_default() += used;
             }
         }
