@@ -53,6 +53,9 @@ pub struct KafkaPublisher {
     envelope: EnvelopeConfig,
     producer: std::sync::RwLock<Option<FutureProducer<Context>>>,
     up: Arc<AtomicBool>,
+    /// Set when the producer can no longer be trusted to deliver (fatal error, or a message
+    /// timed out): the next connect() replaces it.
+    replace: AtomicBool,
     connecting: tokio::sync::Mutex<()>,
 }
 
@@ -74,6 +77,7 @@ impl KafkaPublisher {
             envelope,
             producer: std::sync::RwLock::new(None),
             up: Arc::new(AtomicBool::new(false)),
+            replace: AtomicBool::new(false),
             connecting: tokio::sync::Mutex::new(()),
         }
     }
@@ -88,7 +92,16 @@ impl KafkaPublisher {
                 "message.timeout.ms",
                 cfg.message_timeout.as_millis().to_string(),
             )
-            .set("client.id", crate::store::APPLICATION_NAME);
+            .set("client.id", crate::store::APPLICATION_NAME)
+            // An unknown topic must fail its message (message-level) before the message times
+            // out (connection-level); librdkafka's default waits 30 s.
+            .set(
+                "topic.metadata.propagation.max.ms",
+                (cfg.message_timeout / 2)
+                    .min(Duration::from_secs(5))
+                    .as_millis()
+                    .to_string(),
+            );
         for (k, v) in &cfg.properties {
             c.set(k, v);
         }
@@ -202,8 +215,16 @@ impl Publisher for KafkaPublisher {
             return Ok(());
         }
         let producer = match self.producer() {
-            Some(p) => p,
-            None => {
+            Some(p)
+                if p.client().fatal_error().is_none() && !self.replace.load(Ordering::Relaxed) =>
+            {
+                p
+            }
+            stale => {
+                if stale.is_some() {
+                    tracing::warn!(fatal = ?stale.as_ref().and_then(|p| p.client().fatal_error()), "replacing the Kafka producer");
+                }
+                self.replace.store(false, Ordering::Relaxed);
                 let ctx = Context {
                     up: Arc::clone(&self.up),
                 };
@@ -272,6 +293,12 @@ impl Publisher for KafkaPublisher {
             Err((err, _)) => {
                 let outcome = classify_error(&err);
                 if matches!(outcome, Outcome::Unavailable(_)) {
+                    if matches!(
+                        err.rdkafka_error_code(),
+                        Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::MessageTimedOut)
+                    ) {
+                        self.replace.store(true, Ordering::Relaxed);
+                    }
                     self.up.store(false, Ordering::Relaxed);
                 }
                 outcome
