@@ -415,6 +415,9 @@ pub struct RabbitMqConfig {
     pub routing_key: Template,
     /// Confirm wait.
     pub confirm_timeout: Duration,
+    /// Channels in the publishing pool, each with at most one unconfirmed message (derived
+    /// from `relay.max_in_flight`; not a key of its own).
+    pub channels: usize,
 }
 
 /// The validated Kafka settings.
@@ -676,6 +679,7 @@ impl RawConfig {
                     declare_exchange: q.declare_exchange,
                     routing_key,
                     confirm_timeout: q.confirm_timeout.0,
+                    channels: r.max_in_flight.min(MAX_AMQP_CHANNELS),
                 })
             }
             "kafka" => {
@@ -768,6 +772,9 @@ fn positive(key: &'static str, d: HumanDuration) -> Result<(), ConfigError> {
     }
     Ok(())
 }
+
+/// Upper bound on the RabbitMQ channel pool (the broker's default `channel_max` is 2047).
+pub const MAX_AMQP_CHANNELS: usize = 1000;
 
 /// Host name + pid, e.g. `web-1:4242`.
 pub fn default_instance_id() -> String {

@@ -156,7 +156,7 @@ pub async fn run_with(
             background.clone(),
         )));
     }
-    helpers.push(tokio::spawn(relay::reclaim_loop(
+    helpers.push(tokio::spawn(relay::lease_loop(
         store.clone(),
         config.relay.lease_timeout,
         config.retry,

@@ -532,20 +532,30 @@ async fn sleep_or_cancel(d: Duration, token: &CancellationToken) {
     }
 }
 
-/// Hands expired leases back every `min(lease_timeout / 2, 30s)` until `shutdown`.
-pub async fn reclaim_loop(
+/// Every `lease_timeout / 3`: renews this relay's own leases (so rows waiting on a slow broker
+/// are never taken from a live relay), then hands back rows whose lease expired because their
+/// relay stopped.
+pub async fn lease_loop(
     store: Store,
     lease: Duration,
     retry: RetryPolicy,
     wake: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
-    let period = (lease / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
+    let period = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(20));
     loop {
+        if let Err(e) = store.heartbeat().await {
+            tracing::warn!(error = %e, "cannot renew leases; rows may be reclaimed by another relay if this lasts longer than lease_timeout");
+        }
         match store.reclaim_expired(lease, retry.max_attempts).await {
             Ok((0, 0)) => {}
             Ok((reclaimed, dead)) => {
-                tracing::warn!(reclaimed, dead_lettered = dead, lease = ?lease, "reclaimed rows whose relay stopped while holding them");
+                tracing::warn!(
+                    reclaimed,
+                    dead_lettered = dead,
+                    lease = ?lease,
+                    "reclaimed rows whose relay stopped while holding them"
+                );
                 telemetry::record_dead_lettered(dead);
                 wake.notify_one();
             }

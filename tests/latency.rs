@@ -66,7 +66,9 @@ async fn commit_to_consume_latency_with_and_without_notify() {
         .set("relay.notify", "true")
         .set("relay.poll_interval", "1s")
         .spawn();
-    relay.wait_for_log("connected to the broker", 1, Duration::from_secs(30)).await;
+    relay
+        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
+        .await;
     let notify = measure(&table, &rabbit, 200, 10).await;
     eprintln!(
         "latency with NOTIFY at 200 rows/s: p50 {:?}, p99 {:?}, max {:?}",
@@ -74,8 +76,16 @@ async fn commit_to_consume_latency_with_and_without_notify() {
     );
     relay.stop().await;
     rabbit.teardown().await;
-    assert!(notify.p50 < Duration::from_millis(10), "p50 {:?} ≥ 10 ms", notify.p50);
-    assert!(notify.p99 < Duration::from_millis(50), "p99 {:?} ≥ 50 ms", notify.p99);
+    assert!(
+        notify.p50 < Duration::from_millis(10),
+        "p50 {:?} ≥ 10 ms",
+        notify.p50
+    );
+    assert!(
+        notify.p99 < Duration::from_millis(50),
+        "p99 {:?} ≥ 50 ms",
+        notify.p99
+    );
 
     // Without NOTIFY: bounded by the poll interval (plus a claim and a publish).
     let poll = Duration::from_millis(300);
@@ -86,7 +96,9 @@ async fn commit_to_consume_latency_with_and_without_notify() {
         .set("relay.notify", "false")
         .set("relay.poll_interval", "300ms")
         .spawn();
-    relay.wait_for_log("connected to the broker", 1, Duration::from_secs(30)).await;
+    relay
+        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
+        .await;
     let polled = measure(&table, &rabbit, 50, 4).await;
     eprintln!(
         "latency without NOTIFY (poll_interval 300ms) at 50 rows/s: p50 {:?}, p99 {:?}, max {:?}",

@@ -312,7 +312,8 @@ impl Publisher for KafkaPublisher {
             guard.take()
         };
         if let Some(p) = producer {
-            let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(5))).await;
+            // Short: the drain is over by now and shutdown_timeout is the operator's budget.
+            let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(1))).await;
         }
     }
 }

@@ -1,7 +1,16 @@
-//! RabbitMQ transport (lapin): one connection, one confirm-mode channel, many publishes in
-//! flight, `mandatory` so that an unroutable message comes back as a failure.
+//! RabbitMQ transport (lapin): one connection, a pool of confirm-mode channels with at most
+//! one unconfirmed message each, `mandatory` so that an unroutable message comes back as a
+//! failure.
+//!
+//! Why one message per channel: a broker acks many deliveries with one `multiple` ack, and
+//! lapin hands the `basic.return`s received before it to whichever of those confirms it
+//! completes first — not necessarily the message that was returned. With one unconfirmed
+//! message per channel a return can only belong to that message, so an unroutable row is
+//! never marked sent and a delivered row never blamed. Concurrency comes from the number of
+//! channels (up to `relay.max_in_flight`).
 
-use std::sync::RwLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -10,6 +19,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
+use tokio::sync::Semaphore;
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
@@ -17,13 +27,24 @@ use crate::config::RabbitMqConfig;
 use crate::redact::redact_url;
 use crate::store::OutboxMessage;
 
+/// A live connection and its idle channels.
+struct Live {
+    // Distinguishes this connection from its successors, so that a failure seen on an old
+    // channel never tears down a newer connection.
+    generation: u64,
+    connection: Connection,
+    idle: Mutex<Vec<Channel>>,
+    // One permit per channel the pool may hold; a publish holds one while its message is
+    // unconfirmed.
+    slots: Arc<Semaphore>,
+}
+
 /// Publishes to a RabbitMQ exchange with publisher confirms.
 pub struct RabbitMqPublisher {
     cfg: RabbitMqConfig,
     envelope: EnvelopeConfig,
-    // The live channel; `None` until connected and after a failure. Cloning a lapin channel is
-    // cheap, so publishes take it out of the lock before awaiting anything.
-    state: RwLock<Option<(Connection, Channel)>>,
+    state: RwLock<Option<Arc<Live>>>,
+    generations: AtomicU64,
     // Serialises reconnects so concurrent failures open one connection, not many.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -35,30 +56,72 @@ impl RabbitMqPublisher {
             cfg,
             envelope,
             state: RwLock::new(None),
+            generations: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(()),
         }
     }
 
-    fn channel(&self) -> Option<Channel> {
+    fn live(&self) -> Option<Arc<Live>> {
         let guard = self.state.read().unwrap_or_else(|p| p.into_inner());
-        guard.as_ref().map(|(_, ch)| ch.clone())
+        guard.clone()
     }
 
-    /// Forgets the connection after a failure and closes it in the background, so a slow but
-    /// live broker is not left with a stray connection.
-    fn mark_down(&self) {
+    /// Forgets connection `generation` after a failure (if it is still the current one) and
+    /// closes it in the background, so a slow but live broker is not left with a stray
+    /// connection.
+    fn mark_down(&self, generation: u64) {
         let old = {
             let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-            guard.take()
+            if guard.as_ref().is_some_and(|l| l.generation == generation) {
+                guard.take()
+            } else {
+                None
+            }
         };
-        if let Some((conn, _)) = old {
+        if let Some(live) = old {
             tokio::spawn(async move {
                 let _ = tokio::time::timeout(
                     Duration::from_secs(5),
-                    conn.close(320, ShortString::from("outbox-relay reconnecting")),
+                    live.connection
+                        .close(320, ShortString::from("outbox-relay reconnecting")),
                 )
                 .await;
             });
+        }
+    }
+
+    /// An idle channel of `live`, opening a new one (in confirm mode) when none is idle.
+    async fn checkout(&self, live: &Live) -> Result<Channel, lapin::Error> {
+        let idle = {
+            let mut idle = live.idle.lock().unwrap_or_else(|p| p.into_inner());
+            idle.pop()
+        };
+        match idle {
+            Some(ch) if ch.status().connected() => Ok(ch),
+            _ => {
+                let ch = live.connection.create_channel().await?;
+                ch.confirm_select(ConfirmSelectOptions::default()).await?;
+                Ok(ch)
+            }
+        }
+    }
+
+    fn checkin(live: &Live, channel: Channel) {
+        if channel.status().connected() {
+            let mut idle = live.idle.lock().unwrap_or_else(|p| p.into_inner());
+            idle.push(channel);
+        }
+    }
+
+    /// A channel failed under a publish. If the connection is gone, that is connection-level
+    /// (hand back, reconnect); if only the channel was closed by the broker, this message
+    /// caused it (e.g. larger than the broker accepts), so it is message-level.
+    fn channel_failure(&self, live: &Live, reason: &str) -> Outcome {
+        if live.connection.status().connected() {
+            Outcome::Rejected(format!("the broker closed the channel: {reason}"))
+        } else {
+            self.mark_down(live.generation);
+            Outcome::Unavailable(format!("connection lost: {reason}"))
         }
     }
 
@@ -103,11 +166,26 @@ fn exchange_kind(name: &str) -> ExchangeKind {
     }
 }
 
-/// Maps a broker confirmation to an outcome. An ack that carries a returned message means the
-/// message was unroutable (`mandatory`): that is a failure, not a success.
-pub fn classify_confirmation(confirmation: Confirmation) -> Outcome {
+/// Maps a broker confirmation of message `id` to an outcome. An ack that carries a returned
+/// message means the message was unroutable (`mandatory`): that is a failure, not a success.
+/// A returned message that is not this one would mean the attribution is broken: the row is
+/// handed back rather than guessed about.
+pub fn classify_confirmation(confirmation: Confirmation, id: &str) -> Outcome {
     match confirmation {
         Confirmation::Ack(None) => Outcome::Confirmed,
+        Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned))
+            if returned
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .is_some_and(|m| m.as_str() != id) =>
+        {
+            Outcome::Unavailable(format!(
+                "a return for another message arrived with this confirm ({} {})",
+                returned.reply_code, returned.reply_text
+            ))
+        }
         Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
             Outcome::Rejected(format!(
                 "returned by the broker: {} {} (no queue bound for exchange {:?}, routing key {:?})",
@@ -144,13 +222,15 @@ impl Publisher for RabbitMqPublisher {
         if self.is_connected() {
             return Ok(());
         }
-        self.mark_down();
+        if let Some(old) = self.live() {
+            self.mark_down(old.generation);
+        }
         let fail = |what: &str, e: lapin::Error| {
             ConnectError(format!("{what} {}: {e}", redact_url(&self.cfg.url)))
         };
         let props = ConnectionProperties::default()
             .with_connection_name(LongString::from(crate::store::APPLICATION_NAME));
-        let conn = tokio::time::timeout(
+        let connection = tokio::time::timeout(
             Duration::from_secs(10),
             Connection::connect(&self.cfg.url, props),
         )
@@ -162,7 +242,7 @@ impl Publisher for RabbitMqPublisher {
             ))
         })?
         .map_err(|e| fail("cannot connect to", e))?;
-        let channel = conn
+        let channel = connection
             .create_channel()
             .await
             .map_err(|e| fail("cannot open a channel on", e))?;
@@ -189,20 +269,24 @@ impl Publisher for RabbitMqPublisher {
                     ))
                 })?;
         }
+        let live = Live {
+            generation: self.generations.fetch_add(1, Ordering::Relaxed) + 1,
+            connection,
+            idle: Mutex::new(vec![channel]),
+            slots: Arc::new(Semaphore::new(self.cfg.channels.max(1))),
+        };
         let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-        *guard = Some((conn, channel));
+        *guard = Some(Arc::new(live));
         Ok(())
     }
 
     fn is_connected(&self) -> bool {
-        let guard = self.state.read().unwrap_or_else(|p| p.into_inner());
-        guard
-            .as_ref()
-            .is_some_and(|(c, ch)| c.status().connected() && ch.status().connected())
+        self.live()
+            .is_some_and(|l| l.connection.status().connected())
     }
 
     async fn publish(&self, msg: &OutboxMessage) -> Outcome {
-        let Some(channel) = self.channel() else {
+        let Some(live) = self.live() else {
             return Outcome::Unavailable("not connected to RabbitMQ".to_owned());
         };
         let routing_key = envelope::destination(msg, &self.cfg.routing_key);
@@ -212,6 +296,14 @@ impl Publisher for RabbitMqPublisher {
         let props = match self.properties(msg) {
             Ok(p) => p,
             Err(reason) => return Outcome::Rejected(reason),
+        };
+        // One unconfirmed message per channel (see the module docs).
+        let Ok(_slot) = Arc::clone(&live.slots).acquire_owned().await else {
+            return Outcome::Unavailable("publisher closed".to_owned());
+        };
+        let channel = match self.checkout(&live).await {
+            Ok(ch) => ch,
+            Err(e) => return self.channel_failure(&live, &format!("cannot open a channel: {e}")),
         };
         let exchange = ShortString::from(self.cfg.exchange.clone());
         let options = BasicPublishOptions {
@@ -223,20 +315,18 @@ impl Publisher for RabbitMqPublisher {
             .await
         {
             Ok(confirm) => confirm,
-            Err(e) => {
-                self.mark_down();
-                return Outcome::Unavailable(format!("publish failed: {e}"));
-            }
+            Err(e) => return self.channel_failure(&live, &format!("publish failed: {e}")),
         };
         match tokio::time::timeout(self.cfg.confirm_timeout, confirm).await {
-            Ok(Ok(confirmation)) => classify_confirmation(confirmation),
-            Ok(Err(e)) => {
-                self.mark_down();
-                Outcome::Unavailable(format!("connection lost before the confirm: {e}"))
+            Ok(Ok(confirmation)) => {
+                let outcome = classify_confirmation(confirmation, &msg.id.to_string());
+                Self::checkin(&live, channel);
+                outcome
             }
+            Ok(Err(e)) => self.channel_failure(&live, &format!("no confirm: {e}")),
             Err(_) => {
                 // No answer at all: treat the connection as dead rather than the message as bad.
-                self.mark_down();
+                self.mark_down(live.generation);
                 Outcome::Unavailable(format!(
                     "no confirm within {}",
                     humantime::format_duration(self.cfg.confirm_timeout)
@@ -246,14 +336,16 @@ impl Publisher for RabbitMqPublisher {
     }
 
     async fn close(&self) {
-        let state = {
+        let live = {
             let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
             guard.take()
         };
-        if let Some((conn, _)) = state {
+        if let Some(live) = live {
+            // Short: the drain is over by now and shutdown_timeout is the operator's budget.
             let _ = tokio::time::timeout(
-                Duration::from_secs(5),
-                conn.close(200, ShortString::from("outbox-relay shutting down")),
+                Duration::from_secs(1),
+                live.connection
+                    .close(200, ShortString::from("outbox-relay shutting down")),
             )
             .await;
         }
@@ -267,15 +359,15 @@ mod tests {
     #[test]
     fn plain_ack_is_confirmed_and_nack_rejected() {
         assert_eq!(
-            classify_confirmation(Confirmation::Ack(None)),
+            classify_confirmation(Confirmation::Ack(None), "x"),
             Outcome::Confirmed
         );
         assert!(matches!(
-            classify_confirmation(Confirmation::Nack(None)),
+            classify_confirmation(Confirmation::Nack(None), "x"),
             Outcome::Rejected(_)
         ));
         assert!(matches!(
-            classify_confirmation(Confirmation::NotRequested),
+            classify_confirmation(Confirmation::NotRequested, "x"),
             Outcome::Unavailable(_)
         ));
     }

@@ -188,6 +188,7 @@ struct Queries {
     fail: String,
     release: String,
     reclaim: String,
+    heartbeat: String,
     last_seq: String,
     writers: String,
     backlog: String,
@@ -298,6 +299,11 @@ impl Queries {
                 "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
                    locked_by = NULL, locked_at = NULL \
                  WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+            ),
+            // Keeps this relay's leases alive while it waits for a slow broker, so only a relay
+            // that stopped ever has its rows reclaimed. $1 instance id.
+            heartbeat: format!(
+                "UPDATE {t} SET locked_at = now() WHERE status = 'processing' AND locked_by = $1"
             ),
             // Rows whose lease expired: the claim already spent their attempt. $1 lease (ms), $2 max attempts.
             reclaim: format!(
@@ -603,6 +609,13 @@ impl Store {
         let client = self.client().await?;
         let stmt = client.prepare_cached(&self.q.release).await?;
         Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Renews the lease of every row this instance holds; returns how many.
+    pub async fn heartbeat(&self) -> Result<u64> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.heartbeat).await?;
+        Ok(client.execute(&stmt, &[&self.instance_id]).await?)
     }
 
     /// Returns `processing` rows whose lease expired to `pending` (or `failed` when out of

@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -97,7 +97,13 @@ pub async fn wait_until<T>(
 pub async fn pg_connect() -> Client {
     let (client, conn) = tokio_postgres::connect(PG_URL, NoTls)
         .await
-        .unwrap_or_else(|e| panic!("cannot connect to {PG_URL}: {e}"));
+        .unwrap_or_else(|e| {
+            let detail = e
+                .as_db_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_default();
+            panic!("cannot connect to {PG_URL}: {e} {detail}")
+        });
     tokio::spawn(async move {
         if let Err(e) = conn.await {
             eprintln!("test database connection ended: {e}");
@@ -261,6 +267,44 @@ fn row_state(r: &tokio_postgres::Row) -> RowState {
     }
 }
 
+static GC_DONE: AtomicBool = AtomicBool::new(false);
+
+/// Drops the tables of test runs that ended more than an hour ago without cleaning up (a failed
+/// test leaves its table for inspection). Runs once per test process.
+async fn collect_old_tables(db: &Client) {
+    let old = db
+        .query(
+            "SELECT table_name FROM outbox_relay_schema_version \
+             WHERE table_name LIKE 'it\\_%' AND applied_at < now() - interval '1 hour'",
+            &[],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    for name in old {
+        // Only names this harness makes: it_<slug>_<hex>, nothing to quote.
+        if name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            let _ = db.batch_execute(&drop_table_sql(&name)).await;
+        }
+    }
+}
+
+fn drop_table_sql(n: &str) -> String {
+    format!(
+        "DROP TABLE IF EXISTS {n} CASCADE; \
+         DROP FUNCTION IF EXISTS {n}_next_seq(); \
+         DROP FUNCTION IF EXISTS {n}_notify(); \
+         DELETE FROM outbox_relay_schema_version WHERE table_name = '{n}';"
+    )
+}
+
 /// A fresh outbox table (created by the library's own migration) plus a client for
 /// inserting rows and asserting on them.
 pub struct TestTable {
@@ -288,11 +332,16 @@ impl TestTable {
             .migrate()
             .await
             .unwrap_or_else(|e| panic!("migrating {name}: {e}"));
-        assert_eq!(applied, vec![1], "a fresh table gets schema version 1");
-        Self {
-            name,
-            db: pg_connect().await,
+        let all: Vec<i32> = outbox_relay::store::schema::MIGRATIONS
+            .iter()
+            .map(|m| m.version)
+            .collect();
+        assert_eq!(applied, all, "a fresh table gets every migration");
+        let db = pg_connect().await;
+        if !GC_DONE.swap(true, Ordering::SeqCst) {
+            collect_old_tables(&db).await;
         }
+        Self { name, db }
     }
 
     /// The CloudEvents `source` the relay uses by default for this table.
@@ -381,14 +430,8 @@ impl TestTable {
 
     /// Drops the table and the objects the migration created for it.
     pub async fn drop_table(self) {
-        let n = &self.name;
         self.db
-            .batch_execute(&format!(
-                "DROP TABLE IF EXISTS {n} CASCADE; \
-                 DROP FUNCTION IF EXISTS {n}_next_seq(); \
-                 DROP FUNCTION IF EXISTS {n}_notify(); \
-                 DELETE FROM outbox_relay_schema_version WHERE table_name = '{n}';"
-            ))
+            .batch_execute(&drop_table_sql(&self.name))
             .await
             .expect("drop test table");
     }

@@ -1,0 +1,1359 @@
+//! End-to-end tests of `outbox-relay run` against the local PostgreSQL and RabbitMQ: the real
+//! binary as a child process, configured only through `RELAY_*` variables, each test on its
+//! own table, exchange and queue.
+
+// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::os::unix::process::ExitStatusExt;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use common::{
+    Delivered, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir,
+    TestTable, insert_rows, pg_connect, wait_until,
+};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const LONG: Duration = Duration::from_secs(120);
+
+/// Row `n` of the bulk tests: headers of every JSON kind, some rows without an aggregate id.
+fn bulk_row(n: usize) -> NewRow {
+    let aggregate_type = if n.is_multiple_of(2) {
+        "order"
+    } else {
+        "customer"
+    };
+    let aggregate_id = (!n.is_multiple_of(10)).then(|| format!("agg-{}", n % 97));
+    let event_type = ["created", "updated", "deleted"][n % 3];
+    NewRow::new(
+        aggregate_type,
+        aggregate_id.as_deref(),
+        event_type,
+        json!({"n": n, "name": format!("row {n}"), "nested": {"list": [n, "x", null], "ok": true}, "text": "é✓ \"quoted\""}),
+    )
+    .headers(json!({
+        "trace": format!("t-{n}"),
+        "n": n,
+        "flag": n.is_multiple_of(2),
+        "nested": {"k": [n]},
+        "gone": null,
+    }))
+}
+
+/// The contract's §4 rule for row headers: strings as they are, other values as their JSON
+/// text, nulls omitted.
+fn expected_row_headers(headers: &Value) -> BTreeMap<String, String> {
+    headers
+        .as_object()
+        .expect("headers object")
+        .iter()
+        .filter_map(|(k, v)| match v {
+            Value::Null => None,
+            Value::String(s) => Some((k.clone(), s.clone())),
+            other => Some((k.clone(), other.to_string())),
+        })
+        .collect()
+}
+
+/// Checks one delivery against its row (contract §4); returns the problems found.
+fn envelope_problems(d: &Delivered, row: &RowState, source: &str) -> Vec<String> {
+    let mut p = Vec::new();
+    let props = &d.properties;
+    let mut check = |ok: bool, what: String| {
+        if !ok {
+            p.push(what);
+        }
+    };
+    check(
+        props.kind().as_ref().map(|s| s.as_str()) == Some(row.event_type.as_str()),
+        format!("type {:?} != {:?}", props.kind(), row.event_type),
+    );
+    check(
+        *props.timestamp() == Some(u64::try_from(row.created_at.timestamp()).unwrap()),
+        format!(
+            "timestamp {:?} != created_at {}",
+            props.timestamp(),
+            row.created_at
+        ),
+    );
+    check(
+        props.content_type().as_ref().map(|s| s.as_str()) == Some("application/json"),
+        format!("content_type {:?}", props.content_type()),
+    );
+    check(
+        *props.delivery_mode() == Some(2),
+        format!("delivery_mode {:?}", props.delivery_mode()),
+    );
+    check(
+        d.routing_key == format!("{}.{}", row.aggregate_type, row.event_type),
+        format!("routing key {:?}", d.routing_key),
+    );
+    match serde_json::from_slice::<Value>(&d.body) {
+        Ok(body) => check(
+            body == row.payload,
+            format!("body {body} != payload {}", row.payload),
+        ),
+        Err(e) => check(false, format!("body is not JSON: {e}")),
+    }
+
+    let headers = d.headers();
+    let ce = |name: &str| headers.get(&format!("cloudEvents:{name}")).cloned();
+    let id = row.id.to_string();
+    check(
+        ce("id").as_deref() == Some(id.as_str()),
+        format!("cloudEvents:id {:?}", ce("id")),
+    );
+    check(
+        ce("type").as_deref() == Some(row.event_type.as_str()),
+        format!("cloudEvents:type {:?}", ce("type")),
+    );
+    check(
+        ce("source").as_deref() == Some(source),
+        format!("cloudEvents:source {:?}", ce("source")),
+    );
+    check(
+        ce("specversion").as_deref() == Some("1.0"),
+        format!("cloudEvents:specversion {:?}", ce("specversion")),
+    );
+    check(
+        ce("aggregatetype").as_deref() == Some(row.aggregate_type.as_str()),
+        format!("cloudEvents:aggregatetype {:?}", ce("aggregatetype")),
+    );
+    check(
+        ce("subject") == row.aggregate_id,
+        format!(
+            "cloudEvents:subject {:?} != {:?}",
+            ce("subject"),
+            row.aggregate_id
+        ),
+    );
+    match ce("time") {
+        Some(t) => {
+            // RFC 3339 with at least millisecond precision, equal to created_at.
+            let frac = t
+                .split('.')
+                .nth(1)
+                .map_or(0, |f| f.chars().take_while(char::is_ascii_digit).count());
+            check(
+                frac >= 3,
+                format!("cloudEvents:time {t:?} has less than millisecond precision"),
+            );
+            match DateTime::parse_from_rfc3339(&t) {
+                Ok(parsed) => check(
+                    parsed.with_timezone(&Utc) == row.created_at,
+                    format!("cloudEvents:time {t} != created_at {}", row.created_at),
+                ),
+                Err(e) => check(
+                    false,
+                    format!("cloudEvents:time {t:?} is not RFC 3339: {e}"),
+                ),
+            }
+        }
+        None => check(false, "no cloudEvents:time".to_owned()),
+    }
+
+    let own: BTreeMap<String, String> = headers
+        .iter()
+        .filter(|(k, _)| !k.starts_with("cloudEvents:"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let expected = expected_row_headers(&row.headers);
+    check(
+        own == expected,
+        format!("row headers {own:?} != expected {expected:?}"),
+    );
+    p
+}
+
+/// Asserts that every id in `expected` arrived exactly once and nothing else did; returns
+/// deliveries by id.
+fn assert_exactly_once(
+    rabbit: &RabbitFixture,
+    expected: &HashSet<Uuid>,
+) -> HashMap<Uuid, Delivered> {
+    let deliveries = rabbit.deliveries();
+    let mut by_id: HashMap<Uuid, Delivered> = HashMap::new();
+    let mut duplicates = Vec::new();
+    let mut strangers = Vec::new();
+    for d in deliveries {
+        match Uuid::parse_str(&d.message_id) {
+            Ok(id) if expected.contains(&id) => {
+                if by_id.insert(id, d).is_some() {
+                    duplicates.push(id);
+                }
+            }
+            _ => strangers.push(d.message_id.clone()),
+        }
+    }
+    let missing: Vec<&Uuid> = expected
+        .iter()
+        .filter(|id| !by_id.contains_key(id))
+        .collect();
+    assert!(
+        missing.is_empty() && duplicates.is_empty() && strangers.is_empty(),
+        "expected each of {} rows exactly once: {} missing (first {:?}), {} duplicates (first {:?}), {} unexpected message ids (first {:?})",
+        expected.len(),
+        missing.len(),
+        missing.iter().take(5).collect::<Vec<_>>(),
+        duplicates.len(),
+        duplicates.iter().take(5).collect::<Vec<_>>(),
+        strangers.len(),
+        strangers.iter().take(5).collect::<Vec<_>>(),
+    );
+    by_id
+}
+
+/// Inserts `per_writer` rows from each of `writers` concurrent connections, `per_tx` rows per
+/// transaction in two statements with a short pause between them (so transactions overlap and
+/// can commit out of `seq` order).
+async fn concurrent_writers(
+    table: &str,
+    writers: usize,
+    per_writer: usize,
+    per_tx: usize,
+    pause: Duration,
+    make: fn(usize, usize) -> NewRow,
+) -> Vec<common::Inserted> {
+    assert_eq!(per_writer % per_tx, 0);
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let table = table.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut client = pg_connect().await;
+            let mut out = Vec::with_capacity(per_writer);
+            for t in 0..per_writer / per_tx {
+                let rows: Vec<NewRow> = (0..per_tx)
+                    .map(|i| make(w, w * per_writer + t * per_tx + i))
+                    .collect();
+                let tx = client.transaction().await.unwrap();
+                let (first, second) = rows.split_at(per_tx / 2);
+                out.extend(insert_rows(&tx, &table, first).await);
+                tokio::time::sleep(pause).await;
+                out.extend(insert_rows(&tx, &table, second).await);
+                tx.commit().await.unwrap();
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_rows_arrive_exactly_once_with_the_contract_envelope() {
+    let table = TestTable::new("bulk_none").await;
+    let rabbit = RabbitFixture::new("bulk_none", "#", "it.barrier").await;
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, "bulk-none")
+        .set("relay.ordering", "none")
+        .spawn();
+
+    let inserted = concurrent_writers(
+        &table.name,
+        4,
+        2500,
+        25,
+        Duration::from_millis(1),
+        |_, n| bulk_row(n),
+    )
+    .await;
+    assert_eq!(inserted.len(), 10_000);
+    let expected: HashSet<Uuid> = inserted.iter().map(|i| i.id).collect();
+
+    table.wait_all_sent(LONG).await;
+    rabbit.barrier().await;
+    assert!(
+        relay.is_running(),
+        "relay exited early:\n{}",
+        relay.stderr()
+    );
+
+    let by_id = assert_exactly_once(&rabbit, &expected);
+    let rows = table.rows().await;
+    assert_eq!(rows.len(), 10_000);
+    let source = table.default_source();
+    let mut problems = Vec::new();
+    for row in &rows {
+        for p in envelope_problems(&by_id[&row.id], row, &source) {
+            problems.push(format!("{} (seq {}): {p}", row.id, row.seq));
+        }
+        if row.status != "sent"
+            || row.sent_at.is_none()
+            || row.attempts != 1
+            || row.locked_by.is_some()
+            || row.last_error.is_some()
+        {
+            problems.push(format!(
+                "{}: status {} sent_at {:?} attempts {} locked_by {:?} last_error {:?}",
+                row.id, row.status, row.sent_at, row.attempts, row.locked_by, row.last_error
+            ));
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "{} problems, first 10:\n{}",
+        problems.len(),
+        problems
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    // The fixture covers what it claims to: rows without aggregate id, headers with nulls.
+    assert!(rows.iter().any(|r| r.aggregate_id.is_none()));
+    assert!(by_id.values().all(|d| !d.headers().contains_key("gone")));
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregate_ordering_delivers_each_aggregate_in_seq_order() {
+    let table = TestTable::new("bulk_aggregate").await;
+    let rabbit = RabbitFixture::new("bulk_aggregate", "#", "it.barrier").await;
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, "bulk-aggregate")
+        .set("relay.ordering", "aggregate")
+        .spawn();
+
+    // 20 aggregates shared by all writers, so one aggregate's rows come from overlapping
+    // transactions that may commit out of seq order.
+    let inserted = concurrent_writers(&table.name, 4, 500, 10, Duration::from_millis(5), |w, n| {
+        let agg = format!("a-{}", (w * 7 + n * 3) % 20);
+        NewRow::new(
+            "account",
+            Some(&agg),
+            "changed",
+            json!({"n": n, "writer": w}),
+        )
+    })
+    .await;
+    assert_eq!(inserted.len(), 2000);
+    let expected: HashSet<Uuid> = inserted.iter().map(|i| i.id).collect();
+
+    table.wait_all_sent(LONG).await;
+    rabbit.barrier().await;
+    assert!(
+        relay.is_running(),
+        "relay exited early:\n{}",
+        relay.stderr()
+    );
+    assert_exactly_once(&rabbit, &expected);
+
+    let rows: HashMap<String, RowState> = table
+        .rows()
+        .await
+        .into_iter()
+        .map(|r| (r.id.to_string(), r))
+        .collect();
+    let mut arrival: HashMap<String, Vec<i64>> = HashMap::new();
+    for d in rabbit.deliveries() {
+        let row = &rows[&d.message_id];
+        arrival
+            .entry(row.aggregate_id.clone().unwrap())
+            .or_default()
+            .push(row.seq);
+    }
+    assert_eq!(arrival.len(), 20);
+    for (agg, seqs) in &arrival {
+        let mut sorted = seqs.clone();
+        sorted.sort_unstable();
+        assert_eq!(seqs, &sorted, "aggregate {agg} arrived out of seq order");
+    }
+    assert!(rows.values().all(|r| r.status == "sent" && r.attempts == 1));
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
+    let table = TestTable::new("unroutable").await;
+    // Only `ok.#` reaches a queue: the row routed to `nowhere` is returned (mandatory).
+    let rabbit = RabbitFixture::new("unroutable", "ok.#", "ok.barrier").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "unroutable")
+        .set("retry.base_delay", "100ms")
+        .set("retry.max_delay", "2s")
+        .set("retry.jitter", "0.0")
+        .set("retry.max_attempts", "4")
+        .set("relay.poll_interval", "50ms")
+        // One message in flight at a time: this test is about backoff and dead-lettering;
+        // returns under concurrent publishes are the subject of
+        // returned_messages_are_charged_to_the_right_row_under_concurrency.
+        .set("relay.batch_size", "1")
+        .set("relay.max_in_flight", "1")
+        .spawn();
+    // Start the clock only once the relay is up (its start-up is not part of any delay).
+    relay
+        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
+        .await;
+
+    let bad = table
+        .insert(&[
+            NewRow::new("ok", Some("bad-1"), "x", json!({"bad": true})).destination("nowhere")
+        ])
+        .await[0]
+        .id;
+    // 200 routable rows (routing key ok.x) inserted while the bad row is being retried.
+    let writer = {
+        let name = table.name.clone();
+        tokio::spawn(async move {
+            let client = pg_connect().await;
+            let mut ids = Vec::new();
+            for b in 0..20 {
+                let rows: Vec<NewRow> = (0..10)
+                    .map(|i| {
+                        NewRow::new(
+                            "ok",
+                            Some(&format!("good-{}", i % 7)),
+                            "x",
+                            json!({"b": b, "i": i}),
+                        )
+                    })
+                    .collect();
+                ids.extend(
+                    insert_rows(&client, &name, &rows)
+                        .await
+                        .into_iter()
+                        .map(|r| r.id),
+                );
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+            ids
+        })
+    };
+
+    // Watch the bad row closely: one observation per distinct (attempts, status), with the
+    // test-clock times that bound when the change happened (same host clock as the database).
+    struct Seen {
+        row: RowState,
+        // When the query that first showed this state returned.
+        first_seen: DateTime<Utc>,
+        // When the previous query (which still showed the earlier state) was sent.
+        prev_asked: DateTime<Utc>,
+    }
+    let mut seen: Vec<Seen> = Vec::new();
+    let mut sent_while_retrying = 0;
+    let started = Instant::now();
+    let mut prev_asked = Utc::now();
+    let last = loop {
+        let asked = Utc::now();
+        let r = table.row(bad).await;
+        let answered = Utc::now();
+        if r.status == "pending" && r.attempts > 0 {
+            sent_while_retrying = table.count_where("status = 'sent'").await;
+        }
+        if seen
+            .last()
+            .is_none_or(|p| (p.row.attempts, &p.row.status) != (r.attempts, &r.status))
+        {
+            seen.push(Seen {
+                row: r.clone(),
+                first_seen: answered,
+                prev_asked,
+            });
+        }
+        if r.status == "failed" {
+            break r;
+        }
+        prev_asked = asked;
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the unroutable row was not dead-lettered within 30s; observed {:?}\n{}",
+            seen.iter()
+                .map(|s| (s.row.attempts, s.row.status.clone()))
+                .collect::<Vec<_>>(),
+            relay.stderr()
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+
+    assert_eq!(last.attempts, 4, "dead-lettered after max_attempts");
+    assert!(last.locked_by.is_none());
+    let err = last.last_error.clone().unwrap_or_default();
+    assert!(
+        err.contains("NO_ROUTE"),
+        "last_error should name NO_ROUTE: {err:?}"
+    );
+
+    // Backoff: seen pending after attempts 1, 2, 3 (attempts rising), each with NO_ROUTE.
+    let pending: Vec<&Seen> = seen
+        .iter()
+        .filter(|s| s.row.status == "pending" && s.row.attempts > 0)
+        .collect();
+    let attempts: Vec<i32> = pending.iter().map(|s| s.row.attempts).collect();
+    assert_eq!(
+        attempts,
+        vec![1, 2, 3],
+        "attempts seen while pending (backoff states)"
+    );
+    for s in &pending {
+        assert!(
+            s.row
+                .last_error
+                .as_deref()
+                .unwrap_or_default()
+                .contains("NO_ROUTE"),
+            "{:?}",
+            s.row
+        );
+    }
+    // available_at gaps: attempt k+1 is claimed only after available_at_k, then waits
+    // delay_{k+1}, so gap_k >= delay_{k+1} = 200ms, 400ms.
+    let ms = chrono::Duration::milliseconds;
+    let av: Vec<DateTime<Utc>> = pending.iter().map(|s| s.row.available_at).collect();
+    let (g1, g2) = (av[1] - av[0], av[2] - av[1]);
+    println!("unroutable: available_at gaps {g1} then {g2}");
+    assert!(g1 >= ms(200), "gap after attempt 2: {g1}");
+    assert!(g2 >= ms(400), "gap after attempt 3: {g2}");
+    // Each delay (available_at minus the failure's time) is bounded from both sides by the
+    // observations; the schedule 100ms, 200ms, 400ms (jitter 0) must fit inside the bounds.
+    // Lower bound: the failure committed before the state was first seen. Upper bound: it
+    // happened after the previous query was sent (less 100ms for the statement's own run
+    // time), and after the previous available_at (no claim before it).
+    for (k, s) in pending.iter().enumerate() {
+        let nominal = ms(100 << k);
+        let lower = s.row.available_at - s.first_seen;
+        let mut failed_after = s.prev_asked - ms(100);
+        if k > 0 {
+            failed_after = failed_after.max(av[k - 1]);
+        }
+        let upper = s.row.available_at - failed_after;
+        assert!(
+            lower <= nominal + ms(5) && nominal <= upper + ms(5),
+            "delay after attempt {} must be {nominal}, observed between {lower} and {upper}",
+            k + 1
+        );
+    }
+
+    let good = writer.await.unwrap();
+    assert_eq!(good.len(), 200);
+    wait_until(LONG, "the 200 routable rows are sent", async || {
+        let c = table.status_counts().await;
+        if c["sent"] == 200 {
+            Ok(())
+        } else {
+            Err(format!("{c:?}"))
+        }
+    })
+    .await;
+    assert!(
+        sent_while_retrying > 0,
+        "routable rows must flow while the bad row is in backoff"
+    );
+    rabbit.barrier().await;
+    let by_id = assert_exactly_once(&rabbit, &good.iter().copied().collect());
+    assert!(!by_id.contains_key(&bad));
+    let counts = table.status_counts().await;
+    assert_eq!(
+        (
+            counts["sent"],
+            counts["failed"],
+            counts["pending"],
+            counts["processing"]
+        ),
+        (200, 1, 0, 0)
+    );
+    assert!(relay.log_count("dead-lettered") >= 1, "{}", relay.stderr());
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_connection_cut_spends_no_attempt_and_loses_nothing() {
+    let table = TestTable::new("broker_cut").await;
+    let rabbit = RabbitFixture::new("broker_cut", "#", "it.barrier").await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    // A lease far longer than the test, so only the outage can touch attempts.
+    let relay = RelayBuilder::for_test(&table, &rabbit, "broker-cut")
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .set("relay.ordering", "none")
+        .set("relay.lease_timeout", "60s")
+        .set("retry.base_delay", "100ms")
+        .spawn();
+
+    // 3000 rows over ~5 s, so rows keep coming before, during and after the cut.
+    let writer = {
+        let name = table.name.clone();
+        tokio::spawn(async move {
+            let client = pg_connect().await;
+            let mut ids = Vec::new();
+            for t in 0..150 {
+                let rows: Vec<NewRow> = (0..20)
+                    .map(|i| {
+                        NewRow::new(
+                            "cut",
+                            Some(&format!("c-{}", i % 13)),
+                            "e",
+                            json!({"t": t, "i": i}),
+                        )
+                    })
+                    .collect();
+                ids.extend(
+                    insert_rows(&client, &name, &rows)
+                        .await
+                        .into_iter()
+                        .map(|r| r.id),
+                );
+                tokio::time::sleep(Duration::from_millis(30)).await;
+            }
+            ids
+        })
+    };
+
+    wait_until(
+        Duration::from_secs(30),
+        "300 messages flowed before the cut",
+        async || {
+            let n = rabbit.count();
+            if n >= 300 {
+                Ok(())
+            } else {
+                Err(format!("{n} received"))
+            }
+        },
+    )
+    .await;
+    // Cut with publishes in flight: hold the broker's answers back for a moment so that
+    // some rows are claimed and unconfirmed when the connection drops.
+    proxy.stall();
+    let in_flight = wait_until(
+        Duration::from_secs(10),
+        "rows are in flight when the connection is cut",
+        async || {
+            let n = table.count_where("status = 'processing'").await;
+            if n > 0 {
+                Ok(n)
+            } else {
+                Err("none processing".to_owned())
+            }
+        },
+    )
+    .await;
+    proxy.cut();
+    let cut_at = Instant::now();
+    let cut_wall = Utc::now();
+    // During the ~3 s outage nothing may be dead-lettered or lose an attempt.
+    while cut_at.elapsed() < Duration::from_secs(3) {
+        let spent = table
+            .count_where("status = 'failed' OR (status = 'pending' AND attempts > 0)")
+            .await;
+        assert_eq!(spent, 0, "the outage spent attempts:\n{}", relay.stderr());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The outage was real: rows inserted after the cut cannot have been confirmed (the
+    // database's clock is this host's clock; 200ms of slack for statements in flight).
+    let after_cut = format!(
+        "created_at > '{}'::timestamptz",
+        (cut_wall + chrono::Duration::milliseconds(200)).to_rfc3339()
+    );
+    let inserted_during = table.count_where(&after_cut).await;
+    let sent_during = table
+        .count_where(&format!("{after_cut} AND status = 'sent'"))
+        .await;
+    assert!(
+        inserted_during > 0,
+        "the writer should insert during the outage"
+    );
+    assert_eq!(sent_during, 0, "rows confirmed through a cut proxy");
+    let pending_at_heal = table.count_where("status <> 'sent'").await;
+    proxy.heal();
+
+    let ids = writer.await.unwrap();
+    assert_eq!(ids.len(), 3000);
+    table.wait_all_sent(LONG).await;
+    rabbit.barrier().await;
+
+    let counts = rabbit.id_counts();
+    let missing: Vec<&Uuid> = ids
+        .iter()
+        .filter(|id| !counts.contains_key(&id.to_string()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "{} rows never arrived, e.g. {:?}",
+        missing.len(),
+        &missing[..missing.len().min(5)]
+    );
+    let duplicates: Vec<(&String, &usize)> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    println!(
+        "broker cut: {} rows, {} unsent when healed, {} deliveries, {} ids delivered more than once: {:?}",
+        ids.len(),
+        pending_at_heal,
+        rabbit.count(),
+        duplicates.len(),
+        duplicates.iter().take(10).collect::<Vec<_>>()
+    );
+    let wrong: Vec<(Uuid, String, i32)> = table
+        .rows()
+        .await
+        .into_iter()
+        .filter(|r| r.status != "sent" || r.attempts != 1)
+        .map(|r| (r.id, r.status, r.attempts))
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "rows not sent with attempts = 1: {} e.g. {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(10)]
+    );
+    // The relay really saw the outage and came back through the proxy.
+    assert!(
+        relay.log_count("broker unavailable") >= 1,
+        "{}",
+        relay.stderr()
+    );
+    assert!(
+        relay.log_count("connected to the broker") >= 2,
+        "{}",
+        relay.stderr()
+    );
+    assert!(proxy.accepted() >= 2);
+    // The rows in flight at the cut were handed back (and their attempt refunded: see above).
+    assert!(
+        relay.log_count("handing the row back") >= 1,
+        "{in_flight} rows were in flight at the cut but none was handed back\n{}",
+        relay.stderr()
+    );
+    assert!(
+        pending_at_heal > 0,
+        "rows should have piled up during the outage"
+    );
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
+    let table = TestTable::new("sigkill").await;
+    let rabbit = RabbitFixture::new("sigkill", "#", "it.barrier").await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    let mut a = RelayBuilder::for_test(&table, &rabbit, "a")
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .set("publisher.rabbitmq.confirm_timeout", "60s")
+        .set("relay.lease_timeout", "3s")
+        .spawn();
+
+    // Warm-up: A is connected through the proxy and publishing.
+    let warm: Vec<Uuid> = table
+        .insert(
+            &(0..5)
+                .map(|i| NewRow::new("warm", None, "w", json!({"i": i})))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    rabbit.wait_for_ids(&warm, Duration::from_secs(30)).await;
+
+    // Black-hole the broker: A's publishes are written but never confirmed.
+    proxy.stall();
+    let rows: Vec<NewRow> = (0..100)
+        .map(|i| NewRow::new("held", Some(&format!("h-{}", i % 10)), "e", json!({"i": i})))
+        .collect();
+    let held: Vec<Uuid> = table
+        .insert(&rows)
+        .await
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let before: HashMap<Uuid, RowState> = wait_until(
+        Duration::from_secs(10),
+        "A holds all 100 rows",
+        async || {
+            let by_id = table.rows_by_id(&held).await;
+            let by_a = by_id
+                .values()
+                .filter(|r| r.status == "processing" && r.locked_by.as_deref() == Some("a"))
+                .count();
+            if by_a == held.len() {
+                Ok(by_id)
+            } else {
+                Err(format!("{by_a} processing by a"))
+            }
+        },
+    )
+    .await;
+    let leaked = held
+        .iter()
+        .filter(|id| rabbit.id_counts().contains_key(&id.to_string()))
+        .count();
+    assert_eq!(leaked, 0, "the stalled proxy let messages through");
+
+    a.sigkill();
+    let status = a.wait_exit(Duration::from_secs(10)).await;
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "relay a should die by SIGKILL: {status}"
+    );
+    proxy.cut(); // drop A's stale connection and whatever it had written
+    proxy.heal();
+    assert_eq!(
+        table
+            .count_where("status = 'processing' AND locked_by = 'a'")
+            .await,
+        100,
+        "a dead relay's rows stay processing until the lease expires"
+    );
+
+    // Debug logs of the relay loop show why a reclaim is skipped, should this fail.
+    let b = RelayBuilder::for_test(&table, &rabbit, "b")
+        .set("relay.lease_timeout", "3s")
+        .env("RUST_LOG", "info,lapin=error,outbox_relay::relay=debug")
+        .spawn();
+    table.wait_all_sent(Duration::from_secs(30)).await;
+    rabbit.barrier().await;
+
+    let counts = rabbit.id_counts();
+    let missing = held
+        .iter()
+        .filter(|id| !counts.contains_key(&id.to_string()))
+        .count();
+    assert_eq!(missing, 0, "rows held by the killed relay never arrived");
+    let dups: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    println!(
+        "sigkill: {} ids delivered more than once: {dups:?}",
+        dups.len()
+    );
+    let after = table.rows_by_id(&held).await;
+    for id in &held {
+        let (was, now) = (&before[id], &after[id]);
+        assert_eq!(now.status, "sent");
+        assert!(now.locked_by.is_none());
+        assert_eq!(
+            now.attempts,
+            was.attempts + 1,
+            "reclaimed row {id}: one attempt by a, one by b"
+        );
+        let lease_end = was.locked_at.unwrap() + chrono::Duration::seconds(3);
+        assert!(
+            now.sent_at.unwrap() >= lease_end,
+            "row {id} sent at {:?}, before a's lease ended at {lease_end}",
+            now.sent_at
+        );
+    }
+    assert!(
+        b.log_count("reclaimed rows whose relay stopped") >= 1,
+        "{}",
+        b.stderr()
+    );
+
+    // Ordering held across the crash: each aggregate's first arrivals are in seq order.
+    let seq: HashMap<String, (String, i64)> = after
+        .values()
+        .map(|r| (r.id.to_string(), (r.aggregate_id.clone().unwrap(), r.seq)))
+        .collect();
+    let mut first_seen = HashSet::new();
+    let mut arrival: HashMap<String, Vec<i64>> = HashMap::new();
+    for d in rabbit.deliveries() {
+        if let Some((agg, s)) = seq.get(&d.message_id)
+            && first_seen.insert(d.message_id.clone())
+        {
+            arrival.entry(agg.clone()).or_default().push(*s);
+        }
+    }
+    for (agg, seqs) in &arrival {
+        assert!(
+            seqs.windows(2).all(|w| w[0] < w[1]),
+            "aggregate {agg} out of order: {seqs:?}"
+        );
+    }
+
+    b.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_under_load_exits_zero_and_leaves_nothing_processing() {
+    let table = TestTable::new("sigterm").await;
+    let rabbit = RabbitFixture::new("sigterm", "#", "it.barrier").await;
+    for chunk in 0..10 {
+        let rows: Vec<NewRow> = (0..500)
+            .map(|i| {
+                NewRow::new(
+                    "term",
+                    Some(&format!("t-{}", i % 50)),
+                    "e",
+                    json!({"chunk": chunk, "i": i}),
+                )
+            })
+            .collect();
+        table.insert(&rows).await;
+    }
+    let instance = "sigterm-1";
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, instance)
+        .set("relay.ordering", "none")
+        .set("relay.shutdown_timeout", "10s")
+        .spawn();
+    wait_until(
+        Duration::from_secs(60),
+        "500 messages delivered",
+        async || {
+            let n = rabbit.count();
+            if n >= 500 {
+                Ok(())
+            } else {
+                Err(format!("{n} received"))
+            }
+        },
+    )
+    .await;
+
+    let t0 = Instant::now();
+    relay.sigterm();
+    let status = relay.wait_exit(Duration::from_secs(15)).await;
+    let took = t0.elapsed();
+    assert!(
+        status.success(),
+        "exit status {status} after SIGTERM\n{}",
+        relay.stderr()
+    );
+    assert!(
+        took <= Duration::from_secs(12),
+        "shutdown took {took:?} (shutdown_timeout 10s)"
+    );
+
+    let counts = table.status_counts().await;
+    println!(
+        "sigterm after {} deliveries; exited in {took:?}; rows: {counts:?}",
+        rabbit.count()
+    );
+    assert_eq!(
+        table
+            .count_where(&format!(
+                "status = 'processing' AND locked_by = '{instance}'"
+            ))
+            .await,
+        0,
+        "rows left processing by the stopped relay: {counts:?}"
+    );
+    assert_eq!(counts["failed"], 0);
+    assert_eq!(counts["sent"] + counts["pending"], 5000);
+    assert_eq!(
+        table
+            .count_where("status = 'pending' AND (attempts <> 0 OR locked_by IS NOT NULL)")
+            .await,
+        0
+    );
+    assert_eq!(
+        table.count_where("status = 'sent' AND attempts <> 1").await,
+        0
+    );
+
+    // Every row marked sent was really delivered.
+    rabbit.barrier().await;
+    let delivered = rabbit.id_counts();
+    let sent_ids: Vec<Uuid> = table
+        .rows()
+        .await
+        .into_iter()
+        .filter(|r| r.status == "sent")
+        .map(|r| r.id)
+        .collect();
+    let undelivered = sent_ids
+        .iter()
+        .filter(|id| !delivered.contains_key(&id.to_string()))
+        .count();
+    assert_eq!(undelivered, 0, "rows marked sent but never delivered");
+
+    // What was handed back is published by the next relay.
+    let next = RelayBuilder::for_test(&table, &rabbit, "sigterm-2")
+        .set("relay.ordering", "none")
+        .spawn();
+    table.wait_all_sent(LONG).await;
+    rabbit.barrier().await;
+    let delivered = rabbit.id_counts();
+    assert_eq!(
+        table
+            .rows()
+            .await
+            .iter()
+            .filter(|r| !delivered.contains_key(&r.id.to_string()))
+            .count(),
+        0
+    );
+
+    next.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returned_messages_are_charged_to_the_right_row_under_concurrency() {
+    let table = TestTable::new("mixed_routes").await;
+    let rabbit = RabbitFixture::new("mixed_routes", "ok.#", "ok.barrier").await;
+    // One attempt each: a row charged with someone else's NO_ROUTE is dead-lettered at once.
+    let relay = RelayBuilder::for_test(&table, &rabbit, "mixed-routes")
+        .set("relay.ordering", "none")
+        .set("retry.max_attempts", "1")
+        .spawn();
+    // Every 10th row is unroutable; all are published concurrently on one channel.
+    let rows: Vec<NewRow> = (0..2000)
+        .map(|i| {
+            let row = NewRow::new("ok", None, "x", json!({"i": i}));
+            if i % 10 == 3 {
+                row.destination("nowhere")
+            } else {
+                row
+            }
+        })
+        .collect();
+    let inserted = table.insert(&rows).await;
+    wait_until(LONG, "every row is settled", async || {
+        let c = table.status_counts().await;
+        if c["pending"] + c["processing"] == 0 {
+            Ok(())
+        } else {
+            Err(format!("{c:?}"))
+        }
+    })
+    .await;
+    rabbit.barrier().await;
+
+    let states = table
+        .rows_by_id(&inserted.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await;
+    let delivered = rabbit.id_counts();
+    let mut wrong = Vec::new();
+    for r in states.values() {
+        let unroutable = r.destination.is_some();
+        let ok = if unroutable {
+            r.status == "failed"
+                && r.last_error
+                    .as_deref()
+                    .unwrap_or_default()
+                    .contains("NO_ROUTE")
+        } else {
+            r.status == "sent" && delivered.contains_key(&r.id.to_string())
+        };
+        if !ok {
+            wrong.push(format!(
+                "{} ({}): status {}, delivered {} time(s), last_error {:?}",
+                r.id,
+                if unroutable { "unroutable" } else { "routable" },
+                r.status,
+                delivered.get(&r.id.to_string()).copied().unwrap_or(0),
+                r.last_error
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} rows classified wrongly (an unroutable row marked sent was dropped by the broker; a routable row failed with NO_ROUTE was charged with another row's return), first 10:\n{}",
+        wrong.len(),
+        wrong
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+/// Starts a relay whose broker connection goes through `proxy`, proves it is publishing with a
+/// few warm-up rows, then black-holes the proxy and inserts `n` rows; returns their ids once
+/// the relay holds them all in `processing`.
+async fn hold_rows_behind_a_black_hole(
+    table: &TestTable,
+    rabbit: &RabbitFixture,
+    proxy: &Proxy,
+    instance: &str,
+    n: usize,
+) -> Vec<Uuid> {
+    let warm: Vec<Uuid> = table
+        .insert(
+            &(0..3)
+                .map(|i| NewRow::new("warm", None, "w", json!({"i": i})))
+                .collect::<Vec<_>>(),
+        )
+        .await
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    rabbit.wait_for_ids(&warm, Duration::from_secs(30)).await;
+    proxy.stall();
+    let rows: Vec<NewRow> = (0..n)
+        .map(|i| NewRow::new("hole", Some(&format!("h-{}", i % 5)), "e", json!({"i": i})))
+        .collect();
+    let ids: Vec<Uuid> = table
+        .insert(&rows)
+        .await
+        .into_iter()
+        .map(|r| r.id)
+        .collect();
+    let condition = format!("status = 'processing' AND locked_by = '{instance}'");
+    wait_until(
+        Duration::from_secs(10),
+        &format!("{instance} holds the {n} rows"),
+        async || {
+            let held = table.count_where(&condition).await;
+            if held == i64::try_from(n).unwrap() {
+                Ok(())
+            } else {
+                Err(format!("{held} processing"))
+            }
+        },
+    )
+    .await;
+    ids
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unanswered_publishes_time_out_and_are_handed_back_without_spending_attempts() {
+    let table = TestTable::new("black_hole").await;
+    let rabbit = RabbitFixture::new("black_hole", "#", "it.barrier").await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    // max_attempts 2: were a timed-out publish counted as a message failure, the second
+    // round would dead-letter the rows.
+    let relay = RelayBuilder::for_test(&table, &rabbit, "black-hole")
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .set("publisher.rabbitmq.confirm_timeout", "1s")
+        .set("relay.ordering", "none")
+        .set("relay.lease_timeout", "60s")
+        .set("retry.max_attempts", "2")
+        .spawn();
+    let ids = hold_rows_behind_a_black_hole(&table, &rabbit, &proxy, "black-hole", 50).await;
+
+    // confirm_timeout passes: every row is handed back, attempt refunded.
+    wait_until(
+        Duration::from_secs(15),
+        "the unconfirmed rows are handed back",
+        async || {
+            let c = table.status_counts().await;
+            let refunded = table
+                .count_where("status = 'pending' AND attempts = 0 AND locked_by IS NULL")
+                .await;
+            if refunded == 50 {
+                Ok(())
+            } else {
+                Err(format!("{c:?}, {refunded} pending with attempts 0"))
+            }
+        },
+    )
+    .await;
+    assert!(
+        relay.log_count("no confirm within") >= 1,
+        "{}",
+        relay.stderr()
+    );
+    assert_eq!(table.count_where("status = 'failed'").await, 0);
+
+    // The network comes back (bytes held by the black hole are delivered late).
+    proxy.heal();
+    table.wait_all_sent(LONG).await;
+    rabbit.barrier().await;
+    let counts = rabbit.id_counts();
+    let missing = ids
+        .iter()
+        .filter(|id| !counts.contains_key(&id.to_string()))
+        .count();
+    assert_eq!(missing, 0, "rows lost after the black hole");
+    let dups = counts.values().filter(|n| **n > 1).count();
+    println!(
+        "black hole: {dups} ids delivered more than once (late bytes of the abandoned connection)"
+    );
+    assert_eq!(
+        table.count_where("status <> 'sent' OR attempts <> 1").await,
+        0,
+        "every row sent on its first counted attempt"
+    );
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_a_hung_broker_hands_rows_back_and_exits_within_shutdown_timeout() {
+    let table = TestTable::new("term_hung").await;
+    let rabbit = RabbitFixture::new("term_hung", "#", "it.barrier").await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    let instance = "term-hung";
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, instance)
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .set("publisher.rabbitmq.confirm_timeout", "60s")
+        .set("relay.shutdown_timeout", "4s")
+        .set("relay.lease_timeout", "60s")
+        .spawn();
+    let ids = hold_rows_behind_a_black_hole(&table, &rabbit, &proxy, instance, 40).await;
+
+    let t0 = Instant::now();
+    relay.sigterm();
+    let status = relay.wait_exit(Duration::from_secs(30)).await;
+    let took = t0.elapsed();
+    println!("sigterm with a hung broker: exited with {status} after {took:?}");
+    assert!(status.success(), "exit status {status}\n{}", relay.stderr());
+    // The rows were handed back, not left to the lease.
+    let rows = table.rows_by_id(&ids).await;
+    let not_back: Vec<_> = rows
+        .values()
+        .filter(|r| r.status != "pending" || r.attempts != 0 || r.locked_by.is_some())
+        .map(|r| (r.id, r.status.clone(), r.attempts, r.locked_by.clone()))
+        .collect();
+    assert!(
+        not_back.is_empty(),
+        "rows not handed back at shutdown: {not_back:?}\n{}",
+        relay.stderr()
+    );
+    assert!(
+        took <= Duration::from_millis(5500),
+        "shutdown took {took:?} with relay.shutdown_timeout = 4s\n{}",
+        relay.stderr()
+    );
+    drop(proxy);
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_errors_exit_2_with_one_line_naming_the_key() {
+    let cases: [(&str, &str, &str, &str); 4] = [
+        (
+            "unknown key",
+            "check",
+            "[relay]\nbatch_sise = 3\n",
+            "relay.batch_sise",
+        ),
+        (
+            "hostile table name",
+            "check",
+            "[database]\ntable = \"x; drop table y\"\n",
+            "database.table",
+        ),
+        (
+            "unparsable duration",
+            "run",
+            "[relay]\npoll_interval = \"soon\"\n",
+            "relay.poll_interval",
+        ),
+        (
+            "bare number duration",
+            "run",
+            "[retry]\nbase_delay = 5\n",
+            "retry.base_delay",
+        ),
+    ];
+    for (what, command, toml, key) in cases {
+        let dir = TempDir::new("config");
+        let path = dir.write("bad.toml", toml);
+        let out = RelayBuilder::bare("config")
+            .output(
+                &["--config", path.to_str().unwrap(), command],
+                Duration::from_secs(20),
+            )
+            .await;
+        assert_eq!(out.status.code(), Some(2), "{what}: {out:?}");
+        let lines: Vec<&str> = out.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{what}: stderr should be one line: {out:?}");
+        assert!(
+            lines[0].contains(key),
+            "{what}: {:?} should name {key}",
+            lines[0]
+        );
+        assert!(out.stdout.is_empty(), "{what}: {out:?}");
+    }
+
+    let out = RelayBuilder::bare("config")
+        .output(
+            &["--config", "/nonexistent/outbox-relay/relay.toml", "check"],
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("/nonexistent/outbox-relay/relay.toml"),
+        "{out:?}"
+    );
+    assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_never_reach_the_output() {
+    const SECRET: &str = "hunter2";
+    let dir = TempDir::new("secrets");
+    let unreachable = dir.write(
+        "secret.toml",
+        "[database]\nurl = \"postgres://u:hunter2@127.0.0.1:1/db\"\n\
+         [publisher.rabbitmq]\nurl = \"amqp://g:hunter2@127.0.0.1:1/%2f\"\n\
+         [metrics]\nlisten = \"\"\n",
+    );
+    let config = unreachable.to_str().unwrap();
+
+    // check: both connections fail → exit 1, each reported with the password masked.
+    let out = RelayBuilder::bare("secrets")
+        .output(&["--config", config, "check"], Duration::from_secs(60))
+        .await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        !out.stdout.contains(SECRET) && !out.stderr.contains(SECRET),
+        "{out:?}"
+    );
+    assert!(
+        out.stdout.contains("database: FAILED") && out.stdout.contains("broker: FAILED"),
+        "{out:?}"
+    );
+    assert!(out.stdout.contains("u:***@"), "{out:?}");
+
+    // run with an unreachable database: retries, then SIGTERM.
+    let mut relay = RelayBuilder::bare("secrets-run-db").spawn_with(&["--config", config, "run"]);
+    relay
+        .wait_for_log("database unavailable", 2, Duration::from_secs(20))
+        .await;
+    relay.sigterm();
+    let status = relay.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status}\n{}", relay.stderr());
+    assert!(
+        !relay.stderr().contains(SECRET) && !relay.stdout().contains(SECRET),
+        "{}",
+        relay.stderr()
+    );
+
+    // run with a reachable database (trust auth ignores the password) and an unreachable
+    // broker: the start-up line and the reconnect warnings show both URLs, masked.
+    let table = TestTable::new("secrets").await;
+    let mut relay = RelayBuilder::bare("secrets-run-broker")
+        .set(
+            "database.url",
+            PG_URL.replace("postgres@", "postgres:hunter2@"),
+        )
+        .set("database.table", &table.name)
+        .set("publisher.rabbitmq.url", "amqp://g:hunter2@127.0.0.1:1/%2f")
+        .set("metrics.listen", "")
+        .spawn();
+    relay
+        .wait_for_log("broker unavailable", 2, Duration::from_secs(30))
+        .await;
+    relay.sigterm();
+    let status = relay.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "{status}\n{}", relay.stderr());
+    let logs = relay.stderr();
+    assert!(
+        !logs.contains(SECRET) && !relay.stdout().contains(SECRET),
+        "{logs}"
+    );
+    assert!(
+        logs.contains("postgres:***@") && logs.contains("g:***@"),
+        "{logs}"
+    );
+    table.drop_table().await;
+}
