@@ -388,6 +388,16 @@ pub struct Store {
     q: std::sync::Arc<Queries>,
 }
 
+/// Set on every pooled session (plain `SET`s, so poolers such as PgBouncer accept them):
+/// - `synchronous_commit = off`: the relay's own commits (claim, settle) need not wait for the
+///   WAL flush. A database crash can undo the last fraction of a second of them; those rows
+///   then go out again (at-least-once holds, duplicates stay bounded by `max_in_flight`). The
+///   application's inserts keep the server's setting.
+/// - `plan_cache_mode = force_generic_plan`: the claim statement's plan does not depend on its
+///   parameters (it walks partial indexes), so planning it on every call is wasted work.
+const SESSION_SETTINGS: &str =
+    "SET synchronous_commit = off; SET plan_cache_mode = force_generic_plan";
+
 /// The `application_name` the relay's sessions use; the ordering guard ignores them.
 pub const APPLICATION_NAME: &str = "outbox-relay";
 
@@ -409,6 +419,14 @@ impl Store {
             .create_timeout(Some(Duration::from_secs(5)))
             .wait_timeout(Some(Duration::from_secs(10)))
             .recycle_timeout(Some(Duration::from_secs(5)))
+            .post_create(deadpool_postgres::Hook::async_fn(|client, _| {
+                Box::pin(async move {
+                    client
+                        .batch_execute(SESSION_SETTINGS)
+                        .await
+                        .map_err(|e| deadpool_postgres::HookError::Backend(e.into()))
+                })
+            }))
             .build()
             .map_err(|e| StoreError::Build(e.to_string()))?;
         Ok(Self {
