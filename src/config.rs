@@ -515,9 +515,11 @@ impl Config {
             }
         }
         // RELAY_CONFIG names the file and RELAY_LOG_* tune logging; neither is a config key.
-        let env = env
-            .split("__")
-            .filter(|k| !matches!(k.as_str(), "config" | "log_format" | "log"));
+        let env = env.split("__").filter(|k| {
+            !["config", "log_format", "log"]
+                .iter()
+                .any(|n| k.as_str().eq_ignore_ascii_case(n))
+        });
         let raw: RawConfig = figment
             .merge(env)
             .extract()
@@ -858,6 +860,19 @@ mod tests {
             panic!("rabbitmq")
         };
         assert_eq!(q.exchange, "from-env");
+    }
+
+    #[test]
+    fn relay_config_and_log_format_variables_are_not_config_keys() {
+        let c = load_str(
+            "",
+            &[
+                ("LOG_FORMAT", "json"),
+                ("CONFIG", "x.toml"),
+                ("LOG", "debug"),
+            ],
+        );
+        assert!(c.is_ok(), "{:?}", c.err().map(|e| e.to_string()));
     }
 
     #[test]

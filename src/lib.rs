@@ -156,8 +156,10 @@ pub async fn run_with(
             background.clone(),
         )));
     }
+    let held = relay::Held::default();
     helpers.push(tokio::spawn(relay::lease_loop(
         store.clone(),
+        Arc::clone(&held),
         config.relay.lease_timeout,
         config.retry,
         Arc::clone(&wake),
@@ -181,7 +183,7 @@ pub async fn run_with(
         delete_on_confirm: config.cleanup.retention.is_zero(),
         table_oid,
     };
-    let engine = Relay::new(store, Arc::clone(&publisher), settings, health, wake);
+    let engine = Relay::new(store, Arc::clone(&publisher), settings, health, wake, held);
     engine.run(shutdown.clone()).await;
 
     background.cancel();

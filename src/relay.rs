@@ -67,12 +67,18 @@ pub struct LoopSettings {
     pub table_oid: u32,
 }
 
+/// The ids this relay has claimed and not yet settled: the only rows whose leases it renews.
+/// A row it lost track of (a claim whose answer never arrived, an outcome it gave up
+/// recording) is not renewed, so its lease runs out and another relay (or this one) reclaims it.
+pub type Held = Arc<std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>>;
+
 /// The claim/publish/settle engine shared by the dispatcher and its batch tasks.
 pub struct Relay {
     store: Store,
     publisher: Arc<dyn Publisher>,
     settings: LoopSettings,
     health: Arc<Health>,
+    held: Held,
     // Woken by NOTIFY, by finished batches (their aggregates' next rows are now claimable) and
     // by connection-level failures (so the dispatcher reconnects at once).
     wake: Arc<Notify>,
@@ -95,12 +101,14 @@ impl Relay {
         settings: LoopSettings,
         health: Arc<Health>,
         wake: Arc<Notify>,
+        held: Held,
     ) -> Arc<Self> {
         Arc::new(Self {
             store,
             publisher,
             settings,
             health,
+            held,
             wake,
         })
     }
@@ -208,38 +216,47 @@ impl Relay {
                 i64::MAX
             };
 
-            // A row reclaimed from a relay that died goes out alone first: if it is what killed
-            // that relay, only its own attempts are spent. Looked for on every round while there
-            // are some, otherwise once a second (the query is cheap, but it is a round trip).
-            let suspect = if Instant::now() >= next_suspect_check {
-                self.store.claim_suspect(mark).await
-            } else {
-                Ok(None)
-            };
-            match suspect {
-                Ok(Some(row)) => {
-                    tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
-                    let mut permit = permit;
-                    let one = permit.split(1);
-                    drop(permit);
-                    if let Some(one) = one {
-                        let relay = Arc::clone(self);
-                        let hard_stop = hard_stop.clone();
-                        tasks.spawn(
-                            async move { relay.process_batch(vec![row], one, hard_stop).await },
-                        );
+            // A row reclaimed from a relay that died goes out alone: if it is what killed that
+            // relay, only its own attempts are spent. Wait until nothing else is in flight (take
+            // the whole window), claim it, and keep the window until it is settled, so no other
+            // row shares its fate. Looked for on every round while there are some, otherwise
+            // once a second.
+            if Instant::now() >= next_suspect_check {
+                match self.store.suspects_waiting(mark).await {
+                    Ok(false) => next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD,
+                    Ok(true) => {
+                        drop(permit);
+                        let window = tokio::select! {
+                            p = capacity.clone().acquire_many_owned(u32_of(cfg.max_in_flight)) => match p { Ok(p) => p, Err(_) => break },
+                            () = shutdown.cancelled() => break,
+                        };
+                        match self.store.claim_suspect(mark).await {
+                            Ok(Some(row)) => {
+                                tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
+                                self.hold(std::slice::from_ref(&row));
+                                let relay = Arc::clone(self);
+                                let hard_stop = hard_stop.clone();
+                                tasks.spawn(async move {
+                                    relay.process_batch(vec![row], window, hard_stop).await
+                                });
+                            }
+                            Ok(None) => {
+                                // Another relay took it meanwhile.
+                                drop(window);
+                                next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+                            }
+                            Err(e) => {
+                                drop(window);
+                                self.database_down(&e, &mut db_backoff, shutdown).await;
+                            }
+                        }
+                        continue;
                     }
-                    continue;
-                }
-                Ok(None) => {
-                    if Instant::now() >= next_suspect_check {
-                        next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+                    Err(e) => {
+                        drop(permit);
+                        self.database_down(&e, &mut db_backoff, shutdown).await;
+                        continue;
                     }
-                }
-                Err(e) => {
-                    drop(permit);
-                    self.database_down(&e, &mut db_backoff, shutdown).await;
-                    continue;
                 }
             }
 
@@ -267,6 +284,7 @@ impl Relay {
                         drop(rest);
                     }
                 }
+                self.hold(&rows);
                 let relay = Arc::clone(self);
                 let hard_stop = hard_stop.clone();
                 tasks.spawn(async move { relay.process_batch(rows, permit, hard_stop).await });
@@ -398,6 +416,21 @@ impl Relay {
     /// Records outcomes, retrying while the database is unreachable (up to the lease: after
     /// that another relay may have reclaimed the rows, and they will be published again).
     async fn settle(&self, results: Vec<(OutboxMessage, RowResult)>) {
+        let ids: Vec<uuid::Uuid> = results.iter().map(|(m, _)| m.id).collect();
+        self.record_outcomes(results).await;
+        // Recorded, or given up on: either way this relay no longer renews their leases.
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        for id in ids {
+            held.remove(&id);
+        }
+    }
+
+    fn hold(&self, rows: &[OutboxMessage]) {
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        held.extend(rows.iter().map(|r| r.id));
+    }
+
+    async fn record_outcomes(&self, results: Vec<(OutboxMessage, RowResult)>) {
         let mut sent = Vec::new();
         let mut failures = Vec::new();
         let mut hand_back = Vec::new();
@@ -532,11 +565,12 @@ async fn sleep_or_cancel(d: Duration, token: &CancellationToken) {
     }
 }
 
-/// Every `lease_timeout / 3`: renews this relay's own leases (so rows waiting on a slow broker
-/// are never taken from a live relay), then hands back rows whose lease expired because their
-/// relay stopped.
+/// Every `lease_timeout / 3`: renews the leases of the rows this relay holds (so rows waiting
+/// on a slow broker are never taken from a live relay), then hands back rows whose lease
+/// expired because their relay stopped or lost track of them.
 pub async fn lease_loop(
     store: Store,
+    held: Held,
     lease: Duration,
     retry: RetryPolicy,
     wake: Arc<Notify>,
@@ -544,7 +578,13 @@ pub async fn lease_loop(
 ) {
     let period = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(20));
     loop {
-        if let Err(e) = store.heartbeat().await {
+        let ids: Vec<uuid::Uuid> = {
+            let held = held.lock().unwrap_or_else(|p| p.into_inner());
+            held.iter().copied().collect()
+        };
+        if !ids.is_empty()
+            && let Err(e) = store.heartbeat(&ids).await
+        {
             tracing::warn!(error = %e, "cannot renew leases; rows may be reclaimed by another relay if this lasts longer than lease_timeout");
         }
         match store.reclaim_expired(lease, retry.max_attempts).await {

@@ -182,6 +182,7 @@ const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_
 struct Queries {
     claim_none: String,
     claim_suspect: String,
+    suspects_waiting: String,
     claim_aggregate: String,
     mark_sent: String,
     delete_sent: String,
@@ -204,6 +205,16 @@ impl Queries {
     fn new(table: &TableName) -> Self {
         let t = table.qualified();
         let seq = table.prefixed("_seq");
+        // A ready row reclaimed from a dead relay that is the head of its aggregate (or has
+        // none) and at or below the watermark (`$W`).
+        let suspect_where = format!(
+            "c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
+             AND (c.aggregate_id IS NULL OR (c.seq <= $W AND NOT EXISTS ( \
+               SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
+                 AND e.aggregate_id = c.aggregate_id AND e.status <> 'sent' AND e.seq < c.seq)))"
+        );
+        let suspect = suspect_where.replace("$W", "$1");
+        let suspect_2 = suspect_where.replace("$W", "$2");
         Self {
             // $1 batch size, $2 instance id.
             claim_none: format!(
@@ -220,13 +231,11 @@ impl Queries {
             // One row that was held by a relay that died (a suspect of the crash), claimed on its
             // own so that a row which kills the relay spends only its own attempts, never those
             // of rows that happened to share its batch. $1 instance id, $2 watermark.
+            // $1 watermark. The same rows claim_suspect would take.
+            suspects_waiting: format!("SELECT EXISTS (SELECT 1 FROM {t} c WHERE {suspect})"),
             claim_suspect: format!(
                 "WITH cand AS ( \
-                   SELECT c.id FROM {t} c \
-                   WHERE c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
-                     AND (c.aggregate_id IS NULL OR (c.seq <= $2 AND NOT EXISTS ( \
-                       SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
-                         AND e.aggregate_id = c.aggregate_id AND e.status <> 'sent' AND e.seq < c.seq))) \
+                   SELECT c.id FROM {t} c WHERE {suspect_2} \
                    ORDER BY c.seq LIMIT 1 \
                    FOR UPDATE OF c SKIP LOCKED) \
                  UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
@@ -302,8 +311,10 @@ impl Queries {
             ),
             // Keeps this relay's leases alive while it waits for a slow broker, so only a relay
             // that stopped ever has its rows reclaimed. $1 instance id.
+            // $1 ids, $2 instance id.
             heartbeat: format!(
-                "UPDATE {t} SET locked_at = now() WHERE status = 'processing' AND locked_by = $1"
+                "UPDATE {t} SET locked_at = now() \
+                 WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
             ),
             // Rows whose lease expired: the claim already spent their attempt. $1 lease (ms), $2 max attempts.
             reclaim: format!(
@@ -424,7 +435,7 @@ impl Store {
                     client
                         .batch_execute(SESSION_SETTINGS)
                         .await
-                        .map_err(|e| deadpool_postgres::HookError::Backend(e.into()))
+                        .map_err(deadpool_postgres::HookError::Backend)
                 })
             }))
             .build()
@@ -562,6 +573,13 @@ impl Store {
         Ok(out)
     }
 
+    /// Whether a row reclaimed from a dead relay is ready to be claimed (see `SUSPECT`).
+    pub async fn suspects_waiting(&self, watermark: i64) -> Result<bool> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.suspects_waiting).await?;
+        Ok(client.query_one(&stmt, &[&watermark]).await?.try_get(0)?)
+    }
+
     /// Claims one row that a dead relay held (see `SUSPECT`), if any is ready; it is then
     /// published in a batch of its own.
     pub async fn claim_suspect(&self, watermark: i64) -> Result<Option<OutboxMessage>> {
@@ -629,11 +647,11 @@ impl Store {
         Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
     }
 
-    /// Renews the lease of every row this instance holds; returns how many.
-    pub async fn heartbeat(&self) -> Result<u64> {
+    /// Renews the leases of `ids` where this instance still holds them; returns how many.
+    pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
         let client = self.client().await?;
         let stmt = client.prepare_cached(&self.q.heartbeat).await?;
-        Ok(client.execute(&stmt, &[&self.instance_id]).await?)
+        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
     }
 
     /// Returns `processing` rows whose lease expired to `pending` (or `failed` when out of
