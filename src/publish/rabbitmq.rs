@@ -301,21 +301,38 @@ impl Publisher for RabbitMqPublisher {
         let Ok(_slot) = Arc::clone(&live.slots).acquire_owned().await else {
             return Outcome::Unavailable("publisher closed".to_owned());
         };
-        let channel = match self.checkout(&live).await {
-            Ok(ch) => ch,
-            Err(e) => return self.channel_failure(&live, &format!("cannot open a channel: {e}")),
-        };
+        // Opening a channel waits for the broker too: bound it like the confirm.
+        let channel =
+            match tokio::time::timeout(self.cfg.confirm_timeout, self.checkout(&live)).await {
+                Ok(Ok(ch)) => ch,
+                Ok(Err(e)) => {
+                    return self.channel_failure(&live, &format!("cannot open a channel: {e}"));
+                }
+                Err(_) => {
+                    self.mark_down(live.generation);
+                    return Outcome::Unavailable(format!(
+                        "no answer to opening a channel within {}",
+                        humantime::format_duration(self.cfg.confirm_timeout)
+                    ));
+                }
+            };
         let exchange = ShortString::from(self.cfg.exchange.clone());
         let options = BasicPublishOptions {
             mandatory: true,
             ..BasicPublishOptions::default()
         };
-        let confirm = match channel
-            .basic_publish(exchange, routing_key, options, &msg.payload, props)
-            .await
-        {
-            Ok(confirm) => confirm,
-            Err(e) => return self.channel_failure(&live, &format!("publish failed: {e}")),
+        let sent = tokio::time::timeout(
+            self.cfg.confirm_timeout,
+            channel.basic_publish(exchange, routing_key, options, &msg.payload, props),
+        )
+        .await;
+        let confirm = match sent {
+            Ok(Ok(confirm)) => confirm,
+            Ok(Err(e)) => return self.channel_failure(&live, &format!("publish failed: {e}")),
+            Err(_) => {
+                self.mark_down(live.generation);
+                return Outcome::Unavailable("the broker did not take the message in time".into());
+            }
         };
         match tokio::time::timeout(self.cfg.confirm_timeout, confirm).await {
             Ok(Ok(confirmation)) => {
