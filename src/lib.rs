@@ -57,29 +57,22 @@ pub enum RunError {
         /// The bind error.
         source: std::io::Error,
     },
-    /// The publisher could not be built from its configuration.
-    #[error("{0}")]
-    Publisher(String),
 }
 
 /// Builds the configured publisher (not yet connected).
-pub fn build_publisher(
-    config: &Config,
-    payload_kind: PayloadKind,
-) -> Result<Arc<dyn Publisher>, RunError> {
+pub fn build_publisher(config: &Config, payload_kind: PayloadKind) -> Arc<dyn Publisher> {
     let envelope = EnvelopeConfig {
         source: config.relay.source.clone(),
         payload_kind,
     };
     match &config.publisher {
-        PublisherConfig::RabbitMq(c) => Ok(Arc::new(publish::rabbitmq::RabbitMqPublisher::new(
+        PublisherConfig::RabbitMq(c) => Arc::new(publish::rabbitmq::RabbitMqPublisher::new(
             c.clone(),
             envelope,
-        ))),
-        PublisherConfig::Kafka(c) => Ok(Arc::new(publish::kafka::KafkaPublisher::new(
-            c.clone(),
-            envelope,
-        ))),
+        )),
+        PublisherConfig::Kafka(c) => {
+            Arc::new(publish::kafka::KafkaPublisher::new(c.clone(), envelope))
+        }
     }
 }
 
@@ -130,7 +123,7 @@ pub async fn run_with(
     };
     let publisher = match publisher {
         Some(make) => make(payload_kind),
-        None => build_publisher(&config, payload_kind)?,
+        None => build_publisher(&config, payload_kind),
     };
     tracing::info!(
         instance = %config.relay.instance_id,
