@@ -183,6 +183,10 @@ impl Relay {
                         continue;
                     }
                 }
+            } else {
+                // A handed-back row marks the broker down for /readyz; the connection says
+                // whether it really is.
+                self.health.set_broker(true);
             }
 
             // Wait for room in the in-flight window, then take as much of it as one batch may.
