@@ -163,6 +163,8 @@ fn is_disruption(text: &str) -> bool {
         "onnection reset",
         "the database system is",
         "cannot get a database connection",
+        "invalid channel state",
+        "IO error",
     ]
     .iter()
     .any(|p| text.contains(p))
