@@ -87,6 +87,9 @@ fn cpu_text(u: &CpuUsage) -> String {
         .map(|(k, v)| format!("{k} {v:.2}"))
         .collect();
     parts.push(format!("machine busy {:.2}", u.machine_busy));
+    if u.unattributed >= 0.2 {
+        parts.push(format!("unattributed {:.2}", u.unattributed));
+    }
     if u.steal >= 0.01 {
         parts.push(format!("steal {:.2}", u.steal));
     }

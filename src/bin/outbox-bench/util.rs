@@ -621,6 +621,7 @@ pub struct CpuSample {
     procs: HashMap<u32, (String, u64, u64)>,
     busy: u64,
     steal: u64,
+    irq: u64,
 }
 
 /// Cores used per process group over an interval.
@@ -632,8 +633,15 @@ pub struct CpuUsage {
     pub machine_busy: f64,
     /// Cores stolen by the hypervisor.
     pub steal: f64,
+    /// Cores spent in interrupt and softirq handling (loopback networking), charged to no
+    /// process.
+    pub irq: f64,
     /// The busiest processes of group "other" (comm → cores), to see who else was running.
     pub other_top: BTreeMap<String, f64>,
+    /// Machine busy minus every process seen in both samples: processes that started and
+    /// ended within the interval (someone's build or tests) and kernel work. Large values
+    /// mean the figure was measured under contention that the groups do not show.
+    pub unattributed: f64,
 }
 
 impl CpuSample {
@@ -654,12 +662,13 @@ impl CpuSample {
                 }
             }
         }
-        let (busy, steal) = machine_cpu().unwrap_or((0, 0));
+        let (busy, steal, irq) = machine_cpu().unwrap_or((0, 0, 0));
         Self {
             at: Instant::now(),
             procs,
             busy,
             steal,
+            irq,
         }
     }
 
@@ -706,11 +715,16 @@ impl CpuSample {
             .map(|(k, v)| (k, round(v)))
             .collect();
         let r = |x: u64| round(x as f64 / TICKS_PER_SECOND / secs);
+        let machine_busy = r(now.busy.saturating_sub(self.busy));
+        let irq = r(now.irq.saturating_sub(self.irq));
+        let unattributed = round((machine_busy - irq - cores.values().sum::<f64>()).max(0.0));
         CpuUsage {
             cores,
-            machine_busy: r(now.busy.saturating_sub(self.busy)),
+            machine_busy,
             steal: r(now.steal.saturating_sub(self.steal)),
+            irq,
             other_top,
+            unattributed,
         }
     }
 }
@@ -744,8 +758,8 @@ fn proc_cpu(pid: u32) -> Option<(String, u64, u64)> {
     Some((comm, start, utime + stime))
 }
 
-/// Machine-wide (busy, steal) ticks from `/proc/stat`.
-fn machine_cpu() -> Option<(u64, u64)> {
+/// Machine-wide (busy, steal, irq + softirq) ticks from `/proc/stat`.
+fn machine_cpu() -> Option<(u64, u64, u64)> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
     let line = stat.lines().next()?;
     let v: Vec<u64> = line
@@ -754,9 +768,10 @@ fn machine_cpu() -> Option<(u64, u64)> {
         .filter_map(|x| x.parse().ok())
         .collect();
     // user nice system idle iowait irq softirq steal guest guest_nice
-    let busy = v.first()? + v.get(1)? + v.get(2)? + v.get(5)? + v.get(6)?;
+    let irq = v.get(5)? + v.get(6)?;
+    let busy = v.first()? + v.get(1)? + v.get(2)? + irq;
     let steal = *v.get(7)?;
-    Some((busy, steal))
+    Some((busy, steal, irq))
 }
 
 /// A private scratch directory under the system temp dir.
