@@ -2,7 +2,7 @@
 # Starts what the relay and its tests need on a development machine, idempotently:
 # PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
 # (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
-# and Prometheus's promtool for the deploy/ checks.
+# Prometheus's promtool for the deploy/ checks, and OpenSSL's headers for rdkafka.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +25,13 @@ if ! port_open 5672; then
     say "starting RabbitMQ"
     rabbitmq-server -detached
     wait_port 5672 RabbitMQ 1200
+fi
+
+# rdkafka's Kafka TLS/SASL links the system OpenSSL: its headers must be there to build.
+if ! pkg-config --exists openssl 2>/dev/null; then
+    say "installing libssl-dev and pkg-config from Debian's packages (Kafka TLS/SASL)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libssl-dev pkg-config >/dev/null
 fi
 
 # tests/deploy.rs runs promtool and tests/ops.rs a real Prometheus (Debian's `prometheus`).

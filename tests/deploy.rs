@@ -179,7 +179,7 @@ fn dockerfile_is_multi_stage_non_root_and_copies_what_exists() {
         froms[0]
     );
     assert_eq!(*froms[1], "FROM debian:bookworm-slim");
-    for needed in ["cmake", "make", "gcc", "ca-certificates"] {
+    for needed in ["cmake", "make", "gcc", "libssl-dev", "ca-certificates"] {
         assert!(
             text.contains(needed),
             "the Dockerfile should install {needed}"
@@ -250,6 +250,47 @@ fn docker_copies(lines: &[&str]) -> Vec<(String, String)> {
         }
     }
     copied
+}
+
+/// The runtime stage (debian:bookworm-slim) must provide every shared library the binary links:
+/// `ldd` on the binary built here, each library mapped to the package that ships it, and each
+/// package either in the slim base image or installed by the runtime stage.
+#[test]
+fn the_runtime_image_has_every_library_the_binary_links() {
+    let out = std::process::Command::new("ldd")
+        .arg(env!("CARGO_BIN_EXE_outbox-relay"))
+        .output()
+        .expect("run ldd");
+    assert!(out.status.success(), "ldd failed: {out:?}");
+    let text = read(&deploy("Dockerfile"));
+    let runtime = &text[text
+        .find("FROM debian:bookworm-slim")
+        .expect("runtime stage")..];
+    // Libraries of packages that debian:bookworm-slim already carries.
+    let in_base = [
+        "linux-vdso",
+        "ld-linux",
+        "libc.so",
+        "libm.so",
+        "libgcc_s",
+        "libz.so",
+    ];
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let lib = line.split_whitespace().next().unwrap_or_default();
+        if lib.is_empty() || in_base.iter().any(|b| lib.contains(b)) {
+            continue;
+        }
+        let package = match lib {
+            l if l.starts_with("libssl.so.3") || l.starts_with("libcrypto.so.3") => "libssl3",
+            other => panic!(
+                "the binary links {other}: map it to its package here and install that in the runtime stage"
+            ),
+        };
+        assert!(
+            runtime.contains(package),
+            "the binary links {lib}, but the runtime stage does not install {package}"
+        );
+    }
 }
 
 /// Cargo refuses to build anything when a target the manifest declares is missing, so the

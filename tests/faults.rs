@@ -42,12 +42,12 @@ mod common;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use common::kafka::{KAFKA, create_topic, read_ids, topic_name};
 use common::{
     AMQP_URL, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RelayProcess,
     TestTable, hex8, wait_until,
@@ -1281,117 +1281,45 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
     table.drop_table().await;
 }
 
-/// A TCP proxy whose replies can be held back while requests still flow (the harness's proxy
-/// stalls both directions): what a connection that dies after the server received a statement
-/// but before the client got the answer looks like.
-struct OneWayProxy {
-    addr: SocketAddr,
-    replies: tokio::sync::watch::Sender<bool>,
-    live: Arc<Mutex<CancellationToken>>,
-    accept: JoinHandle<()>,
-}
-
-impl OneWayProxy {
-    async fn start(upstream: &'static str) -> Self {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let replies = tokio::sync::watch::channel(true).0;
-        let live = Arc::new(Mutex::new(CancellationToken::new()));
-        let (r, l) = (replies.clone(), Arc::clone(&live));
-        let accept = tokio::spawn(async move {
-            while let Ok((inbound, _)) = listener.accept().await {
-                let Ok(outbound) = tokio::net::TcpStream::connect(upstream).await else {
-                    continue;
-                };
-                let token = l.lock().unwrap().clone();
-                let flowing = r.subscribe();
-                tokio::spawn(async move {
-                    let (mut ri, mut wi) = inbound.into_split();
-                    let (mut ro, mut wo) = outbound.into_split();
-                    let up = tokio::io::copy(&mut ri, &mut wo);
-                    let down = async move {
-                        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                        let mut flowing = flowing;
-                        let mut buf = vec![0u8; 16 * 1024];
-                        loop {
-                            if flowing.wait_for(|f| *f).await.is_err() {
-                                return;
-                            }
-                            let n = match ro.read(&mut buf).await {
-                                Ok(0) | Err(_) => return,
-                                Ok(n) => n,
-                            };
-                            if flowing.wait_for(|f| *f).await.is_err()
-                                || wi.write_all(&buf[..n]).await.is_err()
-                            {
-                                return;
-                            }
-                        }
-                    };
-                    tokio::select! {
-                        _ = up => {}
-                        () = down => {}
-                        () = token.cancelled() => {}
-                    }
-                });
-            }
-        });
-        Self {
-            addr,
-            replies,
-            live,
-            accept,
-        }
-    }
-
-    /// Requests still reach the server; its answers are held (and dropped by `cut`).
-    fn hold_replies(&self) {
-        self.replies.send_replace(false);
-    }
-
-    /// Drops every connection; new ones are forwarded normally.
-    fn cut_and_heal(&self) {
-        let old = std::mem::replace(&mut *self.live.lock().unwrap(), CancellationToken::new());
-        old.cancel();
-        self.replies.send_replace(true);
-    }
-}
-
-impl Drop for OneWayProxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.live.lock().unwrap().cancel();
-    }
-}
-
 /// The database connection dies after the server committed a claim but before the relay read
-/// the claimed rows: the rows are `processing` under this relay's name, and the relay does not
-/// know it holds them. They must come back (after the lease at the latest).
+/// the claimed rows: the rows are `processing` under this relay's own name, and the relay does
+/// not know it holds them. Which statement a cut connection loses is a matter of timing, so the
+/// test makes that state directly, in one transaction with the inserts: the relay must not
+/// renew a lease it does not know it holds, and the rows come back once the lease expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "flaky by design: it needs the claim to be the statement whose reply the proxy holds, but a round may start with the suspect check or a statement prepare instead; a_database_outage_longer_than_the_lease_leaves_no_row_stuck covers the same fix (only tracked rows are renewed)"]
-async fn a_claim_whose_answer_was_lost_does_not_hold_rows_forever() {
+async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_lease() {
     let _shared = SERVICES.read().await;
     let table = TestTable::new("f_pg_orphan").await;
     let rabbit = RabbitFixture::new("f_pg_orphan", "#", "it.barrier").await;
-    let proxy = OneWayProxy::start("127.0.0.1:5432").await;
-    // Unordered, so that the claim is the first statement of a round (the ordering guard would
-    // first wait for its own held answer) and quick polling: NOTIFY's answer is held too.
+    let lease = Duration::from_secs(2);
+    // RabbitMQ behind a proxy, so that a row can be kept in flight: the lease loop renews
+    // only while the relay holds something, and the renewal must skip the orphans.
+    let proxy = Proxy::start(RABBIT_ADDR).await;
     let relay = RelayBuilder::for_test(&table, &rabbit, "pg-orphan")
-        .set(
-            "database.url",
-            format!("postgres://postgres@{}/test", proxy.addr),
-        )
-        .set("relay.ordering", "none")
-        .set("relay.poll_interval", "50ms")
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .set("publisher.rabbitmq.confirm_timeout", "20s")
         .set("relay.lease_timeout", "2s")
         .spawn();
     let warm = table
-        .insert(&[NewRow::new("orphan", None, "warm", json!({}))])
+        .insert(&[NewRow::new("orphan", Some("warm"), "warm", json!({}))])
         .await[0]
         .id;
     rabbit.wait_for_ids(&[warm], Duration::from_secs(30)).await;
+    proxy.stall();
+    let busy = table
+        .insert(&[NewRow::new("busy", Some("busy"), "busy", json!({}))])
+        .await[0]
+        .id;
+    let busy_claimed_at = wait_until(
+        Duration::from_secs(30),
+        "the relay holds the busy row",
+        async || match table.row(busy).await.locked_at {
+            Some(at) => Ok(at),
+            None => Err("not claimed yet".to_owned()),
+        },
+    )
+    .await;
 
-    proxy.hold_replies();
     let rows: Vec<NewRow> = (0..50)
         .map(|i| {
             NewRow::new(
@@ -1402,30 +1330,56 @@ async fn a_claim_whose_answer_was_lost_does_not_hold_rows_forever() {
             )
         })
         .collect();
-    table.insert(&rows).await;
-    // The relay's claim reached the server and committed; its answer is held in the proxy.
-    wait_until(
-        Duration::from_secs(30),
-        "the server committed a claim",
-        async || {
-            let n = table.count_where("status = 'processing'").await;
-            if n > 0 {
-                Ok(())
-            } else {
-                Err("nothing claimed yet".to_owned())
-            }
-        },
-    )
-    .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let orphaned = table.count_where("status = 'processing'").await;
-    proxy.cut_and_heal();
+    let mut db = common::pg_connect().await;
+    let tx = db.transaction().await.unwrap();
+    let orphans = common::insert_rows(&tx, &table.name, &rows).await;
+    let claimed = tx
+        .execute(
+            &format!(
+                "UPDATE {} SET status = 'processing', locked_by = 'pg-orphan', \
+                 locked_at = now(), attempts = 1 \
+                 WHERE aggregate_type = 'orphan' AND aggregate_id <> 'warm'",
+                table.name
+            ),
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(claimed, 50);
+    let claimed_at: DateTime<Utc> = tx.query_one("SELECT now()", &[]).await.unwrap().get(0);
+    tx.commit().await.unwrap();
+    let committed = Instant::now();
+
+    // The lease loop runs every lease/3: give it two rounds, then check it left them alone.
+    tokio::time::sleep(lease * 3 / 4).await;
+    let renewed = table
+        .count_where(&format!(
+            "aggregate_type = 'orphan' AND locked_at > '{}'::timestamptz",
+            claimed_at.to_rfc3339()
+        ))
+        .await;
+    let processing = table
+        .count_where("aggregate_type = 'orphan' AND status = 'processing'")
+        .await;
+    assert_eq!(
+        (renewed, processing),
+        (0, 50),
+        "the relay renewed (or took) rows it does not know it holds"
+    );
+    // The control: in the same time the lease loop did renew the row it holds.
+    let busy_renewed_at = table.row(busy).await.locked_at;
+    assert!(
+        busy_renewed_at.is_some_and(|at| at > busy_claimed_at),
+        "the lease loop did not renew the row in flight ({busy_claimed_at} -> {busy_renewed_at:?}): \
+         the check above proves nothing"
+    );
+    proxy.heal();
     wait_until(
         Duration::from_secs(60),
-        "every row is sent after the connection came back",
+        "every orphaned row is sent after its lease expired",
         async || {
             let c = table.status_counts().await;
-            if c["sent"] == 51 {
+            if c["sent"] == 52 {
                 Ok(())
             } else {
                 Err(format!("{c:?}"))
@@ -1433,6 +1387,11 @@ async fn a_claim_whose_answer_was_lost_does_not_hold_rows_forever() {
         },
     )
     .await;
+    let took = committed.elapsed();
+    assert!(
+        took >= lease - Duration::from_millis(200),
+        "orphaned rows came back after {took:?}, before their {lease:?} lease expired"
+    );
     rabbit.barrier().await;
     let all = facts(&table.db, &table.name).await;
     let deliveries = rabbit.deliveries();
@@ -1442,7 +1401,11 @@ async fn a_claim_whose_answer_was_lost_does_not_hold_rows_forever() {
         1,
         all.len(),
         &a,
-        &format!("orphaned_claims={orphaned}"),
+        &format!(
+            "orphaned_claims={} back_after_ms={}",
+            orphans.len(),
+            took.as_millis()
+        ),
     );
     relay.stop().await;
     rabbit.teardown().await;
@@ -2772,77 +2735,12 @@ fn non_loopback_ip() -> Option<std::net::IpAddr> {
 // ---------------------------------------------------------------------------------------------
 // 4b. Poison rows on Kafka: topics that cannot exist
 
-/// The shared Kafka-protocol broker (tansu, started by `scripts/services.sh`).
-const KAFKA: &str = "127.0.0.1:9092";
-
-fn tansu_bin() -> PathBuf {
-    let cache = std::env::var("OUTBOX_RELAY_CACHE")
-        .unwrap_or_else(|_| "/var/cache/outbox-relay".to_owned());
-    let bin = Path::new(&cache).join("tansu/bin/tansu");
-    assert!(
-        bin.exists(),
-        "tansu is not installed at {} (run scripts/services.sh)",
-        bin.display()
-    );
-    bin
-}
-
-/// Reads `topic` (every partition, from the beginning) until `want` records carrying a `ce_id`
-/// were read or `timeout` passed; returns their ids in the order read.
-async fn kafka_ids(topic: &str, partitions: i32, want: usize, timeout: Duration) -> Vec<String> {
-    let topic = topic.to_owned();
-    tokio::task::spawn_blocking(move || {
-        use rdkafka::consumer::{BaseConsumer, Consumer};
-        use rdkafka::message::{Headers, Message};
-        let consumer: BaseConsumer = rdkafka::config::ClientConfig::new()
-            .set("bootstrap.servers", KAFKA)
-            .set("group.id", format!("fault-{}", hex8()))
-            .set("enable.auto.commit", "false")
-            .set("auto.offset.reset", "earliest")
-            .set("fetch.wait.max.ms", "20")
-            .create()
-            .expect("kafka consumer");
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        for p in 0..partitions {
-            tpl.add_partition_offset(&topic, p, rdkafka::Offset::Beginning)
-                .unwrap();
-        }
-        consumer.assign(&tpl).expect("assign");
-        let deadline = Instant::now() + timeout;
-        let mut ids = Vec::new();
-        while ids.len() < want && Instant::now() < deadline {
-            if let Some(Ok(m)) = consumer.poll(Duration::from_millis(100)) {
-                let id = m.headers().and_then(|h| {
-                    h.iter()
-                        .find(|h| h.key == "ce_id")
-                        .and_then(|h| h.value)
-                        .map(|v| String::from_utf8_lossy(v).into_owned())
-                });
-                ids.extend(id);
-            }
-        }
-        ids
-    })
-    .await
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     let _shared = SERVICES.read().await;
     let table = TestTable::new("f_kafka_poison").await;
-    let topic = format!("it-fpoison-{}", hex8());
-    let out = tokio::process::Command::new(tansu_bin())
-        .args(["topic", "create", &topic, "--partitions", "3", "--broker"])
-        .arg(format!("tcp://{KAFKA}"))
-        .output()
-        .await
-        .expect("run tansu topic create");
-    assert!(
-        out.status.success(),
-        "tansu topic create {topic}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let topic = topic_name("fpoison");
+    create_topic(KAFKA, &topic).await;
     let bad: [(&str, String); 3] = [
         ("slash", "bad/topic".to_owned()),
         ("space", "bad topic".to_owned()),
@@ -2922,7 +2820,7 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     assert!(good.iter().all(|f| f.status == "sent" && f.attempts == 1));
     // The good rows reached the topic, in order per key, and nothing else did.
     let expected: Vec<Fact> = good.into_iter().cloned().collect();
-    let ids = kafka_ids(&topic, 3, expected.len(), Duration::from_secs(30)).await;
+    let ids = read_ids(KAFKA, &topic, expected.len(), Duration::from_secs(30)).await;
     let a = analyse(&expected, ids.iter().map(String::as_str));
     summary(
         "kafka-invalid-topics",

@@ -2,9 +2,9 @@
 //! `acks=all`, records keyed by aggregate id, many records in flight. Delivery reports are
 //! classified into message-level and connection-level outcomes.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rdkafka::ClientContext;
@@ -19,16 +19,29 @@ use super::{ConnectError, Outcome, Publisher};
 use crate::config::KafkaConfig;
 use crate::store::OutboxMessage;
 
-/// Routes librdkafka's errors and logs to tracing and tracks broker reachability.
+/// Routes librdkafka's errors and logs to tracing, tracks broker reachability and keeps the
+/// last client-level error, which says *why* a broker cannot be used (TLS, SASL, network).
 struct Context {
     up: Arc<AtomicBool>,
+    last_error: Arc<Mutex<Option<LastError>>>,
 }
+
+/// A client-level error as reported, and when it was last logged at `warn`.
+struct LastError {
+    text: String,
+    logged: Instant,
+}
+
+/// The same client error is logged at `warn` at most this often (librdkafka repeats it on
+/// every reconnect attempt).
+const REPEAT_WARN_EVERY: Duration = Duration::from_secs(30);
 
 impl ClientContext for Context {
     fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
         use rdkafka::config::RDKafkaLogLevel as L;
         match level {
-            L::Emerg | L::Alert | L::Critical | L::Error => {
+            // A connection failure (`FAIL`) is also raised as an error event: logged there.
+            L::Emerg | L::Alert | L::Critical | L::Error if fac != "FAIL" => {
                 tracing::error!(target: "rdkafka", facility = fac, "{message}")
             }
             L::Warning => tracing::warn!(target: "rdkafka", facility = fac, "{message}"),
@@ -37,13 +50,52 @@ impl ClientContext for Context {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        let code = error.rdkafka_error_code();
         if matches!(
-            error.rdkafka_error_code(),
-            Some(RDKafkaErrorCode::AllBrokersDown | RDKafkaErrorCode::Fatal)
+            code,
+            Some(
+                RDKafkaErrorCode::AllBrokersDown
+                    | RDKafkaErrorCode::Fatal
+                    | RDKafkaErrorCode::Authentication
+                    | RDKafkaErrorCode::SSL
+            )
         ) {
             self.up.store(false, Ordering::Relaxed);
         }
-        tracing::warn!(target: "rdkafka", error = %error, "{reason}");
+        if code == Some(RDKafkaErrorCode::AllBrokersDown) {
+            // "N/M brokers are down" follows the error that brought them down, logged below.
+            tracing::debug!(target: "rdkafka", error = %error, "{reason}");
+            return;
+        }
+        // "<broker>: <what> (after 3ms in state X)": the suffix changes on every repeat.
+        let what = reason.split(" (after ").next().unwrap_or(reason);
+        let text = format!("{what}{}", hint(code, what));
+        let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
+        match last.as_mut() {
+            Some(l) if l.text == text && l.logged.elapsed() < REPEAT_WARN_EVERY => {
+                tracing::debug!(target: "rdkafka", error = %error, "{text}");
+            }
+            _ => {
+                tracing::warn!(target: "rdkafka", error = %error, "{text}");
+                *last = Some(LastError {
+                    text,
+                    logged: Instant::now(),
+                });
+            }
+        }
+    }
+}
+
+/// What to look at for a client-level error whose cause is usually the configuration.
+fn hint(code: Option<RDKafkaErrorCode>, reason: &str) -> &'static str {
+    // Skip the "sasl_ssl://host:port/id: " prefix: the protocol name is not the problem.
+    let what = reason.split_once(": ").map_or(reason, |(_, w)| w);
+    if code == Some(RDKafkaErrorCode::SSL) || what.contains("SSL") || what.contains("certificate") {
+        " (TLS failed: check security.protocol and ssl.ca.location, or the broker's certificate)"
+    } else if code == Some(RDKafkaErrorCode::Authentication) || what.contains("SASL") {
+        " (SASL failed: check security.protocol, sasl.mechanism, sasl.username and sasl.password)"
+    } else {
+        ""
     }
 }
 
@@ -53,6 +105,8 @@ pub struct KafkaPublisher {
     envelope: EnvelopeConfig,
     producer: std::sync::RwLock<Option<FutureProducer<Context>>>,
     up: Arc<AtomicBool>,
+    /// The last client-level error any of our producers reported (see [`Context`]).
+    last_error: Arc<Mutex<Option<LastError>>>,
     /// Set when the producer can no longer be trusted to deliver (fatal error, or a message
     /// timed out): the next connect() replaces it.
     replace: AtomicBool,
@@ -77,6 +131,7 @@ impl KafkaPublisher {
             envelope,
             producer: std::sync::RwLock::new(None),
             up: Arc::new(AtomicBool::new(false)),
+            last_error: Arc::new(Mutex::new(None)),
             replace: AtomicBool::new(false),
             connecting: tokio::sync::Mutex::new(()),
         }
@@ -227,6 +282,7 @@ impl Publisher for KafkaPublisher {
                 self.replace.store(false, Ordering::Relaxed);
                 let ctx = Context {
                     up: Arc::clone(&self.up),
+                    last_error: Arc::clone(&self.last_error),
                 };
                 let p: FutureProducer<Context> = Self::client_config(&self.cfg)
                     .create_with_context(ctx)
@@ -255,10 +311,19 @@ impl Publisher for KafkaPublisher {
                 "Kafka at {} reported no brokers",
                 crate::redact::redact_url(&self.cfg.brokers)
             ))),
-            Err(e) => Err(ConnectError(format!(
-                "cannot reach Kafka at {}: {e}",
-                crate::redact::redact_url(&self.cfg.brokers)
-            ))),
+            Err(e) => {
+                let cause = self
+                    .last_error
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .as_ref()
+                    .map(|c| format!("; last client error: {}", c.text))
+                    .unwrap_or_default();
+                Err(ConnectError(format!(
+                    "cannot reach Kafka at {}: {e}{cause}",
+                    crate::redact::redact_url(&self.cfg.brokers)
+                )))
+            }
         }
     }
 
@@ -321,6 +386,23 @@ impl Publisher for KafkaPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hints_name_the_settings_to_check() {
+        let tls = hint(
+            None,
+            "ssl://b:9093/bootstrap: SSL handshake failed: certificate verify failed",
+        );
+        assert!(tls.contains("ssl.ca.location"), "{tls}");
+        let sasl = hint(
+            Some(RDKafkaErrorCode::Authentication),
+            "sasl_ssl://b:9093/bootstrap: SASL authentication error: unknown-user",
+        );
+        assert!(sasl.contains("sasl.password"), "{sasl}");
+        // The protocol in the broker's name is not a TLS problem.
+        assert_eq!(hint(None, "ssl://b:9093/bootstrap: Connection refused"), "");
+        assert_eq!(hint(None, "sasl_ssl://b:9093/1: Disconnected"), "");
+    }
 
     #[test]
     fn topic_names() {

@@ -314,8 +314,8 @@ impl Queries {
                  WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
             ),
             // Keeps this relay's leases alive while it waits for a slow broker, so only a relay
-            // that stopped ever has its rows reclaimed. $1 instance id.
-            // $1 ids, $2 instance id.
+            // that stopped ever has its rows reclaimed. Only the ids the relay tracks: a row
+            // claimed in its name whose answer was lost must expire. $1 ids, $2 instance id.
             heartbeat: format!(
                 "UPDATE {t} SET locked_at = now() \
                  WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"

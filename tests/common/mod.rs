@@ -9,6 +9,8 @@
 // Each test crate compiles this module on its own and uses only part of it.
 #![allow(dead_code)]
 
+pub mod kafka;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
