@@ -162,6 +162,11 @@ impl Relay {
         let mut db_backoff = reconnect_backoff();
         let mut last_blocking_warning: Option<Instant> = None;
         let mut next_suspect_check = Instant::now();
+        // Whether the last claim filled its batch (so more rows are waiting). Permits come back
+        // chain by chain as confirms arrive; with a backlog, claiming on the first free permit
+        // would make many tiny claims, so the loop waits for half a window (at most a batch).
+        let mut backlog = false;
+        let refill = cfg.batch_size.min(cfg.max_in_flight / 2).max(1);
 
         while !shutdown.is_cancelled() {
             if !self.publisher.is_connected() {
@@ -190,12 +195,18 @@ impl Relay {
             }
 
             // Wait for room in the in-flight window, then take as much of it as one batch may.
+            let want = if backlog { refill } else { 1 };
             let first = tokio::select! {
-                p = capacity.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                p = capacity.clone().acquire_many_owned(u32_of(want)) => match p { Ok(p) => p, Err(_) => break },
                 () = shutdown.cancelled() => break,
             };
-            let limit = cfg.batch_size.min(capacity.available_permits() + 1);
-            let permit = match capacity.clone().try_acquire_many_owned(u32_of(limit - 1)) {
+            let limit = cfg
+                .batch_size
+                .min(capacity.available_permits() + first.num_permits());
+            let permit = match capacity
+                .clone()
+                .try_acquire_many_owned(u32_of(limit - first.num_permits()))
+            {
                 Ok(mut more) => {
                     more.merge(first);
                     more
@@ -278,6 +289,7 @@ impl Relay {
             self.health.set_database(true);
             db_backoff = reconnect_backoff();
             let full = rows.len() == limit;
+            backlog = full;
             if !rows.is_empty() {
                 // Idle polls are not claims: recording them would bury the batch sizes in zeros.
                 telemetry::record_claim(rows.len());
@@ -346,17 +358,27 @@ impl Relay {
         Ok(mark)
     }
 
-    /// Publishes one claimed batch and records every row's outcome.
+    /// Publishes one claimed batch and records every row's outcome. Each chain gives its
+    /// share of the in-flight window back as soon as its last row is answered; whatever else
+    /// `permit` holds (a suspect's whole window) is kept until the batch is settled.
     async fn process_batch(
         self: Arc<Self>,
         rows: Vec<OutboxMessage>,
-        _permit: OwnedSemaphorePermit,
+        mut permit: OwnedSemaphorePermit,
         hard_stop: CancellationToken,
     ) {
         let chains = chains(rows, self.settings.relay.ordering);
         let mut running: FuturesUnordered<_> = chains
             .into_iter()
-            .map(|chain| self.publish_chain(chain, &hard_stop))
+            .map(|chain| {
+                let share = permit.split(chain.len());
+                let publishing = self.publish_chain(chain, &hard_stop);
+                async move {
+                    let results = publishing.await;
+                    drop(share);
+                    results
+                }
+            })
             .collect();
         let mut results: Vec<(OutboxMessage, RowResult)> = Vec::new();
         while let Some(chain) = running.next().await {
@@ -364,6 +386,7 @@ impl Relay {
         }
         drop(running);
         self.settle(results).await;
+        drop(permit);
         // The next rows of these aggregates may be claimable now.
         self.wake.notify_one();
     }
