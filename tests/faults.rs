@@ -50,7 +50,7 @@ use chrono::{DateTime, Utc};
 use common::kafka::{KAFKA, create_topic, read_ids, topic_name};
 use common::{
     AMQP_URL, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RelayProcess,
-    TestTable, hex8, wait_until,
+    TestTable, hex8, wait_for_count, wait_until,
 };
 use futures::StreamExt;
 use lapin::options::{
@@ -571,24 +571,11 @@ async fn rabbitmq_connection_cut_spends_no_attempt_and_loses_nothing() {
         Duration::from_millis(30),
         stop.clone(),
     );
-    wait_until(LONG, "300 messages before the cut", async || {
-        let n = rabbit.count();
-        if n >= 300 {
-            Ok(())
-        } else {
-            Err(format!("{n} received"))
-        }
-    })
-    .await;
+    wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("broker unavailable");
     let connected = relay.log_count("connected to the broker");
     proxy.cut();
-    let cut_at: DateTime<Utc> = table
-        .db
-        .query_one("SELECT clock_timestamp()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let cut_at = table.db_now().await;
     wait_for_more_logs(
         &relay,
         "broker unavailable",
@@ -1119,24 +1106,11 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
         Duration::from_millis(30),
         stop.clone(),
     );
-    wait_until(LONG, "300 messages before the cut", async || {
-        let n = rabbit.count();
-        if n >= 300 {
-            Ok(())
-        } else {
-            Err(format!("{n} received"))
-        }
-    })
-    .await;
+    wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("database unavailable");
     let restored = relay.log_count("database connection restored");
     proxy.cut();
-    let cut_at: DateTime<Utc> = table
-        .db
-        .query_one("SELECT clock_timestamp()", &[])
-        .await
-        .unwrap()
-        .get(0);
+    let cut_at = table.db_now().await;
     wait_for_more_logs(
         &relay,
         "database unavailable",

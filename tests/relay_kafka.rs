@@ -20,25 +20,13 @@ use common::kafka::{
     id_counts, kafka_relay, topic_name,
 };
 use common::{
-    Inserted, NewRow, Proxy, RowState, TempDir, TestTable, insert_rows, pg_connect, wait_until,
+    Inserted, NewRow, Proxy, RowState, TempDir, TestTable, insert_rows, pg_connect,
+    spawn_paced_writer, wait_for_count, wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
-
-// ---------------------------------------------------------------------------------------------
-// Relay side
-
-/// The database's clock (the one `sent_at` is written with).
-async fn db_now(table: &TestTable) -> DateTime<Utc> {
-    table
-        .db
-        .query_one("SELECT clock_timestamp()", &[])
-        .await
-        .expect("clock_timestamp")
-        .get(0)
-}
 
 /// The contract's §4 rule for row headers: strings as they are, other values as their JSON
 /// text, nulls omitted.
@@ -627,44 +615,12 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     let old_consumer = Collector::start(&brokers, &[&topic]);
 
     // 3000 rows over ~5 s, 13 aggregates.
-    let writer = {
-        let name = table.name.clone();
-        tokio::spawn(async move {
-            let client = pg_connect().await;
-            let mut ids = Vec::new();
-            for t in 0..150 {
-                let rows: Vec<NewRow> = (0..20)
-                    .map(|i| {
-                        NewRow::new(
-                            "restart",
-                            Some(&format!("r-{}", (t * 20 + i) % 13)),
-                            "e",
-                            json!({"t": t, "i": i}),
-                        )
-                    })
-                    .collect();
-                ids.extend(
-                    insert_rows(&client, &name, &rows)
-                        .await
-                        .into_iter()
-                        .map(|r| r.id),
-                );
-                tokio::time::sleep(Duration::from_millis(30)).await;
-            }
-            ids
-        })
-    };
-    wait_until(
+    let writer = spawn_paced_writer(&table.name, "restart", "r", 150);
+    wait_for_count(
         Duration::from_secs(60),
         "300 records read before the kill",
-        async || {
-            let n = old_consumer.count();
-            if n >= 300 {
-                Ok(())
-            } else {
-                Err(format!("{n} read"))
-            }
-        },
+        300,
+        || old_consumer.count(),
     )
     .await;
 
@@ -685,7 +641,7 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     let (cut_at, in_flight_at_cut): (DateTime<Utc>, Vec<Uuid>) = (snapshot.get(0), snapshot.get(1));
     let in_flight_at_cut: HashSet<Uuid> = in_flight_at_cut.into_iter().collect();
     first.kill().await;
-    let killed_at = db_now(&table).await;
+    let killed_at = table.db_now().await;
     let outage = Instant::now();
     let old_records = old_consumer.stop().await;
 
@@ -697,7 +653,7 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
 
     let second = Tansu::start(port, advertised, &log).await;
     create_topic(&second.direct(), &topic).await;
-    let up_at = db_now(&table).await;
+    let up_at = table.db_now().await;
     proxy.heal();
     let outage = outage.elapsed();
     let new_consumer = Collector::start(&brokers, &[&topic]);

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use common::{
     Delivered, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir,
-    TestTable, insert_rows, pg_connect, wait_until,
+    TestTable, insert_rows, pg_connect, spawn_paced_writer, wait_for_count, wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -584,45 +584,13 @@ async fn broker_connection_cut_spends_no_attempt_and_loses_nothing() {
         .spawn();
 
     // 3000 rows over ~5 s, so rows keep coming before, during and after the cut.
-    let writer = {
-        let name = table.name.clone();
-        tokio::spawn(async move {
-            let client = pg_connect().await;
-            let mut ids = Vec::new();
-            for t in 0..150 {
-                let rows: Vec<NewRow> = (0..20)
-                    .map(|i| {
-                        NewRow::new(
-                            "cut",
-                            Some(&format!("c-{}", i % 13)),
-                            "e",
-                            json!({"t": t, "i": i}),
-                        )
-                    })
-                    .collect();
-                ids.extend(
-                    insert_rows(&client, &name, &rows)
-                        .await
-                        .into_iter()
-                        .map(|r| r.id),
-                );
-                tokio::time::sleep(Duration::from_millis(30)).await;
-            }
-            ids
-        })
-    };
+    let writer = spawn_paced_writer(&table.name, "cut", "c", 150);
 
-    wait_until(
+    wait_for_count(
         Duration::from_secs(30),
         "300 messages flowed before the cut",
-        async || {
-            let n = rabbit.count();
-            if n >= 300 {
-                Ok(())
-            } else {
-                Err(format!("{n} received"))
-            }
-        },
+        300,
+        || rabbit.count(),
     )
     .await;
     // Cut with publishes in flight: hold the broker's answers back for a moment so that
@@ -901,17 +869,11 @@ async fn sigterm_under_load_exits_zero_and_leaves_nothing_processing() {
         .set("relay.ordering", "none")
         .set("relay.shutdown_timeout", "10s")
         .spawn();
-    wait_until(
+    wait_for_count(
         Duration::from_secs(60),
         "500 messages delivered",
-        async || {
-            let n = rabbit.count();
-            if n >= 500 {
-                Ok(())
-            } else {
-                Err(format!("{n} received"))
-            }
-        },
+        500,
+        || rabbit.count(),
     )
     .await;
 

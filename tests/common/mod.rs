@@ -92,6 +92,56 @@ pub async fn wait_until<T>(
     }
 }
 
+/// Inserts `rounds` batches of 20 rows (aggregate type `kind`, ids `<prefix>-0` … `<prefix>-12`,
+/// 30 ms apart) into `table` in the background; returns the inserted ids in insert order.
+/// 150 rounds = 3,000 rows over about 5 s: rows keep coming before, during and after a fault.
+pub fn spawn_paced_writer(
+    table: &str,
+    kind: &str,
+    prefix: &str,
+    rounds: usize,
+) -> JoinHandle<Vec<Uuid>> {
+    let (table, kind, prefix) = (table.to_owned(), kind.to_owned(), prefix.to_owned());
+    tokio::spawn(async move {
+        let client = pg_connect().await;
+        let mut ids = Vec::new();
+        for t in 0..rounds {
+            let rows: Vec<NewRow> = (0..20)
+                .map(|i| {
+                    NewRow::new(
+                        &kind,
+                        Some(&format!("{prefix}-{}", (t * 20 + i) % 13)),
+                        "e",
+                        serde_json::json!({"t": t, "i": i}),
+                    )
+                })
+                .collect();
+            ids.extend(
+                insert_rows(&client, &table, &rows)
+                    .await
+                    .into_iter()
+                    .map(|r| r.id),
+            );
+            tokio::time::sleep(Duration::from_millis(30)).await;
+        }
+        ids
+    })
+}
+
+/// Waits until `count()` (messages received, records read) reaches `min`; panics after
+/// `timeout`, naming `what` and the last count.
+pub async fn wait_for_count(timeout: Duration, what: &str, min: usize, count: impl Fn() -> usize) {
+    wait_until(timeout, what, async || {
+        let n = count();
+        if n >= min {
+            Ok(())
+        } else {
+            Err(format!("{n} so far"))
+        }
+    })
+    .await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // PostgreSQL
 
@@ -387,6 +437,15 @@ impl TestTable {
                 (s.id, s)
             })
             .collect()
+    }
+
+    /// The database's clock (the one `sent_at` and `locked_at` are written with).
+    pub async fn db_now(&self) -> DateTime<Utc> {
+        self.db
+            .query_one("SELECT clock_timestamp()", &[])
+            .await
+            .expect("clock_timestamp")
+            .get(0)
     }
 
     /// `SELECT count(*) FROM <table> WHERE <condition>` (the condition is test-authored SQL).
