@@ -596,11 +596,17 @@ async fn broker_connection_cut_spends_no_attempt_and_loses_nothing() {
     // Cut with publishes in flight: hold the broker's answers back for a moment so that
     // some rows are claimed and unconfirmed when the connection drops.
     proxy.stall();
+    // Rows claimed a while ago and still not settled: their confirms are held by the stall
+    // (a row merely claimed, or confirmed and awaiting its settle UPDATE, would not prove it).
     let in_flight = wait_until(
         Duration::from_secs(10),
         "rows are in flight when the connection is cut",
         async || {
-            let n = table.count_where("status = 'processing'").await;
+            let n = table
+                .count_where(
+                    "status = 'processing' AND locked_at < clock_timestamp() - interval '300 milliseconds'",
+                )
+                .await;
             if n > 0 {
                 Ok(n)
             } else {

@@ -7,7 +7,7 @@
 //! completes first — not necessarily the message that was returned. With one unconfirmed
 //! message per channel a return can only belong to that message, so an unroutable row is
 //! never marked sent and a delivered row never blamed. Concurrency comes from the number of
-//! channels (up to `relay.max_in_flight`).
+//! channels (`relay.max_in_flight`, at most [`crate::config::MAX_AMQP_CHANNELS`]).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
