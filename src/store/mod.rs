@@ -256,9 +256,10 @@ impl Queries {
             // steady drain most blocked rows are behind an in-flight head, and a hash lookup
             // costs a fraction of an index probe (bench: a claim over 98k blocked rows went
             // from 480 ms to 26 ms). `busy` is capped so that it stays hashable; aggregates left
-            // out of it fall through to the head probe, which decides alone. A candidate is claimable when every unsent row of its
-            // aggregate with a smaller seq is itself a candidate locked by this statement (so the
-            // whole run goes to one relay, published in seq order) — checked per candidate against the gap to the
+            // out of it fall through to the head probe, which decides alone.
+            // A candidate is claimable when every unsent row of its aggregate with a smaller seq
+            // is itself a candidate locked by this statement (so the whole run goes to one
+            // relay, published in seq order) — checked per candidate against the gap to the
             // previous candidate of its aggregate, then required along the whole chain.
             // Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap
             // and so blocks everything after them: no two relays ever hold one aggregate.
