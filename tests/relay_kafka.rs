@@ -20,7 +20,7 @@ use common::kafka::{
     id_counts, kafka_relay, topic_name,
 };
 use common::{
-    Inserted, NewRow, Proxy, RowState, TempDir, TestTable, insert_rows, pg_connect,
+    NewRow, Proxy, RowState, TempDir, TestTable, concurrent_writers, insert_rows, pg_connect,
     spawn_paced_writer, wait_for_count, wait_until,
 };
 use serde_json::{Value, json};
@@ -148,44 +148,6 @@ fn first_problems(problems: &[String]) -> String {
     )
 }
 
-/// Inserts `per_writer` rows from each of `writers` concurrent connections, `per_tx` rows per
-/// transaction in two statements with a short pause between them (so transactions overlap and
-/// can commit out of `seq` order).
-async fn concurrent_writers(
-    table: &str,
-    writers: usize,
-    per_writer: usize,
-    per_tx: usize,
-    make: fn(usize) -> NewRow,
-) -> Vec<Inserted> {
-    assert_eq!(per_writer % per_tx, 0);
-    let mut tasks = Vec::new();
-    for w in 0..writers {
-        let table = table.to_owned();
-        tasks.push(tokio::spawn(async move {
-            let mut client = pg_connect().await;
-            let mut out = Vec::with_capacity(per_writer);
-            for t in 0..per_writer / per_tx {
-                let rows: Vec<NewRow> = (0..per_tx)
-                    .map(|i| make(w * per_writer + t * per_tx + i))
-                    .collect();
-                let tx = client.transaction().await.unwrap();
-                let (first, second) = rows.split_at(per_tx / 2);
-                out.extend(insert_rows(&tx, &table, first).await);
-                tokio::time::sleep(Duration::from_millis(1)).await;
-                out.extend(insert_rows(&tx, &table, second).await);
-                tx.commit().await.unwrap();
-            }
-            out
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
-    all
-}
-
 // ---------------------------------------------------------------------------------------------
 // Tests
 
@@ -235,7 +197,15 @@ async fn ten_thousand_rows_arrive_keyed_ordered_per_key_with_the_contract_envelo
         }
     }
     let started = Instant::now();
-    let inserted = concurrent_writers(&table.name, 4, 2500, 25, bulk_row).await;
+    let inserted = concurrent_writers(
+        &table.name,
+        4,
+        2500,
+        25,
+        Duration::from_millis(1),
+        |_, n| bulk_row(n),
+    )
+    .await;
     let inserted_in = started.elapsed();
     assert_eq!(inserted.len(), 10_000);
     let expected: HashSet<Uuid> = inserted.iter().map(|i| i.id).collect();

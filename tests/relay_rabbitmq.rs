@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use common::{
     Delivered, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir,
-    TestTable, insert_rows, pg_connect, spawn_paced_writer, wait_for_count, wait_until,
+    TestTable, concurrent_writers, insert_rows, pg_connect, spawn_paced_writer, wait_for_count,
+    wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -206,45 +207,6 @@ fn assert_exactly_once(
         strangers.iter().take(5).collect::<Vec<_>>(),
     );
     by_id
-}
-
-/// Inserts `per_writer` rows from each of `writers` concurrent connections, `per_tx` rows per
-/// transaction in two statements with a short pause between them (so transactions overlap and
-/// can commit out of `seq` order).
-async fn concurrent_writers(
-    table: &str,
-    writers: usize,
-    per_writer: usize,
-    per_tx: usize,
-    pause: Duration,
-    make: fn(usize, usize) -> NewRow,
-) -> Vec<common::Inserted> {
-    assert_eq!(per_writer % per_tx, 0);
-    let mut tasks = Vec::new();
-    for w in 0..writers {
-        let table = table.to_owned();
-        tasks.push(tokio::spawn(async move {
-            let mut client = pg_connect().await;
-            let mut out = Vec::with_capacity(per_writer);
-            for t in 0..per_writer / per_tx {
-                let rows: Vec<NewRow> = (0..per_tx)
-                    .map(|i| make(w, w * per_writer + t * per_tx + i))
-                    .collect();
-                let tx = client.transaction().await.unwrap();
-                let (first, second) = rows.split_at(per_tx / 2);
-                out.extend(insert_rows(&tx, &table, first).await);
-                tokio::time::sleep(pause).await;
-                out.extend(insert_rows(&tx, &table, second).await);
-                tx.commit().await.unwrap();
-            }
-            out
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
-    all
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -92,6 +92,45 @@ pub async fn wait_until<T>(
     }
 }
 
+/// Inserts `per_writer` rows from each of `writers` concurrent connections, `per_tx` rows per
+/// transaction in two statements with a short pause between them (so transactions overlap and
+/// can commit out of `seq` order). `make(writer, n)` builds the `n`th row overall.
+pub async fn concurrent_writers(
+    table: &str,
+    writers: usize,
+    per_writer: usize,
+    per_tx: usize,
+    pause: Duration,
+    make: fn(usize, usize) -> NewRow,
+) -> Vec<Inserted> {
+    assert_eq!(per_writer % per_tx, 0);
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let table = table.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut client = pg_connect().await;
+            let mut out = Vec::with_capacity(per_writer);
+            for t in 0..per_writer / per_tx {
+                let rows: Vec<NewRow> = (0..per_tx)
+                    .map(|i| make(w, w * per_writer + t * per_tx + i))
+                    .collect();
+                let tx = client.transaction().await.unwrap();
+                let (first, second) = rows.split_at(per_tx / 2);
+                out.extend(insert_rows(&tx, &table, first).await);
+                tokio::time::sleep(pause).await;
+                out.extend(insert_rows(&tx, &table, second).await);
+                tx.commit().await.unwrap();
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
 /// Inserts `rounds` batches of 20 rows (aggregate type `kind`, ids `<prefix>-0` … `<prefix>-12`,
 /// 30 ms apart) into `table` in the background; returns the inserted ids in insert order.
 /// 150 rounds = 3,000 rows over about 5 s: rows keep coming before, during and after a fault.
