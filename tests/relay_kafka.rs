@@ -20,8 +20,8 @@ use common::kafka::{
     id_counts, kafka_relay, topic_name,
 };
 use common::{
-    NewRow, Proxy, RowState, TempDir, TestTable, concurrent_writers, insert_rows, pg_connect,
-    spawn_paced_writer, wait_for_count, wait_until,
+    NewRow, Proxy, RowState, TempDir, TestTable, concurrent_writers, spawn_paced_writer,
+    wait_for_count, wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -357,33 +357,21 @@ async fn rows_for_a_missing_topic_dead_letter_while_the_others_are_sent() {
         .collect();
 
     // 200 rows for the real topic (template {aggregate_type}) over ~2 s, while the ghosts retry.
-    let writer = {
-        let (name, topic) = (table.name.clone(), topic.clone());
-        tokio::spawn(async move {
-            let client = pg_connect().await;
-            let mut ids = Vec::new();
-            for b in 0..20 {
-                let rows: Vec<NewRow> = (0..10)
-                    .map(|i| {
-                        NewRow::new(
-                            &topic,
-                            Some(&format!("good-{}", i % 7)),
-                            "x",
-                            json!({"b": b, "i": i}),
-                        )
-                    })
-                    .collect();
-                ids.extend(
-                    insert_rows(&client, &name, &rows)
-                        .await
-                        .into_iter()
-                        .map(|r| r.id),
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            ids
-        })
-    };
+    let topic_for_writer = topic.clone();
+    let writer = spawn_paced_writer(
+        &table.name,
+        20,
+        10,
+        Duration::from_millis(100),
+        move |b, i| {
+            NewRow::new(
+                &topic_for_writer,
+                Some(&format!("good-{}", i % 7)),
+                "x",
+                json!({"b": b, "i": i}),
+            )
+        },
+    );
 
     let mut sent_while_retrying = 0;
     let mut attempts_seen = HashSet::new();
@@ -585,7 +573,14 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     let old_consumer = Collector::start(&brokers, &[&topic]);
 
     // 3000 rows over ~5 s, 13 aggregates.
-    let writer = spawn_paced_writer(&table.name, "restart", "r", 150);
+    let writer = spawn_paced_writer(&table.name, 150, 20, Duration::from_millis(30), |t, i| {
+        NewRow::new(
+            "restart",
+            Some(&format!("r-{}", (t * 20 + i) % 13)),
+            "e",
+            json!({"t": t, "i": i}),
+        )
+    });
     wait_for_count(
         Duration::from_secs(60),
         "300 records read before the kill",

@@ -14,8 +14,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use common::{
     Delivered, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir,
-    TestTable, concurrent_writers, insert_rows, pg_connect, spawn_paced_writer, wait_for_count,
-    wait_until,
+    TestTable, concurrent_writers, spawn_paced_writer, wait_for_count, wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -366,33 +365,20 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
         .await[0]
         .id;
     // 200 routable rows (routing key ok.x) inserted while the bad row is being retried.
-    let writer = {
-        let name = table.name.clone();
-        tokio::spawn(async move {
-            let client = pg_connect().await;
-            let mut ids = Vec::new();
-            for b in 0..20 {
-                let rows: Vec<NewRow> = (0..10)
-                    .map(|i| {
-                        NewRow::new(
-                            "ok",
-                            Some(&format!("good-{}", i % 7)),
-                            "x",
-                            json!({"b": b, "i": i}),
-                        )
-                    })
-                    .collect();
-                ids.extend(
-                    insert_rows(&client, &name, &rows)
-                        .await
-                        .into_iter()
-                        .map(|r| r.id),
-                );
-                tokio::time::sleep(Duration::from_millis(25)).await;
-            }
-            ids
-        })
-    };
+    let writer = spawn_paced_writer(
+        &table.name,
+        20,
+        10,
+        Duration::from_millis(25),
+        move |b, i| {
+            NewRow::new(
+                "ok",
+                Some(&format!("good-{}", i % 7)),
+                "x",
+                json!({"b": b, "i": i}),
+            )
+        },
+    );
 
     // Watch the bad row closely: one observation per distinct (attempts, status), with the
     // test-clock times that bound when the change happened (same host clock as the database).
@@ -546,7 +532,14 @@ async fn broker_connection_cut_spends_no_attempt_and_loses_nothing() {
         .spawn();
 
     // 3000 rows over ~5 s, so rows keep coming before, during and after the cut.
-    let writer = spawn_paced_writer(&table.name, "cut", "c", 150);
+    let writer = spawn_paced_writer(&table.name, 150, 20, Duration::from_millis(30), |t, i| {
+        NewRow::new(
+            "cut",
+            Some(&format!("c-{}", (t * 20 + i) % 13)),
+            "e",
+            json!({"t": t, "i": i}),
+        )
+    });
 
     wait_for_count(
         Duration::from_secs(30),

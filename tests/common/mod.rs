@@ -131,37 +131,29 @@ pub async fn concurrent_writers(
     all
 }
 
-/// Inserts `rounds` batches of 20 rows (aggregate type `kind`, ids `<prefix>-0` … `<prefix>-12`,
-/// 30 ms apart) into `table` in the background; returns the inserted ids in insert order.
-/// 150 rounds = 3,000 rows over about 5 s: rows keep coming before, during and after a fault.
+/// Inserts `rounds` batches of `batch` rows (`make(round, i)` builds each), `every` apart, into
+/// `table` in the background, so rows keep coming before, during and after a fault; returns
+/// the inserted ids in insert order.
 pub fn spawn_paced_writer(
     table: &str,
-    kind: &str,
-    prefix: &str,
     rounds: usize,
+    batch: usize,
+    every: Duration,
+    make: impl Fn(usize, usize) -> NewRow + Send + 'static,
 ) -> JoinHandle<Vec<Uuid>> {
-    let (table, kind, prefix) = (table.to_owned(), kind.to_owned(), prefix.to_owned());
+    let table = table.to_owned();
     tokio::spawn(async move {
         let client = pg_connect().await;
         let mut ids = Vec::new();
-        for t in 0..rounds {
-            let rows: Vec<NewRow> = (0..20)
-                .map(|i| {
-                    NewRow::new(
-                        &kind,
-                        Some(&format!("{prefix}-{}", (t * 20 + i) % 13)),
-                        "e",
-                        serde_json::json!({"t": t, "i": i}),
-                    )
-                })
-                .collect();
+        for round in 0..rounds {
+            let rows: Vec<NewRow> = (0..batch).map(|i| make(round, i)).collect();
             ids.extend(
                 insert_rows(&client, &table, &rows)
                     .await
                     .into_iter()
                     .map(|r| r.id),
             );
-            tokio::time::sleep(Duration::from_millis(30)).await;
+            tokio::time::sleep(every).await;
         }
         ids
     })
