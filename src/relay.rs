@@ -248,12 +248,7 @@ impl Relay {
                         match self.store.claim_suspect(mark).await {
                             Ok(Some(row)) => {
                                 tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
-                                self.hold(std::slice::from_ref(&row));
-                                let relay = Arc::clone(self);
-                                let hard_stop = hard_stop.clone();
-                                tasks.spawn(async move {
-                                    relay.process_batch(vec![row], window, hard_stop).await
-                                });
+                                self.launch(vec![row], window, hard_stop, tasks);
                             }
                             Ok(None) => {
                                 // Another relay took it meanwhile.
@@ -300,10 +295,7 @@ impl Relay {
                         drop(rest);
                     }
                 }
-                self.hold(&rows);
-                let relay = Arc::clone(self);
-                let hard_stop = hard_stop.clone();
-                tasks.spawn(async move { relay.process_batch(rows, permit, hard_stop).await });
+                self.launch(rows, permit, hard_stop, tasks);
             }
             if !full {
                 // Nothing more is ready: wait for a NOTIFY, a finished batch, or the poll.
@@ -356,6 +348,20 @@ impl Relay {
             );
         }
         Ok(mark)
+    }
+
+    /// Tracks `rows` for lease renewal and publishes them in a task holding `permit`.
+    fn launch(
+        self: &Arc<Self>,
+        rows: Vec<OutboxMessage>,
+        permit: OwnedSemaphorePermit,
+        hard_stop: &CancellationToken,
+        tasks: &TaskTracker,
+    ) {
+        self.hold(&rows);
+        let relay = Arc::clone(self);
+        let hard_stop = hard_stop.clone();
+        tasks.spawn(async move { relay.process_batch(rows, permit, hard_stop).await });
     }
 
     /// Publishes one claimed batch and records every row's outcome. Each chain gives its
