@@ -15,6 +15,11 @@
 //! - [`telemetry`]: metric names, `record_*` functions, the `/metrics` + health server.
 //! - [`redact`]: masking passwords before anything is logged.
 //!
+//! Around this crate (a Cargo workspace): the binary in `src/main.rs` + `src/cli.rs`, the
+//! integration tests in `tests/`, the shared test kit in `testkit/` (`outbox-testkit`: the binary
+//! as a child process, database and broker fixtures) and the benchmark in `bench/`
+//! (`outbox-bench`, one file per phase).
+//!
 //! ## Row lifecycle
 //! `pending` → (claim) `processing` → (broker confirm) `sent` (or deleted with retention 0);
 //! a message-level failure sends it back to `pending` with backoff, and to `failed` after

@@ -327,6 +327,17 @@ fn dockerfile_copies_every_file_the_manifest_needs() {
             needed.push(path);
         }
     }
+    // Cargo loads every workspace member, even to build one binary.
+    for member in manifest["workspace"]["members"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+    {
+        match member.as_str() {
+            Some(".") | None => {}
+            Some(dir) => needed.push(format!("{dir}/Cargo.toml")),
+        }
+    }
     match manifest["package"]["build"].as_str() {
         Some(build) => needed.push(build.to_owned()),
         None if repo().join("build.rs").exists() => needed.push("build.rs".to_owned()),

@@ -70,7 +70,7 @@ pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
 /// Raw bytes of a `jsonb`, `json`, `bytea` or `text` column: the payload as it goes on the wire.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RawBytes(pub Vec<u8>);
+pub(crate) struct RawBytes(pub(crate) Vec<u8>);
 
 impl<'a> FromSql<'a> for RawBytes {
     fn from_sql(

@@ -2,7 +2,7 @@
 //! every figure can be quoted as a ratio measured on the same (noisy) machine.
 //!
 //! ```text
-//! cargo build --release --bins
+//! cargo build --release --workspace
 //! target/release/outbox-bench [--rows N] [--quick] [--only db,broker,naive,relay,latency,claim] [--json-only]
 //! ```
 //!
@@ -18,13 +18,11 @@
 //! 8. `insert`: what the table's NOTIFY trigger costs the application's one-row inserts.
 //!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
-//! See `benches/README.md`.
+//! One file per phase under `phases/`; the relay process, topics and tables come from
+//! `outbox-testkit`, shared with the integration tests. See `bench/README.md`.
 
-#[path = "outbox-bench/phases.rs"]
 mod phases;
-#[path = "outbox-bench/plans.rs"]
 mod plans;
-#[path = "outbox-bench/util.rs"]
 mod util;
 
 use std::path::PathBuf;
@@ -38,9 +36,7 @@ use outbox_relay::store::Store;
 use serde_json::{Map, Value, json};
 use tokio_postgres::Client;
 
-use crate::util::{
-    Rabbit, create_topic, delete_topic, drop_table, pg_connect, postmaster_start, scratch_dir,
-};
+use crate::util::{Rabbit, drop_table, pg_connect, postmaster_start, scratch_dir};
 
 /// Throughput, latency and claim-cost benchmark of outbox-relay against its ceilings.
 #[derive(Debug, Clone, Parser)]
@@ -62,18 +58,18 @@ struct Args {
     #[arg(
         long,
         env = "BENCH_DATABASE_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
+        default_value = outbox_testkit::PG_URL
     )]
     database_url: String,
     /// RabbitMQ URL.
     #[arg(
         long,
         env = "BENCH_AMQP_URL",
-        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f"
+        default_value = outbox_testkit::AMQP_URL
     )]
     amqp_url: String,
     /// Kafka bootstrap servers.
-    #[arg(long, env = "BENCH_KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    #[arg(long, env = "BENCH_KAFKA_BROKERS", default_value = outbox_testkit::kafka::KAFKA)]
     kafka_brokers: String,
     /// The tansu binary, used to create and delete topics (tansu does not auto-create them).
     #[arg(
@@ -242,7 +238,6 @@ struct Ctx {
     run_id: String,
     t0: Instant,
     dir: PathBuf,
-    relay_bin: PathBuf,
     pg: Client,
     rabbit: Option<Rabbit>,
     res: Resources,
@@ -304,7 +299,14 @@ impl Ctx {
     async fn new_topic(&mut self, tag: &str) -> Result<String> {
         let name = format!("bench_{tag}_{}", self.run_id);
         self.res.topics.push(name.clone());
-        create_topic(&self.args.tansu, &self.args.kafka_brokers, &name, 3).await?;
+        outbox_testkit::kafka::try_create_topic(
+            &self.args.tansu,
+            &self.args.kafka_brokers,
+            &name,
+            3,
+        )
+        .await
+        .map_err(|e| anyhow!("{e} (set --tansu)"))?;
         Ok(name)
     }
 
@@ -394,6 +396,41 @@ impl Ctx {
         }
     }
 
+    /// Runs `attempt`, then [`Ctx::cleanup`]. Other engineers' fault tests restart PostgreSQL
+    /// and stop RabbitMQ on this shared machine: an attempt that failed because of that (the
+    /// postmaster restarted, or the error says so) is measured again after the services are
+    /// back, twice at most.
+    async fn measured(
+        &mut self,
+        what: &str,
+        attempt: impl AsyncFn(&mut Ctx) -> Result<()>,
+    ) -> Result<()> {
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let notes = self.report.notes.len();
+            let pg_before = postmaster_start(&self.pg).await;
+            let result = attempt(&mut *self).await;
+            self.cleanup().await;
+            let Err(e) = result else { return Ok(()) };
+            let _ = self.ensure_pg().await;
+            let restarted = pg_before.is_some() && postmaster_start(&self.pg).await != pg_before;
+            let text = format!("{e:#}");
+            if tries >= 3 || !(restarted || is_disruption(&text)) {
+                return Err(e);
+            }
+            // Notes of the abandoned attempt do not describe the figures kept.
+            self.report.notes.truncate(notes);
+            self.progress(format!(
+                "{what}: disrupted by a service restart ({text}); waiting for the services, then measuring it again"
+            ));
+            self.report.note(format!(
+                "{what} measured again after a service restart by someone else"
+            ));
+            self.wait_for_services().await;
+        }
+    }
+
     /// Waits (up to 5 minutes) until PostgreSQL and RabbitMQ accept connections again, then
     /// 5 s more.
     async fn wait_for_services(&mut self) {
@@ -425,7 +462,7 @@ impl Ctx {
         if !self.args.metrics {
             return Ok(None);
         }
-        let port = crate::util::free_port()?;
+        let port = outbox_testkit::try_free_port()?;
         env.retain(|(k, _)| k != "RELAY_METRICS__LISTEN");
         env.push(("RELAY_METRICS__LISTEN".into(), format!("127.0.0.1:{port}")));
         Ok(Some(port))
@@ -456,7 +493,13 @@ impl Ctx {
             }
         }
         for t in &res.topics {
-            if let Err(e) = delete_topic(&self.args.tansu, &self.args.kafka_brokers, t).await {
+            let deleted = outbox_testkit::kafka::try_delete_topic(
+                &self.args.tansu,
+                &self.args.kafka_brokers,
+                t,
+            )
+            .await;
+            if let Err(e) = deleted {
                 eprintln!("warning: cannot delete topic {t}: {e:#}");
             }
         }
@@ -564,13 +607,13 @@ async fn setup(args: Args) -> Result<Ctx> {
         extra_env.push((k.to_owned(), v.to_owned()));
     }
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let relay_bin = std::env::current_exe()?.with_file_name("outbox-relay");
+    let relay_bin = outbox_testkit::relay_bin();
     let needs_relay = args.only.is_empty()
         || args.only.contains(&Phase::Relay)
         || args.only.contains(&Phase::Latency);
     if needs_relay && !relay_bin.is_file() {
         bail!(
-            "{} not found: build both binaries with `cargo build --release --bins`",
+            "{} not found: build both binaries with `cargo build --release --workspace`",
             relay_bin.display()
         );
     }
@@ -584,7 +627,6 @@ async fn setup(args: Args) -> Result<Ctx> {
         run_id,
         t0: Instant::now(),
         dir,
-        relay_bin,
         pg,
         rabbit: None,
         res: Resources::default(),
@@ -633,41 +675,20 @@ async fn run(ctx: &mut Ctx) {
         let name = format!("{phase:?}").to_lowercase();
         ctx.progress(format!("phase {name}: started"));
         let started = Instant::now();
-        let mut attempt = 0;
-        let result = loop {
-            attempt += 1;
-            let notes = ctx.report.notes.len();
-            let pg_before = postmaster_start(&ctx.pg).await;
-            let result = match phase {
-                Phase::Db => phases::db_ceiling(ctx).await,
-                Phase::Broker => phases::broker_ceiling(ctx).await,
-                Phase::Naive => phases::naive(ctx).await,
-                Phase::Relay => phases::relay_runs(ctx).await,
-                Phase::Latency => phases::latency(ctx).await,
-                Phase::Insert => phases::insert_cost(ctx).await,
-                Phase::Claim => phases::claim(ctx).await,
-            };
-            ctx.cleanup().await;
-            let Err(e) = result else { break Ok(()) };
-            // Other engineers' fault tests restart PostgreSQL and stop RabbitMQ on this shared
-            // machine: a phase hit by that is measured again (twice at most).
-            let _ = ctx.ensure_pg().await;
-            let restarted = pg_before.is_some() && postmaster_start(&ctx.pg).await != pg_before;
-            let text = format!("{e:#}");
-            if attempt < 3 && (restarted || is_disruption(&text)) {
-                // Notes of the abandoned attempt do not describe the figures kept.
-                ctx.report.notes.truncate(notes);
-                ctx.progress(format!(
-                    "phase {name}: disrupted by a service restart ({text}); waiting for the services, then measuring it again"
-                ));
-                ctx.report.note(format!(
-                    "phase {name} measured again after a service restart by someone else"
-                ));
-                ctx.wait_for_services().await;
-                continue;
-            }
-            break Err(e);
-        };
+        let result = ctx
+            .measured(
+                &format!("phase {name}"),
+                async |ctx: &mut Ctx| match phase {
+                    Phase::Db => phases::db_ceiling(ctx).await,
+                    Phase::Broker => phases::broker_ceiling(ctx).await,
+                    Phase::Naive => phases::naive(ctx).await,
+                    Phase::Relay => phases::relay_runs(ctx).await,
+                    Phase::Latency => phases::latency(ctx).await,
+                    Phase::Insert => phases::insert_cost(ctx).await,
+                    Phase::Claim => phases::claim(ctx).await,
+                },
+            )
+            .await;
         let secs = started.elapsed().as_secs_f64();
         ctx.report
             .details

@@ -1,5 +1,6 @@
 //! Plumbing shared by the phases: PostgreSQL helpers, the synthetic payload, the relay child
-//! process, RabbitMQ/Kafka fixtures, and CPU/RSS sampling from `/proc`.
+//! process, RabbitMQ fixtures, and CPU/RSS sampling from `/proc`. What the integration tests
+//! need too (process spawning, topics, table removal, ports) is in `outbox-testkit`.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -7,13 +8,11 @@ use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use lapin::options::{
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
-};
+use lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties, ExchangeKind};
-use tokio_postgres::{Client, NoTls};
+use lapin::{Connection, ConnectionProperties};
+use outbox_testkit::{Durability, RelayBuilder, RelayProcess, declare_bound_queue};
+use tokio_postgres::Client;
 
 /// `application_name` of the bench's own sessions. It must not start with `outbox-relay`:
 /// the ordering guard ignores those sessions, and the latency inserters are "applications".
@@ -27,21 +26,11 @@ pub async fn postmaster_start(pg: &Client) -> Option<String> {
         .and_then(|r| r.try_get(0).ok())
 }
 
-/// One plain connection (not pooled) to PostgreSQL.
+/// One plain connection (not pooled) to PostgreSQL, as [`APP_NAME`].
 pub async fn pg_connect(url: &str) -> Result<Client> {
-    let mut cfg: tokio_postgres::Config = url.parse().context("bad --database-url")?;
-    cfg.application_name(APP_NAME);
-    cfg.connect_timeout(Duration::from_secs(5));
-    let (client, conn) = cfg
-        .connect(NoTls)
+    outbox_testkit::try_pg_connect(url, APP_NAME)
         .await
-        .context("cannot connect to PostgreSQL")?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "bench database connection ended");
-        }
-    });
-    Ok(client)
+        .context("cannot connect to PostgreSQL (--database-url)")
 }
 
 /// The event body: an order of about 300 bytes of JSON. `%s` are filled in order with the
@@ -272,18 +261,8 @@ pub async fn verify_sent(pg: &Client, table: &str, n: usize) -> Result<()> {
 
 /// Drops an outbox table and everything its migration created.
 pub async fn drop_table(pg: &Client, table: &str) -> Result<()> {
-    pg.batch_execute(&format!(
-        "DROP TABLE IF EXISTS {table} CASCADE; \
-         DROP SEQUENCE IF EXISTS {table}_seq; \
-         DROP FUNCTION IF EXISTS {table}_next_seq(); \
-         DROP FUNCTION IF EXISTS {table}_notify();"
-    ))
-    .await?;
-    pg.execute(
-        "DELETE FROM outbox_relay_schema_version WHERE table_name = $1",
-        &[&table],
-    )
-    .await?;
+    pg.batch_execute(&outbox_testkit::drop_table_sql(table))
+        .await?;
     Ok(())
 }
 
@@ -340,36 +319,9 @@ impl Rabbit {
     /// Declares a durable topic exchange and a durable queue, both called `name`, bound with `#`.
     pub async fn binding(&self, name: &str) -> Result<()> {
         let ch = self.conn.create_channel().await?;
-        ch.exchange_declare(
-            name.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("cannot declare exchange {name}"))?;
-        ch.queue_declare(
-            name.into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("cannot declare queue {name}"))?;
-        ch.queue_bind(
-            name.into(),
-            name.into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .with_context(|| format!("cannot bind queue {name}"))?;
+        declare_bound_queue(&ch, name, name, Durability::Durable, "#")
+            .await
+            .map_err(|e| anyhow!(e))?;
         let _ = ch.close(200, "done".into()).await;
         Ok(())
     }
@@ -406,114 +358,35 @@ impl Rabbit {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Kafka (tansu) fixtures: tansu does not auto-create topics.
-
-fn tansu_broker_url(brokers: &str) -> String {
-    let first = brokers.split(',').next().unwrap_or(brokers).trim();
-    if first.contains("://") {
-        first.to_owned()
-    } else {
-        format!("tcp://{first}")
-    }
-}
-
-/// Creates `topic` with `partitions` partitions through the tansu CLI.
-pub async fn create_topic(tansu: &Path, brokers: &str, topic: &str, partitions: u32) -> Result<()> {
-    let out = tokio::process::Command::new(tansu)
-        .args([
-            "topic",
-            "create",
-            topic,
-            "--partitions",
-            &partitions.to_string(),
-            "--broker",
-        ])
-        .arg(tansu_broker_url(brokers))
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .with_context(|| format!("cannot run {} (set --tansu)", tansu.display()))?;
-    if !out.status.success() {
-        bail!(
-            "tansu topic create {topic} failed ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-/// Deletes `topic` (best effort).
-pub async fn delete_topic(tansu: &Path, brokers: &str, topic: &str) -> Result<()> {
-    let out = tokio::process::Command::new(tansu)
-        .args(["topic", "delete", topic, "--broker"])
-        .arg(tansu_broker_url(brokers))
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .output()
-        .await?;
-    if !out.status.success() {
-        bail!(
-            "tansu topic delete {topic} failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
 // The relay as a child process
 
-/// A running `outbox-relay run`. Killed (SIGKILL) if dropped while still running, so no relay
-/// outlives the bench, whatever happens.
-pub struct RelayProcess {
-    child: tokio::process::Child,
-    pid: u32,
-    log: PathBuf,
+/// A running `outbox-relay run`, optionally sampled by `perf`. Killed (SIGKILL) if dropped
+/// while still running, so no relay outlives the bench, whatever happens.
+pub struct Relay {
+    process: RelayProcess,
     perf: Option<tokio::process::Child>,
 }
 
-impl RelayProcess {
-    /// Spawns `bin run` in `dir` (so no `./relay.toml` is read) with only the given `RELAY_*`
-    /// variables (inherited `RELAY_*` are removed), logging to `log`.
-    pub fn spawn(bin: &Path, dir: &Path, env: &[(String, String)], log: &Path) -> Result<Self> {
-        let file = std::fs::File::create(log)
-            .with_context(|| format!("cannot create {}", log.display()))?;
-        let err = file.try_clone()?;
-        let mut cmd = tokio::process::Command::new(bin);
-        cmd.arg("run")
-            .current_dir(dir)
-            .stdin(Stdio::null())
-            .stdout(file)
-            .stderr(err)
-            .kill_on_drop(true);
-        for (k, _) in std::env::vars_os() {
-            if k.to_string_lossy().starts_with("RELAY_") {
-                cmd.env_remove(k);
-            }
-        }
-        cmd.env(
-            "RUST_LOG",
-            "info,lapin=error,rdkafka=warn,tokio_postgres=warn",
-        );
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        let pid = child
-            .id()
-            .ok_or_else(|| anyhow!("relay exited before its pid was read"))?;
+impl Relay {
+    /// Starts `outbox-relay run` with only the given variables (the relay's default log filter:
+    /// a `RUST_LOG` of the bench's own is not passed on), all its output appended to `log`.
+    pub fn spawn(label: &str, env: &[(String, String)], log: &Path) -> Result<Self> {
+        let builder = env
+            .iter()
+            .fold(RelayBuilder::bare(label).unset("RUST_LOG"), |b, (k, v)| {
+                b.env(k, v.clone())
+            })
+            .log_file(log)
+            .quiet();
+        let process = builder
+            .try_spawn(&["run"])
+            .with_context(|| format!("cannot start {}", outbox_testkit::relay_bin().display()))?;
         OUR_RELAYS
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(pid);
+            .push(process.pid());
         Ok(Self {
-            child,
-            pid,
-            log: log.to_owned(),
+            process,
             perf: None,
         })
     }
@@ -522,7 +395,7 @@ impl RelayProcess {
     pub fn attach_perf(&mut self, out: &Path) -> Result<()> {
         let perf = tokio::process::Command::new("perf")
             .args(["record", "-e", "cpu-clock", "-F", "999", "-g", "-p"])
-            .arg(self.pid.to_string())
+            .arg(self.process.pid().to_string())
             .arg("-o")
             .arg(out)
             .stdin(Stdio::null())
@@ -537,10 +410,10 @@ impl RelayProcess {
 
     /// Fails (with the end of its log) if the relay has exited.
     pub fn check_alive(&mut self) -> Result<()> {
-        if let Some(status) = self.child.try_wait()? {
+        if let Some(status) = self.process.try_wait()? {
             bail!(
                 "the relay exited early ({status}); end of its log:\n{}",
-                log_tail(&self.log, 20)
+                self.tail(20)
             );
         }
         Ok(())
@@ -548,10 +421,10 @@ impl RelayProcess {
 
     /// Peak resident set size (VmHWM) in KiB.
     pub fn peak_rss_kib(&self) -> Option<u64> {
-        proc_status_kib(self.pid, "VmHWM:")
+        proc_status_kib(self.process.pid(), "VmHWM:")
     }
 
-    /// SIGTERM, then waits up to `grace` for a clean exit (SIGKILL after that).
+    /// Stops `perf`, then SIGTERM and up to `grace` for a clean exit (SIGKILL after that).
     pub async fn stop(&mut self, grace: Duration) -> Result<ExitStatus> {
         if let Some(mut perf) = self.perf.take() {
             if let Some(perf_pid) = perf.id() {
@@ -561,31 +434,13 @@ impl RelayProcess {
             }
             let _ = tokio::time::timeout(Duration::from_secs(30), perf.wait()).await;
         }
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &self.pid.to_string()])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        match tokio::time::timeout(grace, self.child.wait()).await {
-            Ok(status) => Ok(status?),
-            Err(_) => {
-                let _ = self.child.kill().await;
-                bail!("the relay did not stop within {grace:?} of SIGTERM; killed")
-            }
-        }
+        self.process.try_stop(grace).await.map_err(|e| anyhow!(e))
     }
 
     /// The last `n` lines of its log.
     pub fn tail(&self, n: usize) -> String {
-        log_tail(&self.log, n)
+        self.process.tail(n)
     }
-}
-
-fn log_tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
 fn proc_status_kib(pid: u32, key: &str) -> Option<u64> {
@@ -783,12 +638,6 @@ pub fn scratch_dir(run_id: &str) -> Result<PathBuf> {
 
 // ---------------------------------------------------------------------------------------------
 // The relay's own /metrics (opt-in with --metrics)
-
-/// A free local port for a relay's metrics server.
-pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
-}
 
 /// Fetches `http://127.0.0.1:{port}/metrics` and sums every sample by series name (labels
 /// other than `le` dropped): e.g. `outbox_claim_batch_size_count`, or

@@ -1,0 +1,258 @@
+//! The broker ceilings: the relay's publishers alone, and raw lapin on one channel.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow, bail};
+use futures::StreamExt;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use outbox_relay::publish::{Outcome, Publisher};
+use outbox_relay::store::{OutboxMessage, PayloadKind};
+use serde_json::json;
+use uuid::Uuid;
+
+use super::{cpu_text, rate};
+use crate::Ctx;
+use crate::util::{CpuSample, CpuUsage, payload};
+
+fn synthetic(n: usize, aggregates: usize) -> Vec<OutboxMessage> {
+    let now = chrono::Utc::now();
+    let a = aggregates as u64;
+    (1..=n as u64)
+        .map(|i| OutboxMessage {
+            id: Uuid::new_v4(),
+            seq: i64::try_from(i).unwrap_or(i64::MAX),
+            aggregate_type: "order".into(),
+            aggregate_id: Some(crate::util::aggregate_id(i, a)),
+            event_type: "OrderPlaced".into(),
+            payload: payload(i, a).into_bytes(),
+            headers: b"{}".to_vec(),
+            destination: None,
+            attempts: 1,
+            created_at: now,
+        })
+        .collect()
+}
+
+struct Blast {
+    elapsed: Duration,
+    usage: CpuUsage,
+    confirmed: usize,
+    first_failure: Option<String>,
+}
+
+/// Publishes every message with at most `in_flight` outstanding.
+async fn blast(p: &dyn Publisher, msgs: &[OutboxMessage], in_flight: usize) -> Blast {
+    let cpu = CpuSample::take();
+    let started = Instant::now();
+    let mut outcomes = futures::stream::iter(msgs)
+        .map(|m| p.publish(m))
+        .buffer_unordered(in_flight);
+    let mut confirmed = 0;
+    let mut first_failure = None;
+    while let Some(o) = outcomes.next().await {
+        match o {
+            Outcome::Confirmed => confirmed += 1,
+            other => {
+                if first_failure.is_none() {
+                    first_failure = Some(format!("{other:?}"));
+                }
+            }
+        }
+    }
+    Blast {
+        elapsed: started.elapsed(),
+        usage: cpu.usage(),
+        confirmed,
+        first_failure,
+    }
+}
+
+/// The relay's publishers alone: N synthetic messages, nothing read from the database.
+pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
+    let n = ctx.rows;
+    let msgs = synthetic(n, ctx.args.aggregates);
+    let avg = msgs.iter().map(|m| m.payload.len()).sum::<usize>() as f64 / n.max(1) as f64;
+    ctx.report
+        .detail("synthetic_payload_bytes", json!(avg.round()));
+    let mut errors = Vec::new();
+
+    // RabbitMQ: a fresh exchange bound to a fresh durable queue.
+    if let Err(e) = publisher_ceiling(ctx, Broker::RabbitMq, &msgs).await {
+        errors.push(format!("RabbitMQ: {e:#}"));
+    }
+    ctx.cleanup().await;
+
+    // The broker itself: raw lapin, one confirm-mode channel, ≤1000 unconfirmed (what the
+    // broker can take, whatever the relay's publisher design).
+    let raw = async {
+        let name = ctx.new_binding("brkraw").await?;
+        ctx.progress(format!(
+            "broker: RabbitMQ raw lapin (one channel), {n} messages, ≤1000 unconfirmed"
+        ));
+        let sentinel = ctx.sentinel().await;
+        let cpu = CpuSample::take();
+        let started = Instant::now();
+        let acked = raw_lapin(&ctx.args.amqp_url, &name, &msgs, 1000).await?;
+        let elapsed = started.elapsed();
+        let usage = cpu.usage();
+        ctx.check(sentinel).await?;
+        if acked != n {
+            bail!("raw lapin: {acked} of {n} messages acked");
+        }
+        let r = rate(n, elapsed);
+        ctx.progress(format!(
+            "broker: RabbitMQ raw lapin {r:.0} msgs/s in {elapsed:.2?}; {}",
+            cpu_text(&usage)
+        ));
+        ctx.report.figure(
+            "2 broker ceiling",
+            "rabbitmq_raw_ceiling_msgs_per_s",
+            "raw lapin, one channel, persistent + confirms, ≤1000 unconfirmed",
+            r,
+            "msgs/s",
+        );
+        ctx.report.detail(
+            "rabbitmq_raw_ceiling",
+            json!({"messages": n, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
+        );
+        Ok(())
+    }
+    .await;
+    if let Err(e) = raw {
+        errors.push(format!("RabbitMQ raw: {e:#}"));
+    }
+    ctx.cleanup().await;
+
+    // Kafka: a fresh 3-partition topic.
+    if let Err(e) = publisher_ceiling(ctx, Broker::Kafka, &msgs).await {
+        errors.push(format!("Kafka: {e:#}"));
+    }
+    super::all_ok(errors)
+}
+
+/// The broker of a publisher ceiling.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Broker {
+    RabbitMq,
+    Kafka,
+}
+
+/// One publisher ceiling: the relay's own publisher for `broker` (as `build_publisher` makes
+/// it, `ordering = "none"`), every message, ≤1000 in flight.
+async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]) -> Result<()> {
+    let n = msgs.len();
+    let (name, key, label, target) = match broker {
+        Broker::RabbitMq => (
+            "RabbitMQ",
+            "rabbitmq_ceiling",
+            "RabbitMqPublisher, persistent + confirms, ≤1000 in flight",
+            ctx.new_binding("brk").await?,
+        ),
+        Broker::Kafka => (
+            "Kafka",
+            "kafka_ceiling",
+            "KafkaPublisher, acks=all, idempotent, ≤1000 in flight",
+            ctx.new_topic("brk").await?,
+        ),
+    };
+    let cfg = ctx.config("bench_unused", |raw| {
+        raw.relay.ordering = "none".into();
+        match broker {
+            Broker::RabbitMq => {
+                raw.publisher.kind = "rabbitmq".into();
+                raw.publisher.rabbitmq.exchange = target.clone();
+            }
+            Broker::Kafka => {
+                raw.publisher.kind = "kafka".into();
+                raw.publisher.kafka.topic = target.clone();
+            }
+        }
+    })?;
+    let p = outbox_relay::build_publisher(&cfg, PayloadKind::Json);
+    p.connect().await.map_err(|e| anyhow!("{e}"))?;
+    ctx.progress(format!("broker: {name}, {n} messages, ≤1000 in flight"));
+    let sentinel = ctx.sentinel().await;
+    let b = blast(p.as_ref(), msgs, 1000).await;
+    p.close().await;
+    ctx.check(sentinel).await?;
+    if let Some(f) = &b.first_failure {
+        bail!(
+            "{name}: {} of {n} confirmed; first failure: {f}",
+            b.confirmed
+        );
+    }
+    if broker == Broker::RabbitMq {
+        let queued = ctx.rabbit().await?.queue_len(&target).await?;
+        if queued as usize != n {
+            ctx.report.note(format!(
+                "broker ceiling: queue holds {queued} messages, expected {n}"
+            ));
+        }
+    }
+    let r = rate(n, b.elapsed);
+    ctx.progress(format!(
+        "broker: {name} {r:.0} msgs/s in {:.2?}; {}",
+        b.elapsed,
+        cpu_text(&b.usage)
+    ));
+    ctx.report.figure(
+        "2 broker ceiling",
+        &format!("{key}_msgs_per_s"),
+        label,
+        r,
+        "msgs/s",
+    );
+    ctx.report.detail(
+        key,
+        json!({"messages": n, "seconds": b.elapsed.as_secs_f64(), "cpu": b.usage}),
+    );
+    Ok(())
+}
+
+/// Publishes every message on one confirm-mode channel with at most `in_flight` unconfirmed;
+/// returns how many were acked.
+async fn raw_lapin(
+    url: &str,
+    exchange: &str,
+    msgs: &[OutboxMessage],
+    in_flight: usize,
+) -> Result<usize> {
+    let conn = Connection::connect(url, ConnectionProperties::default())
+        .await
+        .context("cannot connect to RabbitMQ")?;
+    let ch = conn.create_channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default()).await?;
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let mut acked = 0;
+    for m in msgs {
+        while pending.len() >= in_flight {
+            if let Some(c) = pending.next().await {
+                acked += usize::from(matches!(c, Ok(ref c) if lapin_ack(c)));
+            }
+        }
+        let props = BasicProperties::default()
+            .with_message_id(m.id.to_string().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        let confirm = ch
+            .basic_publish(
+                exchange.into(),
+                "order.OrderPlaced".into(),
+                BasicPublishOptions::default(),
+                &m.payload,
+                props,
+            )
+            .await?;
+        pending.push(confirm);
+    }
+    while let Some(c) = pending.next().await {
+        acked += usize::from(matches!(c, Ok(ref c) if lapin_ack(c)));
+    }
+    let _ = conn.close(200, "done".into()).await;
+    Ok(acked)
+}
+
+fn lapin_ack(c: &lapin::Confirmation) -> bool {
+    c.is_ack()
+}

@@ -1,0 +1,135 @@
+//! The relay process draining a backlog: ordering none/aggregate × RabbitMQ/Kafka.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Result, bail};
+use serde_json::json;
+
+use super::{cpu_text, rate, scrape};
+use crate::Ctx;
+use crate::util::{CpuSample, Relay, fill, verify_sent, wait_drained};
+
+/// `ordering` none/aggregate × RabbitMQ/Kafka, each on a fresh table of N rows.
+pub async fn relay_runs(ctx: &mut Ctx) -> Result<()> {
+    let cases = [
+        ("rabbitmq", "none"),
+        ("rabbitmq", "aggregate"),
+        ("kafka", "none"),
+        ("kafka", "aggregate"),
+    ];
+    let mut errors = Vec::new();
+    for (broker, ordering) in cases {
+        let what = format!("relay {broker}/{ordering}");
+        let result = ctx
+            .measured(&what, async |ctx: &mut Ctx| {
+                relay_run(ctx, broker, ordering).await
+            })
+            .await;
+        if let Err(e) = result {
+            ctx.progress(format!("ERROR {what}: {e:#}"));
+            errors.push(format!("{what}: {e:#}"));
+        }
+    }
+    super::all_ok(errors)
+}
+
+async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
+    let short = if broker == "rabbitmq" { "rmq" } else { "kafka" };
+    let ord = if ordering == "none" { "none" } else { "agg" };
+    let key = format!("relay_{broker}_{ordering}");
+    let table = ctx.new_table(&format!("{short}_{ord}")).await?;
+    ctx.progress(format!(
+        "relay {broker}/{ordering}: filling {} rows into {table}",
+        ctx.rows
+    ));
+    fill(&ctx.pg, &table, ctx.rows, ctx.args.aggregates).await?;
+
+    let mut env = ctx.relay_env(&table);
+    env.push(("RELAY_RELAY__ORDERING".into(), ordering.into()));
+    env.push(("RELAY_PUBLISHER__KIND".into(), broker.into()));
+    let queue = if broker == "rabbitmq" {
+        let name = ctx.new_binding(&format!("{short}_{ord}")).await?;
+        env.push(("RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(), name.clone()));
+        Some(name)
+    } else {
+        let topic = ctx.new_topic(&format!("{short}_{ord}")).await?;
+        env.push(("RELAY_PUBLISHER__KAFKA__TOPIC".into(), topic));
+        None
+    };
+    let metrics_port = ctx.metrics_port(&mut env)?;
+    env.extend(ctx.extra_env.iter().cloned());
+
+    ctx.progress(format!("relay {broker}/{ordering}: relay process draining"));
+    let log = ctx.dir.join(format!("{key}.log"));
+    let sentinel = ctx.sentinel().await;
+    let cpu = CpuSample::take();
+    let started = Instant::now();
+    let mut relay = Relay::spawn(&key, &env, &log)?;
+    if ctx.args.perf {
+        let out = ctx.dir.join(format!("{key}.perf.data"));
+        relay.attach_perf(&out)?;
+        ctx.report
+            .note(format!("{key}: perf profile in {}", out.display()));
+    }
+    let waited = wait_drained(&ctx.pg, &table, ctx.timeout(), || relay.check_alive()).await;
+    let elapsed = started.elapsed();
+    let usage = cpu.usage();
+    let rss = relay.peak_rss_kib();
+    let metrics = scrape(metrics_port).await;
+    let stopped = relay.stop(Duration::from_secs(45)).await;
+    ctx.check(sentinel).await?;
+    waited?;
+    let status = stopped?;
+    if !status.success() {
+        bail!(
+            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+            relay.tail(20)
+        );
+    }
+    verify_sent(&ctx.pg, &table, ctx.rows).await?;
+    let mut duplicates = serde_json::Value::Null;
+    if let Some(q) = &queue {
+        let queued = ctx.rabbit().await?.queue_len(q).await? as usize;
+        duplicates = json!(queued as i64 - ctx.rows as i64);
+        if queued != ctx.rows {
+            ctx.report.note(format!(
+                "{key}: queue holds {queued} messages for {} rows",
+                ctx.rows
+            ));
+        }
+    }
+    let rss_mib = rss.map(|k| k as f64 / 1024.0);
+    if let Some(k) = rss {
+        ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
+    }
+
+    let r = rate(ctx.rows, elapsed);
+    ctx.progress(format!(
+        "relay {broker}/{ordering}: {r:.0} msgs/s in {elapsed:.2?}, peak RSS {:.1} MiB; {}",
+        rss_mib.unwrap_or(f64::NAN),
+        cpu_text(&usage)
+    ));
+    let what = match ordering {
+        "none" => format!("relay process → {broker}, ordering none"),
+        _ => format!(
+            "relay process → {broker}, ordering aggregate ({} aggregates)",
+            ctx.args.aggregates
+        ),
+    };
+    ctx.report.figure(
+        "4 relay drain",
+        &format!("{key}_msgs_per_s"),
+        &what,
+        r,
+        "msgs/s",
+    );
+    ctx.report.detail(
+        &key,
+        json!({
+            "rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "peak_rss_mib": rss_mib,
+            "queue_surplus": duplicates, "cpu": usage, "extra_env": ctx.extra_env,
+            "relay_metrics": metrics,
+        }),
+    );
+    Ok(())
+}

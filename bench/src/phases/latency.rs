@@ -1,0 +1,295 @@
+//! Commit → consumer receive at a steady insert rate, with and without NOTIFY.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, bail};
+use futures::StreamExt;
+use lapin::options::BasicConsumeOptions;
+use lapin::types::FieldTable;
+use lapin::{Connection, ConnectionProperties};
+use serde_json::json;
+use tokio_postgres::Client;
+use uuid::Uuid;
+
+use super::{cpu_text, scrape};
+use crate::Ctx;
+use crate::util::{CpuSample, Relay, payload, percentile, pg_connect};
+
+/// Commit → consumer receive, RabbitMQ, ordering aggregate, with and without NOTIFY.
+pub async fn latency(ctx: &mut Ctx) -> Result<()> {
+    let mut errors = Vec::new();
+    for notify in [true, false] {
+        let what = format!("latency notify={notify}");
+        let result = ctx
+            .measured(&what, async |ctx: &mut Ctx| latency_run(ctx, notify).await)
+            .await;
+        if let Err(e) = result {
+            ctx.progress(format!("ERROR {what}: {e:#}"));
+            errors.push(format!("{what}: {e:#}"));
+        }
+    }
+    super::all_ok(errors)
+}
+
+type Receipts = Arc<Mutex<HashMap<String, Instant>>>;
+
+fn receipts_has(r: &Receipts, id: &str) -> bool {
+    r.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id)
+}
+
+async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
+    let tag = if notify { "lat_notify" } else { "lat_poll" };
+    let key = if notify {
+        "latency_notify"
+    } else {
+        "latency_poll"
+    };
+    let table = ctx.new_table(tag).await?;
+    let name = ctx.new_binding(tag).await?;
+    const AGGREGATES: u64 = 100;
+    let sentinel = ctx.sentinel().await;
+
+    // The consumer: records the first receipt of each message id.
+    let conn = Connection::connect(&ctx.args.amqp_url, ConnectionProperties::default())
+        .await
+        .context("cannot connect to RabbitMQ")?;
+    let ch = conn.create_channel().await?;
+    let mut consumer = ch
+        .basic_consume(
+            name.as_str().into(),
+            "outbox-bench".into(),
+            BasicConsumeOptions {
+                no_ack: true,
+                ..BasicConsumeOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+    let receipts: Receipts = Arc::default();
+    let sink = Arc::clone(&receipts);
+    let mut consumer_task = tokio::task::JoinSet::new();
+    consumer_task.spawn(async move {
+        while let Some(delivery) = consumer.next().await {
+            let Ok(d) = delivery else { break };
+            let at = Instant::now();
+            if let Some(id) = d.properties.message_id() {
+                sink.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(id.as_str().to_owned())
+                    .or_insert(at);
+            }
+        }
+    });
+
+    let mut env = ctx.relay_env(&table);
+    env.push(("RELAY_RELAY__ORDERING".into(), "aggregate".into()));
+    env.push(("RELAY_RELAY__NOTIFY".into(), notify.to_string()));
+    env.push(("RELAY_PUBLISHER__KIND".into(), "rabbitmq".into()));
+    env.push(("RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(), name.clone()));
+    let metrics_port = ctx.metrics_port(&mut env)?;
+    env.extend(ctx.extra_env.iter().cloned());
+    let log = ctx.dir.join(format!("{key}.log"));
+    let mut relay = Relay::spawn(key, &env, &log)?;
+
+    let insert_sql = format!(
+        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb) RETURNING id"
+    );
+
+    // Warm-up: one row through the whole path (the relay is connected and listening).
+    let warm = pg_connect(&ctx.args.database_url).await?;
+    let id: Uuid = warm
+        .query_one(&insert_sql, &[&"warmup", &payload(0, AGGREGATES)])
+        .await?
+        .try_get(0)?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !receipts_has(&receipts, &id.to_string()) {
+        relay.check_alive()?;
+        if Instant::now() > deadline {
+            bail!(
+                "the warm-up message did not arrive within 30 s; relay log:\n{}",
+                relay.tail(20)
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let rate_per_s = ctx.lat_rate.max(1);
+    let total = (u64::from(rate_per_s) * ctx.lat_secs).max(1);
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate_per_s));
+    let workers = 8u64.min(total);
+    ctx.progress(format!(
+        "latency notify={notify}: inserting {total} rows at {rate_per_s}/s over {} aggregates ({workers} connections)",
+        AGGREGATES
+    ));
+    let mut clients = Vec::new();
+    for _ in 0..workers {
+        clients.push(pg_connect(&ctx.args.database_url).await?);
+    }
+    let cpu = CpuSample::take();
+    let mut tasks = tokio::task::JoinSet::new();
+    let start = tokio::time::Instant::now() + Duration::from_millis(100);
+    for (k, client) in clients.into_iter().enumerate() {
+        let sql = insert_sql.clone();
+        tasks.spawn(insert_worker(
+            client, sql, k as u64, workers, total, start, period, AGGREGATES,
+        ));
+    }
+    let mut commits: Vec<(Uuid, Instant, Duration)> = Vec::with_capacity(total as usize);
+    let mut worker_errors = Vec::new();
+    let mut done_workers = 0;
+    while done_workers < workers {
+        let Some(joined) = tasks.join_next().await else {
+            break;
+        };
+        match joined {
+            Ok(Ok(v)) => {
+                done_workers += 1;
+                commits.extend(v);
+            }
+            Ok(Err(e)) => {
+                done_workers += 1;
+                worker_errors.push(format!("{e:#}"));
+            }
+            Err(e) => worker_errors.push(format!("inserter task: {e}")),
+        }
+        relay.check_alive()?;
+    }
+    if let Some(e) = worker_errors.first() {
+        bail!("inserter failed: {e}");
+    }
+    let insert_window = commits
+        .iter()
+        .map(|(_, at, _)| *at)
+        .max()
+        .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()));
+    let max_sched_lag = commits.iter().map(|c| c.2).max().unwrap_or_default();
+
+    // Wait for every message (30 s after the last commit at most).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ids: Vec<String> = commits.iter().map(|(id, _, _)| id.to_string()).collect();
+    loop {
+        let missing = {
+            let r = receipts.lock().unwrap_or_else(|p| p.into_inner());
+            ids.iter().filter(|id| !r.contains_key(*id)).count()
+        };
+        if missing == 0 || Instant::now() > deadline {
+            if missing > 0 {
+                ctx.report.note(format!(
+                    "{key}: {missing} of {} messages not received within 30 s",
+                    ids.len()
+                ));
+            }
+            break;
+        }
+        relay.check_alive()?;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let usage = cpu.usage();
+    let rss = relay.peak_rss_kib();
+    let metrics = scrape(metrics_port).await;
+    let status = relay.stop(Duration::from_secs(45)).await?;
+    ctx.check(sentinel).await?;
+    if !status.success() {
+        bail!(
+            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+            relay.tail(20)
+        );
+    }
+    consumer_task.abort_all();
+    let _ = conn.close(200, "done".into()).await;
+    if let Some(k) = rss {
+        ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
+    }
+
+    let mut lat: Vec<f64> = {
+        let r = receipts.lock().unwrap_or_else(|p| p.into_inner());
+        commits
+            .iter()
+            .filter_map(|(id, at, _)| {
+                r.get(&id.to_string())
+                    .map(|recv| recv.saturating_duration_since(*at).as_secs_f64() * 1000.0)
+            })
+            .collect()
+    };
+    lat.sort_by(f64::total_cmp);
+    if lat.is_empty() {
+        bail!("no message received");
+    }
+    let (p50, p95, p99) = (
+        percentile(&lat, 50.0),
+        percentile(&lat, 95.0),
+        percentile(&lat, 99.0),
+    );
+    let max = lat.last().copied().unwrap_or(f64::NAN);
+    let achieved = commits.len() as f64 / insert_window.as_secs_f64().max(1e-9);
+    ctx.progress(format!(
+        "latency notify={notify}: p50 {p50:.1} ms, p95 {p95:.1} ms, p99 {p99:.1} ms, max {max:.1} ms \
+         ({} msgs, achieved {achieved:.0} inserts/s, worst schedule lag {max_sched_lag:.1?}); {}",
+        lat.len(),
+        cpu_text(&usage)
+    ));
+    let label = if notify {
+        "commit → consume, NOTIFY on"
+    } else {
+        "commit → consume, NOTIFY off (poll 1s)"
+    };
+    ctx.report.figure(
+        "5 latency",
+        &format!("{key}_achieved_inserts_per_s"),
+        &format!("{label}: insert rate achieved (target {rate_per_s}/s)"),
+        achieved,
+        "rows/s",
+    );
+    for (p, v) in [("p50", p50), ("p95", p95), ("p99", p99)] {
+        ctx.report.figure(
+            "5 latency",
+            &format!("{key}_{p}_ms"),
+            &format!("{label}, {p}"),
+            v,
+            "ms",
+        );
+    }
+    ctx.report.detail(
+        key,
+        json!({
+            "rate_per_s": rate_per_s, "seconds": ctx.lat_secs, "messages": lat.len(),
+            "achieved_inserts_per_s": achieved, "worst_schedule_lag_ms": max_sched_lag.as_secs_f64() * 1000.0,
+            "p50_ms": p50, "p95_ms": p95, "p99_ms": p99, "max_ms": max,
+            "peak_rss_mib": rss.map(|k| k as f64 / 1024.0), "cpu": usage,
+            "relay_metrics": metrics,
+        }),
+    );
+    Ok(())
+}
+
+/// Inserts rows `k, k+workers, …` below `total`, each at `start + i·period`, one row per
+/// transaction; returns (id, commit instant, how late the insert started).
+#[allow(clippy::too_many_arguments)]
+async fn insert_worker(
+    client: Client,
+    sql: String,
+    k: u64,
+    workers: u64,
+    total: u64,
+    start: tokio::time::Instant,
+    period: Duration,
+    aggregates: u64,
+) -> Result<Vec<(Uuid, Instant, Duration)>> {
+    let stmt = client.prepare(&sql).await?;
+    let mut out = Vec::with_capacity((total / workers.max(1) + 1) as usize);
+    let mut i = k;
+    while i < total {
+        let due = start + period.mul_f64(i as f64);
+        tokio::time::sleep_until(due).await;
+        let late = tokio::time::Instant::now().saturating_duration_since(due);
+        let agg = crate::util::aggregate_id(i, aggregates);
+        let body = payload(i + 1, aggregates);
+        let id: Uuid = client.query_one(&stmt, &[&agg, &body]).await?.try_get(0)?;
+        out.push((id, Instant::now(), late));
+        i += workers;
+    }
+    Ok(out)
+}

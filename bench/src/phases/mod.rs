@@ -1,0 +1,79 @@
+//! The measurements, one file per phase. Each phase works on fresh, uniquely named tables,
+//! exchanges, queues and topics (registered in the context, removed after the phase) and adds
+//! its figures to the report.
+
+mod broker;
+mod claim;
+mod db;
+mod drain;
+mod insert;
+mod latency;
+mod naive;
+
+pub use broker::broker_ceiling;
+pub use claim::claim;
+pub use db::db_ceiling;
+pub use drain::relay_runs;
+pub use insert::insert_cost;
+pub use latency::latency;
+pub use naive::naive;
+
+use std::time::Duration;
+
+use anyhow::{Result, bail};
+use serde_json::json;
+
+use crate::util::CpuUsage;
+
+/// `Ok` when no case failed, else every case's error.
+fn all_ok(errors: Vec<String>) -> Result<()> {
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        bail!("{}", errors.join("; "))
+    }
+}
+
+/// The relay's metrics summary, when `--metrics` gave it a port.
+async fn scrape(port: Option<u16>) -> serde_json::Value {
+    let Some(port) = port else {
+        return serde_json::Value::Null;
+    };
+    match crate::util::scrape_metrics(port).await {
+        Ok(m) => {
+            let summary = crate::util::summarize_metrics(&m);
+            eprintln!("           relay metrics: {summary}");
+            summary
+        }
+        Err(e) => json!(format!("scrape failed: {e:#}")),
+    }
+}
+
+fn rate(n: usize, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64().max(1e-9)
+}
+
+fn cpu_text(u: &CpuUsage) -> String {
+    let mut parts: Vec<String> = u
+        .cores
+        .iter()
+        .filter(|(_, v)| **v >= 0.01)
+        .map(|(k, v)| format!("{k} {v:.2}"))
+        .collect();
+    parts.push(format!("machine busy {:.2}", u.machine_busy));
+    if u.unattributed >= 0.2 {
+        parts.push(format!("unattributed {:.2}", u.unattributed));
+    }
+    if u.steal >= 0.01 {
+        parts.push(format!("steal {:.2}", u.steal));
+    }
+    if !u.other_top.is_empty() {
+        let top: Vec<String> = u
+            .other_top
+            .iter()
+            .map(|(k, v)| format!("{k} {v:.2}"))
+            .collect();
+        parts.push(format!("other = {}", top.join(", ")));
+    }
+    format!("cores: {}", parts.join(", "))
+}

@@ -1,0 +1,464 @@
+//! PostgreSQL: connections, a fresh outbox table per test, rows as an application inserts them,
+//! and writers that keep inserting while a test does something else.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde_json::Value;
+use tokio::task::JoinHandle;
+use tokio_postgres::{Client, GenericClient, NoTls};
+use uuid::Uuid;
+
+use crate::{PG_URL, RelayBuilder, hex8, slug, wait_until};
+
+/// Inserts `per_writer` rows from each of `writers` concurrent connections, `per_tx` rows per
+/// transaction in two statements with a short pause between them (so transactions overlap and
+/// can commit out of `seq` order). `make(writer, n)` builds the `n`th row overall.
+pub async fn concurrent_writers(
+    table: &str,
+    writers: usize,
+    per_writer: usize,
+    per_tx: usize,
+    pause: Duration,
+    make: fn(usize, usize) -> NewRow,
+) -> Vec<Inserted> {
+    assert_eq!(per_writer % per_tx, 0);
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let table = table.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let mut client = pg_connect().await;
+            let mut out = Vec::with_capacity(per_writer);
+            for t in 0..per_writer / per_tx {
+                let rows: Vec<NewRow> = (0..per_tx)
+                    .map(|i| make(w, w * per_writer + t * per_tx + i))
+                    .collect();
+                let tx = client.transaction().await.unwrap();
+                let (first, second) = rows.split_at(per_tx / 2);
+                out.extend(insert_rows(&tx, &table, first).await);
+                tokio::time::sleep(pause).await;
+                out.extend(insert_rows(&tx, &table, second).await);
+                tx.commit().await.unwrap();
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    all
+}
+
+/// Inserts `rounds` batches of `batch` rows (`make(round, i)` builds each), `every` apart, into
+/// `table` in the background, so rows keep coming before, during and after a fault; returns
+/// the inserted ids in insert order.
+pub fn spawn_paced_writer(
+    table: &str,
+    rounds: usize,
+    batch: usize,
+    every: Duration,
+    make: impl Fn(usize, usize) -> NewRow + Send + 'static,
+) -> JoinHandle<Vec<Uuid>> {
+    let table = table.to_owned();
+    tokio::spawn(async move {
+        let client = pg_connect().await;
+        let mut ids = Vec::new();
+        for round in 0..rounds {
+            let rows: Vec<NewRow> = (0..batch).map(|i| make(round, i)).collect();
+            ids.extend(
+                insert_rows(&client, &table, &rows)
+                    .await
+                    .into_iter()
+                    .map(|r| r.id),
+            );
+            tokio::time::sleep(every).await;
+        }
+        ids
+    })
+}
+
+/// A plain connection to the test database (its driver task runs in the background).
+pub async fn pg_connect() -> Client {
+    try_pg_connect(PG_URL, "outbox-testkit")
+        .await
+        .unwrap_or_else(|e| {
+            let detail = e
+                .as_db_error()
+                .map(|d| d.message().to_owned())
+                .unwrap_or_default();
+            panic!("cannot connect to {PG_URL}: {e} {detail}")
+        })
+}
+
+/// A plain connection (not pooled, 5 s connect timeout) to `url` as `application_name`, its
+/// driver task running in the background. The name must not start with `outbox-relay`: the
+/// ordering guard ignores the relay's own sessions, and these are "applications".
+pub async fn try_pg_connect(
+    url: &str,
+    application_name: &str,
+) -> Result<Client, tokio_postgres::Error> {
+    let mut cfg: tokio_postgres::Config = url.parse()?;
+    cfg.application_name(application_name);
+    cfg.connect_timeout(Duration::from_secs(5));
+    let (client, conn) = cfg.connect(NoTls).await?;
+    let name = application_name.to_owned();
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            eprintln!("{name}: database connection ended: {e}");
+        }
+    });
+    Ok(client)
+}
+
+/// `outbox-relay migrate` for `table` on the test database; returns the schema versions it
+/// applied (empty when the table was up to date). Panics with its output if it fails.
+pub async fn migrate_table(table: &str) -> Vec<i32> {
+    let out = RelayBuilder::bare(table)
+        .set("database.url", PG_URL)
+        .set("database.table", table)
+        .output(&["migrate"], Duration::from_secs(60))
+        .await;
+    assert!(
+        out.status.success(),
+        "outbox-relay migrate {table} failed: {}\n{}",
+        out.status,
+        out.stderr
+    );
+    if out.stdout.contains("is up to date") {
+        return Vec::new();
+    }
+    out.stdout
+        .split_once("applied schema versions [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| {
+            list.split(',')
+                .map(|v| v.trim().parse().expect("schema version"))
+                .collect()
+        })
+        .unwrap_or_else(|| panic!("unexpected migrate output: {}", out.stdout))
+}
+
+/// A row to insert, as an application would.
+#[derive(Debug, Clone)]
+pub struct NewRow {
+    /// `aggregate_type`
+    pub aggregate_type: String,
+    /// `aggregate_id` (NULL when `None`)
+    pub aggregate_id: Option<String>,
+    /// `event_type`
+    pub event_type: String,
+    /// `payload` (jsonb)
+    pub payload: Value,
+    /// `headers` (jsonb)
+    pub headers: Value,
+    /// `destination` (routing key override)
+    pub destination: Option<String>,
+}
+
+impl NewRow {
+    /// A row with empty headers and no destination.
+    pub fn new(
+        aggregate_type: &str,
+        aggregate_id: Option<&str>,
+        event_type: &str,
+        payload: Value,
+    ) -> Self {
+        Self {
+            aggregate_type: aggregate_type.to_owned(),
+            aggregate_id: aggregate_id.map(str::to_owned),
+            event_type: event_type.to_owned(),
+            payload,
+            headers: Value::Object(serde_json::Map::new()),
+            destination: None,
+        }
+    }
+
+    /// Sets the row's `headers`.
+    pub fn headers(mut self, headers: Value) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Sets the row's `destination`.
+    pub fn destination(mut self, destination: &str) -> Self {
+        self.destination = Some(destination.to_owned());
+        self
+    }
+}
+
+/// What the database assigned to an inserted row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Inserted {
+    /// Row id (= AMQP `message_id`).
+    pub id: Uuid,
+    /// Insert order.
+    pub seq: i64,
+}
+
+/// Inserts `rows` into `table` with one statement (so inside `client`'s transaction, if any).
+pub async fn insert_rows<C: GenericClient + Sync>(
+    client: &C,
+    table: &str,
+    rows: &[NewRow],
+) -> Vec<Inserted> {
+    let sql = format!(
+        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination) \
+         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[]) \
+         RETURNING id, seq"
+    );
+    let types: Vec<&str> = rows.iter().map(|r| r.aggregate_type.as_str()).collect();
+    let ids: Vec<Option<&str>> = rows.iter().map(|r| r.aggregate_id.as_deref()).collect();
+    let events: Vec<&str> = rows.iter().map(|r| r.event_type.as_str()).collect();
+    let payloads: Vec<&Value> = rows.iter().map(|r| &r.payload).collect();
+    let headers: Vec<&Value> = rows.iter().map(|r| &r.headers).collect();
+    let destinations: Vec<Option<&str>> = rows.iter().map(|r| r.destination.as_deref()).collect();
+    let out = client
+        .query(
+            &sql,
+            &[&types, &ids, &events, &payloads, &headers, &destinations],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("insert into {table}: {e}"));
+    assert_eq!(
+        out.len(),
+        rows.len(),
+        "insert into {table} returned fewer rows"
+    );
+    out.iter()
+        .map(|r| Inserted {
+            id: r.get(0),
+            seq: r.get(1),
+        })
+        .collect()
+}
+
+/// One outbox row as the database holds it.
+#[derive(Debug, Clone)]
+pub struct RowState {
+    /// `id`
+    pub id: Uuid,
+    /// `seq`
+    pub seq: i64,
+    /// `aggregate_type`
+    pub aggregate_type: String,
+    /// `aggregate_id`
+    pub aggregate_id: Option<String>,
+    /// `event_type`
+    pub event_type: String,
+    /// `payload`
+    pub payload: Value,
+    /// `headers`
+    pub headers: Value,
+    /// `destination`
+    pub destination: Option<String>,
+    /// `status`
+    pub status: String,
+    /// `attempts`
+    pub attempts: i32,
+    /// `available_at`
+    pub available_at: DateTime<Utc>,
+    /// `locked_at`
+    pub locked_at: Option<DateTime<Utc>>,
+    /// `locked_by`
+    pub locked_by: Option<String>,
+    /// `last_error`
+    pub last_error: Option<String>,
+    /// `created_at`
+    pub created_at: DateTime<Utc>,
+    /// `sent_at`
+    pub sent_at: Option<DateTime<Utc>>,
+}
+
+const ROW_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, event_type, payload, headers, destination, \
+                           status, attempts, available_at, locked_at, locked_by, last_error, created_at, sent_at";
+
+fn row_state(r: &tokio_postgres::Row) -> RowState {
+    RowState {
+        id: r.get(0),
+        seq: r.get(1),
+        aggregate_type: r.get(2),
+        aggregate_id: r.get(3),
+        event_type: r.get(4),
+        payload: r.get(5),
+        headers: r.get(6),
+        destination: r.get(7),
+        status: r.get(8),
+        attempts: r.get(9),
+        available_at: r.get(10),
+        locked_at: r.get(11),
+        locked_by: r.get(12),
+        last_error: r.get(13),
+        created_at: r.get(14),
+        sent_at: r.get(15),
+    }
+}
+
+static GC_DONE: AtomicBool = AtomicBool::new(false);
+
+/// Drops the tables of test runs that ended more than an hour ago without cleaning up (a failed
+/// test leaves its table for inspection). Runs once per test process.
+async fn collect_old_tables(db: &Client) {
+    let old = db
+        .query(
+            "SELECT table_name FROM outbox_relay_schema_version \
+             WHERE table_name LIKE 'it\\_%' AND applied_at < now() - interval '1 hour'",
+            &[],
+        )
+        .await
+        .map(|rows| {
+            rows.iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    for name in old {
+        // Only names this harness makes: it_<slug>_<hex>, nothing to quote.
+        if name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            let _ = db.batch_execute(&drop_table_sql(&name)).await;
+        }
+    }
+}
+
+/// SQL that drops outbox table `n` and everything its migration created.
+pub fn drop_table_sql(n: &str) -> String {
+    format!(
+        "DROP TABLE IF EXISTS {n} CASCADE; \
+         DROP SEQUENCE IF EXISTS {n}_seq; \
+         DROP FUNCTION IF EXISTS {n}_next_seq(); \
+         DROP FUNCTION IF EXISTS {n}_notify(); \
+         DELETE FROM outbox_relay_schema_version WHERE table_name = '{n}';"
+    )
+}
+
+/// A fresh outbox table (created by the library's own migration) plus a client for
+/// inserting rows and asserting on them.
+pub struct TestTable {
+    /// Unqualified table name, `it_<test>_<hex>` in schema `public`.
+    pub name: String,
+    /// Assertion and insert client.
+    pub db: Client,
+}
+
+impl TestTable {
+    /// Creates `it_<test>_<hex>` with `outbox-relay migrate`, as an operator would.
+    pub async fn new(test: &str) -> Self {
+        let name = format!("it_{}_{}", slug(test, 24), hex8());
+        let applied = migrate_table(&name).await;
+        assert!(
+            !applied.is_empty() && applied.iter().copied().eq(1..=applied.len() as i32),
+            "a fresh table gets every migration from 1 on: {applied:?}"
+        );
+        let db = pg_connect().await;
+        if !GC_DONE.swap(true, Ordering::SeqCst) {
+            collect_old_tables(&db).await;
+        }
+        Self { name, db }
+    }
+
+    /// The CloudEvents `source` the relay uses by default for this table.
+    pub fn default_source(&self) -> String {
+        format!("/outbox/test/{}", self.name)
+    }
+
+    /// Inserts `rows` in one autocommitted statement.
+    pub async fn insert(&self, rows: &[NewRow]) -> Vec<Inserted> {
+        insert_rows(&self.db, &self.name, rows).await
+    }
+
+    /// Every row, in `seq` order.
+    pub async fn rows(&self) -> Vec<RowState> {
+        let sql = format!("SELECT {ROW_COLUMNS} FROM {} ORDER BY seq", self.name);
+        self.db
+            .query(&sql, &[])
+            .await
+            .expect("select rows")
+            .iter()
+            .map(row_state)
+            .collect()
+    }
+
+    /// One row by id.
+    pub async fn row(&self, id: Uuid) -> RowState {
+        let sql = format!("SELECT {ROW_COLUMNS} FROM {} WHERE id = $1", self.name);
+        row_state(&self.db.query_one(&sql, &[&id]).await.expect("select row"))
+    }
+
+    /// Rows matching `ids`, keyed by id.
+    pub async fn rows_by_id(&self, ids: &[Uuid]) -> HashMap<Uuid, RowState> {
+        let sql = format!("SELECT {ROW_COLUMNS} FROM {} WHERE id = ANY($1)", self.name);
+        self.db
+            .query(&sql, &[&ids])
+            .await
+            .expect("select rows by id")
+            .iter()
+            .map(|r| {
+                let s = row_state(r);
+                (s.id, s)
+            })
+            .collect()
+    }
+
+    /// The database's clock (the one `sent_at` and `locked_at` are written with).
+    pub async fn db_now(&self) -> DateTime<Utc> {
+        self.db
+            .query_one("SELECT clock_timestamp()", &[])
+            .await
+            .expect("clock_timestamp")
+            .get(0)
+    }
+
+    /// `SELECT count(*) FROM <table> WHERE <condition>` (the condition is test-authored SQL).
+    pub async fn count_where(&self, condition: &str) -> i64 {
+        let sql = format!("SELECT count(*) FROM {} WHERE {condition}", self.name);
+        self.db.query_one(&sql, &[]).await.expect("count").get(0)
+    }
+
+    /// Row counts by status (absent statuses are 0).
+    pub async fn status_counts(&self) -> BTreeMap<String, i64> {
+        let sql = format!("SELECT status, count(*) FROM {} GROUP BY status", self.name);
+        let mut out: BTreeMap<String, i64> = ["pending", "processing", "sent", "failed"]
+            .iter()
+            .map(|s| ((*s).to_owned(), 0))
+            .collect();
+        for r in self.db.query(&sql, &[]).await.expect("status counts") {
+            out.insert(r.get(0), r.get(1));
+        }
+        out
+    }
+
+    /// Waits until every row is `sent` (progress in the panic message otherwise).
+    pub async fn wait_all_sent(&self, timeout: Duration) {
+        wait_until(
+            timeout,
+            &format!("every row of {} is sent", self.name),
+            async || {
+                let counts = self.status_counts().await;
+                let unsent: i64 = counts
+                    .iter()
+                    .filter(|(k, _)| *k != "sent")
+                    .map(|(_, v)| v)
+                    .sum();
+                if unsent == 0 {
+                    Ok(())
+                } else {
+                    Err(format!("{counts:?}"))
+                }
+            },
+        )
+        .await;
+    }
+
+    /// Drops the table and the objects the migration created for it.
+    pub async fn drop_table(self) {
+        self.db
+            .batch_execute(&drop_table_sql(&self.name))
+            .await
+            .expect("drop test table");
+    }
+}
