@@ -1,7 +1,8 @@
-//! The operator commands other than `run`: `migrate`, `check`, `status`, `dead-letters`.
+//! The operator commands other than `run`: `migrate`, `check`, `status`, `dead-letters`,
+//! `tail`.
 
 use anyhow::{Context, Result, bail};
-use outbox_relay::config::Config;
+use outbox_relay::config::{Config, PublisherConfig};
 use outbox_relay::store::{PayloadKind, Selection, Store, schema};
 
 /// `migrate [--print]`.
@@ -38,16 +39,35 @@ pub async fn check(config: &Config) -> Result<()> {
     );
     let mut failed = false;
     let store = Store::new(&config.database, &config.relay.instance_id)?;
+    let url = config.database.redacted_url();
+    let table = &config.database.table;
+    // The same decision `run` makes at start, without changing anything.
     let kind = match store.ping().await {
-        Ok(()) => match store.inspect().await {
-            Ok((kind, _)) => {
+        Ok(()) => match outbox_relay::plan_schema(&store, config.database.auto_migrate).await {
+            Ok(plan) if !plan.table_exists => {
                 println!(
-                    "database: ok ({}, table {} found)",
-                    config.database.redacted_url(),
-                    config.database.table
+                    "database: ok ({url}; table {table} does not exist yet and will be created on start, database.auto_migrate = true)"
                 );
-                kind
+                PayloadKind::Json
             }
+            Ok(plan) => match store.inspect().await {
+                Ok((kind, _)) => {
+                    if plan.apply.is_empty() {
+                        println!("database: ok ({url}, table {table} found)");
+                    } else {
+                        println!(
+                            "database: ok ({url}, table {table} found; schema versions {:?} will be applied on start)",
+                            plan.apply
+                        );
+                    }
+                    kind
+                }
+                Err(e) => {
+                    println!("database: reachable, but {e}");
+                    failed = true;
+                    PayloadKind::Json
+                }
+            },
             Err(e) => {
                 println!("database: reachable, but {e}");
                 failed = true;
@@ -55,7 +75,7 @@ pub async fn check(config: &Config) -> Result<()> {
             }
         },
         Err(e) => {
-            println!("database: FAILED ({}): {e}", config.database.redacted_url());
+            println!("database: FAILED ({url}): {e}");
             failed = true;
             PayloadKind::Json
         }
@@ -105,8 +125,9 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<24} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12}",
+        "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12}",
         "AGGREGATE TYPE",
+        "PENDING",
         "READY",
         "WAITING",
         "PROCESSING",
@@ -117,8 +138,9 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
     );
     let line = |name: &str, c: &outbox_relay::store::StatusCounts| {
         println!(
-            "{:<24} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12.1}",
+            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12.1}",
             name,
+            c.pending,
             c.ready,
             c.waiting,
             c.processing,
@@ -185,5 +207,36 @@ pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) ->
         "discarded"
     };
     println!("{} dead letter(s) {verb}", changed.len());
+    Ok(())
+}
+
+/// The queue `tail` reads and the broker URL, or why there is none (a usage error).
+pub fn tail_queue(config: &Config, queue: Option<&str>) -> Result<(String, String)> {
+    let PublisherConfig::RabbitMq(q) = &config.publisher else {
+        bail!(
+            "tail reads a RabbitMQ queue, but publisher.kind is {:?}",
+            config.publisher.kind()
+        );
+    };
+    match queue.or(q.declare_queue.as_deref()) {
+        Some(name) => Ok((q.url.clone(), name.to_owned())),
+        None => {
+            bail!("no queue to tail: pass --queue NAME or set publisher.rabbitmq.declare_queue")
+        }
+    }
+}
+
+/// `tail [--queue Q] [--count N]`.
+pub async fn tail(
+    config: &Config,
+    queue: Option<&str>,
+    count: Option<u64>,
+    shutdown: tokio_util::sync::CancellationToken,
+) -> Result<()> {
+    let (url, queue) = tail_queue(config, queue)?;
+    let printed = outbox_relay::tail::tail(&url, &queue, count, shutdown).await?;
+    if let Some(c) = count.filter(|&c| printed < c) {
+        bail!("stopped after {printed} of {c} message(s)");
+    }
     Ok(())
 }

@@ -150,6 +150,11 @@ pub struct RawRabbitMq {
     pub routing_key: String,
     /// How long to wait for a publisher confirm (default 30s).
     pub confirm_timeout: HumanDuration,
+    /// A durable queue to declare and bind to the exchange at start and after every
+    /// reconnect, for development (default empty: none; the shipped relay.toml: `outbox.dev`).
+    pub declare_queue: String,
+    /// The binding key of `declare_queue` (default `#`: every message on a topic exchange).
+    pub queue_binding: String,
 }
 
 /// `[publisher.kafka]` as written.
@@ -251,6 +256,8 @@ impl Default for RawConfig {
                     declare_exchange: true,
                     routing_key: "{aggregate_type}.{event_type}".into(),
                     confirm_timeout: dur("30s"),
+                    declare_queue: String::new(),
+                    queue_binding: "#".into(),
                 },
                 kafka: RawKafka {
                     brokers: "127.0.0.1:9092".into(),
@@ -415,6 +422,10 @@ pub struct RabbitMqConfig {
     pub routing_key: Template,
     /// Confirm wait.
     pub confirm_timeout: Duration,
+    /// A development queue to declare (durable) and bind to the exchange, if any.
+    pub declare_queue: Option<String>,
+    /// Its binding key.
+    pub queue_binding: String,
     /// Channels in the publishing pool, each with at most one unconfirmed message (derived
     /// from `relay.max_in_flight`; not a key of its own).
     pub channels: usize,
@@ -671,6 +682,7 @@ impl RawConfig {
                     ));
                 }
                 positive("publisher.rabbitmq.confirm_timeout", q.confirm_timeout)?;
+                let declare_queue = validate_dev_queue(&q)?;
                 let routing_key = Template::parse(&q.routing_key).map_err(|e| {
                     ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string())
                 })?;
@@ -681,6 +693,8 @@ impl RawConfig {
                     declare_exchange: q.declare_exchange,
                     routing_key,
                     confirm_timeout: q.confirm_timeout.0,
+                    declare_queue,
+                    queue_binding: q.queue_binding,
                     channels: r.max_in_flight.min(MAX_AMQP_CHANNELS),
                 })
             }
@@ -768,6 +782,39 @@ impl RawConfig {
     }
 }
 
+/// `publisher.rabbitmq.declare_queue` and `queue_binding`: `None` when no queue is declared.
+fn validate_dev_queue(q: &RawRabbitMq) -> Result<Option<String>, ConfigError> {
+    if q.queue_binding.len() > 255 {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.queue_binding",
+            "is longer than 255 bytes",
+        ));
+    }
+    let name = q.declare_queue.trim();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    if name.len() > 255 {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.declare_queue",
+            "is longer than 255 bytes",
+        ));
+    }
+    if name.starts_with("amq.") {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.declare_queue",
+            format!("{name:?} starts with \"amq.\", which RabbitMQ reserves for itself"),
+        ));
+    }
+    if q.exchange.is_empty() {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.declare_queue",
+            "needs a named publisher.rabbitmq.exchange (the default exchange cannot be bound)",
+        ));
+    }
+    Ok(Some(name.to_owned()))
+}
+
 fn positive(key: &'static str, d: HumanDuration) -> Result<(), ConfigError> {
     if d.0.is_zero() {
         return Err(ConfigError::invalid(key, "must be greater than zero"));
@@ -842,6 +889,8 @@ mod tests {
         assert!(q.declare_exchange);
         assert_eq!(q.routing_key.as_str(), "{aggregate_type}.{event_type}");
         assert_eq!(q.confirm_timeout, Duration::from_secs(30));
+        assert_eq!(q.declare_queue, None);
+        assert_eq!(q.queue_binding, "#");
         assert!(
             c.relay
                 .instance_id
@@ -950,6 +999,54 @@ mod tests {
         assert!(err("[relay]\nordering = \"fifo\"\n").contains("relay.ordering"));
         assert!(err("[publisher]\nkind = \"sqs\"\n").contains("publisher.kind"));
         assert!(err("[metrics]\nlisten = \"nowhere\"\n").contains("metrics.listen"));
+    }
+
+    #[test]
+    fn dev_queue_is_checked() {
+        let c = load_str(
+            "[publisher.rabbitmq]\ndeclare_queue = \"outbox.dev\"\nqueue_binding = \"order.#\"\n",
+            &[],
+        )
+        .unwrap();
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("rabbitmq")
+        };
+        assert_eq!(q.declare_queue.as_deref(), Some("outbox.dev"));
+        assert_eq!(q.queue_binding, "order.#");
+        let e = err("[publisher.rabbitmq]\ndeclare_queue = \"amq.mine\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.declare_queue") && e.contains("reserves"),
+            "{e}"
+        );
+        let e = err("[publisher.rabbitmq]\nexchange = \"\"\ndeclare_queue = \"q\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.declare_queue") && e.contains("default exchange"),
+            "{e}"
+        );
+        let long = "x".repeat(256);
+        let e = err(&format!(
+            "[publisher.rabbitmq]\ndeclare_queue = \"{long}\"\n"
+        ));
+        assert!(e.contains("publisher.rabbitmq.declare_queue"), "{e}");
+        let e = err(&format!(
+            "[publisher.rabbitmq]\nqueue_binding = \"{long}\"\n"
+        ));
+        assert!(e.contains("publisher.rabbitmq.queue_binding"), "{e}");
+    }
+
+    #[test]
+    fn shipped_file_declares_the_development_queue() {
+        let c = Config::load_with_env(
+            &ConfigSource::Explicit(Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_FILE)),
+            Env::prefixed("RELAYTEST_NONE_"),
+        )
+        .unwrap();
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("the shipped relay.toml publishes to RabbitMQ")
+        };
+        assert_eq!(q.exchange, "outbox");
+        assert_eq!(q.declare_queue.as_deref(), Some("outbox.dev"));
+        assert_eq!(q.queue_binding, "#");
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //! - [`template`]: routing-key / topic templates.
 //! - [`telemetry`]: metric names, `record_*` functions, the `/metrics` + health server.
 //! - [`redact`]: masking passwords before anything is logged.
+//! - [`tail`]: the development consumer behind `outbox-relay tail`.
 //!
 //! Around this crate (a Cargo workspace): the binary in `src/main.rs` + `src/cli.rs`, the
 //! integration tests in `tests/`, the shared test kit in `testkit/` (`outbox-testkit`: the binary
@@ -31,6 +32,7 @@ pub mod redact;
 pub mod relay;
 pub mod retry;
 pub mod store;
+pub mod tail;
 pub mod telemetry;
 pub mod template;
 pub mod watermark;
@@ -210,6 +212,36 @@ pub async fn run_with(
     Ok(())
 }
 
+/// The start-up decision about the schema, shared by `run` (which acts on it) and `check`
+/// (which reports it): a missing table is fine when `database.auto_migrate` will create it,
+/// and an error naming the fix otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaPlan {
+    /// The table exists now.
+    pub table_exists: bool,
+    /// Schema versions start-up applies (empty without `auto_migrate`).
+    pub apply: Vec<i32>,
+}
+
+/// Decides what start-up does about the schema; an error when `run` could not start.
+pub async fn plan_schema(store: &Store, auto_migrate: bool) -> Result<SchemaPlan, StoreError> {
+    let state = store.schema_state().await?;
+    if !state.table_exists && !auto_migrate {
+        return Err(StoreError::Schema(format!(
+            "table {} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true",
+            store.table()
+        )));
+    }
+    Ok(SchemaPlan {
+        table_exists: state.table_exists,
+        apply: if auto_migrate {
+            state.pending
+        } else {
+            Vec::new()
+        },
+    })
+}
+
 /// Migrates (when configured) and inspects the table, waiting out database outages.
 async fn prepare_schema(
     store: &Store,
@@ -220,7 +252,8 @@ async fn prepare_schema(
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     loop {
         let attempt = async {
-            if config.database.auto_migrate {
+            let plan = plan_schema(store, config.database.auto_migrate).await?;
+            if !plan.apply.is_empty() {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
                     tracing::info!(table = %store.table(), versions = ?applied, "applied schema migrations");

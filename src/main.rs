@@ -48,6 +48,15 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print every message arriving on a RabbitMQ queue (development; consumes them).
+    Tail {
+        /// Queue to consume (default: publisher.rabbitmq.declare_queue).
+        #[arg(long)]
+        queue: Option<String>,
+        /// Stop after this many messages (default: until Ctrl-C).
+        #[arg(long)]
+        count: Option<u64>,
+    },
     /// Inspect, retry or discard dead letters (rows in status `failed`).
     #[command(subcommand, name = "dead-letters")]
     DeadLetters(DeadLetters),
@@ -118,6 +127,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // A tail with no queue to read is a usage error (exit 2), found before connecting.
+    if let Command::Tail { queue, .. } = &args.command
+        && let Err(e) = cli::tail_queue(&config, queue.as_deref())
+    {
+        eprintln!("outbox-relay: {e}");
+        return ExitCode::from(2);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -136,6 +152,11 @@ fn main() -> ExitCode {
                 outbox_relay::run(config, shutdown)
                     .await
                     .map_err(anyhow::Error::from)
+            }
+            Command::Tail { queue, count } => {
+                let shutdown = CancellationToken::new();
+                spawn_signal_handler(shutdown.clone());
+                cli::tail(&config, queue.as_deref(), count, shutdown).await
             }
             Command::Migrate { print } => cli::migrate(&config, print).await,
             Command::Check => cli::check(&config).await,
@@ -175,8 +196,8 @@ fn spawn_signal_handler(token: CancellationToken) {
             }
         };
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping claims and draining"),
-            () = terminate => tracing::info!("SIGTERM: stopping claims and draining"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: stopping"),
+            () = terminate => tracing::info!("SIGTERM: stopping"),
         }
         token.cancel();
     });

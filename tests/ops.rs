@@ -675,6 +675,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
         [
             "AGGREGATE",
             "TYPE",
+            "PENDING",
             "READY",
             "WAITING",
             "PROCESSING",
@@ -693,6 +694,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
         .collect();
     let human = |c: &BTreeMap<String, i64>| -> Vec<String> {
         [
+            "pending",
             "ready",
             "waiting",
             "processing",
@@ -713,14 +715,105 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
         let cells = table_rows
             .get(name)
             .unwrap_or_else(|| panic!("no {name} line in:\n{}", out.stdout));
-        assert_eq!(cells[..6], human(c)[..], "{name} line in:\n{}", out.stdout);
-        let oldest: f64 = cells[6].parse().expect("oldest seconds");
+        assert_eq!(cells[..7], human(c)[..], "{name} line in:\n{}", out.stdout);
+        assert_eq!(
+            c["pending"],
+            c["ready"] + c["waiting"],
+            "{name}: pending = ready + waiting"
+        );
+        let oldest: f64 = cells[7].parse().expect("oldest seconds");
         assert!(oldest >= 0.0, "{name} oldest {oldest}");
     }
     assert_eq!(table_rows.len(), 4, "{}", out.stdout);
-    let total_oldest: f64 = table_rows["TOTAL"][6].parse().unwrap();
+    let total_oldest: f64 = table_rows["TOTAL"][7].parse().unwrap();
     assert!(near(total_oldest, 99.9), "TOTAL oldest {total_oldest}");
 
+    table.drop_table().await;
+}
+
+// ---- check and migrate decide by what exists ---------------------------------------------------
+
+async fn table_exists(db: &tokio_postgres::Client, name: &str) -> bool {
+    db.query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_makes_the_start_up_decision_about_a_missing_table() {
+    let name = format!("ops_{}", hex8());
+    let db = pg_connect().await;
+
+    // auto_migrate on: `run` would create the table, so `check` is satisfied (and creates
+    // nothing itself).
+    let out = cli(&name)
+        .set("database.auto_migrate", "true")
+        .output(&["check"], WAIT)
+        .await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains(&format!(
+            "table {name} does not exist yet and will be created on start"
+        )),
+        "{}",
+        out.stdout
+    );
+    assert!(!table_exists(&db, &name).await, "check created the table");
+
+    // auto_migrate off: `check` fails and names the fixes, and `run` refuses with the same words.
+    let fix = format!(
+        "table {name} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true"
+    );
+    let out = cli(&name)
+        .set("database.auto_migrate", "false")
+        .output(&["check"], WAIT)
+        .await;
+    assert_eq!(out.status.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    assert!(out.stdout.contains(&fix), "{}", out.stdout);
+    let out = cli(&name)
+        .set("database.auto_migrate", "false")
+        .set("metrics.listen", "")
+        .output(&["run"], WAIT)
+        .await;
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(out.stderr.contains(&fix), "{}", out.stderr);
+    assert!(!table_exists(&db, &name).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_and_auto_migrate_recreate_a_dropped_table() {
+    let table = ops_table().await;
+    let drop = format!("DROP TABLE {}", table.name);
+
+    // Version 1 stays recorded in outbox_relay_schema_version; the table is what counts.
+    table.db.batch_execute(&drop).await.unwrap();
+    let out = cli(&table.name).output(&["migrate"], WAIT).await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("applied schema versions [1"),
+        "{}",
+        out.stdout
+    );
+    assert!(table_exists(&table.db, &table.name).await);
+    let again = cli(&table.name).output(&["migrate"], WAIT).await;
+    assert!(again.stdout.contains("is up to date"), "{}", again.stdout);
+
+    table.db.batch_execute(&drop).await.unwrap();
+    let relay = cli(&table.name)
+        .set("database.auto_migrate", "true")
+        .set("metrics.listen", "")
+        .spawn();
+    relay
+        .wait_for_log("applied schema migrations", 1, WAIT)
+        .await;
+    relay.wait_for_log("outbox-relay starting", 1, WAIT).await;
+    relay.stop().await;
+    // The whole schema is back: the sequence and its default work.
+    let inserted = table
+        .insert(&[NewRow::new("order", Some("o-1"), "created", json!({}))])
+        .await;
+    assert_eq!(inserted.len(), 1);
     table.drop_table().await;
 }
 

@@ -14,7 +14,10 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
@@ -157,6 +160,44 @@ impl RabbitMqPublisher {
     }
 }
 
+/// Declares the development queue (durable) and binds it to `exchange` with `binding`.
+async fn declare_dev_queue(
+    channel: &Channel,
+    queue: &str,
+    exchange: &str,
+    binding: &str,
+) -> Result<(), ConnectError> {
+    channel
+        .queue_declare(
+            ShortString::from(queue.to_owned()),
+            QueueDeclareOptions {
+                durable: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            ConnectError(format!(
+                "cannot declare queue {queue:?} (publisher.rabbitmq.declare_queue): {e}; if it exists with other settings, choose another name or remove the key"
+            ))
+        })?;
+    channel
+        .queue_bind(
+            ShortString::from(queue.to_owned()),
+            ShortString::from(exchange.to_owned()),
+            ShortString::from(binding.to_owned()),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            ConnectError(format!(
+                "cannot bind queue {queue:?} to exchange {exchange:?} with {binding:?} (publisher.rabbitmq.queue_binding): {e}"
+            ))
+        })
+}
+
 fn exchange_kind(name: &str) -> ExchangeKind {
     match name {
         "direct" => ExchangeKind::Direct,
@@ -268,6 +309,9 @@ impl Publisher for RabbitMqPublisher {
                         self.cfg.exchange, self.cfg.exchange_type
                     ))
                 })?;
+        }
+        if let Some(queue) = &self.cfg.declare_queue {
+            declare_dev_queue(&channel, queue, &self.cfg.exchange, &self.cfg.queue_binding).await?;
         }
         let live = Live {
             generation: self.generations.fetch_add(1, Ordering::Relaxed) + 1,

@@ -405,6 +405,52 @@ impl Queries {
     }
 }
 
+/// The table's schema as found in the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaState {
+    /// The outbox table exists.
+    pub table_exists: bool,
+    /// Versions `migrate` would apply, in order (every one when the table does not exist).
+    pub pending: Vec<i32>,
+}
+
+struct Current {
+    table_exists: bool,
+    version: i32,
+}
+
+/// The version the table is at: the recorded one, or 0 when the table does not exist (so
+/// that a dropped table is created again) or nothing was recorded.
+async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
+    client: &C,
+    table: &TableName,
+) -> Result<Current> {
+    let key = table.qualified();
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL, \
+                    to_regclass('outbox_relay_schema_version') IS NOT NULL",
+            &[&key],
+        )
+        .await?;
+    let (table_exists, recorded): (bool, bool) = (row.get(0), row.get(1));
+    let version = if table_exists && recorded {
+        client
+            .query_opt(
+                "SELECT version FROM outbox_relay_schema_version WHERE table_name = $1",
+                &[&key],
+            )
+            .await?
+            .map_or(0, |r| r.get(0))
+    } else {
+        0
+    };
+    Ok(Current {
+        table_exists,
+        version,
+    })
+}
+
 /// The outbox table and its connection pool.
 #[derive(Clone)]
 pub struct Store {
@@ -485,6 +531,10 @@ impl Store {
     }
 
     /// Applies pending migrations under an advisory lock; returns the versions applied.
+    ///
+    /// What is pending is decided by what exists, not only by what was recorded: when the
+    /// table is missing (never created, or dropped since) every file is applied again (they
+    /// are idempotent), whatever `outbox_relay_schema_version` says.
     pub async fn migrate(&self) -> Result<Vec<i32>> {
         let mut client = self.client().await?;
         let tx = client.transaction().await?;
@@ -495,14 +545,7 @@ impl Store {
         .await?;
         tx.batch_execute(schema::VERSION_TABLE_DDL).await?;
         let key = self.table.qualified();
-        let current: i32 = tx
-            .query_opt(
-                "SELECT version FROM outbox_relay_schema_version WHERE table_name = $1",
-                &[&key],
-            )
-            .await?
-            .map(|r| r.get(0))
-            .unwrap_or(0);
+        let current = current_version(&tx, &self.table).await?.version;
         if let Some(schema) = &self.table.schema {
             tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
                 .await?;
@@ -525,6 +568,21 @@ impl Store {
         Ok(applied)
     }
 
+    /// Whether the table exists and which schema versions `migrate` would apply, read
+    /// without changing anything (for `check` and the start-up decision).
+    pub async fn schema_state(&self) -> Result<SchemaState> {
+        let client = self.client().await?;
+        let current = current_version(&client, &self.table).await?;
+        Ok(SchemaState {
+            table_exists: current.table_exists,
+            pending: schema::MIGRATIONS
+                .iter()
+                .map(|m| m.version)
+                .filter(|&v| v > current.version)
+                .collect(),
+        })
+    }
+
     /// Checks that the table exists and returns its payload kind and oid.
     pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
         let client = self.client().await?;
@@ -539,7 +597,7 @@ impl Store {
             .await?
             .ok_or_else(|| {
                 StoreError::Schema(format!(
-                    "table {t} does not exist: run `outbox-relay migrate` or set database.auto_migrate = true"
+                    "table {t} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true"
                 ))
             })?;
         let oid: u32 = row.get(0);

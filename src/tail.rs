@@ -1,0 +1,198 @@
+//! `outbox-relay tail`: a development consumer that prints every message arriving on a
+//! RabbitMQ queue (by default the `publisher.rabbitmq.declare_queue` the shipped `relay.toml`
+//! declares), so a newcomer can watch their event arrive without another client.
+//!
+//! Each message is acknowledged after it was printed, so it is consumed: point `tail` at a
+//! development queue, never at a queue a real consumer reads.
+
+use futures::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
+use tokio_util::sync::CancellationToken;
+
+use crate::redact::redact_url;
+
+/// Why `tail` stopped before its count.
+#[derive(Debug, thiserror::Error)]
+pub enum TailError {
+    /// The broker could not be reached.
+    #[error("cannot connect to {url}: {source}")]
+    Connect {
+        /// The AMQP URL, password masked.
+        url: String,
+        /// What lapin said.
+        source: lapin::Error,
+    },
+    /// The queue is not there (or not accessible).
+    #[error(
+        "queue {queue:?} is not available: {source} (start the relay once so that it declares publisher.rabbitmq.declare_queue, or pass --queue)"
+    )]
+    NoQueue {
+        /// The queue name.
+        queue: String,
+        /// What the broker said.
+        source: lapin::Error,
+    },
+    /// The connection broke while consuming.
+    #[error("consuming from {queue:?} failed: {source}")]
+    Consume {
+        /// The queue name.
+        queue: String,
+        /// What lapin said.
+        source: lapin::Error,
+    },
+}
+
+/// Consumes `queue` on the broker at `url` and prints each message to stdout until `count`
+/// messages were printed (all of them when `None`) or `shutdown` is cancelled.
+pub async fn tail(
+    url: &str,
+    queue: &str,
+    count: Option<u64>,
+    shutdown: CancellationToken,
+) -> Result<u64, TailError> {
+    let connect = |source| TailError::Connect {
+        url: redact_url(url),
+        source,
+    };
+    let props =
+        ConnectionProperties::default().with_connection_name(LongString::from("outbox-relay tail"));
+    let conn = Connection::connect(url, props).await.map_err(connect)?;
+    let channel = conn.create_channel().await.map_err(connect)?;
+    let no_queue = |source| TailError::NoQueue {
+        queue: queue.to_owned(),
+        source,
+    };
+    // Passive: never create a queue by accident (a typo would then wait forever).
+    let declared = channel
+        .queue_declare(
+            ShortString::from(queue.to_owned()),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(no_queue)?;
+    channel
+        .basic_qos(16, BasicQosOptions::default())
+        .await
+        .map_err(no_queue)?;
+    let mut consumer = channel
+        .basic_consume(
+            ShortString::from(queue.to_owned()),
+            ShortString::from("outbox-relay-tail"),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(no_queue)?;
+    eprintln!(
+        "tail: waiting for messages on queue {queue:?} ({} already there); Ctrl-C to stop",
+        declared.message_count()
+    );
+    let failed = |source| TailError::Consume {
+        queue: queue.to_owned(),
+        source,
+    };
+    let mut printed = 0u64;
+    while count.is_none_or(|c| printed < c) {
+        let next = tokio::select! {
+            d = consumer.next() => d,
+            () = shutdown.cancelled() => break,
+        };
+        let delivery = match next {
+            Some(Ok(d)) => d,
+            Some(Err(e)) => return Err(failed(e)),
+            None => break,
+        };
+        printed += 1;
+        println!(
+            "{}",
+            describe(
+                printed,
+                delivery.exchange.as_str(),
+                delivery.routing_key.as_str(),
+                &delivery.properties,
+                &delivery.data,
+            )
+        );
+        delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map_err(failed)?;
+    }
+    let _ = conn.close(200, ShortString::from("tail done")).await;
+    Ok(printed)
+}
+
+/// One message as `tail` prints it: where it came from, its id and type, every header and
+/// the body (as text when it is UTF-8).
+pub fn describe(
+    n: u64,
+    exchange: &str,
+    routing_key: &str,
+    props: &BasicProperties,
+    body: &[u8],
+) -> String {
+    let text = |v: &Option<ShortString>| v.as_ref().map_or("-".to_owned(), |s| s.to_string());
+    let mut out = format!(
+        "message {n}: exchange {exchange:?}, routing key {routing_key:?}\n  id: {}\n  type: {}\n  content_type: {}\n",
+        text(props.message_id()),
+        text(props.kind()),
+        text(props.content_type()),
+    );
+    if let Some(headers) = props.headers() {
+        for (k, v) in headers.inner() {
+            let v = match v {
+                AMQPValue::LongString(s) => s.to_string(),
+                AMQPValue::ShortString(s) => s.to_string(),
+                other => format!("{other:?}"),
+            };
+            out.push_str(&format!("  header {k}: {v}\n"));
+        }
+    }
+    match std::str::from_utf8(body) {
+        Ok(s) => out.push_str(&format!("  body: {s}")),
+        Err(_) => out.push_str(&format!("  body: ({} bytes, not UTF-8)", body.len())),
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn describe_shows_id_type_route_headers_and_body() {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("cloudEvents:type"),
+            AMQPValue::LongString(LongString::from("order.created")),
+        );
+        let props = BasicProperties::default()
+            .with_message_id(ShortString::from("id-1"))
+            .with_type(ShortString::from("order.created"))
+            .with_content_type(ShortString::from("application/json"))
+            .with_headers(headers);
+        let s = describe(
+            1,
+            "outbox",
+            "order.order.created",
+            &props,
+            br#"{"total": 99}"#,
+        );
+        assert_eq!(
+            s,
+            "message 1: exchange \"outbox\", routing key \"order.order.created\"\n  id: id-1\n  type: order.created\n  content_type: application/json\n  header cloudEvents:type: order.created\n  body: {\"total\": 99}"
+        );
+        let s = describe(2, "x", "k", &BasicProperties::default(), &[0xff, 0xfe]);
+        assert!(
+            s.contains("id: -") && s.ends_with("body: (2 bytes, not UTF-8)"),
+            "{s}"
+        );
+    }
+}
