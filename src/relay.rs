@@ -167,9 +167,17 @@ impl Relay {
         // would make many tiny claims, so the loop waits for half a window (at most a batch).
         let mut backlog = false;
         let refill = cfg.batch_size.min(cfg.max_in_flight / 2).max(1);
+        // Whether the broker was connected when last looked at: a drop from true is a lost
+        // connection, counted once however many rows (none, when idle) were in flight.
+        let mut broker_up = false;
 
         while !shutdown.is_cancelled() {
             if !self.publisher.is_connected() {
+                if broker_up {
+                    broker_up = false;
+                    telemetry::record_broker_down();
+                    tracing::warn!(publisher = %self.publisher.describe(), "lost the broker connection; reconnecting");
+                }
                 self.health.set_broker(false);
                 let connected = tokio::select! {
                     r = self.publisher.connect() => r,
@@ -178,10 +186,13 @@ impl Relay {
                 match connected {
                     Ok(()) => {
                         tracing::info!(publisher = %self.publisher.describe(), "connected to the broker");
+                        broker_up = true;
+                        telemetry::record_broker_connected();
                         self.health.set_broker(true);
                         broker_backoff = reconnect_backoff();
                     }
                     Err(e) => {
+                        telemetry::record_broker_down();
                         let delay = broker_backoff.next_delay();
                         tracing::warn!(error = %e, retry_in = ?delay, "broker unavailable; not claiming rows until it is back");
                         sleep_or_cancel(delay, shutdown).await;

@@ -30,6 +30,8 @@ pub mod names {
     pub const PUBLISHED: &str = "outbox_published_total";
     /// Counter: failed publishes, labelled `kind` = `message` | `connection`.
     pub const PUBLISH_FAILURES: &str = "outbox_publish_failures_total";
+    /// Gauge: 1 while the relay holds a broker connection, 0 while it has none.
+    pub const BROKER_CONNECTED: &str = "outbox_broker_connected";
     /// Counter: rows moved to `failed`.
     pub const DEAD_LETTERED: &str = "outbox_dead_lettered_total";
     /// Histogram: send → confirm.
@@ -50,6 +52,7 @@ pub mod names {
         BLOCKED_AGGREGATES,
         PUBLISHED,
         PUBLISH_FAILURES,
+        BROKER_CONNECTED,
         DEAD_LETTERED,
         PUBLISH_DURATION,
         END_TO_END_LATENCY,
@@ -91,6 +94,7 @@ pub fn record_info(instance: &str, publisher: &str) {
     metrics::counter!(names::PUBLISH_FAILURES, "kind" => "connection").increment(0);
     metrics::counter!(names::DEAD_LETTERED).increment(0);
     metrics::gauge!(names::WATERMARK_LAG).set(0.0);
+    metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
 }
 
 /// A message was confirmed by the broker.
@@ -104,6 +108,18 @@ pub fn record_published(aggregate_type: &str, publish: Duration, end_to_end: Dur
 pub fn record_publish_failure(connection: bool) {
     let kind = if connection { "connection" } else { "message" };
     metrics::counter!(names::PUBLISH_FAILURES, "kind" => kind).increment(1);
+}
+
+/// The relay (re)connected to the broker.
+pub fn record_broker_connected() {
+    metrics::gauge!(names::BROKER_CONNECTED).set(1.0);
+}
+
+/// The broker connection was lost, or an attempt to (re)connect failed: a connection-level
+/// failure even when no message was in flight, and the gauge says the broker is down.
+pub fn record_broker_down() {
+    metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
+    metrics::counter!(names::PUBLISH_FAILURES, "kind" => "connection").increment(1);
 }
 
 /// Rows were dead-lettered.

@@ -740,6 +740,7 @@ fn dashboard_covers_every_metric_and_names_no_other() {
         "outbox_watermark_lag_seconds",
     );
     has("Claim batch size", "outbox_claim_batch_size_bucket");
+    has("Broker connection by relay", "outbox_broker_connected");
     for (title, metric) in [
         (
             "End-to-end latency (created_at → confirmed)",
@@ -790,6 +791,7 @@ fn alert_rules_name_known_metrics_and_each_has_both_unit_test_cases() {
         "OutboxBlockedAggregates",
         "OutboxRelayDown",
         "OutboxNoProgress",
+        "OutboxBrokerDown",
     ] {
         assert!(
             alert_names.contains(required),
@@ -804,6 +806,7 @@ fn alert_rules_name_known_metrics_and_each_has_both_unit_test_cases() {
         names::BLOCKED_AGGREGATES,
         names::PUBLISHED,
         names::PENDING,
+        names::BROKER_CONNECTED,
     ] {
         assert!(used.contains(needed), "no alert watches {needed}");
     }

@@ -496,6 +496,82 @@ async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
     table.drop_table().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
+    let table = ops_table().await;
+    let rabbit = RabbitFixture::new("ops_broker_gauge", "#", "barrier.ops").await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    let port = free_port();
+    let relay = relay(&table, &rabbit, Some(port))
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .spawn();
+    let connection = [("kind", "connection")];
+
+    wait_for_sample(
+        port,
+        names::BROKER_CONNECTED,
+        &[],
+        "the broker gauge says connected",
+        |v| v == 1.0,
+    )
+    .await;
+    let text = scrape(port).await.unwrap();
+    assert_eq!(
+        sample(&text, names::PUBLISH_FAILURES, &connection),
+        Some(0.0)
+    );
+
+    // Nothing in flight (no row at all): the cut is seen on the connection alone.
+    proxy.cut();
+    wait_for_sample(
+        port,
+        names::BROKER_CONNECTED,
+        &[],
+        "the broker gauge drops to 0",
+        |v| v == 0.0,
+    )
+    .await;
+    relay
+        .wait_for_log("broker unavailable; not claiming rows", 2, WAIT)
+        .await;
+    let during = wait_for_sample(
+        port,
+        names::PUBLISH_FAILURES,
+        &connection,
+        "the lost connection and the failed reconnects are counted",
+        |v| v >= 3.0,
+    )
+    .await;
+    assert!(during >= 3.0, "{during}");
+
+    proxy.heal();
+    wait_for_sample(
+        port,
+        names::BROKER_CONNECTED,
+        &[],
+        "the broker gauge is back at 1",
+        |v| v == 1.0,
+    )
+    .await;
+    // Exactly one lost connection plus one count per failed reconnect the relay logged.
+    let text = scrape(port).await.unwrap();
+    let failed_reconnects = relay.log_count("broker unavailable; not claiming rows");
+    assert_eq!(relay.log_count("lost the broker connection"), 1);
+    assert_eq!(
+        sample(&text, names::PUBLISH_FAILURES, &connection),
+        Some(1.0 + failed_reconnects as f64),
+        "connection failures after {failed_reconnects} failed reconnects"
+    );
+    assert_eq!(
+        sample(&text, names::PUBLISH_FAILURES, &[("kind", "message")]),
+        Some(0.0)
+    );
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
 // ---- status -----------------------------------------------------------------------------------
 
 const STATUS_KEYS: [&str; 8] = [
