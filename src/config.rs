@@ -155,6 +155,35 @@ pub struct RawRabbitMq {
     pub declare_queue: String,
     /// The binding key of `declare_queue` (default `#`: every message on a topic exchange).
     pub queue_binding: String,
+    /// Header-name prefix of the CloudEvents attributes (default `cloudEvents:`).
+    pub cloudevents_prefix: CloudEventsPrefix,
+}
+
+/// How CloudEvents attributes are named in RabbitMQ headers
+/// (`publisher.rabbitmq.cloudevents_prefix`): a closed set, one per consumer convention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CloudEventsPrefix {
+    /// `cloudEvents:`: the CloudEvents AMQP binding (Spring AMQP, the SDKs' AMQP bindings).
+    #[default]
+    #[serde(rename = "cloudEvents:")]
+    Colon,
+    /// `cloudEvents_`: the AMQP binding's JMS-safe spelling.
+    #[serde(rename = "cloudEvents_")]
+    Underscore,
+    /// `ce-`: Knative eventing-rabbitmq and the Python SDK's RabbitMQ binding.
+    #[serde(rename = "ce-")]
+    Dash,
+}
+
+impl CloudEventsPrefix {
+    /// The prefix as written in headers.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Colon => "cloudEvents:",
+            Self::Underscore => "cloudEvents_",
+            Self::Dash => "ce-",
+        }
+    }
 }
 
 /// `[publisher.kafka]` as written.
@@ -258,6 +287,7 @@ impl Default for RawConfig {
                     confirm_timeout: dur("30s"),
                     declare_queue: String::new(),
                     queue_binding: "#".into(),
+                    cloudevents_prefix: CloudEventsPrefix::Colon,
                 },
                 kafka: RawKafka {
                     brokers: "127.0.0.1:9092".into(),
@@ -426,6 +456,8 @@ pub struct RabbitMqConfig {
     pub declare_queue: Option<String>,
     /// Its binding key.
     pub queue_binding: String,
+    /// Header-name prefix of the CloudEvents attributes.
+    pub cloudevents_prefix: CloudEventsPrefix,
     /// Channels in the publishing pool, each with at most one unconfirmed message (derived
     /// from `relay.max_in_flight`; not a key of its own).
     pub channels: usize,
@@ -695,6 +727,7 @@ impl RawConfig {
                     confirm_timeout: q.confirm_timeout.0,
                     declare_queue,
                     queue_binding: q.queue_binding,
+                    cloudevents_prefix: q.cloudevents_prefix,
                     channels: r.max_in_flight.min(MAX_AMQP_CHANNELS),
                 })
             }
@@ -891,6 +924,7 @@ mod tests {
         assert_eq!(q.confirm_timeout, Duration::from_secs(30));
         assert_eq!(q.declare_queue, None);
         assert_eq!(q.queue_binding, "#");
+        assert_eq!(q.cloudevents_prefix.as_str(), "cloudEvents:");
         assert!(
             c.relay
                 .instance_id
@@ -1032,6 +1066,34 @@ mod tests {
             "[publisher.rabbitmq]\nqueue_binding = \"{long}\"\n"
         ));
         assert!(e.contains("publisher.rabbitmq.queue_binding"), "{e}");
+    }
+
+    #[test]
+    fn cloudevents_prefix_is_a_closed_set() {
+        for (written, want) in [
+            ("cloudEvents:", CloudEventsPrefix::Colon),
+            ("cloudEvents_", CloudEventsPrefix::Underscore),
+            ("ce-", CloudEventsPrefix::Dash),
+        ] {
+            let c = load_str(
+                &format!("[publisher.rabbitmq]\ncloudevents_prefix = \"{written}\"\n"),
+                &[],
+            )
+            .unwrap();
+            let PublisherConfig::RabbitMq(q) = c.publisher else {
+                panic!("rabbitmq")
+            };
+            assert_eq!(q.cloudevents_prefix, want);
+            assert_eq!(want.as_str(), written);
+        }
+        let e = err("[publisher.rabbitmq]\ncloudevents_prefix = \"ce_\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.cloudevents_prefix")
+                && e.contains("ce_")
+                && e.contains("cloudEvents:")
+                && e.contains("ce-"),
+            "{e}"
+        );
     }
 
     #[test]

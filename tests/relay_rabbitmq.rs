@@ -1280,3 +1280,131 @@ async fn passwords_never_reach_the_output() {
     );
     table.drop_table().await;
 }
+
+/// The Python SDK decode (`cloudevents` 2.x, when installed): reads a JSON message description
+/// on stdin, prints the decoded event's attributes and data as JSON.
+const PY_DECODE: &str = r#"
+import json, sys
+from cloudevents.core.bindings import amqp, rabbitmq
+m = json.load(sys.stdin)
+if m["binding"] == "rabbitmq":
+    ev = rabbitmq.from_rabbitmq_event(rabbitmq.RabbitMQMessage(
+        headers=m["headers"], content_type=m["content_type"], body=m["body"].encode()))
+else:
+    ev = amqp.from_amqp_event(amqp.AMQPMessage(
+        properties={"content-type": m["content_type"]},
+        application_properties=m["headers"], application_data=m["body"].encode()))
+a = ev.get_attributes()
+out = {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in a.items()}
+out["data"] = ev.get_data()
+print(json.dumps(out))
+"#;
+
+fn python_sdk_available() -> bool {
+    std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import cloudevents.core.bindings.rabbitmq, cloudevents.core.bindings.amqp",
+        ])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn python_decode(binding: &str, d: &Delivered) -> serde_json::Value {
+    use std::io::Write;
+    let input = json!({
+        "binding": binding,
+        "headers": d.headers(),
+        "content_type": d.properties.content_type().as_ref().map(ToString::to_string),
+        "body": String::from_utf8(d.body.clone()).unwrap(),
+    });
+    let mut child = std::process::Command::new("python3")
+        .args(["-c", PY_DECODE])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python3");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the CloudEvents Python SDK ({binding} binding) could not decode the message: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cloudevents_prefix_names_the_headers_for_each_consumer_convention() {
+    let table = TestTable::new("ce_prefix").await;
+    let rabbit = RabbitFixture::new("ce_prefix", "#", "barrier.ce").await;
+    let sdk = python_sdk_available();
+    if !sdk {
+        eprintln!("python3 -m pip install cloudevents to also decode through the Python SDK");
+    }
+    let prefixes = ["cloudEvents:", "cloudEvents_", "ce-"];
+    for (n, prefix) in prefixes.into_iter().enumerate() {
+        let relay = RelayBuilder::for_test(&table, &rabbit, &format!("ce-prefix-{n}"))
+            .set("publisher.rabbitmq.cloudevents_prefix", prefix)
+            .spawn();
+        let row = table
+            .insert(&[NewRow::new(
+                "order",
+                Some(&format!("o-{n}")),
+                "order.created",
+                json!({"total": n}),
+            )])
+            .await;
+        rabbit.wait_for_ids(&[row[0].id], LONG).await;
+        relay.stop().await;
+        let d = rabbit
+            .deliveries()
+            .into_iter()
+            .find(|d| d.message_id == row[0].id.to_string())
+            .unwrap();
+        let headers = d.headers();
+        let id = row[0].id.to_string();
+        let subject = format!("o-{n}");
+        let source = table.default_source();
+        for (attr, want) in [
+            ("id", id.as_str()),
+            ("type", "order.created"),
+            ("source", source.as_str()),
+            ("subject", subject.as_str()),
+            ("specversion", "1.0"),
+            ("aggregatetype", "order"),
+        ] {
+            assert_eq!(
+                headers.get(&format!("{prefix}{attr}")).map(String::as_str),
+                Some(want),
+                "{prefix}{attr} in {headers:?}"
+            );
+        }
+        assert!(headers.contains_key(&format!("{prefix}time")));
+        for other in prefixes.iter().filter(|p| **p != prefix) {
+            assert!(
+                !headers.keys().any(|k| k.starts_with(other)),
+                "{other} header with prefix {prefix}: {headers:?}"
+            );
+        }
+        if sdk {
+            let binding = if prefix == "ce-" { "rabbitmq" } else { "amqp" };
+            let ev = python_decode(binding, &d);
+            assert_eq!(ev["id"], json!(id), "{ev}");
+            assert_eq!(ev["type"], json!("order.created"), "{ev}");
+            assert_eq!(ev["source"], json!(source), "{ev}");
+            assert_eq!(ev["subject"], json!(subject), "{ev}");
+            assert_eq!(ev["aggregatetype"], json!("order"), "{ev}");
+            assert_eq!(ev["datacontenttype"], json!("application/json"), "{ev}");
+            assert_eq!(ev["data"], json!({"total": n}), "{ev}");
+        }
+    }
+    rabbit.teardown().await;
+    table.drop_table().await;
+}

@@ -140,10 +140,12 @@ impl RabbitMqPublisher {
                 .map_err(|_| format!("header name {k:.40}… is longer than 255 bytes"))?;
             headers.insert(key, AMQPValue::LongString(LongString::from(v)));
         }
-        // CloudEvents AMQP binding: attributes as `cloudEvents:<name>` application properties.
+        // CloudEvents binary mode: attributes as `<prefix><name>` headers (`cloudEvents:` is the
+        // AMQP binding; `publisher.rabbitmq.cloudevents_prefix` picks the consumers' convention).
+        let prefix = self.cfg.cloudevents_prefix.as_str();
         for (name, value) in envelope::cloud_event_attributes(msg, &self.envelope) {
             headers.insert(
-                ShortString::from(format!("cloudEvents:{name}")),
+                ShortString::from(format!("{prefix}{name}")),
                 AMQPValue::LongString(LongString::from(value)),
             );
         }
