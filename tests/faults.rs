@@ -55,11 +55,10 @@ use common::{
 use futures::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
-    QueueDeleteOptions,
+    ExchangeDeleteOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{BasicProperties, Connection, ConnectionProperties};
 use serde_json::{Value, json};
 use tokio::sync::RwLock;
 use tokio::task::JoinHandle;
@@ -211,23 +210,9 @@ fn not_sent_once(facts: &[Fact]) -> Vec<(Uuid, String, i32, Option<String>)> {
 
 /// `insert_rows` that reports errors instead of panicking (the database may be restarting).
 async fn try_insert(client: &Client, table: &str, rows: &[NewRow]) -> Result<usize, String> {
-    let sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination) \
-         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[])"
-    );
-    let types: Vec<&str> = rows.iter().map(|r| r.aggregate_type.as_str()).collect();
-    let ids: Vec<Option<&str>> = rows.iter().map(|r| r.aggregate_id.as_deref()).collect();
-    let events: Vec<&str> = rows.iter().map(|r| r.event_type.as_str()).collect();
-    let payloads: Vec<&Value> = rows.iter().map(|r| &r.payload).collect();
-    let headers: Vec<&Value> = rows.iter().map(|r| &r.headers).collect();
-    let destinations: Vec<Option<&str>> = rows.iter().map(|r| r.destination.as_deref()).collect();
-    client
-        .execute(
-            &sql,
-            &[&types, &ids, &events, &payloads, &headers, &destinations],
-        )
+    common::try_insert_rows(client, table, rows)
         .await
-        .map(|n| usize::try_from(n).unwrap())
+        .map(|ids| ids.len())
         .map_err(|e| e.to_string())
 }
 
@@ -746,36 +731,9 @@ impl DurableQueue {
             .await
             .expect("connect to RabbitMQ");
         let ch = conn.create_channel().await.unwrap();
-        ch.exchange_declare(
-            exchange.as_str().into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare durable exchange");
-        ch.queue_declare(
-            queue.as_str().into(),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare durable queue");
-        ch.queue_bind(
-            queue.as_str().into(),
-            exchange.as_str().into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind durable queue");
+        common::declare_bound_queue(&ch, &exchange, &queue, common::Durability::Durable, "#")
+            .await
+            .unwrap();
         let _ = conn.close(200, "declared".into()).await;
 
         let received = Arc::new(Mutex::new(Vec::new()));
@@ -1190,16 +1148,7 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
 
     // A batch in flight: the broker answers nothing until healed.
     broker.stall();
-    let rows: Vec<NewRow> = (0..50)
-        .map(|i| {
-            NewRow::new(
-                "lease",
-                Some(&format!("l-{}", i % 10)),
-                "e",
-                json!({ "i": i }),
-            )
-        })
-        .collect();
+    let rows = NewRow::numbered(50, "lease", Some(("l-", 10)), "e");
     table.insert(&rows).await;
     wait_until(
         Duration::from_secs(30),
@@ -1226,19 +1175,13 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         .await;
     let stuck_at_heal = table.count_where("status = 'processing'").await;
     database.heal();
-    wait_until(
-        Duration::from_secs(60),
-        "every row is sent after the database came back",
-        async || {
-            let c = table.status_counts().await;
-            if c["sent"] == 51 {
-                Ok(())
-            } else {
-                Err(format!("{c:?}"))
-            }
-        },
-    )
-    .await;
+    table
+        .wait_for_counts(
+            Duration::from_secs(60),
+            "every row is sent after the database came back",
+            |c| c["sent"] == 51,
+        )
+        .await;
     rabbit.barrier().await;
     let all = facts(&table.db, &table.name).await;
     let deliveries = rabbit.deliveries();
@@ -1294,16 +1237,7 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
     )
     .await;
 
-    let rows: Vec<NewRow> = (0..50)
-        .map(|i| {
-            NewRow::new(
-                "orphan",
-                Some(&format!("o-{}", i % 10)),
-                "e",
-                json!({ "i": i }),
-            )
-        })
-        .collect();
+    let rows = NewRow::numbered(50, "orphan", Some(("o-", 10)), "e");
     let mut db = common::pg_connect().await;
     let tx = db.transaction().await.unwrap();
     let orphans = common::insert_rows(&tx, &table.name, &rows).await;
@@ -1348,19 +1282,13 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
          the check above proves nothing"
     );
     proxy.heal();
-    wait_until(
-        Duration::from_secs(60),
-        "every orphaned row is sent after its lease expired",
-        async || {
-            let c = table.status_counts().await;
-            if c["sent"] == 52 {
-                Ok(())
-            } else {
-                Err(format!("{c:?}"))
-            }
-        },
-    )
-    .await;
+    table
+        .wait_for_counts(
+            Duration::from_secs(60),
+            "every orphaned row is sent after its lease expired",
+            |c| c["sent"] == 52,
+        )
+        .await;
     let took = committed.elapsed();
     assert!(
         took >= lease - Duration::from_millis(200),
@@ -1621,14 +1549,7 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
             json!({ "after": p.name }),
         ));
     }
-    for i in 0..200 {
-        rows.push(NewRow::new(
-            "normal",
-            Some(&format!("n-{}", i % 20)),
-            "e",
-            json!({ "i": i }),
-        ));
-    }
+    rows.extend(NewRow::numbered(200, "normal", Some(("n-", 20)), "e"));
     let inserted = table.insert(&rows).await;
     let poison_ids: HashMap<&str, (Uuid, Uuid)> = poisons
         .iter()
@@ -1967,16 +1888,7 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
             .collect();
         table.insert(&rows).await;
     }
-    let rows: Vec<NewRow> = (0..OTHERS * EACH)
-        .map(|i| {
-            NewRow::new(
-                "small",
-                Some(&format!("s-{}", i % OTHERS)),
-                "e",
-                json!({ "i": i }),
-            )
-        })
-        .collect();
+    let rows = NewRow::numbered(OTHERS * EACH, "small", Some(("s-", OTHERS)), "e");
     table.insert(&rows).await;
 
     let audit = ClaimAudit::install(&table).await;
@@ -2090,9 +2002,7 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
         .insert(&[NewRow::new("o", Some("huge"), "follower", json!({}))])
         .await[0]
         .id;
-    let others: Vec<NewRow> = (0..100)
-        .map(|i| NewRow::new("o", Some(&format!("a-{}", i % 10)), "e", json!({ "i": i })))
-        .collect();
+    let others: Vec<NewRow> = NewRow::numbered(100, "o", Some(("a-", 10)), "e");
     table.insert(&others).await;
     let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "oversize"))
         .set("retry.base_delay", "200ms")
@@ -2539,16 +2449,9 @@ async fn postgres_tls_is_used_for_every_relay_session_with_sslmode_require() {
     let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "tls"))
         .set("database.url", &url)
         .spawn();
-    let ids: Vec<Uuid> = table
-        .insert(
-            &(0..50)
-                .map(|i| NewRow::new("tls", Some(&format!("t-{}", i % 5)), "e", json!({"i": i})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let ids = table
+        .insert_ids(&NewRow::numbered(50, "tls", Some(("t-", 5)), "e"))
+        .await;
     rabbit.wait_for_ids(&ids, Duration::from_secs(60)).await;
     table.wait_all_sent(Duration::from_secs(30)).await;
     let sessions: Vec<(bool, Option<String>)> = wait_until(
@@ -2725,14 +2628,7 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
         rows.push(NewRow::new("kp", Some(name), "bad", json!({})).destination(destination));
         rows.push(NewRow::new("kp", Some(name), "follower", json!({})));
     }
-    for i in 0..100 {
-        rows.push(NewRow::new(
-            "kp",
-            Some(&format!("k-{}", i % 10)),
-            "e",
-            json!({ "i": i }),
-        ));
-    }
+    rows.extend(NewRow::numbered(100, "kp", Some(("k-", 10)), "e"));
     let inserted = table.insert(&rows).await;
     let mut relay = ordered(RelayBuilder::bare("kafka-poison"))
         .set("database.url", PG_URL)
@@ -2748,19 +2644,13 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
         .set("retry.max_attempts", "3")
         .spawn();
     let n_bad = i64::try_from(bad.len()).unwrap();
-    wait_until(
-        Duration::from_secs(60),
-        "invalid-topic rows dead-lettered, the others sent",
-        async || {
-            let c = table.status_counts().await;
-            if c["failed"] == n_bad && c["sent"] == 100 {
-                Ok(())
-            } else {
-                Err(format!("{c:?}"))
-            }
-        },
-    )
-    .await;
+    table
+        .wait_for_counts(
+            Duration::from_secs(60),
+            "invalid-topic rows dead-lettered, the others sent",
+            |c| c["failed"] == n_bad && c["sent"] == 100,
+        )
+        .await;
     assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
     // A batch settles its failures, then hands back the rows behind them: let that finish.
     let followers: Vec<Uuid> = (0..bad.len()).map(|i| inserted[2 * i + 1].id).collect();

@@ -23,7 +23,6 @@ use common::kafka::{
     topic_name, write_unrelated_ca,
 };
 use common::{NewRow, RelayBuilder, TempDir, TestTable, wait_until};
-use serde_json::json;
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
@@ -102,16 +101,7 @@ fn with(
 }
 
 fn rows(n: usize) -> Vec<NewRow> {
-    (0..n)
-        .map(|i| {
-            NewRow::new(
-                "sec",
-                Some(&format!("k-{}", i % 7)),
-                "sec.event",
-                json!({ "i": i }),
-            )
-        })
-        .collect()
+    NewRow::numbered(n, "sec", Some(("k-", 7)), "sec.event")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -271,26 +271,12 @@ async fn backoff_parks_only_its_aggregate() {
     let relay = unroutable_relay(&table, &rabbit, "parked", 1000).spawn();
 
     // Aggregate X routes to `parked.e`, which nothing is bound to yet.
-    let parked: Vec<Uuid> = table
-        .insert(
-            &(0..5)
-                .map(|i| NewRow::new("parked", Some("X"), "e", json!({"i": i})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
-    let others: Vec<Uuid> = table
-        .insert(
-            &(0..100)
-                .map(|i| NewRow::new("ok", Some(&format!("Y{}", i % 20)), "e", json!({"i": i})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let parked = table
+        .insert_ids(&NewRow::numbered(5, "parked", Some(("X", 1)), "e"))
+        .await;
+    let others = table
+        .insert_ids(&NewRow::numbered(100, "ok", Some(("Y", 20)), "e"))
+        .await;
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
     wait_until(
         Duration::from_secs(30),
@@ -345,16 +331,9 @@ async fn a_dead_letter_blocks_its_aggregate_until_retried() {
     let rabbit = RabbitFixture::new("blocked", "ok.#", "ok.barrier").await;
     let relay = unroutable_relay(&table, &rabbit, "blocked", 2).spawn();
 
-    let dead: Vec<Uuid> = table
-        .insert(
-            &(0..3)
-                .map(|i| NewRow::new("dead", Some("Z"), "e", json!({"i": i})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let dead = table
+        .insert_ids(&NewRow::numbered(3, "dead", Some(("Z", 1)), "e"))
+        .await;
     let others: Vec<Uuid> = table
         .insert(
             &(0..50)

@@ -349,12 +349,7 @@ async fn rows_for_a_missing_topic_dead_letter_while_the_others_are_sent() {
         .chain([None])
         .map(|a| NewRow::new("ghost", a, "lost", json!({"to": "nowhere"})).destination(&missing))
         .collect();
-    let ghosts: Vec<Uuid> = table
-        .insert(&ghost_rows)
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let ghosts: Vec<Uuid> = table.insert_ids(&ghost_rows).await;
 
     // 200 rows for the real topic (template {aggregate_type}) over ~2 s, while the ghosts retry.
     let topic_for_writer = topic.clone();
@@ -411,15 +406,9 @@ async fn rows_for_a_missing_topic_dead_letter_while_the_others_are_sent() {
 
     let good = writer.await.unwrap();
     assert_eq!(good.len(), 200);
-    wait_until(LONG, "the 200 good rows are sent", async || {
-        let c = table.status_counts().await;
-        if c["sent"] == 200 {
-            Ok(())
-        } else {
-            Err(format!("{c:?}"))
-        }
-    })
-    .await;
+    table
+        .wait_for_counts(LONG, "the 200 good rows are sent", |c| c["sent"] == 200)
+        .await;
     assert!(
         sent_while_retrying > 0,
         "good rows must flow while the ghost rows are in backoff"
@@ -468,12 +457,7 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
         )
     };
     let before: Vec<NewRow> = (0..50).map(|i| small("before", i)).collect();
-    let mut ids: Vec<Uuid> = table
-        .insert(&before)
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let mut ids: Vec<Uuid> = table.insert_ids(&before).await;
     // A 2 MB JSON string (librdkafka's message.max.bytes is 1 MB), then a later row of the
     // same aggregate, which the dead letter must hold back (contract §3).
     let big = table

@@ -485,15 +485,9 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
 
     let good = writer.await.unwrap();
     assert_eq!(good.len(), 200);
-    wait_until(LONG, "the 200 routable rows are sent", async || {
-        let c = table.status_counts().await;
-        if c["sent"] == 200 {
-            Ok(())
-        } else {
-            Err(format!("{c:?}"))
-        }
-    })
-    .await;
+    table
+        .wait_for_counts(LONG, "the 200 routable rows are sent", |c| c["sent"] == 200)
+        .await;
     assert!(
         sent_while_retrying > 0,
         "routable rows must flow while the bad row is in backoff"
@@ -677,29 +671,15 @@ async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
         .spawn();
 
     // Warm-up: A is connected through the proxy and publishing.
-    let warm: Vec<Uuid> = table
-        .insert(
-            &(0..5)
-                .map(|i| NewRow::new("warm", None, "w", json!({"i": i})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let warm = table
+        .insert_ids(&NewRow::numbered(5, "warm", None, "w"))
+        .await;
     rabbit.wait_for_ids(&warm, Duration::from_secs(30)).await;
 
     // Black-hole the broker: A's publishes are written but never confirmed.
     proxy.stall();
-    let rows: Vec<NewRow> = (0..100)
-        .map(|i| NewRow::new("held", Some(&format!("h-{}", i % 10)), "e", json!({"i": i})))
-        .collect();
-    let held: Vec<Uuid> = table
-        .insert(&rows)
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let rows: Vec<NewRow> = NewRow::numbered(100, "held", Some(("h-", 10)), "e");
+    let held: Vec<Uuid> = table.insert_ids(&rows).await;
     let before: HashMap<Uuid, RowState> = wait_until(
         Duration::from_secs(10),
         "A holds all 100 rows",
@@ -938,15 +918,11 @@ async fn returned_messages_are_charged_to_the_right_row_under_concurrency() {
         })
         .collect();
     let inserted = table.insert(&rows).await;
-    wait_until(LONG, "every row is settled", async || {
-        let c = table.status_counts().await;
-        if c["pending"] + c["processing"] == 0 {
-            Ok(())
-        } else {
-            Err(format!("{c:?}"))
-        }
-    })
-    .await;
+    table
+        .wait_for_counts(LONG, "every row is settled", |c| {
+            c["pending"] + c["processing"] == 0
+        })
+        .await;
     rabbit.barrier().await;
 
     let states = table
@@ -1003,27 +979,13 @@ async fn hold_rows_behind_a_black_hole(
     instance: &str,
     n: usize,
 ) -> Vec<Uuid> {
-    let warm: Vec<Uuid> = table
-        .insert(
-            &(0..3)
-                .map(|i| NewRow::new("warm", None, "w", json!({"i": i})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let warm = table
+        .insert_ids(&NewRow::numbered(3, "warm", None, "w"))
+        .await;
     rabbit.wait_for_ids(&warm, Duration::from_secs(30)).await;
     proxy.stall();
-    let rows: Vec<NewRow> = (0..n)
-        .map(|i| NewRow::new("hole", Some(&format!("h-{}", i % 5)), "e", json!({"i": i})))
-        .collect();
-    let ids: Vec<Uuid> = table
-        .insert(&rows)
-        .await
-        .into_iter()
-        .map(|r| r.id)
-        .collect();
+    let rows: Vec<NewRow> = NewRow::numbered(n, "hole", Some(("h-", 5)), "e");
+    let ids: Vec<Uuid> = table.insert_ids(&rows).await;
     let condition = format!("status = 'processing' AND locked_by = '{instance}'");
     wait_until(
         Duration::from_secs(10),

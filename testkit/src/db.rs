@@ -176,6 +176,31 @@ impl NewRow {
         }
     }
 
+    /// `n` rows of `aggregate_type`/`event_type` with payload `{"i": i}`. With
+    /// `Some((prefix, keys))` row `i` is in aggregate `<prefix><i % keys>` (in `prefix` itself
+    /// when `keys` is 1); with `None` in no aggregate.
+    pub fn numbered(
+        n: usize,
+        aggregate_type: &str,
+        aggregate: Option<(&str, usize)>,
+        event_type: &str,
+    ) -> Vec<Self> {
+        (0..n)
+            .map(|i| {
+                let id = aggregate.map(|(prefix, keys)| match keys {
+                    1 => prefix.to_owned(),
+                    k => format!("{prefix}{}", i % k),
+                });
+                Self::new(
+                    aggregate_type,
+                    id.as_deref(),
+                    event_type,
+                    serde_json::json!({ "i": i }),
+                )
+            })
+            .collect()
+    }
+
     /// Sets the row's `headers`.
     pub fn headers(mut self, headers: Value) -> Self {
         self.headers = headers;
@@ -204,6 +229,24 @@ pub async fn insert_rows<C: GenericClient + Sync>(
     table: &str,
     rows: &[NewRow],
 ) -> Vec<Inserted> {
+    let out = try_insert_rows(client, table, rows)
+        .await
+        .unwrap_or_else(|e| panic!("insert into {table}: {e}"));
+    assert_eq!(
+        out.len(),
+        rows.len(),
+        "insert into {table} returned fewer rows"
+    );
+    out
+}
+
+/// [`insert_rows`] that returns the error (the database may be restarting) instead of
+/// panicking.
+pub async fn try_insert_rows<C: GenericClient + Sync>(
+    client: &C,
+    table: &str,
+    rows: &[NewRow],
+) -> Result<Vec<Inserted>, tokio_postgres::Error> {
     let sql = format!(
         "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination) \
          SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[]) \
@@ -220,19 +263,14 @@ pub async fn insert_rows<C: GenericClient + Sync>(
             &sql,
             &[&types, &ids, &events, &payloads, &headers, &destinations],
         )
-        .await
-        .unwrap_or_else(|e| panic!("insert into {table}: {e}"));
-    assert_eq!(
-        out.len(),
-        rows.len(),
-        "insert into {table} returned fewer rows"
-    );
-    out.iter()
+        .await?;
+    Ok(out
+        .iter()
         .map(|r| Inserted {
             id: r.get(0),
             seq: r.get(1),
         })
-        .collect()
+        .collect())
 }
 
 /// One outbox row as the database holds it.
@@ -371,6 +409,11 @@ impl TestTable {
         insert_rows(&self.db, &self.name, rows).await
     }
 
+    /// Inserts `rows` in one autocommitted statement; their ids, in insert order.
+    pub async fn insert_ids(&self, rows: &[NewRow]) -> Vec<Uuid> {
+        self.insert(rows).await.into_iter().map(|r| r.id).collect()
+    }
+
     /// Every row, in `seq` order.
     pub async fn rows(&self) -> Vec<RowState> {
         let sql = format!("SELECT {ROW_COLUMNS} FROM {} ORDER BY seq", self.name);
@@ -430,6 +473,25 @@ impl TestTable {
             out.insert(r.get(0), r.get(1));
         }
         out
+    }
+
+    /// Waits until the row counts by status satisfy `done`, and returns them; panics after
+    /// `timeout` naming `what` and the last counts.
+    pub async fn wait_for_counts(
+        &self,
+        timeout: Duration,
+        what: &str,
+        done: impl Fn(&BTreeMap<String, i64>) -> bool,
+    ) -> BTreeMap<String, i64> {
+        wait_until(timeout, what, async || {
+            let c = self.status_counts().await;
+            if done(&c) {
+                Ok(c)
+            } else {
+                Err(format!("{c:?}"))
+            }
+        })
+        .await
     }
 
     /// Waits until every row is `sent` (progress in the panic message otherwise).
