@@ -811,12 +811,7 @@ impl DurableQueue {
                         Some(Err(e)) => return Err(e.to_string()),
                         None => return Err("consumer ended".to_owned()),
                     };
-                    let id = d
-                        .properties
-                        .message_id()
-                        .as_ref()
-                        .map(ToString::to_string)
-                        .unwrap_or_default();
+                    let id = common::message_id(&d.properties);
                     if id.starts_with(QUEUE_BARRIER_PREFIX) {
                         barriers.lock().unwrap().insert(id);
                     } else {

@@ -11,7 +11,9 @@ mod common;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::{NewRow, RabbitFixture, RelayBuilder, TestTable, insert_rows, pg_connect};
+use common::{
+    NewRow, RabbitFixture, RelayBuilder, RelayProcess, TestTable, insert_rows, pg_connect,
+};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -56,19 +58,25 @@ async fn measure(table: &TestTable, rabbit: &RabbitFixture, rate: u32, secs: u32
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn commit_to_consume_latency_with_and_without_notify() {
-    // With NOTIFY: 200 rows/s for 10 s.
-    let table = TestTable::new("latency_notify").await;
-    let rabbit = RabbitFixture::new("latency_notify", "#", "barrier.x").await;
-    let relay = RelayBuilder::for_test(&table, &rabbit, "lat-notify")
+/// A fresh table and exchange, and a relay (`ordering = "aggregate"`) connected to the broker.
+async fn start(test: &str, notify: bool, poll: &str) -> (TestTable, RabbitFixture, RelayProcess) {
+    let table = TestTable::new(test).await;
+    let rabbit = RabbitFixture::new(test, "#", "barrier.x").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, test)
         .set("relay.ordering", "aggregate")
-        .set("relay.notify", "true")
-        .set("relay.poll_interval", "1s")
+        .set("relay.notify", notify.to_string())
+        .set("relay.poll_interval", poll)
         .spawn();
     relay
         .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
         .await;
+    (table, rabbit, relay)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_to_consume_latency_with_and_without_notify() {
+    // With NOTIFY: 200 rows/s for 10 s.
+    let (table, rabbit, relay) = start("latency_notify", true, "1s").await;
     // This 2-core machine is shared with the services under test: a window hit by an unrelated
     // stall (a checkpoint, another process) is measured again, up to three times, and every
     // window is reported. The targets must hold in one whole window.
@@ -99,16 +107,7 @@ async fn commit_to_consume_latency_with_and_without_notify() {
 
     // Without NOTIFY: bounded by the poll interval (plus a claim and a publish).
     let poll = Duration::from_millis(300);
-    let table = TestTable::new("latency_poll").await;
-    let rabbit = RabbitFixture::new("latency_poll", "#", "barrier.x").await;
-    let relay = RelayBuilder::for_test(&table, &rabbit, "lat-poll")
-        .set("relay.ordering", "aggregate")
-        .set("relay.notify", "false")
-        .set("relay.poll_interval", "300ms")
-        .spawn();
-    relay
-        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
-        .await;
+    let (table, rabbit, relay) = start("latency_poll", false, "300ms").await;
     let polled = measure(&table, &rabbit, 50, 4).await;
     eprintln!(
         "latency without NOTIFY (poll_interval 300ms) at 50 rows/s: p50 {:?}, p99 {:?}, max {:?}",

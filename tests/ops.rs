@@ -1165,16 +1165,9 @@ async fn retention_zero_deletes_rows_on_confirm() {
         .set("cleanup.retention", "0s")
         .spawn();
 
-    let ids: Vec<Uuid> = table
-        .insert(
-            &(0..20)
-                .map(|n| NewRow::new("order", Some(&format!("z-{}", n % 4)), "created", json!({})))
-                .collect::<Vec<_>>(),
-        )
-        .await
-        .iter()
-        .map(|r| r.id)
-        .collect();
+    let ids = table
+        .insert_ids(&NewRow::numbered(20, "order", Some(("z-", 4)), "created"))
+        .await;
     wait_until(WAIT, "every published row is deleted", async || {
         let counts = table.status_counts().await;
         assert_eq!(

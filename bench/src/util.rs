@@ -64,45 +64,48 @@ pub fn aggregate_id(i: u64, aggregates: u64) -> String {
     format!("order-{}", i % aggregates.max(1))
 }
 
+/// How [`fill_range`] makes its rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Fill {
+    /// As applications insert: `seq` from the table's default (`<table>_next_seq()`), a payload
+    /// per row.
+    AsApplications,
+    /// Four times faster, for the large claim table: `seq` is `g` itself (the caller sets the
+    /// sequence afterwards) and every row has the same payload (same size).
+    Fast,
+}
+
 /// Inserts rows `from..=to` (pending) in one statement: aggregate type `order`, event
-/// `OrderPlaced`, aggregate id round robin over `aggregates`, `seq` from the table's default
-/// (`<table>_next_seq()`, as applications insert), a payload per row.
+/// `OrderPlaced`, aggregate id round robin over `aggregates`.
 pub async fn fill_range(
     pg: &Client,
     table: &str,
-    from: i64,
-    to: i64,
+    (from, to): (i64, i64),
     aggregates: i64,
+    how: Fill,
 ) -> Result<u64> {
+    let (seq_column, seq, body) = match how {
+        Fill::AsApplications => (
+            "",
+            "",
+            format!("format('{PAYLOAD_TEMPLATE}', g, g % $3, (g * 7919) % 100000, g, g)::jsonb"),
+        ),
+        Fill::Fast => ("seq, ", "g, ", "$4::text::jsonb".to_owned()),
+    };
     let sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
-         SELECT 'order', 'order-' || (g % $3), 'OrderPlaced', \
-                format('{PAYLOAD_TEMPLATE}', g, g % $3, (g * 7919) % 100000, g, g)::jsonb \
+        "INSERT INTO {table} ({seq_column}aggregate_type, aggregate_id, event_type, payload) \
+         SELECT {seq}'order', 'order-' || (g % $3), 'OrderPlaced', {body} \
          FROM generate_series($1::bigint, $2::bigint) AS g"
     );
-    pg.execute(&sql, &[&from, &to, &aggregates])
-        .await
-        .with_context(|| format!("cannot fill {table}"))
-}
-
-/// As [`fill_range`], four times faster, for the large claim table: `seq` is `g` itself (the
-/// caller sets the sequence afterwards) and every row has the same payload (same size).
-pub async fn fill_range_fast(
-    pg: &Client,
-    table: &str,
-    from: i64,
-    to: i64,
-    aggregates: i64,
-) -> Result<u64> {
-    let sql = format!(
-        "INSERT INTO {table} (seq, aggregate_type, aggregate_id, event_type, payload) \
-         SELECT g, 'order', 'order-' || (g % $3), 'OrderPlaced', $4::text::jsonb \
-         FROM generate_series($1::bigint, $2::bigint) AS g"
-    );
-    let body = payload(1_234_567, 1000);
-    pg.execute(&sql, &[&from, &to, &aggregates, &body])
-        .await
-        .with_context(|| format!("cannot fill {table}"))
+    let same_payload = payload(1_234_567, 1000);
+    let inserted = match how {
+        Fill::AsApplications => pg.execute(&sql, &[&from, &to, &aggregates]).await,
+        Fill::Fast => {
+            pg.execute(&sql, &[&from, &to, &aggregates, &same_payload])
+                .await
+        }
+    };
+    inserted.with_context(|| format!("cannot fill {table}"))
 }
 
 /// Fills `n` pending rows, then ANALYZE and CHECKPOINT so that the timed run starts from
@@ -114,7 +117,7 @@ pub async fn fill(pg: &Client, table: &str, n: usize, aggregates: usize) -> Resu
     let mut from = 1;
     while from <= n {
         let to = (from + chunk - 1).min(n);
-        fill_range(pg, table, from, to, aggregates).await?;
+        fill_range(pg, table, (from, to), aggregates, Fill::AsApplications).await?;
         from = to + 1;
     }
     settle_db(pg, table).await

@@ -54,6 +54,15 @@ impl Delivered {
     }
 }
 
+/// The `message_id` property ("" when absent).
+pub fn message_id(properties: &BasicProperties) -> String {
+    properties
+        .message_id()
+        .as_ref()
+        .map(ToString::to_string)
+        .unwrap_or_default()
+}
+
 /// What a queue survives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Durability {
@@ -162,12 +171,7 @@ impl RabbitFixture {
                         return;
                     }
                 };
-                let message_id = d
-                    .properties
-                    .message_id()
-                    .as_ref()
-                    .map(ToString::to_string)
-                    .unwrap_or_default();
+                let message_id = message_id(&d.properties);
                 if message_id.starts_with(BARRIER_PREFIX) {
                     barrier_sink.lock().unwrap().insert(message_id);
                     continue;

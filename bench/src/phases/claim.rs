@@ -11,8 +11,7 @@ use uuid::Uuid;
 
 use crate::Ctx;
 use crate::util::{
-    IndexDef, create_index, drop_index, fill_range, fill_range_fast, median, settle_db,
-    table_indexes,
+    Fill, IndexDef, create_index, drop_index, fill_range, median, settle_db, table_indexes,
 };
 
 /// The relay's own claim, measured through the library: `Store::claim` on a pool whose
@@ -250,11 +249,12 @@ async fn claim_table(
     let mut from = 1;
     while from <= n64 {
         let to = (from + chunk - 1).min(n64);
-        if mostly_sent {
-            fill_range_fast(&ctx.pg, &table, from, to, aggregates).await?;
+        let how = if mostly_sent {
+            Fill::Fast
         } else {
-            fill_range(&ctx.pg, &table, from, to, aggregates).await?;
-        }
+            Fill::AsApplications
+        };
+        fill_range(&ctx.pg, &table, (from, to), aggregates, how).await?;
         ctx.progress(format!("claim: {table}: {to} of {n} rows inserted"));
         from = to + 1;
     }
