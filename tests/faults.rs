@@ -901,23 +901,8 @@ impl DurableQueue {
 
     /// Waits until every id in `ids` was received at least once.
     async fn wait_for(&self, ids: &[Uuid], timeout: Duration) {
-        wait_until(
-            timeout,
-            "every row arrives on the durable queue",
-            async || {
-                let seen: HashSet<String> = self.ids().into_iter().collect();
-                let missing = ids
-                    .iter()
-                    .filter(|id| !seen.contains(&id.to_string()))
-                    .count();
-                if missing == 0 {
-                    Ok(())
-                } else {
-                    Err(format!("{missing} of {} missing", ids.len()))
-                }
-            },
-        )
-        .await;
+        let what = "every row arrives on the durable queue";
+        common::wait_for_all_ids(timeout, what, ids, || self.ids().into_iter().collect()).await;
     }
 
     async fn teardown(mut self) {

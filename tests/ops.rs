@@ -17,8 +17,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::{
-    NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TempDir, TestTable, hex8,
-    pg_connect, wait_until,
+    NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TempDir, TestTable, free_port,
+    hex8, migrate_table, pg_connect, wait_until,
 };
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
@@ -31,14 +31,6 @@ const WAIT: Duration = Duration::from_secs(60);
 
 // ---- fixtures ---------------------------------------------------------------------------------
 
-/// A port that was free a moment ago (bound on 127.0.0.1:0, then released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("bind 127.0.0.1:0")
-        .port()
-}
-
 /// The binary configured for `table` only (no broker needed): for `migrate`, `status`,
 /// `dead-letters`.
 fn cli(table: &str) -> RelayBuilder {
@@ -50,18 +42,12 @@ fn cli(table: &str) -> RelayBuilder {
 /// A fresh `ops_<hex>` table, created by `outbox-relay migrate`.
 async fn ops_table() -> TestTable {
     let name = format!("ops_{}", hex8());
-    let out = cli(&name).output(&["migrate"], WAIT).await;
-    assert!(
-        out.status.success(),
-        "migrate failed: {}\n{}",
-        out.status,
-        out.stderr
-    );
-    assert!(
-        out.stdout.contains("applied schema versions [1]"),
-        "migrate output: {}",
-        out.stdout
-    );
+    let applied = migrate_table(&name).await;
+    let all: Vec<i32> = outbox_relay::store::schema::MIGRATIONS
+        .iter()
+        .map(|m| m.version)
+        .collect();
+    assert_eq!(applied, all, "a fresh table gets every migration");
     TestTable {
         name,
         db: pg_connect().await,

@@ -241,17 +241,18 @@ async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
     rabbit.teardown().await;
 }
 
-fn unroutable_relay(
-    table: &TestTable,
-    rabbit: &RabbitFixture,
-    instance: &str,
-    max_attempts: u32,
-) -> RelayBuilder {
-    ordered_relay(table, rabbit, instance)
+/// A table, an exchange whose queue is bound to `ok.#` only, and an ordered relay that
+/// backs off fast (100 ms → 400 ms, no jitter) and dead-letters after `max_attempts`.
+async fn unroutable(test: &str, max_attempts: u32) -> (TestTable, RabbitFixture, RelayProcess) {
+    let table = TestTable::new(test).await;
+    let rabbit = RabbitFixture::new(test, "ok.#", "ok.barrier").await;
+    let relay = ordered_relay(&table, &rabbit, test)
         .set("retry.base_delay", "100ms")
         .set("retry.max_delay", "400ms")
         .set("retry.jitter", "0")
         .set("retry.max_attempts", max_attempts.to_string())
+        .spawn();
+    (table, rabbit, relay)
 }
 
 fn ids_in_arrival_order(rabbit: &RabbitFixture, of: &[Uuid]) -> Vec<Uuid> {
@@ -266,9 +267,7 @@ fn ids_in_arrival_order(rabbit: &RabbitFixture, of: &[Uuid]) -> Vec<Uuid> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backoff_parks_only_its_aggregate() {
-    let table = TestTable::new("parked").await;
-    let rabbit = RabbitFixture::new("parked", "ok.#", "ok.barrier").await;
-    let relay = unroutable_relay(&table, &rabbit, "parked", 1000).spawn();
+    let (table, rabbit, relay) = unroutable("parked", 1000).await;
 
     // Aggregate X routes to `parked.e`, which nothing is bound to yet.
     let parked = table
@@ -327,9 +326,7 @@ async fn backoff_parks_only_its_aggregate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_letter_blocks_its_aggregate_until_retried() {
-    let table = TestTable::new("blocked").await;
-    let rabbit = RabbitFixture::new("blocked", "ok.#", "ok.barrier").await;
-    let relay = unroutable_relay(&table, &rabbit, "blocked", 2).spawn();
+    let (table, rabbit, relay) = unroutable("blocked", 2).await;
 
     let dead = table
         .insert_ids(&NewRow::numbered(3, "dead", Some(("Z", 1)), "e"))

@@ -54,6 +54,29 @@ impl Delivered {
     }
 }
 
+/// Waits until every id in `ids` is among `arrived()` (message ids as text); panics after
+/// `timeout` naming `what` and how many are still missing.
+pub async fn wait_for_all_ids(
+    timeout: Duration,
+    what: &str,
+    ids: &[Uuid],
+    arrived: impl Fn() -> HashSet<String>,
+) {
+    wait_until(timeout, what, async || {
+        let seen = arrived();
+        let missing = ids
+            .iter()
+            .filter(|id| !seen.contains(&id.to_string()))
+            .count();
+        if missing == 0 {
+            Ok(())
+        } else {
+            Err(format!("{missing} of {} not yet received", ids.len()))
+        }
+    })
+    .await;
+}
+
 /// The `message_id` property ("" when absent).
 pub fn message_id(properties: &BasicProperties) -> String {
     properties
@@ -237,26 +260,10 @@ impl RabbitFixture {
 
     /// Waits until every id in `ids` has arrived at least once.
     pub async fn wait_for_ids(&self, ids: &[Uuid], timeout: Duration) {
-        wait_until(
-            timeout,
-            &format!("{} messages arrive on {}", ids.len(), self.queue),
-            async || {
-                let seen = self.id_counts();
-                let missing = ids
-                    .iter()
-                    .filter(|id| !seen.contains_key(&id.to_string()))
-                    .count();
-                if missing == 0 {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "{missing} of {} not yet received ({} deliveries)",
-                        ids.len(),
-                        self.count()
-                    ))
-                }
-            },
-        )
+        let what = format!("{} messages arrive on {}", ids.len(), self.queue);
+        wait_for_all_ids(timeout, &what, ids, || {
+            self.id_counts().into_keys().collect()
+        })
         .await;
     }
 
