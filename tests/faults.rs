@@ -5,7 +5,7 @@
 //!    followed by a restart: nothing lost, per-aggregate order of first arrival intact, and
 //!    every duplicate explained by a claim of a killed incarnation (a trigger audits claims).
 //! 2. Outages the relay must ride out in the same process without spending an attempt: the
-//!    RabbitMQ connection cut by a proxy, RabbitMQ restarted for real (`rabbitmqctl
+//!    RabbitMQ connection cut by a proxy with publishes in flight (ordering none and aggregate), RabbitMQ restarted for real (`rabbitmqctl
 //!    stop_app`/`start_app`, a durable queue and a reconnecting consumer), the PostgreSQL
 //!    connection cut by a proxy, PostgreSQL restarted for real (`pg_ctlcluster … restart`).
 //! 3. Kafka broker restarts are covered by `tests/relay_kafka.rs`
@@ -537,12 +537,29 @@ async fn assert_nothing_spent_for(table: &TestTable, outage: Duration, relay: &R
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_connection_cut_spends_no_attempt_and_loses_nothing() {
+    rabbitmq_connection_cut("aggregate").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_connection_cut_with_ordering_none_spends_no_attempt_and_loses_nothing() {
+    rabbitmq_connection_cut("none").await;
+}
+
+/// The relay's RabbitMQ connection cut by a proxy with publishes in flight, rows inserted
+/// before, during and after: nothing dead-lettered or charged an attempt during the outage,
+/// nothing confirmed through the cut proxy, the rows in flight handed back, the relay back
+/// through the proxy afterwards, every row sent once with one attempt and delivered (in order
+/// per aggregate with `ordering = "aggregate"`).
+async fn rabbitmq_connection_cut(ordering: &str) {
     let _shared = SERVICES.read().await;
     let outage = pick(Duration::from_secs(3), Duration::from_secs(30));
-    let table = TestTable::new("f_rmq_cut").await;
-    let rabbit = RabbitFixture::new("f_rmq_cut", "#", "it.barrier").await;
+    let test = format!("f_rmq_cut_{ordering}");
+    let table = TestTable::new(&test).await;
+    let rabbit = RabbitFixture::new(&test, "#", "it.barrier").await;
     let proxy = Proxy::start(RABBIT_ADDR).await;
-    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "rmq-cut"))
+    // A lease far longer than the test, so only the outage can touch attempts.
+    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, &test))
+        .set("relay.ordering", ordering)
         .set("publisher.rabbitmq.url", proxy.amqp_url())
         .set("relay.lease_timeout", "120s")
         .set("retry.base_delay", "100ms")
@@ -559,6 +576,28 @@ async fn rabbitmq_connection_cut_spends_no_attempt_and_loses_nothing() {
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("broker unavailable");
     let connected = relay.log_count("connected to the broker");
+    // Cut with publishes in flight: hold the broker's answers back for a moment so that
+    // some rows are claimed and unconfirmed when the connection drops.
+    proxy.stall();
+    // Rows claimed a while ago and still not settled: their confirms are held by the stall
+    // (a row merely claimed, or confirmed and awaiting its settle UPDATE, would not prove it).
+    let in_flight = wait_until(
+        Duration::from_secs(10),
+        "rows are in flight when the connection is cut",
+        async || {
+            let n = table
+                .count_where(
+                    "status = 'processing' AND locked_at < clock_timestamp() - interval '300 milliseconds'",
+                )
+                .await;
+            if n > 0 {
+                Ok(n)
+            } else {
+                Err("none processing".to_owned())
+            }
+        },
+    )
+    .await;
     proxy.cut();
     let cut_at = table.db_now().await;
     wait_for_more_logs(
@@ -586,11 +625,16 @@ async fn rabbitmq_connection_cut_spends_no_attempt_and_loses_nothing() {
         0,
         "rows were confirmed through a cut proxy"
     );
+    let pending_at_heal = table.count_where("status <> 'sent'").await;
+    assert!(
+        pending_at_heal > 0,
+        "rows should have piled up during the outage"
+    );
     proxy.heal();
     wait_for_more_logs(&relay, "connected to the broker", connected, LONG).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     stop.cancel();
-    writer.await.unwrap();
+    assert!(writer.await.unwrap() > 0, "the writer inserted nothing");
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
 
@@ -602,14 +646,25 @@ async fn rabbitmq_connection_cut_spends_no_attempt_and_loses_nothing() {
         wrong.len(),
         &wrong[..wrong.len().min(10)]
     );
+    // The relay came back through the proxy, and the rows in flight at the cut were handed
+    // back (their attempt refunded: see above).
+    assert!(proxy.accepted() >= 2);
+    assert!(
+        relay.log_count("handing the row back") >= 1,
+        "{in_flight} rows were in flight at the cut but none was handed back\n{}",
+        relay.stderr()
+    );
     let deliveries = rabbit.deliveries();
-    let a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
+    let mut a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
+    if ordering == "none" {
+        a.reordered.clear(); // `ordering = "none"` promises no order
+    }
     summary(
-        "rabbitmq-proxy-cut",
+        &format!("rabbitmq-proxy-cut-{ordering}"),
         1,
         rows.len(),
         &a,
-        &format!("outage={outage:?} attempts_spent=0"),
+        &format!("outage={outage:?} attempts_spent=0 unsent_at_heal={pending_at_heal}"),
     );
     relay.stop().await;
     rabbit.teardown().await;
