@@ -170,6 +170,12 @@ fn analyse<'a>(expected: &[Fact], arrivals: impl IntoIterator<Item = &'a str>) -
     out
 }
 
+/// [`analyse`] of what `rabbit` received, in arrival order.
+fn analyse_rabbit(expected: &[Fact], rabbit: &RabbitFixture) -> Analysis {
+    let deliveries = rabbit.deliveries();
+    analyse(expected, deliveries.iter().map(|d| d.message_id.as_str()))
+}
+
 /// Prints the test's one summary line, then asserts nothing was lost or reordered.
 fn summary(fault: &str, injected: usize, rows: usize, a: &Analysis, note: &str) {
     println!(
@@ -195,14 +201,25 @@ fn summary(fault: &str, injected: usize, rows: usize, a: &Analysis, note: &str) 
     assert_eq!(a.foreign, 0, "{fault}: deliveries of ids that are not rows");
 }
 
-/// Rows that are not `sent` with exactly one attempt (the outage tests' invariant: an outage
-/// never spends an attempt, and nothing in them fails at the message level).
+/// The rows that are not `sent` with exactly one attempt.
 fn not_sent_once(facts: &[Fact]) -> Vec<(Uuid, String, i32, Option<String>)> {
     facts
         .iter()
         .filter(|f| f.status != "sent" || f.attempts != 1)
         .map(|f| (f.id, f.status.clone(), f.attempts, f.last_error.clone()))
         .collect()
+}
+
+/// Asserts that every row is `sent` with exactly one attempt (the outage tests' invariant: an
+/// outage never spends an attempt, and nothing in them fails at the message level).
+fn assert_sent_once(facts: &[Fact]) {
+    let wrong = not_sent_once(facts);
+    assert!(
+        wrong.is_empty(),
+        "rows not sent with attempts = 1: {} e.g. {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(10)]
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -226,19 +243,20 @@ async fn try_connect() -> Result<Client, String> {
     Ok(client)
 }
 
-/// Inserts `batch` rows spread over `aggregates` aggregates every `every` until `stop`, and
-/// survives a database restart (reconnects; a batch whose commit is in doubt may or may not be
-/// in the table — the checks read the table, not this count). Returns the rows known inserted.
+/// Inserts `batch` rows spread over `aggregates` aggregates every 30 ms until the returned token
+/// is cancelled, and survives a database restart (reconnects; a batch whose commit is in doubt
+/// may or may not be in the table — the checks read the table, not this count). The task
+/// returns the rows known inserted.
 fn spawn_writer(
     table: &str,
     tag: &str,
     aggregates: usize,
     batch: usize,
-    every: Duration,
-    stop: CancellationToken,
-) -> JoinHandle<usize> {
-    let (table, tag) = (table.to_owned(), tag.to_owned());
-    tokio::spawn(async move {
+) -> (CancellationToken, JoinHandle<usize>) {
+    let every = Duration::from_millis(30);
+    let (table, tag, stop) = (table.to_owned(), tag.to_owned(), CancellationToken::new());
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
         let mut client: Option<Client> = None;
         let mut n = 0usize;
         let mut inserted = 0usize;
@@ -278,7 +296,8 @@ fn spawn_writer(
             }
         }
         inserted
-    })
+    });
+    (token, task)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -396,15 +415,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     // Incarnations have their own instance ids, so `locked_by` names exactly one process.
     let mut slots: Vec<Option<RelayProcess>> = vec![Some(spawn("k0a")), Some(spawn("k0b"))];
 
-    let stop = CancellationToken::new();
-    let writer = spawn_writer(
-        &table.name,
-        "k",
-        40,
-        40,
-        Duration::from_millis(30),
-        stop.clone(),
-    );
+    let (stop, writer) = spawn_writer(&table.name, "k", 40, 40);
     let mut killed: Vec<String> = Vec::new();
     let mut held_at_death = Vec::new();
     for k in 0..kills {
@@ -448,8 +459,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
         written,
         "the writer's rows are all in the table"
     );
-    let deliveries = rabbit.deliveries();
-    let a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
+    let a = analyse_rabbit(&rows, &rabbit);
 
     // Duplicates, honestly: every delivery is a publish, and a relay publishes a row only after
     // claiming it, once per claim. The audit trigger records every claim in the claiming
@@ -564,15 +574,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         .set("relay.lease_timeout", "120s")
         .set("retry.base_delay", "100ms")
         .spawn();
-    let stop = CancellationToken::new();
-    let writer = spawn_writer(
-        &table.name,
-        "rc",
-        13,
-        20,
-        Duration::from_millis(30),
-        stop.clone(),
-    );
+    let (stop, writer) = spawn_writer(&table.name, "rc", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("broker unavailable");
     let connected = relay.log_count("connected to the broker");
@@ -639,13 +641,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
     rabbit.barrier().await;
 
     let rows = facts(&table.db, &table.name).await;
-    let wrong = not_sent_once(&rows);
-    assert!(
-        wrong.is_empty(),
-        "rows not sent with attempts = 1: {} e.g. {:?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(10)]
-    );
+    assert_sent_once(&rows);
     // The relay came back through the proxy, and the rows in flight at the cut were handed
     // back (their attempt refunded: see above).
     assert!(proxy.accepted() >= 2);
@@ -654,8 +650,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         "{in_flight} rows were in flight at the cut but none was handed back\n{}",
         relay.stderr()
     );
-    let deliveries = rabbit.deliveries();
-    let mut a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
+    let mut a = analyse_rabbit(&rows, &rabbit);
     if ordering == "none" {
         a.reordered.clear(); // `ordering = "none"` promises no order
     }
@@ -993,15 +988,7 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         .set("relay.lease_timeout", "120s")
         .set("retry.base_delay", "100ms")
         .spawn();
-    let stop = CancellationToken::new();
-    let writer = spawn_writer(
-        &table.name,
-        "rr",
-        13,
-        20,
-        Duration::from_millis(30),
-        stop.clone(),
-    );
+    let (stop, writer) = spawn_writer(&table.name, "rr", 13, 20);
     for r in 0..restarts {
         let since = queue.ids().len();
         wait_until(LONG, "300 more messages before the restart", async || {
@@ -1050,13 +1037,7 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     queue.wait_for(&ids, LONG).await;
     queue.barrier().await;
 
-    let wrong = not_sent_once(&rows);
-    assert!(
-        wrong.is_empty(),
-        "rows not sent with attempts = 1: {} e.g. {:?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(10)]
-    );
+    assert_sent_once(&rows);
     let arrivals = queue.ids();
     let a = analyse(&rows, arrivals.iter().map(String::as_str));
     let (redelivered, republished) = queue.duplicate_causes();
@@ -1090,15 +1071,7 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
         )
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let stop = CancellationToken::new();
-    let writer = spawn_writer(
-        &table.name,
-        "pc",
-        13,
-        20,
-        Duration::from_millis(30),
-        stop.clone(),
-    );
+    let (stop, writer) = spawn_writer(&table.name, "pc", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("database unavailable");
     let restored = relay.log_count("database connection restored");
@@ -1142,8 +1115,7 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
             &theirs[..theirs.len().min(20)]
         );
     }
-    let deliveries = rabbit.deliveries();
-    let a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
+    let a = analyse_rabbit(&rows, &rabbit);
     summary(
         "postgres-proxy-cut",
         1,
@@ -1219,8 +1191,7 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         .await;
     rabbit.barrier().await;
     let all = facts(&table.db, &table.name).await;
-    let deliveries = rabbit.deliveries();
-    let a = analyse(&all, deliveries.iter().map(|d| d.message_id.as_str()));
+    let a = analyse_rabbit(&all, &rabbit);
     summary(
         "postgres-outage-beyond-lease",
         1,
@@ -1331,8 +1302,7 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
     );
     rabbit.barrier().await;
     let all = facts(&table.db, &table.name).await;
-    let deliveries = rabbit.deliveries();
-    let a = analyse(&all, deliveries.iter().map(|d| d.message_id.as_str()));
+    let a = analyse_rabbit(&all, &rabbit);
     summary(
         "postgres-lost-claim-answer",
         1,
@@ -1392,15 +1362,7 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-restart"))
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let stop = CancellationToken::new();
-    let writer = spawn_writer(
-        &table.name,
-        "pr",
-        13,
-        20,
-        Duration::from_millis(30),
-        stop.clone(),
-    );
+    let (stop, writer) = spawn_writer(&table.name, "pr", 13, 20);
     let pg = PgRestart;
     let mut took = Vec::new();
     for _ in 0..restarts {
@@ -1445,15 +1407,8 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     rabbit.barrier().await;
 
     let rows = facts(&table.db, &table.name).await;
-    let wrong = not_sent_once(&rows);
-    assert!(
-        wrong.is_empty(),
-        "rows not sent with attempts = 1: {} e.g. {:?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(10)]
-    );
-    let deliveries = rabbit.deliveries();
-    let a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
+    assert_sent_once(&rows);
+    let a = analyse_rabbit(&rows, &rabbit);
     assert!(relay.is_running(), "the relay process survived");
     summary(
         "postgres-restart",
@@ -1986,8 +1941,7 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
             || (f.status == "pending" && f.aggregate.as_deref() == Some("big/whale"))),
         "only the huge aggregate may be unfinished"
     );
-    let deliveries = rabbit.deliveries();
-    let a = analyse(&sent, deliveries.iter().map(|d| d.message_id.as_str()));
+    let a = analyse_rabbit(&sent, &rabbit);
     summary(
         "huge-aggregate",
         1,
@@ -2288,8 +2242,7 @@ async fn crash_loop(label: &str) -> CrashLoop {
         not_sent.is_empty(),
         "rows dead-lettered or stuck with the crasher: {not_sent:?}"
     );
-    let deliveries = rabbit.deliveries();
-    let analysis = analyse(&others, deliveries.iter().map(|d| d.message_id.as_str()));
+    let analysis = analyse_rabbit(&others, &rabbit);
     relay.stop().await;
     rabbit.teardown().await;
     audit.drop(&table.db, &table.name).await;
