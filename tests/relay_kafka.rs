@@ -15,6 +15,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use common::expected_row_headers;
 use common::kafka::{
     Collector, KAFKA, Record, Tansu, create_topic, delete_topic, free_port, high_watermarks,
     id_counts, kafka_relay, topic_name,
@@ -27,21 +28,6 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
-
-/// The contract's §4 rule for row headers: strings as they are, other values as their JSON
-/// text, nulls omitted.
-fn expected_row_headers(headers: &Value) -> BTreeMap<String, String> {
-    headers
-        .as_object()
-        .expect("headers object")
-        .iter()
-        .filter_map(|(k, v)| match v {
-            Value::Null => None,
-            Value::String(s) => Some((k.clone(), s.clone())),
-            other => Some((k.clone(), other.to_string())),
-        })
-        .collect()
-}
 
 /// Checks one record against its row (contract §4); returns the problems found.
 fn envelope_problems(r: &Record, row: &RowState, topic: &str, source: &str) -> Vec<String> {

@@ -12,6 +12,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
+use common::expected_row_headers;
 use common::{
     Delivered, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir,
     TestTable, concurrent_writers, spawn_paced_writer, wait_for_count, wait_until,
@@ -43,21 +44,6 @@ fn bulk_row(n: usize) -> NewRow {
         "nested": {"k": [n]},
         "gone": null,
     }))
-}
-
-/// The contract's §4 rule for row headers: strings as they are, other values as their JSON
-/// text, nulls omitted.
-fn expected_row_headers(headers: &Value) -> BTreeMap<String, String> {
-    headers
-        .as_object()
-        .expect("headers object")
-        .iter()
-        .filter_map(|(k, v)| match v {
-            Value::Null => None,
-            Value::String(s) => Some((k.clone(), s.clone())),
-            other => Some((k.clone(), other.to_string())),
-        })
-        .collect()
 }
 
 /// Checks one delivery against its row (contract §4); returns the problems found.
