@@ -37,6 +37,15 @@ pub async fn check(config: &Config) -> Result<()> {
         config.publisher.kind(),
         config.database.table
     );
+    // The key id only: the key itself is never printed.
+    match &config.signing {
+        Some(s) => println!(
+            "signing: on (key id {}, {} byte key)",
+            s.key_id,
+            s.key.len()
+        ),
+        None => println!("signing: off"),
+    }
     let mut failed = false;
     let store = Store::new(&config.database, &config.relay.instance_id)?;
     let url = config.database.redacted_url();
@@ -125,7 +134,7 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
         return Ok(());
     }
     println!(
-        "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12}",
+        "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>8} {:>12}",
         "AGGREGATE TYPE",
         "PENDING",
         "READY",
@@ -133,12 +142,13 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
         "PROCESSING",
         "SENT",
         "FAILED",
+        "EXPIRED",
         "BLOCKED",
         "OLDEST (s)"
     );
     let line = |name: &str, c: &outbox_relay::store::StatusCounts| {
         println!(
-            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>12.1}",
+            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>8} {:>12.1}",
             name,
             c.pending,
             c.ready,
@@ -146,6 +156,7 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
             c.processing,
             c.sent,
             c.failed,
+            c.expired,
             c.blocked_aggregates,
             c.oldest_pending_age_seconds
         );

@@ -11,6 +11,7 @@
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
 //! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker.
 //! - [`retry`]: the backoff policy (pure).
+//! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
 //! - [`template`]: routing-key / topic templates.
 //! - [`telemetry`]: metric names, `record_*` functions, the `/metrics` + health server.
 //! - [`redact`]: masking passwords before anything is logged.
@@ -31,6 +32,7 @@ pub mod publish;
 pub mod redact;
 pub mod relay;
 pub mod retry;
+pub mod signing;
 pub mod store;
 pub mod tail;
 pub mod telemetry;
@@ -71,6 +73,10 @@ pub fn build_publisher(config: &Config, payload_kind: PayloadKind) -> Arc<dyn Pu
     let envelope = EnvelopeConfig {
         source: config.relay.source.clone(),
         payload_kind,
+        signer: config
+            .signing
+            .as_ref()
+            .map(|s| Arc::new(signing::Signer::new(&s.key_id, &s.key))),
     };
     match &config.publisher {
         PublisherConfig::RabbitMq(c) => Arc::new(publish::rabbitmq::RabbitMqPublisher::new(
@@ -403,7 +409,7 @@ async fn cleanup_loop(store: Store, cfg: config::CleanupConfig, shutdown: Cancel
             }
         }
         if total > 0 {
-            tracing::info!(deleted = total, retention = ?cfg.retention, "deleted sent rows past retention");
+            tracing::info!(deleted = total, retention = ?cfg.retention, "deleted sent rows past retention (and expired rows as long past their deadline)");
         }
         tokio::select! {
             () = tokio::time::sleep(cfg.interval) => {}

@@ -22,7 +22,7 @@ use tokio_util::task::TaskTracker;
 use crate::config::{Ordering, RelayConfig};
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
-use crate::store::{Failure, OutboxMessage, Store, StoreError};
+use crate::store::{Expired, Failure, OutboxMessage, Store, StoreError};
 use crate::telemetry::{self, Health};
 use crate::watermark::Watermark;
 
@@ -281,8 +281,15 @@ impl Relay {
                 }
             }
 
-            let rows = match self.store.claim(cfg.ordering, limit, mark).await {
-                Ok(rows) => rows,
+            let claimed = self
+                .store
+                .claim_and_expire(cfg.ordering, limit, mark, self.settings.delete_on_confirm)
+                .await;
+            let rows = match claimed {
+                Ok(claim) => {
+                    record_expired(&claim.expired);
+                    claim.rows
+                }
                 Err(e) => {
                     drop(permit);
                     self.database_down(&e, &mut db_backoff, shutdown).await;
@@ -598,6 +605,24 @@ mod crash_switch {
     }
 }
 
+/// Counts and logs rows that passed their deadline before they could be published.
+fn record_expired(expired: &[Expired]) {
+    if expired.is_empty() {
+        return;
+    }
+    telemetry::record_expired(expired.len() as u64);
+    let sample: Vec<String> = expired
+        .iter()
+        .take(10)
+        .map(|e| format!("{} ({})", e.id, e.aggregate_type))
+        .collect();
+    tracing::info!(
+        expired = expired.len(),
+        ids = %sample.join(", "),
+        "rows passed their expires_at before they could be published; they will not be sent"
+    );
+}
+
 fn u32_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
@@ -669,6 +694,7 @@ mod tests {
             destination: None,
             attempts: 1,
             created_at: chrono::Utc::now(),
+            expires_at: None,
         }
     }
 

@@ -34,6 +34,8 @@ pub mod names {
     pub const BROKER_CONNECTED: &str = "outbox_broker_connected";
     /// Counter: rows moved to `failed`.
     pub const DEAD_LETTERED: &str = "outbox_dead_lettered_total";
+    /// Counter: rows that passed their `expires_at` before they could be published.
+    pub const EXPIRED: &str = "outbox_expired_total";
     /// Histogram: send → confirm.
     pub const PUBLISH_DURATION: &str = "outbox_publish_duration_seconds";
     /// Histogram: created_at → confirmed.
@@ -54,6 +56,7 @@ pub mod names {
         PUBLISH_FAILURES,
         BROKER_CONNECTED,
         DEAD_LETTERED,
+        EXPIRED,
         PUBLISH_DURATION,
         END_TO_END_LATENCY,
         CLAIM_BATCH_SIZE,
@@ -93,6 +96,7 @@ pub fn record_info(instance: &str, publisher: &str) {
     metrics::counter!(names::PUBLISH_FAILURES, "kind" => "message").increment(0);
     metrics::counter!(names::PUBLISH_FAILURES, "kind" => "connection").increment(0);
     metrics::counter!(names::DEAD_LETTERED).increment(0);
+    metrics::counter!(names::EXPIRED).increment(0);
     metrics::gauge!(names::WATERMARK_LAG).set(0.0);
     metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
 }
@@ -125,6 +129,11 @@ pub fn record_broker_down() {
 /// Rows were dead-lettered.
 pub fn record_dead_lettered(n: u64) {
     metrics::counter!(names::DEAD_LETTERED).increment(n);
+}
+
+/// Rows expired (never published).
+pub fn record_expired(n: u64) {
+    metrics::counter!(names::EXPIRED).increment(n);
 }
 
 /// A claim returned `n` rows.

@@ -735,6 +735,7 @@ fn dashboard_covers_every_metric_and_names_no_other() {
         "rate(outbox_dead_lettered_total",
     );
     has("Blocked aggregates over time", "outbox_blocked_aggregates");
+    has("Expired (never published)", "rate(outbox_expired_total");
     has(
         "Watermark lag (ordering guard)",
         "outbox_watermark_lag_seconds",

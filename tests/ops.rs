@@ -560,13 +560,14 @@ async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
 
 // ---- status -----------------------------------------------------------------------------------
 
-const STATUS_KEYS: [&str; 8] = [
+const STATUS_KEYS: [&str; 9] = [
     "pending",
     "ready",
     "waiting",
     "processing",
     "sent",
     "failed",
+    "expired",
     "oldest_pending_age_seconds",
     "blocked_aggregates",
 ];
@@ -621,7 +622,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
     insert_states(
         &table,
         &[
-            // order: 2 ready, 1 waiting, 1 processing, 3 sent, 1 failed that blocks o-6.
+            // order: 2 ready, 1 waiting, 1 processing, 3 sent, 2 failed that block o-6 and o-7.
             state_row("order", Some("o-1"), "pending").created(100.0),
             state_row("order", Some("o-2"), "pending").created(10.0),
             state_row("order", Some("o-3"), "pending")
@@ -636,6 +637,11 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
                 .sent(3600.0),
             state_row("order", None, "sent").created(7200.0),
             state_row("order", Some("o-6"), "failed")
+                .created(7200.0)
+                .failed_after(12, "nack"),
+            // An expired row holds nothing back: o-7's failed row after it blocks o-7.
+            state_row("order", Some("o-7"), "expired").created(7200.0),
+            state_row("order", Some("o-7"), "failed")
                 .created(7200.0)
                 .failed_after(12, "nack"),
             // invoice: i-1 blocked by its failed row; i-2's failed row sits behind a pending
@@ -680,8 +686,9 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
             ("waiting", 1),
             ("processing", 1),
             ("sent", 3),
-            ("failed", 1),
-            ("blocked_aggregates", 1),
+            ("failed", 2),
+            ("expired", 1),
+            ("blocked_aggregates", 2),
         ])
     );
     assert_eq!(
@@ -703,8 +710,9 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
             ("waiting", 1),
             ("processing", 1),
             ("sent", 4),
-            ("failed", 4),
-            ("blocked_aggregates", 2),
+            ("failed", 5),
+            ("expired", 1),
+            ("blocked_aggregates", 3),
         ])
     );
     for (name, c) in [
@@ -743,6 +751,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
             "PROCESSING",
             "SENT",
             "FAILED",
+            "EXPIRED",
             "BLOCKED",
             "OLDEST",
             "(s)"
@@ -762,6 +771,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
             "processing",
             "sent",
             "failed",
+            "expired",
             "blocked_aggregates",
         ]
         .iter()
@@ -777,17 +787,17 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
         let cells = table_rows
             .get(name)
             .unwrap_or_else(|| panic!("no {name} line in:\n{}", out.stdout));
-        assert_eq!(cells[..7], human(c)[..], "{name} line in:\n{}", out.stdout);
+        assert_eq!(cells[..8], human(c)[..], "{name} line in:\n{}", out.stdout);
         assert_eq!(
             c["pending"],
             c["ready"] + c["waiting"],
             "{name}: pending = ready + waiting"
         );
-        let oldest: f64 = cells[7].parse().expect("oldest seconds");
+        let oldest: f64 = cells[8].parse().expect("oldest seconds");
         assert!(oldest >= 0.0, "{name} oldest {oldest}");
     }
     assert_eq!(table_rows.len(), 4, "{}", out.stdout);
-    let total_oldest: f64 = table_rows["TOTAL"][7].parse().unwrap();
+    let total_oldest: f64 = table_rows["TOTAL"][8].parse().unwrap();
     assert!(near(total_oldest, 99.9), "TOTAL oldest {total_oldest}");
 
     table.drop_table().await;

@@ -14,6 +14,30 @@ pub struct EnvelopeConfig {
     pub source: String,
     /// Payload column type, for `datacontenttype`.
     pub payload_kind: PayloadKind,
+    /// Signs every message when `[signing]` is configured.
+    pub signer: Option<std::sync::Arc<crate::signing::Signer>>,
+}
+
+/// CloudEvents `time`: `created_at` in RFC 3339 with microseconds, UTC (`Z`).
+pub fn time(msg: &OutboxMessage) -> String {
+    msg.created_at.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+/// The `outbox-signature` header value for `msg` routed to `route`, when signing is on.
+pub fn signature(msg: &OutboxMessage, cfg: &EnvelopeConfig, route: &str) -> Option<String> {
+    let signer = cfg.signer.as_ref()?;
+    let id = msg.id.to_string();
+    let time = time(msg);
+    Some(signer.sign(&crate::signing::Signed {
+        id: &id,
+        source: &cfg.source,
+        event_type: &msg.event_type,
+        subject: msg.aggregate_id.as_deref(),
+        route,
+        time: &time,
+        content_type: cfg.payload_kind.content_type(),
+        body: &msg.payload,
+    }))
 }
 
 /// CloudEvents attributes of one message, in binding-neutral form (`(name, value)`).
@@ -26,10 +50,7 @@ pub fn cloud_event_attributes<'a>(
         ("id", msg.id.to_string()),
         ("type", msg.event_type.clone()),
         ("source", cfg.source.clone()),
-        (
-            "time",
-            msg.created_at.to_rfc3339_opts(SecondsFormat::Micros, true),
-        ),
+        ("time", time(msg)),
         ("aggregatetype", msg.aggregate_type.clone()),
     ];
     if let Some(subject) = &msg.aggregate_id {
@@ -84,6 +105,16 @@ fn json_kind(v: &Value) -> &'static str {
     }
 }
 
+/// AMQP `expiration` for a row with a deadline: the milliseconds left at `now`, at least 1 (a
+/// row claimed before its deadline is still published when the deadline passes in flight; the
+/// broker then drops it at once rather than delivering it late). `None` without a deadline.
+pub fn expiration_ms(
+    expires_at: Option<chrono::DateTime<chrono::Utc>>,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Option<String> {
+    expires_at.map(|deadline| (deadline - now).num_milliseconds().max(1).to_string())
+}
+
 /// The routing key / topic: the row's `destination` when set, else the rendered template.
 pub fn destination(msg: &OutboxMessage, template: &Template) -> String {
     match &msg.destination {
@@ -114,6 +145,7 @@ pub(crate) mod tests {
             destination: None,
             attempts: 1,
             created_at: chrono::Utc.with_ymd_and_hms(2026, 1, 2, 3, 4, 5).unwrap(),
+            expires_at: None,
         }
     }
 
@@ -146,6 +178,7 @@ pub(crate) mod tests {
         let cfg = EnvelopeConfig {
             source: "/outbox/test/outbox_messages".into(),
             payload_kind: PayloadKind::Json,
+            signer: None,
         };
         let m = message("{}");
         let attrs = cloud_event_attributes(&m, &cfg);
@@ -163,6 +196,40 @@ pub(crate) mod tests {
                 .iter()
                 .all(|(k, _)| *k != "subject")
         );
+    }
+
+    #[test]
+    fn expiration_is_the_remaining_milliseconds_and_at_least_one() {
+        let now = chrono::Utc.with_ymd_and_hms(2026, 1, 2, 3, 4, 5).unwrap();
+        assert_eq!(expiration_ms(None, now), None);
+        let later = now + chrono::Duration::milliseconds(1500);
+        assert_eq!(expiration_ms(Some(later), now).as_deref(), Some("1500"));
+        assert_eq!(expiration_ms(Some(now), now).as_deref(), Some("1"));
+        let past = now - chrono::Duration::seconds(10);
+        assert_eq!(expiration_ms(Some(past), now).as_deref(), Some("1"));
+    }
+
+    #[test]
+    fn signature_covers_what_is_sent_and_not_the_attempt() {
+        let mut cfg = EnvelopeConfig {
+            source: "/outbox/test/outbox_messages".into(),
+            payload_kind: PayloadKind::Json,
+            signer: None,
+        };
+        let m = message("{}");
+        assert_eq!(signature(&m, &cfg, "order.created"), None);
+        cfg.signer = Some(std::sync::Arc::new(crate::signing::Signer::new(
+            "k1", &[7u8; 32],
+        )));
+        let first = signature(&m, &cfg, "order.created").unwrap();
+        let mut retried = m.clone();
+        retried.attempts = 5;
+        retried.expires_at = Some(chrono::Utc::now());
+        assert_eq!(signature(&retried, &cfg, "order.created").unwrap(), first);
+        assert_ne!(signature(&m, &cfg, "order.other").unwrap(), first);
+        let mut other = m.clone();
+        other.payload = b"{\"a\":1}".to_vec();
+        assert_ne!(signature(&other, &cfg, "order.created").unwrap(), first);
     }
 
     #[test]

@@ -168,7 +168,7 @@ impl KafkaPublisher {
         guard.clone()
     }
 
-    fn record_headers(&self, msg: &OutboxMessage) -> OwnedHeaders {
+    fn record_headers(&self, msg: &OutboxMessage, topic: &str) -> OwnedHeaders {
         let (row_headers, note) = envelope::row_headers(msg);
         if let Some(note) = note {
             tracing::warn!(id = %msg.id, "{note}");
@@ -188,10 +188,17 @@ impl KafkaPublisher {
                 value: Some(value.as_bytes()),
             });
         }
-        headers.insert(Header {
+        headers = headers.insert(Header {
             key: "content-type",
             value: Some(self.envelope.payload_kind.content_type().as_bytes()),
-        })
+        });
+        match envelope::signature(msg, &self.envelope, topic) {
+            Some(sig) => headers.insert(Header {
+                key: crate::signing::HEADER,
+                value: Some(sig.as_bytes()),
+            }),
+            None => headers,
+        }
     }
 }
 
@@ -343,7 +350,7 @@ impl Publisher for KafkaPublisher {
         }
         let mut record = FutureRecord::to(&topic)
             .payload(&msg.payload)
-            .headers(self.record_headers(msg));
+            .headers(self.record_headers(msg, &topic));
         if let Some(key) = &msg.aggregate_id {
             record = record.key(key);
         }

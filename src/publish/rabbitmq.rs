@@ -129,7 +129,7 @@ impl RabbitMqPublisher {
     }
 
     /// Builds the AMQP properties, or says why this message cannot be expressed in AMQP.
-    fn properties(&self, msg: &OutboxMessage) -> Result<BasicProperties, String> {
+    fn properties(&self, msg: &OutboxMessage, route: &str) -> Result<BasicProperties, String> {
         let mut headers = FieldTable::default();
         let (row_headers, note) = envelope::row_headers(msg);
         if let Some(note) = note {
@@ -149,16 +149,29 @@ impl RabbitMqPublisher {
                 AMQPValue::LongString(LongString::from(value)),
             );
         }
+        if let Some(sig) = envelope::signature(msg, &self.envelope, route) {
+            headers.insert(
+                ShortString::from(crate::signing::HEADER),
+                AMQPValue::LongString(LongString::from(sig)),
+            );
+        }
         let kind = ShortString::try_new(msg.event_type.clone())
             .map_err(|_| "event_type is longer than 255 bytes (AMQP type property)".to_owned())?;
         let timestamp = u64::try_from(msg.created_at.timestamp()).unwrap_or(0);
-        Ok(BasicProperties::default()
+        let props = BasicProperties::default()
             .with_message_id(ShortString::from(msg.id.to_string()))
             .with_type(kind)
             .with_timestamp(timestamp)
             .with_content_type(ShortString::from(self.envelope.payload_kind.content_type()))
             .with_delivery_mode(2)
-            .with_headers(headers))
+            .with_headers(headers);
+        // A row with a deadline: the broker drops it too once the deadline passes in a queue.
+        Ok(
+            match envelope::expiration_ms(msg.expires_at, chrono::Utc::now()) {
+                Some(ms) => props.with_expiration(ShortString::from(ms)),
+                None => props,
+            },
+        )
     }
 }
 
@@ -339,7 +352,7 @@ impl Publisher for RabbitMqPublisher {
         let Ok(routing_key) = ShortString::try_new(routing_key) else {
             return Outcome::Rejected("routing key is longer than 255 bytes".to_owned());
         };
-        let props = match self.properties(msg) {
+        let props = match self.properties(msg, routing_key.as_str()) {
             Ok(p) => p,
             Err(reason) => return Outcome::Rejected(reason),
         };

@@ -138,6 +138,26 @@ pub struct OutboxMessage {
     pub attempts: i32,
     /// When the application inserted the row.
     pub created_at: DateTime<Utc>,
+    /// Deadline after which the row is no longer published (`None`: never expires).
+    pub expires_at: Option<DateTime<Utc>>,
+}
+
+/// A row that passed its deadline before it could be published (see [`Store::claim_and_expire`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expired {
+    /// Row id.
+    pub id: Uuid,
+    /// Aggregate type (for logs).
+    pub aggregate_type: String,
+}
+
+/// What one claim round did: rows to publish, and rows that expired instead.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Claim {
+    /// Claimed rows (now `processing`), in `seq` order.
+    pub rows: Vec<OutboxMessage>,
+    /// Rows moved to `expired` (or deleted, retention 0) by the sweep before the claim.
+    pub expired: Vec<Expired>,
 }
 
 /// A message-level failure to record: back off, or dead-letter when out of attempts.
@@ -173,13 +193,21 @@ pub struct WriterSnapshot {
 const SUSPECT: &str = "lease expired:";
 const NOT_SUSPECT: &str = "(last_error IS NULL OR last_error NOT LIKE 'lease expired:%')";
 const NOT_SUSPECT_C: &str = "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')";
+/// Rows whose deadline has passed are never claimed, even in the moment before the expiry
+/// sweep marks them (a heap filter on rows the claim reads anyway: free when no row expires).
+const NOT_DUE: &str = "(expires_at IS NULL OR expires_at > now())";
+const NOT_DUE_C: &str = "(c.expires_at IS NULL OR c.expires_at > now())";
+/// An earlier row that still holds back its aggregate: anything but `sent` and `expired`.
+/// Spelled as the predicate of the `<table>_open_idx` partial index, so the planner uses it.
+const OPEN_E: &str = "e.status NOT IN ('sent', 'expired')";
+const OPEN_H: &str = "h.status NOT IN ('sent', 'expired')";
 
 // Claims update `WHERE t.id = ANY(ARRAY(SELECT id FROM <picked>))` rather than joining the
 // picked ids: with a join the generic plan estimated the row count from LIMIT $1 and hashed the
 // whole table (a sequential scan per claim, 46 ms at 100k rows); the array form always probes
 // the primary key.
 const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_type, t.payload, \
-                         t.headers, t.destination, t.attempts, t.created_at";
+                         t.headers, t.destination, t.attempts, t.created_at, t.expires_at";
 
 /// The SQL text of every statement, rendered once for the configured table.
 #[derive(Debug, Clone)]
@@ -188,6 +216,8 @@ struct Queries {
     claim_suspect: String,
     suspects_waiting: String,
     claim_aggregate: String,
+    expire: String,
+    expire_delete: String,
     mark_sent: String,
     delete_sent: String,
     fail: String,
@@ -213,9 +243,10 @@ impl Queries {
         // none) and at or below the watermark (`$W`).
         let suspect_where = format!(
             "c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
+             AND {NOT_DUE_C} \
              AND (c.aggregate_id IS NULL OR (c.seq <= $W AND NOT EXISTS ( \
                SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
-                 AND e.aggregate_id = c.aggregate_id AND e.status <> 'sent' AND e.seq < c.seq)))"
+                 AND e.aggregate_id = c.aggregate_id AND {OPEN_E} AND e.seq < c.seq)))"
         );
         let suspect = suspect_where.replace("$W", "$1");
         let suspect_2 = suspect_where.replace("$W", "$2");
@@ -224,7 +255,7 @@ impl Queries {
             claim_none: format!(
                 "WITH cand AS ( \
                    SELECT id FROM {t} \
-                   WHERE status = 'pending' AND available_at <= now() AND {NOT_SUSPECT} \
+                   WHERE status = 'pending' AND available_at <= now() AND {NOT_SUSPECT} AND {NOT_DUE} \
                    ORDER BY seq LIMIT $1 \
                    FOR UPDATE SKIP LOCKED) \
                  UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
@@ -271,11 +302,12 @@ impl Queries {
                  cand AS ( \
                    SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id FROM {t} c \
                    WHERE c.status = 'pending' AND c.available_at <= now() AND {NOT_SUSPECT_C} \
+                     AND {NOT_DUE_C} \
                      AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
                        AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) AND ( \
                        SELECT h.status = 'pending' AND h.available_at <= now() FROM {t} h \
                        WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
-                         AND h.status <> 'sent' ORDER BY h.seq LIMIT 1))) \
+                         AND {OPEN_H} ORDER BY h.seq LIMIT 1))) \
                    ORDER BY c.seq LIMIT $4 \
                    FOR UPDATE OF c SKIP LOCKED), \
                  ranked AS ( \
@@ -286,7 +318,7 @@ impl Queries {
                      (r.aggregate_id IS NULL OR NOT EXISTS ( \
                         SELECT 1 FROM {t} e \
                         WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id \
-                          AND e.status <> 'sent' AND e.seq < r.seq \
+                          AND {OPEN_E} AND e.seq < r.seq \
                           AND (r.prev_seq IS NULL OR e.seq > r.prev_seq))) AS free \
                    FROM ranked r), \
                  chained AS ( \
@@ -298,6 +330,31 @@ impl Queries {
                    locked_by = $2, locked_at = now() \
                  WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) \
                  RETURNING {RETURNING}"
+            ),
+            // Pending rows past their deadline become `expired` (or are deleted, retention 0),
+            // oldest deadline first, through the small `<table>_expiry_idx`. Rows in flight
+            // are not touched: a row claimed before its deadline is published. $1 batch size.
+            expire: format!(
+                "WITH due AS ( \
+                   SELECT id FROM {t} \
+                   WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= now() \
+                   ORDER BY expires_at LIMIT $1 \
+                   FOR UPDATE SKIP LOCKED) \
+                 UPDATE {t} AS t SET status = 'expired', locked_by = NULL, locked_at = NULL, \
+                   last_error = 'expired: its deadline ' \
+                     || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+                     || ' passed before it was published (after ' || t.attempts || ' attempts)' \
+                 WHERE t.id = ANY(ARRAY(SELECT id FROM due)) \
+                 RETURNING t.id, t.aggregate_type"
+            ),
+            expire_delete: format!(
+                "WITH due AS ( \
+                   SELECT id FROM {t} \
+                   WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= now() \
+                   ORDER BY expires_at LIMIT $1 \
+                   FOR UPDATE SKIP LOCKED) \
+                 DELETE FROM {t} AS t WHERE t.id = ANY(ARRAY(SELECT id FROM due)) \
+                 RETURNING t.id, t.aggregate_type"
             ),
             // $1 ids, $2 instance id.
             mark_sent: format!(
@@ -347,14 +404,15 @@ impl Queries {
                    count(*) FILTER (WHERE status = 'processing'), \
                    count(*) FILTER (WHERE status = 'sent'), \
                    count(*) FILTER (WHERE status = 'failed'), \
-                   coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing'))), 0)::float8 \
+                   coalesce(extract(epoch FROM now() - min(created_at) FILTER (WHERE status IN ('pending', 'processing'))), 0)::float8, \
+                   count(*) FILTER (WHERE status = 'expired') \
                  FROM {t} GROUP BY aggregate_type ORDER BY aggregate_type"
             ),
             blocked_by_type: format!(
                 "SELECT aggregate_type, count(DISTINCT aggregate_id) FROM {t} f \
                  WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
                    SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
-                     AND e.aggregate_id = f.aggregate_id AND e.status <> 'sent' AND e.seq < f.seq) \
+                     AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq) \
                  GROUP BY aggregate_type"
             ),
             // $1 limit.
@@ -371,10 +429,15 @@ impl Queries {
                 "DELETE FROM {t} WHERE status = 'failed' AND ($2 OR id = ANY($1)) RETURNING id"
             ),
             // $1 retention (ms), $2 batch size. Short statements: no long locks on the table.
+            // Expired rows are kept as long after their deadline as sent rows after sending.
             cleanup: format!(
                 "DELETE FROM {t} WHERE id IN ( \
-                   SELECT id FROM {t} WHERE status = 'sent' AND sent_at < now() - $1::bigint * interval '1 millisecond' \
-                   ORDER BY sent_at LIMIT $2)"
+                   (SELECT id FROM {t} WHERE status = 'sent' AND sent_at < now() - $1::bigint * interval '1 millisecond' \
+                    ORDER BY sent_at LIMIT $2) \
+                   UNION ALL \
+                   (SELECT id FROM {t} WHERE status = 'expired' AND expires_at < now() - $1::bigint * interval '1 millisecond' \
+                    ORDER BY expires_at LIMIT $2) \
+                   LIMIT $2)"
             ),
             last_seq: format!("SELECT last_value, is_called FROM {seq}"),
             // Cheap on a large table: each part walks a partial index. The oldest unsent row is
@@ -390,7 +453,7 @@ impl Queries {
                    (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
                       WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
                         SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
-                          AND e.aggregate_id = f.aggregate_id AND e.status <> 'sent' AND e.seq < f.seq)) b)"
+                          AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b)"
             ),
             // $1 the table's oid. Transactions that hold a lock on the table and may still commit
             // rows; the relay's own sessions (application_name outbox-relay…) never insert.
@@ -615,35 +678,83 @@ impl Store {
         Ok((kind, oid))
     }
 
-    /// Claims up to `limit` ready rows. With [`Ordering::Aggregate`], only rows at or below
-    /// `watermark` (for rows with an aggregate id) whose earlier unsent rows all come along.
+    /// Expires the pending rows whose deadline has passed (marked `expired`, never published),
+    /// then claims up to `limit` ready rows as [`Store::claim_and_expire`] does with expired
+    /// rows kept; returns the claimed rows only.
     pub async fn claim(
         &self,
         ordering: Ordering,
         limit: usize,
         watermark: i64,
     ) -> Result<Vec<OutboxMessage>> {
+        Ok(self
+            .claim_and_expire(ordering, limit, watermark, false)
+            .await?
+            .rows)
+    }
+
+    /// Expires pending rows past their deadline (up to `limit`; deleted instead when
+    /// `delete_expired`, retention 0), then claims up to `limit` ready rows. With
+    /// [`Ordering::Aggregate`], only rows at or below `watermark` (for rows with an aggregate
+    /// id) whose earlier open rows all come along.
+    ///
+    /// The two statements are pipelined on one connection and run in the order sent, so the
+    /// claim already sees the rows just expired as no longer holding back their aggregates;
+    /// with no deadline in the table the sweep is one probe of an empty partial index, in the
+    /// claim's round trip.
+    pub async fn claim_and_expire(
+        &self,
+        ordering: Ordering,
+        limit: usize,
+        watermark: i64,
+        delete_expired: bool,
+    ) -> Result<Claim> {
         let client = self.client().await?;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = match ordering {
+        let expire = client
+            .prepare_cached(if delete_expired {
+                &self.q.expire_delete
+            } else {
+                &self.q.expire
+            })
+            .await?;
+        let expire_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
+        let (expired, rows) = match ordering {
             Ordering::None => {
                 let stmt = client.prepare_cached(&self.q.claim_none).await?;
-                client.query(&stmt, &[&limit, &self.instance_id]).await?
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
+                    [&limit, &self.instance_id];
+                tokio::join!(
+                    client.query(&expire, &expire_params),
+                    client.query(&stmt, &params)
+                )
             }
             Ordering::Aggregate => {
                 let stmt = client.prepare_cached(&self.q.claim_aggregate).await?;
                 let scan = limit.saturating_mul(4).max(1000);
-                client
-                    .query(&stmt, &[&limit, &self.instance_id, &watermark, &scan])
-                    .await?
+                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
+                    [&limit, &self.instance_id, &watermark, &scan];
+                tokio::join!(
+                    client.query(&expire, &expire_params),
+                    client.query(&stmt, &params)
+                )
             }
         };
-        let mut out = rows
+        let expired = expired?
+            .iter()
+            .map(|r| {
+                Ok(Expired {
+                    id: r.try_get(0)?,
+                    aggregate_type: r.try_get(1)?,
+                })
+            })
+            .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
+        let mut rows = rows?
             .iter()
             .map(message_of)
             .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
-        out.sort_unstable_by_key(|m| m.seq);
-        Ok(out)
+        rows.sort_unstable_by_key(|m| m.seq);
+        Ok(Claim { rows, expired })
     }
 
     /// Whether a row reclaimed from a dead relay is ready to be claimed (see `SUSPECT`).
@@ -813,6 +924,8 @@ pub struct StatusCounts {
     pub sent: i64,
     /// Dead letters.
     pub failed: i64,
+    /// Past their deadline before they could be published (and not yet removed by retention).
+    pub expired: i64,
     /// Age of the oldest unsent (pending or processing) row.
     pub oldest_pending_age_seconds: f64,
     /// Aggregates whose earliest unsent row is `failed`.
@@ -827,6 +940,7 @@ impl StatusCounts {
         self.processing += o.processing;
         self.sent += o.sent;
         self.failed += o.failed;
+        self.expired += o.expired;
         self.oldest_pending_age_seconds = self
             .oldest_pending_age_seconds
             .max(o.oldest_pending_age_seconds);
@@ -893,6 +1007,7 @@ impl Store {
                 processing: r.try_get(3)?,
                 sent: r.try_get(4)?,
                 failed: r.try_get(5)?,
+                expired: r.try_get(7)?,
                 oldest_pending_age_seconds: r.try_get(6)?,
                 blocked_aggregates: 0,
             };
@@ -994,6 +1109,7 @@ fn message_of(r: &tokio_postgres::Row) -> Result<OutboxMessage, tokio_postgres::
         destination: r.try_get(7)?,
         attempts: r.try_get(8)?,
         created_at: r.try_get(9)?,
+        expires_at: r.try_get(10)?,
     })
 }
 

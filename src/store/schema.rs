@@ -19,11 +19,18 @@ pub struct Migration {
 }
 
 /// Every migration, in order.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_outbox_messages.sql",
-    sql: include_str!("../../sql/0001_outbox_messages.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_outbox_messages.sql",
+        sql: include_str!("../../sql/0001_outbox_messages.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_expiry.sql",
+        sql: include_str!("../../sql/0002_expiry.sql"),
+    },
+];
 
 /// The table that records which version each outbox table is at.
 pub const VERSION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_schema_version (\n    \
@@ -74,6 +81,8 @@ fn names_unqualifiable_object(preceding: &str) -> bool {
         (Some("INDEX"), ..) | (Some("EXISTS"), Some("NOT"), Some("IF"), Some("INDEX")) => true,
         // CREATE TRIGGER name / DROP TRIGGER IF EXISTS name
         (Some("TRIGGER"), ..) | (Some("EXISTS"), Some("IF"), Some("TRIGGER"), _) => true,
+        // ADD / VALIDATE CONSTRAINT name, DROP CONSTRAINT IF EXISTS name
+        (Some("CONSTRAINT"), ..) | (Some("EXISTS"), Some("IF"), Some("CONSTRAINT"), _) => true,
         _ => false,
     }
 }
@@ -120,6 +129,20 @@ mod tests {
         assert!(sql.contains("DROP TRIGGER IF EXISTS events_notify ON app.events;"));
         assert!(sql.contains("CREATE TRIGGER events_notify\n    AFTER INSERT ON app.events"));
         assert!(sql.contains("EXECUTE FUNCTION app.events_notify()"));
+    }
+
+    #[test]
+    fn expiry_migration_names_constraints_bare_and_drops_the_qualified_index() {
+        let t = TableName::parse("app.events").unwrap();
+        let sql = render(MIGRATIONS[1].sql, &t);
+        assert!(!sql.contains("outbox_messages"), "{sql}");
+        assert!(sql.contains("ALTER TABLE app.events ADD COLUMN IF NOT EXISTS expires_at"));
+        assert!(sql.contains("DROP CONSTRAINT IF EXISTS events_status_check;"));
+        assert!(sql.contains("ADD CONSTRAINT events_status_check\n"));
+        assert!(sql.contains("VALIDATE CONSTRAINT events_status_check;"));
+        assert!(sql.contains("DROP INDEX IF EXISTS app.events_aggregate_idx;"));
+        assert!(sql.contains("CREATE INDEX IF NOT EXISTS events_expiry_idx\n    ON app.events"));
+        assert_eq!(MIGRATIONS[1].version, 2);
     }
 
     #[test]

@@ -30,6 +30,7 @@ fn synthetic(n: usize, aggregates: usize) -> Vec<OutboxMessage> {
             destination: None,
             attempts: 1,
             created_at: now,
+            expires_at: None,
         })
         .collect()
 }

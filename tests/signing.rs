@@ -1,0 +1,519 @@
+//! Signed messages (contract §4, §5): real messages consumed from RabbitMQ and Kafka carry
+//! `outbox-signature`, and two implementations independent of the relay's — a Python
+//! standard-library script (`scripts/verify-signature.py`) and RustCrypto (`signing/verify.rs`),
+//! both shown in the README — accept them, while a tampered body, a changed routing key or
+//! type, and an unknown key id fail. Key rotation, a retried message's unchanged signature, and
+//! the key's absence from every output are checked on the way.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+#[path = "signing/verify.rs"]
+mod verify;
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use base64::Engine;
+use base64::engine::general_purpose::STANDARD;
+use common::kafka::{Collector, KAFKA, create_topic, high_watermarks, kafka_relay, topic_name};
+use common::{AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, wait_until};
+use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{AMQPValue, FieldTable};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(60);
+/// A text key (40 bytes).
+const KEY_A: &str = "relay-signing-key-A-0123456789abcdefghij";
+/// A binary key, 32 random-looking bytes.
+const KEY_B: [u8; 32] = [
+    0x9c, 0x01, 0xfe, 0x42, 0x00, 0x7a, 0x13, 0xee, 0x5d, 0x88, 0x21, 0x0b, 0xc4, 0x6f, 0x99, 0x30,
+    0x17, 0xa2, 0x4e, 0xd0, 0x3b, 0x66, 0xf1, 0x08, 0x2c, 0x95, 0x7e, 0xb3, 0x50, 0x0d, 0xca, 0x81,
+];
+
+fn repo() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// One received message, as a consumer reads it.
+#[derive(Debug, Clone)]
+struct Received {
+    header: String,
+    id: String,
+    source: String,
+    event_type: String,
+    subject: Option<String>,
+    route: String,
+    time: String,
+    content_type: String,
+    body: Vec<u8>,
+}
+
+impl Received {
+    fn from_amqp(d: &Delivered) -> Self {
+        let h = d.headers();
+        let get = |k: &str| h.get(k).cloned().unwrap_or_default();
+        Self {
+            header: get("outbox-signature"),
+            id: get("cloudEvents:id"),
+            source: get("cloudEvents:source"),
+            event_type: get("cloudEvents:type"),
+            subject: h.get("cloudEvents:subject").cloned(),
+            route: d.routing_key.clone(),
+            time: get("cloudEvents:time"),
+            content_type: d
+                .properties
+                .content_type()
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
+            body: d.body.clone(),
+        }
+    }
+
+    fn from_kafka(r: &common::kafka::Record) -> Self {
+        let get = |k: &str| r.header(k).unwrap_or_default().to_owned();
+        Self {
+            header: get("outbox-signature"),
+            id: get("ce_id"),
+            source: get("ce_source"),
+            event_type: get("ce_type"),
+            subject: r.header("ce_subject").map(str::to_owned),
+            route: r.topic.clone(),
+            time: get("ce_time"),
+            content_type: get("content-type"),
+            body: r.payload.clone(),
+        }
+    }
+
+    fn json(&self) -> Value {
+        json!({
+            "header": self.header, "id": self.id, "source": self.source, "type": self.event_type,
+            "subject": self.subject, "route": self.route, "time": self.time,
+            "datacontenttype": self.content_type, "body_base64": STANDARD.encode(&self.body),
+        })
+    }
+}
+
+/// Verdicts of `scripts/verify-signature.py` for `messages` under `keys`.
+fn python_verify(keys: &[(&str, &[u8])], messages: &[Received]) -> Vec<bool> {
+    let request = json!({
+        "keys": keys.iter().map(|(k, v)| ((*k).to_owned(), Value::from(STANDARD.encode(v)))).collect::<serde_json::Map<_, _>>(),
+        "messages": messages.iter().map(Received::json).collect::<Vec<_>>(),
+    });
+    let mut child = Command::new("python3")
+        .arg(repo().join("scripts/verify-signature.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 runs");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(request.to_string().as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "verify-signature.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("a JSON list of verdicts")
+}
+
+/// Verdicts of the RustCrypto verifier.
+fn rust_verify(keys: &[(&str, &[u8])], messages: &[Received]) -> Vec<bool> {
+    let keys: HashMap<&str, &[u8]> = keys.iter().copied().collect();
+    messages
+        .iter()
+        .map(|m| {
+            let attrs = [
+                m.id.as_str(),
+                m.source.as_str(),
+                m.event_type.as_str(),
+                m.subject.as_deref().unwrap_or(""),
+                m.route.as_str(),
+                m.time.as_str(),
+                m.content_type.as_str(),
+            ];
+            verify::verify(&m.header, &keys, attrs, &m.body)
+        })
+        .collect()
+}
+
+/// Both verifiers agree, and say `want` for every message.
+fn assert_verdicts(what: &str, keys: &[(&str, &[u8])], messages: &[Received], want: bool) {
+    assert!(!messages.is_empty(), "{what}: no messages");
+    let py = python_verify(keys, messages);
+    let rs = rust_verify(keys, messages);
+    assert_eq!(py, rs, "{what}: the two verifiers disagree");
+    for (m, ok) in messages.iter().zip(&py) {
+        assert_eq!(*ok, want, "{what}: verdict {ok} for {m:?}");
+    }
+}
+
+/// The same messages, each changed in one way a forger (or a broken consumer) would.
+fn tampered(messages: &[Received]) -> Vec<(&'static str, Vec<Received>)> {
+    let change = |f: &dyn Fn(&mut Received)| -> Vec<Received> {
+        messages
+            .iter()
+            .cloned()
+            .map(|mut m| {
+                f(&mut m);
+                m
+            })
+            .collect()
+    };
+    vec![
+        ("a body with one more byte", change(&|m| m.body.push(b' '))),
+        (
+            "a body with one byte changed",
+            change(&|m| m.body[0] ^= 0x01),
+        ),
+        (
+            "another routing key / topic",
+            change(&|m| m.route.push_str(".x")),
+        ),
+        ("another type", change(&|m| m.event_type.push('X'))),
+        (
+            "another subject",
+            change(&|m| m.subject = Some("someone-else".into())),
+        ),
+        (
+            "a signature moved to another id",
+            change(&|m| m.id = Uuid::new_v4().to_string()),
+        ),
+    ]
+}
+
+fn rows(tag: &str) -> Vec<NewRow> {
+    vec![
+        NewRow::new(
+            "order",
+            Some("o-1"),
+            "created",
+            json!({"tag": tag, "text": "é✓"}),
+        ),
+        NewRow::new("order", Some("o-1"), "paid", json!({"tag": tag, "n": 2})),
+        NewRow::new("customer", Some("c-9"), "created", json!({"tag": tag})),
+        NewRow::new("order", None, "audit", json!({"tag": tag, "no": "subject"})),
+        NewRow::new("order", Some("o-2"), "special", json!({"tag": tag}))
+            .destination("custom.route"),
+    ]
+}
+
+fn signed(
+    table: &TestTable,
+    rabbit: &RabbitFixture,
+    label: &str,
+    kid: &str,
+    key: &str,
+) -> RelayBuilder {
+    RelayBuilder::for_test(table, rabbit, label)
+        .set("relay.poll_interval", "200ms")
+        .set("signing.key_id", kid)
+        .set("signing.key", key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_messages_verify_independently_across_a_key_rotation_and_tampering_fails() {
+    let table = TestTable::new("signing_rabbit").await;
+    let rabbit = RabbitFixture::new("signing_rabbit", "#", "it.barrier").await;
+    let key_b = format!("base64:{}", STANDARD.encode(KEY_B));
+
+    // Key A (text, from the environment).
+    let relay = signed(&table, &rabbit, "signing-a", "k-2026a", KEY_A).spawn();
+    let first: Vec<Uuid> = table
+        .insert(&rows("a"))
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    rabbit.wait_for_ids(&first, WAIT).await;
+    let stderr_a = relay.stderr();
+    relay.stop().await;
+
+    // Rotation: consumers already know key B; the relay switches to it.
+    let relay = signed(&table, &rabbit, "signing-b", "k-2026b", &key_b).spawn();
+    let second: Vec<Uuid> = table
+        .insert(&rows("b"))
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    rabbit.wait_for_ids(&second, WAIT).await;
+    rabbit.barrier().await;
+    let logs = format!("{stderr_a}\n{}", relay.stderr());
+    relay.stop().await;
+
+    let all: Vec<Received> = rabbit
+        .deliveries()
+        .iter()
+        .map(Received::from_amqp)
+        .collect();
+    let (old, new): (Vec<Received>, Vec<Received>) = all
+        .iter()
+        .cloned()
+        .partition(|m| first.iter().any(|id| id.to_string() == m.id));
+    assert_eq!((old.len(), new.len()), (5, 5));
+    for m in &old {
+        assert!(m.header.starts_with("v1;kid=k-2026a;sig="), "{m:?}");
+    }
+    for m in &new {
+        assert!(m.header.starts_with("v1;kid=k-2026b;sig="), "{m:?}");
+    }
+    assert!(all.iter().any(|m| m.subject.is_none()));
+    assert!(all.iter().any(|m| m.route == "custom.route"));
+
+    let both: [(&str, &[u8]); 2] = [("k-2026a", KEY_A.as_bytes()), ("k-2026b", &KEY_B)];
+    assert_verdicts("every message, both keys known", &both, &all, true);
+    // A consumer that was not given key B yet rejects the new messages: unknown key id.
+    let only_a: [(&str, &[u8]); 1] = [("k-2026a", KEY_A.as_bytes())];
+    assert_verdicts("old messages, key A only", &only_a, &old, true);
+    assert_verdicts("new messages, key A only", &only_a, &new, false);
+    // The right key id with the wrong key.
+    let wrong: [(&str, &[u8]); 2] = [("k-2026a", &KEY_B), ("k-2026b", KEY_A.as_bytes())];
+    assert_verdicts("swapped keys", &wrong, &all, false);
+    for (what, changed) in tampered(&all) {
+        assert_verdicts(what, &both, &changed, false);
+    }
+
+    // The key appears in no log line.
+    for secret in [KEY_A, key_b.as_str(), &key_b["base64:".len()..]] {
+        assert!(!logs.contains(secret), "the key leaked into the logs");
+    }
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_message_carries_the_same_signature() {
+    let table = TestTable::new("signing_retry").await;
+    let rabbit = RabbitFixture::new("signing_retry", "#", "it.barrier").await;
+    // A second queue on the exchange that refuses every message (max length 0,
+    // reject-publish): the broker nacks each publish although the first queue got a copy, so
+    // the relay retries and the test consumer sees every attempt.
+    let conn = lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    let refusing = format!("{}.refusing", rabbit.queue);
+    let mut args = FieldTable::default();
+    args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    args.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString("reject-publish".into()),
+    );
+    ch.queue_declare(
+        refusing.as_str().into(),
+        QueueDeclareOptions {
+            auto_delete: true,
+            ..QueueDeclareOptions::default()
+        },
+        args,
+    )
+    .await
+    .unwrap();
+    ch.queue_bind(
+        refusing.as_str().into(),
+        rabbit.exchange.as_str().into(),
+        "order.#".into(),
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .unwrap();
+
+    let relay = signed(&table, &rabbit, "signing-retry", "k-retry", KEY_A)
+        .set("retry.base_delay", "100ms")
+        .set("retry.max_delay", "200ms")
+        .spawn();
+    let id = table
+        .insert(&[NewRow::new(
+            "order",
+            Some("r-1"),
+            "created",
+            json!({"r": 1}),
+        )])
+        .await[0]
+        .id;
+    wait_until(
+        WAIT,
+        "three attempts reach the consumer",
+        async || match rabbit.id_counts().get(&id.to_string()) {
+            Some(n) if *n >= 3 => Ok(()),
+            other => Err(format!("{other:?} copies")),
+        },
+    )
+    .await;
+    ch.queue_delete(refusing.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    wait_until(
+        WAIT,
+        "the row is sent once nothing refuses it",
+        async || match table.row(id).await.status.as_str() {
+            "sent" => Ok(()),
+            other => Err(other.to_owned()),
+        },
+    )
+    .await;
+    rabbit.barrier().await;
+    let row = table.row(id).await;
+    assert!(row.attempts >= 3, "{row:?}");
+    let copies: Vec<Received> = rabbit
+        .deliveries()
+        .iter()
+        .filter(|d| d.message_id == id.to_string())
+        .map(Received::from_amqp)
+        .collect();
+    assert!(copies.len() >= 3);
+    let first = &copies[0].header;
+    assert!(
+        copies.iter().all(|c| &c.header == first),
+        "signatures differ between attempts: {:?}",
+        copies.iter().map(|c| &c.header).collect::<Vec<_>>()
+    );
+    assert_verdicts(
+        "every attempt",
+        &[("k-retry", KEY_A.as_bytes())],
+        &copies,
+        true,
+    );
+    relay.stop().await;
+    let _ = conn.close(200, "done".into()).await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_records_verify_independently_and_tampering_fails() {
+    let table = TestTable::new("signing_kafka").await;
+    let prefix = topic_name("signing");
+    let topics = [format!("{prefix}-order"), format!("{prefix}-customer")];
+    for t in &topics {
+        create_topic(KAFKA, t).await;
+    }
+    let consumer = Collector::start(KAFKA, &[&topics[0], &topics[1]]);
+    let key_b = format!("base64:{}", STANDARD.encode(KEY_B));
+    let relay = kafka_relay(
+        &table,
+        KAFKA,
+        &format!("{prefix}-{{aggregate_type}}"),
+        "signing-kafka",
+    )
+    .set("signing.key_id", "kafka-1")
+    .set("signing.key", &key_b)
+    .spawn();
+    // The rows of `rows()` but routed to this test's topics.
+    let mut to_insert = rows("k");
+    to_insert[4] =
+        NewRow::new("order", Some("o-2"), "special", json!({"tag": "k"})).destination(&topics[1]);
+    let ids: Vec<Uuid> = table
+        .insert(&to_insert)
+        .await
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    table.wait_all_sent(WAIT).await;
+    for t in &topics {
+        let high = high_watermarks(KAFKA, t).await;
+        consumer.wait_caught_up(t, &high, WAIT).await;
+    }
+    let records = consumer.stop().await;
+    let stderr = relay.stderr();
+    relay.stop().await;
+    let got: Vec<Received> = records
+        .iter()
+        .filter(|r| r.id().is_some_and(|id| ids.contains(&id)))
+        .map(Received::from_kafka)
+        .collect();
+    assert_eq!(got.len(), 5, "{records:?}");
+    assert!(
+        got.iter()
+            .all(|m| m.header.starts_with("v1;kid=kafka-1;sig="))
+    );
+
+    let keys: [(&str, &[u8]); 1] = [("kafka-1", &KEY_B)];
+    assert_verdicts("every record", &keys, &got, true);
+    assert_verdicts(
+        "every record, unknown key id",
+        &[("kafka-0", &KEY_B)],
+        &got,
+        false,
+    );
+    for (what, changed) in tampered(&got) {
+        assert_verdicts(what, &keys, &changed, false);
+    }
+    assert!(!stderr.contains(&key_b["base64:".len()..]));
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
+    let table = TestTable::new("signing_check").await;
+    let rabbit = RabbitFixture::new("signing_check", "#", "it.barrier").await;
+    let out = signed(&table, &rabbit, "signing-check", "k-check", KEY_A)
+        .output(&["check"], WAIT)
+        .await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stdout.contains("signing: on (key id k-check"),
+        "{}",
+        out.stdout
+    );
+    assert!(!out.stdout.contains(KEY_A) && !out.stderr.contains(KEY_A));
+
+    for (key, needle) in [
+        ("too-short-secret-value", "at least 32"),
+        ("base64:@@not-base64-secret-value@@@@@@@@@@@@", "base64"),
+    ] {
+        let out = signed(&table, &rabbit, "signing-bad", "k", key)
+            .output(&["run"], WAIT)
+            .await;
+        assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
+        assert!(
+            out.stderr.contains("signing.key") && out.stderr.contains(needle),
+            "{}",
+            out.stderr
+        );
+        assert!(
+            !out.stderr.contains("secret-value") && !out.stdout.contains("secret-value"),
+            "{}",
+            out.stderr
+        );
+    }
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[test]
+fn the_readme_shows_the_verifiers_the_tests_use() {
+    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let between = |text: &str, lang: &str| -> String {
+        let begin = format!("README: begin {lang}\n");
+        let start = text.find(&begin).expect("begin marker") + begin.len();
+        let end = text[start..]
+            .find(&format!("README: end {lang}"))
+            .expect("end marker");
+        // Up to the end marker's own line.
+        let block = &text[start..start + end];
+        block[..block.rfind('\n').unwrap_or(0)].to_owned()
+    };
+    let python = std::fs::read_to_string(repo().join("scripts/verify-signature.py")).unwrap();
+    let rust = std::fs::read_to_string(repo().join("tests/signing/verify.rs")).unwrap();
+    for (lang, code) in [
+        ("python", between(&python, "python")),
+        ("rust", between(&rust, "rust")),
+    ] {
+        assert!(
+            readme.contains(&code),
+            "README.md does not show the {lang} verifier exactly as tested:\n{code}"
+        );
+    }
+}
