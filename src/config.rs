@@ -243,11 +243,29 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// A string that may have been written as a number: the environment provider parses
+/// `RELAY_SIGNING__KEY_ID=2026` as an integer.
+fn text_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum TextOrNumber {
+        Text(String),
+        Unsigned(u64),
+        Signed(i64),
+    }
+    Ok(Option::<TextOrNumber>::deserialize(d)?.map(|v| match v {
+        TextOrNumber::Text(s) => s,
+        TextOrNumber::Unsigned(n) => n.to_string(),
+        TextOrNumber::Signed(n) => n.to_string(),
+    }))
+}
+
 /// `[signing]` as written. Both keys or neither: without them messages are not signed.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawSigning {
     /// Key id written into every signature (`kid=`), so consumers know which key to check.
+    #[serde(default, deserialize_with = "text_or_number")]
     pub key_id: Option<String>,
     /// HMAC-SHA256 key: at least 32 bytes; `base64:<standard base64>` for binary keys. Best
     /// given as `RELAY_SIGNING__KEY` rather than in the file.
@@ -1270,6 +1288,13 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.signing.unwrap().key, vec![0u8; 32]);
+        // A numeric key id from the environment is a key id.
+        let c = load_str(
+            &format!("[signing]\nkey = \"{KEY32}\"\n"),
+            &[("SIGNING__KEY_ID", "2026")],
+        )
+        .unwrap();
+        assert_eq!(c.signing.unwrap().key_id, "2026");
         // A key of digits only stays text.
         let digits = "1".repeat(40);
         let c = load_str(
