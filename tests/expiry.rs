@@ -174,7 +174,7 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     assert_eq!(v["expired"], 2, "{v}");
     assert_eq!(v["sent"], 2, "{v}");
     assert_eq!(v["by_aggregate_type"]["order"]["expired"], 2, "{v}");
-    assert!(relay.log_count("passed their expires_at") >= 1);
+    relay.wait_for_log("passed their expires_at", 1, WAIT).await;
 
     relay.stop().await;
     rabbit.teardown().await;
@@ -295,7 +295,7 @@ async fn retention_removes_expired_rows_like_sent_ones() {
         }
     })
     .await;
-    assert!(relay.log_count("passed their expires_at") >= 1);
+    relay.wait_for_log("passed their expires_at", 1, WAIT).await;
     relay.stop().await;
     rabbit.barrier().await;
     assert!(!rabbit.id_counts().contains_key(&gone.to_string()));
