@@ -110,6 +110,14 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
         .spawn();
 
     rabbit.wait_for_ids(&[second, third], WAIT).await;
+    // Delivered, then settled: wait for the settle too.
+    wait_until(WAIT, "the two live rows are sent", async || {
+        match table.count_where("status = 'sent'").await {
+            2 => Ok(()),
+            n => Err(format!("{n} sent")),
+        }
+    })
+    .await;
     rabbit.barrier().await;
     let delivered: Vec<String> = rabbit
         .deliveries()
