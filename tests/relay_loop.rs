@@ -545,10 +545,15 @@ async fn in_flight_window_bounds_concurrent_publishes() {
     let broker = FakeBroker::new(|_, _| Step::confirm().gated());
     let relay = start(config, &broker);
 
-    wait_for("4 publishes are waiting for the broker", || {
+    let window_full = || {
+        let most = broker.high_water.load(Ordering::SeqCst);
+        assert!(
+            most <= 4,
+            "{most} publishes outstanding at once, beyond max_in_flight 4"
+        );
         broker.in_flight.load(Ordering::SeqCst) == 4
-    })
-    .await;
+    };
+    wait_for("4 publishes are waiting for the broker", window_full).await;
     // The window is full: nothing beyond it is claimed (a claim marks rows processing first).
     assert_eq!(table.count_where("status = 'processing'").await, 4);
     assert_eq!(broker.started(), 4);
@@ -556,7 +561,7 @@ async fn in_flight_window_bounds_concurrent_publishes() {
     // Two answers free half the window (the refill a backlog waits for): two more go out.
     broker.gate.add_permits(2);
     wait_for("the loop refills the two returned permits", || {
-        broker.started() == 6 && broker.in_flight.load(Ordering::SeqCst) == 4
+        window_full() && broker.started() == 6
     })
     .await;
 
