@@ -502,9 +502,6 @@ pub struct RabbitMqConfig {
     pub queue_binding: String,
     /// Header-name prefix of the CloudEvents attributes.
     pub cloudevents_prefix: CloudEventsPrefix,
-    /// Channels in the publishing pool, each with at most one unconfirmed message (derived
-    /// from `relay.max_in_flight`; not a key of its own).
-    pub channels: usize,
 }
 
 /// The validated Kafka settings.
@@ -868,7 +865,6 @@ impl RawConfig {
                     declare_queue,
                     queue_binding: q.queue_binding,
                     cloudevents_prefix: q.cloudevents_prefix,
-                    channels: r.max_in_flight.min(MAX_AMQP_CHANNELS),
                 })
             }
             "kafka" => {
@@ -997,13 +993,6 @@ fn positive(key: &'static str, d: HumanDuration) -> Result<(), ConfigError> {
     }
     Ok(())
 }
-
-/// Upper bound on the RabbitMQ channel pool, one unconfirmed message per channel. lapin walks
-/// every channel for each frame it reads, so more channels cost CPU: in outbox-bench
-/// (`--only broker,relay`, 2 runs each) the relay drained 6.8–7.2k msgs/s with 1,000 channels,
-/// 8.1–8.4k with 128 and 8.5–8.9k with 256, 7.4–8.3k with 64. 256 also leaves room for a broker
-/// a few milliseconds away (256 in flight / 2 ms = 128k msgs/s).
-pub const MAX_AMQP_CHANNELS: usize = 256;
 
 /// Host name + pid, e.g. `web-1:4242`.
 pub fn default_instance_id() -> String {

@@ -5,9 +5,11 @@
 //! - At least once: a row becomes `sent` only after the broker confirmed it; a row whose
 //!   outcome could not be recorded stays `processing` and is reclaimed after the lease.
 //! - A broker outage never spends an attempt: connection-level outcomes hand rows back.
-//! - Per-aggregate order (`ordering = "aggregate"`): a claimed run of one aggregate is published
-//!   one message at a time, each only after the previous was confirmed; when one fails, the
-//!   rest of its run is handed back unpublished.
+//! - Per-aggregate order (`ordering = "aggregate"`): a claimed run of one aggregate goes to the
+//!   publisher as one run ([`Publisher::publish_run`]): one message at a time, each after the
+//!   previous was confirmed, unless the transport can pipeline it without ever delivering a
+//!   message ahead of an earlier one that failed (Kafka's idempotent producer); when one
+//!   fails, the rest of its run is handed back without spending an attempt.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -415,40 +417,48 @@ impl Relay {
         self.wake.notify_one();
     }
 
-    /// Publishes a chain in order, stopping at the first row that does not go through.
+    /// Publishes a chain in order ([`Publisher::publish_run`]), stopping at the first row that
+    /// does not go through: the rows after it are handed back unspent.
     async fn publish_chain(
         &self,
         chain: Vec<OutboxMessage>,
         hard_stop: &CancellationToken,
     ) -> Vec<(OutboxMessage, RowResult)> {
-        let mut out = Vec::with_capacity(chain.len());
+        #[cfg(debug_assertions)]
+        for msg in &chain {
+            crash_switch::check(msg);
+        }
+        let started = Instant::now();
+        let outcomes = tokio::select! {
+            o = self.publisher.publish_run(&chain) => o,
+            () = hard_stop.cancelled() => vec![Outcome::Unavailable("shutting down".into())],
+        };
+        let mut outcomes = outcomes.into_iter();
         let mut stopped = false;
+        let mut out = Vec::with_capacity(chain.len());
         for msg in chain {
-            if stopped {
-                out.push((msg, RowResult::HandBack));
-                continue;
-            }
-            #[cfg(debug_assertions)]
-            crash_switch::check(&msg);
-            let started = Instant::now();
-            let outcome = tokio::select! {
-                o = self.publisher.publish(&msg) => o,
-                () = hard_stop.cancelled() => Outcome::Unavailable("shutting down".into()),
-            };
+            let outcome = outcomes.next();
             let result = match outcome {
-                Outcome::Confirmed => {
+                Some(Outcome::Confirmed) => {
+                    if stopped {
+                        // Sent although an earlier row of its aggregate was not: the transport
+                        // broke its promise. It is out: record it rather than send it twice.
+                        tracing::error!(id = %msg.id, seq = msg.seq, "a message was confirmed after an earlier message of its aggregate failed");
+                    }
                     let e2e = (chrono::Utc::now() - msg.created_at)
                         .to_std()
                         .unwrap_or_default();
                     telemetry::record_published(&msg.aggregate_type, started.elapsed(), e2e);
                     RowResult::Confirmed
                 }
-                Outcome::Rejected(reason) => {
+                None => RowResult::HandBack,
+                Some(_) if stopped => RowResult::HandBack,
+                Some(Outcome::Rejected(reason)) => {
                     telemetry::record_publish_failure(false);
                     stopped = true;
                     RowResult::Rejected(reason)
                 }
-                Outcome::Unavailable(reason) => {
+                Some(Outcome::Unavailable(reason)) => {
                     telemetry::record_publish_failure(true);
                     if !hard_stop.is_cancelled() {
                         tracing::warn!(id = %msg.id, seq = msg.seq, reason = %reason, "broker unavailable; handing the row back without spending an attempt");

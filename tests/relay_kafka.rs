@@ -522,6 +522,153 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
     table.drop_table().await;
 }
 
+/// `ordering = "aggregate"` sends an aggregate's claimed run to the producer without waiting
+/// for each delivery report. A record in the middle of a run that fails for good (larger than
+/// the producer's `message.max.bytes`) must still stop its aggregate: the records before it
+/// are delivered, nothing after it is delivered ahead of it (through its backoff and its dead
+/// letter), no attempt of the later rows is spent, and once an operator discards the dead
+/// letter the rest goes out, in order, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_order() {
+    const RUN: usize = 20;
+    const BAD: usize = 9;
+    let table = TestTable::new("kafka_mid_run").await;
+    let topic = topic_name("midrun");
+    create_topic(KAFKA, &topic).await;
+    let consumer = Collector::start(KAFKA, &[&topic]);
+    // One statement, before the relay starts: its first claim holds both runs whole.
+    let mut rows = Vec::new();
+    for i in 0..RUN {
+        rows.push(if i == BAD {
+            NewRow::new(
+                "t",
+                Some("a"),
+                "huge",
+                json!({"blob": "x".repeat(2_000_000)}),
+            )
+        } else {
+            NewRow::new("t", Some("a"), "e", json!({"i": i}))
+        });
+        rows.push(NewRow::new("t", Some("b"), "e", json!({"i": i})));
+    }
+    let inserted = table.insert(&rows).await;
+    let a: Vec<Uuid> = inserted.iter().step_by(2).map(|r| r.id).collect();
+    let b: Vec<Uuid> = inserted.iter().skip(1).step_by(2).map(|r| r.id).collect();
+    let bad = a[BAD];
+    let after_bad: HashSet<String> = a[BAD + 1..].iter().map(ToString::to_string).collect();
+    let mut relay = kafka_relay(&table, KAFKA, &topic, "kafka-mid-run")
+        .set("relay.ordering", "aggregate")
+        .set("relay.poll_interval", "50ms")
+        .set("retry.base_delay", "300ms")
+        .set("retry.jitter", "0.0")
+        .set("retry.max_attempts", "2")
+        .spawn();
+    let delivered_ids = |records: &[Record]| -> Vec<String> {
+        records
+            .iter()
+            .filter(|r| r.topic == topic)
+            .filter_map(|r| r.id().map(|id| id.to_string()))
+            .collect()
+    };
+
+    // Through both attempts of the bad record, nothing after it arrives.
+    let dead = wait_until(LONG, "the mid-run record is dead-lettered", async || {
+        let ahead: Vec<String> = delivered_ids(&consumer.records())
+            .into_iter()
+            .filter(|id| after_bad.contains(id))
+            .collect();
+        assert!(
+            ahead.is_empty(),
+            "delivered ahead of the failing record: {ahead:?}"
+        );
+        let r = table.row(bad).await;
+        if r.status == "failed" {
+            Ok(r)
+        } else {
+            Err(format!(
+                "{} attempts {} {:?}",
+                r.status, r.attempts, r.last_error
+            ))
+        }
+    })
+    .await;
+    assert_eq!(dead.attempts, 2, "{dead:?}");
+    assert!(
+        dead.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("MessageSizeTooLarge"),
+        "{dead:?}"
+    );
+    wait_until(
+        LONG,
+        "the records before it and the other aggregate are sent",
+        async || {
+            let sent = table.count_where("status = 'sent'").await;
+            if sent == i64::try_from(BAD + RUN).unwrap() {
+                Ok(())
+            } else {
+                Err(format!("{:?}", table.status_counts().await))
+            }
+        },
+    )
+    .await;
+    // The later rows of `a` wait untouched: handed back, no attempt spent.
+    let held = table.rows_by_id(&a[BAD + 1..]).await;
+    for r in held.values() {
+        assert_eq!((r.status.as_str(), r.attempts), ("pending", 0), "{r:?}");
+    }
+    let high = high_watermarks(KAFKA, &topic).await;
+    consumer.wait_caught_up(&topic, &high, LONG).await;
+    let ahead: Vec<String> = delivered_ids(&consumer.records())
+        .into_iter()
+        .filter(|id| after_bad.contains(id))
+        .collect();
+    assert!(
+        ahead.is_empty(),
+        "delivered ahead of the dead letter: {ahead:?}"
+    );
+
+    // The operator discards the dead letter: the rest of the run follows, in order.
+    let out = kafka_relay(&table, KAFKA, &topic, "kafka-mid-run-cli")
+        .output(&["dead-letters", "discard", "--id", &bad.to_string()], LONG)
+        .await;
+    assert!(out.status.success(), "{}", out.stderr);
+    table.wait_all_sent(LONG).await;
+    let high = high_watermarks(KAFKA, &topic).await;
+    consumer.wait_caught_up(&topic, &high, LONG).await;
+    assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
+    let records = consumer.stop().await;
+    let got = delivered_ids(&records);
+    let want_a: Vec<String> = a
+        .iter()
+        .filter(|id| **id != bad)
+        .map(ToString::to_string)
+        .collect();
+    let want_b: Vec<String> = b.iter().map(ToString::to_string).collect();
+    let of = |want: &[String]| -> Vec<String> {
+        got.iter().filter(|id| want.contains(id)).cloned().collect()
+    };
+    assert_eq!(
+        of(&want_a),
+        want_a,
+        "aggregate a: every row once, in seq order"
+    );
+    assert_eq!(
+        of(&want_b),
+        want_b,
+        "aggregate b: every row once, in seq order"
+    );
+    let spent = table
+        .count_where(&format!("id <> '{bad}' AND attempts <> 1"))
+        .await;
+    assert_eq!(spent, 0, "rows other than the failing one spent attempts");
+
+    relay.stop().await;
+    delete_topic(&topic).await;
+    table.drop_table().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     let table = TestTable::new("kafka_restart").await;

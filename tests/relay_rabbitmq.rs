@@ -808,6 +808,118 @@ async fn returned_messages_are_charged_to_the_right_row_under_concurrency() {
     table.drop_table().await;
 }
 
+/// The publisher keeps thousands of messages unconfirmed on at most 4 channels, so RabbitMQ
+/// acks routable and unroutable messages together in `multiple` acks and lapin hands each
+/// `basic.return` to whichever confirm it completes first. Every return must still be charged
+/// to the row whose `message_id` it carries: no unroutable row marked sent (the broker dropped
+/// it), no routable row blamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn returned_messages_share_multiple_acks_and_are_charged_by_message_id() {
+    const ROWS: usize = 20_000;
+    let table = TestTable::new("shared_acks").await;
+    let rabbit = RabbitFixture::new("shared_acks", "ok.#", "ok.barrier").await;
+    // 1% unroutable: a `destination` routing key nothing is bound to.
+    let rows: Vec<NewRow> = (0..ROWS)
+        .map(|i| {
+            let row = NewRow::new("ok", None, "x", json!({"i": i}));
+            if i % 100 == 37 {
+                row.destination("nowhere.at.all")
+            } else {
+                row
+            }
+        })
+        .collect();
+    let mut inserted = Vec::with_capacity(ROWS);
+    for chunk in rows.chunks(2000) {
+        inserted.extend(table.insert(chunk).await);
+    }
+    let unroutable = ROWS / 100;
+    // Big claims and a big window: thousands of messages unconfirmed at once. A long backoff
+    // keeps a failed row pending after its one attempt, so a blamed routable row stays visible.
+    let relay = RelayBuilder::for_test(&table, &rabbit, "shared-acks")
+        .set("relay.ordering", "none")
+        .set("relay.batch_size", "2000")
+        .set("relay.max_in_flight", "8000")
+        .set("retry.base_delay", "1h")
+        .set("retry.max_delay", "1h")
+        .spawn();
+    let expected_sent = i64::try_from(ROWS - unroutable).unwrap();
+    wait_until(
+        LONG,
+        "every row is published once and settled",
+        async || {
+            let unsettled = table
+                .count_where("attempts = 0 OR status = 'processing'")
+                .await;
+            if unsettled == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{unsettled} unsettled, {:?}",
+                    table.status_counts().await
+                ))
+            }
+        },
+    )
+    .await;
+    rabbit.barrier().await;
+
+    let states = table
+        .rows_by_id(&inserted.iter().map(|r| r.id).collect::<Vec<_>>())
+        .await;
+    let delivered = rabbit.id_counts();
+    let (mut unroutable_sent, mut routable_blamed, mut other) =
+        (Vec::new(), Vec::new(), Vec::new());
+    for r in states.values() {
+        let id = r.id.to_string();
+        let error = r.last_error.as_deref().unwrap_or_default();
+        if r.destination.is_some() {
+            if r.status == "sent" {
+                unroutable_sent.push(id);
+            } else if !(r.status == "pending" && r.attempts == 1 && error.contains("NO_ROUTE"))
+                || delivered.contains_key(&id)
+            {
+                other.push(format!(
+                    "unroutable {id}: {} {} {error:?}",
+                    r.status, r.attempts
+                ));
+            }
+        } else if r.status != "sent" {
+            routable_blamed.push(format!("{id}: {} {} {error:?}", r.status, r.attempts));
+        } else if r.attempts != 1 || !delivered.contains_key(&id) {
+            other.push(format!(
+                "routable {id}: attempts {}, delivered {:?}",
+                r.attempts,
+                delivered.get(&id)
+            ));
+        }
+    }
+    println!(
+        "shared acks: {ROWS} rows, {unroutable} unroutable; unroutable marked sent {}, routable blamed {}, other {}",
+        unroutable_sent.len(),
+        routable_blamed.len(),
+        other.len()
+    );
+    assert!(
+        unroutable_sent.is_empty(),
+        "{} unroutable rows marked sent (the broker dropped them), e.g. {:?}",
+        unroutable_sent.len(),
+        &unroutable_sent[..unroutable_sent.len().min(5)]
+    );
+    assert!(
+        routable_blamed.is_empty(),
+        "{} routable rows charged with another row's return, e.g. {:?}",
+        routable_blamed.len(),
+        &routable_blamed[..routable_blamed.len().min(5)]
+    );
+    assert!(other.is_empty(), "{other:?}");
+    assert_eq!(table.count_where("status = 'sent'").await, expected_sent);
+
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
 /// Starts a relay whose broker connection goes through `proxy`, proves it is publishing with a
 /// few warm-up rows, then black-holes the proxy and inserts `n` rows; returns their ids once
 /// the relay holds them all in `processing`.

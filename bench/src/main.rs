@@ -748,6 +748,11 @@ fn finish(ctx: &mut Ctx) {
             ratio(rmq_ceiling, r.get("rabbitmq_raw_ceiling_msgs_per_s")),
         ),
         (
+            "ratio_db_ceiling_vs_pgbench",
+            "relay no-op path (db ceiling) / pgbench claim + mark sent (same SQL)",
+            ratio(db, r.get("pgbench_claim_mark_rows_per_s")),
+        ),
+        (
             "ratio_relay_kafka_none_vs_db_ceiling",
             "relay kafka none / db ceiling",
             ratio(kafka_none, db),

@@ -1,18 +1,20 @@
 //! Kafka transport (rdkafka with its bundled librdkafka): an idempotent producer with
-//! `acks=all`, records keyed by aggregate id, many records in flight. Delivery reports are
-//! classified into message-level and connection-level outcomes.
+//! `acks=all` and `enable.gapless.guarantee`, records keyed by aggregate id, many records in
+//! flight — an aggregate's run too (see [`KafkaPublisher`]'s `publish_run`). Delivery reports
+//! are classified into message-level and connection-level outcomes.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use futures::channel::oneshot::Canceled;
 use rdkafka::ClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use rdkafka::util::Timeout;
+use rdkafka::producer::future_producer::OwnedDeliveryResult;
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
@@ -142,6 +144,9 @@ impl KafkaPublisher {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &cfg.brokers)
             .set("enable.idempotence", "true")
+            // A record that fails for good stops the producer (replaced on reconnect) instead
+            // of letting the records queued behind it through: ordered runs are pipelined.
+            .set("enable.gapless.guarantee", "true")
             .set("acks", "all")
             .set(
                 "message.timeout.ms",
@@ -166,6 +171,71 @@ impl KafkaPublisher {
     fn producer(&self) -> Option<FutureProducer<Context>> {
         let guard = self.producer.read().unwrap_or_else(|p| p.into_inner());
         guard.clone()
+    }
+
+    /// Hands one record to the producer, waiting while its queue is full (at most
+    /// `message_timeout`); the outcome instead when it cannot be queued.
+    async fn enqueue(&self, msg: &OutboxMessage) -> Result<DeliveryFuture, Outcome> {
+        let Some(producer) = self.producer() else {
+            return Err(Outcome::Unavailable(
+                "Kafka producer not created yet".to_owned(),
+            ));
+        };
+        let topic = envelope::destination(msg, &self.cfg.topic);
+        if !valid_topic(&topic) {
+            return Err(Outcome::Rejected(format!(
+                "{topic:.100?} is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-])"
+            )));
+        }
+        let mut record = FutureRecord::to(&topic)
+            .payload(&msg.payload)
+            .headers(self.record_headers(msg, &topic));
+        if let Some(key) = &msg.aggregate_id {
+            record = record.key(key);
+        }
+        let deadline = Instant::now() + self.cfg.message_timeout;
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r))
+                    if Instant::now() < deadline =>
+                {
+                    record = r;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err((err, _)) => return Err(self.failed(&err)),
+            }
+        }
+    }
+
+    /// The outcome of a delivery report.
+    fn delivered(&self, report: Result<OwnedDeliveryResult, Canceled>) -> Outcome {
+        match report {
+            Ok(Ok(_)) => {
+                self.up.store(true, Ordering::Relaxed);
+                Outcome::Confirmed
+            }
+            Ok(Err((err, _))) => self.failed(&err),
+            Err(Canceled) => {
+                self.up.store(false, Ordering::Relaxed);
+                Outcome::Unavailable("the producer went away before reporting".to_owned())
+            }
+        }
+    }
+
+    /// Classifies a failed record, noting a producer that can no longer be trusted.
+    fn failed(&self, err: &KafkaError) -> Outcome {
+        let outcome = classify_error(err);
+        if matches!(outcome, Outcome::Unavailable(_)) {
+            if matches!(
+                err.rdkafka_error_code(),
+                Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::MessageTimedOut)
+            ) {
+                self.replace.store(true, Ordering::Relaxed);
+            }
+            self.up.store(false, Ordering::Relaxed);
+        }
+        outcome
     }
 
     fn record_headers(&self, msg: &OutboxMessage, topic: &str) -> OwnedHeaders {
@@ -339,43 +409,50 @@ impl Publisher for KafkaPublisher {
     }
 
     async fn publish(&self, msg: &OutboxMessage) -> Outcome {
-        let Some(producer) = self.producer() else {
-            return Outcome::Unavailable("Kafka producer not created yet".to_owned());
-        };
-        let topic = envelope::destination(msg, &self.cfg.topic);
-        if !valid_topic(&topic) {
-            return Outcome::Rejected(format!(
-                "{topic:.100?} is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-])"
-            ));
+        match self.enqueue(msg).await {
+            Ok(delivery) => self.delivered(delivery.await),
+            Err(outcome) => outcome,
         }
-        let mut record = FutureRecord::to(&topic)
-            .payload(&msg.payload)
-            .headers(self.record_headers(msg, &topic));
-        if let Some(key) = &msg.aggregate_id {
-            record = record.key(key);
-        }
-        match producer
-            .send(record, Timeout::After(self.cfg.message_timeout))
-            .await
-        {
-            Ok(_) => {
-                self.up.store(true, Ordering::Relaxed);
-                Outcome::Confirmed
-            }
-            Err((err, _)) => {
-                let outcome = classify_error(&err);
-                if matches!(outcome, Outcome::Unavailable(_)) {
-                    if matches!(
-                        err.rdkafka_error_code(),
-                        Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::MessageTimedOut)
-                    ) {
-                        self.replace.store(true, Ordering::Relaxed);
+    }
+
+    /// Queues each stretch of the run that goes to one topic (so to one partition: the key is
+    /// the aggregate id) without waiting for delivery reports: the idempotent producer keeps
+    /// their order across retries, and with `enable.gapless.guarantee` a record that fails for
+    /// good stops the producer instead of letting the records queued after it through. A
+    /// record that cannot even be queued (too large, bad topic) stops the run there. Stretches
+    /// for different topics go one after the other, each after the previous was confirmed.
+    async fn publish_run(&self, run: &[OutboxMessage]) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(run.len());
+        for stretch in run.chunk_by(|a, b| {
+            envelope::destination(a, &self.cfg.topic) == envelope::destination(b, &self.cfg.topic)
+        }) {
+            let mut deliveries = Vec::with_capacity(stretch.len());
+            let mut refused = None;
+            for msg in stretch {
+                match self.enqueue(msg).await {
+                    Ok(delivery) => deliveries.push(delivery),
+                    Err(outcome) => {
+                        refused = Some(outcome);
+                        break;
                     }
-                    self.up.store(false, Ordering::Relaxed);
                 }
-                outcome
+            }
+            for delivery in deliveries {
+                outcomes.push(self.delivered(delivery.await));
+            }
+            outcomes.extend(refused);
+            if let Some(first) = outcomes.iter().position(|o| *o != Outcome::Confirmed) {
+                // Later answers are kept only when confirmed: the caller hands back the rest.
+                let last = outcomes
+                    .iter()
+                    .rposition(|o| *o == Outcome::Confirmed)
+                    .filter(|&i| i > first)
+                    .unwrap_or(first);
+                outcomes.truncate(last + 1);
+                return outcomes;
             }
         }
+        outcomes
     }
 
     async fn close(&self) {
@@ -450,6 +527,19 @@ mod tests {
                 "{c:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_producer_keeps_order_through_a_failed_record() {
+        let cfg = KafkaConfig {
+            brokers: "b:9092".into(),
+            topic: crate::template::Template::parse("t").unwrap_or_else(|e| panic!("{e}")),
+            message_timeout: Duration::from_secs(5),
+            properties: Default::default(),
+        };
+        let c = KafkaPublisher::client_config(&cfg);
+        assert_eq!(c.get("enable.idempotence"), Some("true"));
+        assert_eq!(c.get("enable.gapless.guarantee"), Some("true"));
     }
 
     #[test]

@@ -50,6 +50,26 @@ pub trait Publisher: Send + Sync + 'static {
     /// once; the caller keeps per-aggregate order by not starting message n+1 before n returns.
     async fn publish(&self, msg: &OutboxMessage) -> Outcome;
 
+    /// Publishes one aggregate's run, in order, and returns the outcomes of a prefix of it:
+    /// the run stops at its first message that is not [`Outcome::Confirmed`], and whatever
+    /// the returned outcomes do not cover was not published. A transport may send the run
+    /// without waiting for each answer only if the broker then still never delivers a message
+    /// ahead of an earlier one that failed; outcomes after the first failure are then the
+    /// broker's answers to messages sent meanwhile, for the caller to hand back. This default
+    /// publishes one message at a time, each after the previous was confirmed.
+    async fn publish_run(&self, run: &[OutboxMessage]) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(run.len());
+        for msg in run {
+            let outcome = self.publish(msg).await;
+            let stop = outcome != Outcome::Confirmed;
+            outcomes.push(outcome);
+            if stop {
+                break;
+            }
+        }
+        outcomes
+    }
+
     /// Closes the connection cleanly (best effort).
     async fn close(&self);
 }

@@ -1,19 +1,35 @@
-//! RabbitMQ transport (lapin): one connection, a pool of confirm-mode channels with at most
-//! one unconfirmed message each, `mandatory` so that an unroutable message comes back as a
-//! failure.
+//! RabbitMQ transport (lapin): one connection, a few confirm-mode channels each carrying many
+//! unconfirmed messages, `mandatory` so that an unroutable message comes back as a failure.
 //!
-//! Why one message per channel: a broker acks many deliveries with one `multiple` ack, and
-//! lapin hands the `basic.return`s received before it to whichever of those confirms it
-//! completes first — not necessarily the message that was returned. With one unconfirmed
-//! message per channel a return can only belong to that message, so an unroutable row is
-//! never marked sent and a delivered row never blamed. Concurrency comes from the number of
-//! channels (`relay.max_in_flight`, at most [`crate::config::MAX_AMQP_CHANNELS`]).
+//! Returns are charged by `message_id`, never by the confirm lapin hands them on. RabbitMQ
+//! sends a message's `basic.return` before its `basic.ack` on the same channel, in publish
+//! order; lapin queues returns in arrival order and pins each to whichever confirm of the
+//! channel completes next (a `multiple` ack walks its tags in hash-map order), so a return can
+//! ride on an earlier, a later or an unrelated confirm. Each channel's confirms therefore go to
+//! one settler task that answers its messages strictly in publish order: a message is answered
+//! only once it and every message before it on the channel are confirmed, and after every
+//! confirm that had completed by then has been read. At that point every return of those
+//! messages has been read too — lapin pops one queued return per completed confirm, so once
+//! all of them are complete none of their returns can still be queued — and a message is
+//! `Rejected` exactly when a return carrying its `message_id` was seen. The proof runs in CI:
+//! `returned_messages_share_multiple_acks_and_are_charged_by_message_id` in
+//! `tests/relay_rabbitmq.rs`.
+//!
+//! When the broker closes a channel (e.g. a message above its `max_message_size`), which of
+//! the messages unconfirmed on it caused that is unknown: each is published again on its own,
+//! on a channel that carries one message at a time, where the answer can only be its own.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
@@ -22,7 +38,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, oneshot};
+use tokio_util::sync::CancellationToken;
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
@@ -30,16 +47,87 @@ use crate::config::RabbitMqConfig;
 use crate::redact::redact_url;
 use crate::store::OutboxMessage;
 
-/// A live connection and its idle channels.
+/// Channels messages are spread over. The broker runs one process per channel, so a few
+/// channels use more than one of its cores; lapin looks at every channel for each frame it
+/// reads, so many channels cost the relay CPU.
+pub const CHANNELS: usize = 4;
+
+/// A live connection and its channels.
 struct Live {
     // Distinguishes this connection from its successors, so that a failure seen on an old
     // channel never tears down a newer connection.
     generation: u64,
     connection: Connection,
-    idle: Mutex<Vec<Channel>>,
-    // One permit per channel the pool may hold; a publish holds one while its message is
-    // unconfirmed.
-    slots: Arc<Semaphore>,
+    lanes: Vec<LaneSlot>,
+    // Round-robin over `lanes`.
+    next_lane: AtomicUsize,
+    // The channel for messages published again on their own (see the module docs); the lock
+    // keeps it at one unconfirmed message.
+    solo: tokio::sync::Mutex<Option<Channel>>,
+    // Cancelled when this connection is given up: its settlers hand back what they hold.
+    gone: CancellationToken,
+}
+
+/// One of the publishing channels, reopened after the broker closes it.
+#[derive(Default)]
+struct LaneSlot {
+    current: Mutex<Option<Arc<Lane>>>,
+    // Serialises opening a channel for this slot.
+    opening: tokio::sync::Mutex<()>,
+}
+
+/// A confirm-mode channel and the queue to its settler.
+struct Lane {
+    channel: Channel,
+    // Held while a publish registers its delivery tag and queues its frames, so the order of
+    // `incoming` is the channel's delivery-tag order.
+    incoming: Mutex<Incoming>,
+    // Wakes the settler when `incoming` grows.
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct Incoming {
+    entries: Vec<Entry>,
+    // Set by the settler once the channel is dead and everything on it answered: publishes
+    // go to a new channel instead.
+    closed: bool,
+}
+
+/// The broker's answer to one message, as a future: publishing it (frames written), then its
+/// confirm.
+type Confirming = Pin<Box<dyn Future<Output = Result<Confirmation, lapin::Error>> + Send>>;
+
+/// A published message waiting for its settler.
+struct Entry {
+    id: String,
+    answer: Pending,
+    reply: oneshot::Sender<Settled>,
+}
+
+/// A confirm not yet read, or already known when the publish failed at once.
+enum Pending {
+    Waiting(Confirming),
+    Known(Box<Result<Confirmation, lapin::Error>>),
+}
+
+/// A confirm as the settler keeps it, its returned message (if any) taken out.
+enum Answer {
+    Ack,
+    Nack,
+    NotRequested,
+    Failed(lapin::Error),
+}
+
+/// What a settler tells the publish waiting for one message.
+#[derive(Debug)]
+enum Settled {
+    Outcome(Outcome),
+    /// The connection is gone: hand back, reconnect.
+    ConnectionLost(String),
+    /// The broker closed the channel with this message unconfirmed on it: which of the
+    /// channel's messages caused that is unknown.
+    ChannelClosed(String),
 }
 
 /// Publishes to a RabbitMQ exchange with publisher confirms.
@@ -82,6 +170,7 @@ impl RabbitMqPublisher {
             }
         };
         if let Some(live) = old {
+            live.gone.cancel();
             tokio::spawn(async move {
                 let _ = tokio::time::timeout(
                     Duration::from_secs(5),
@@ -93,38 +182,106 @@ impl RabbitMqPublisher {
         }
     }
 
-    /// An idle channel of `live`, opening a new one (in confirm mode) when none is idle.
-    async fn checkout(&self, live: &Live) -> Result<Channel, lapin::Error> {
-        let idle = {
-            let mut idle = live.idle.lock().unwrap_or_else(|p| p.into_inner());
-            idle.pop()
-        };
-        match idle {
-            Some(ch) if ch.status().connected() => Ok(ch),
-            _ => {
-                let ch = live.connection.create_channel().await?;
-                ch.confirm_select(ConfirmSelectOptions::default()).await?;
-                Ok(ch)
-            }
-        }
-    }
-
-    fn checkin(live: &Live, channel: Channel) {
-        if channel.status().connected() {
-            let mut idle = live.idle.lock().unwrap_or_else(|p| p.into_inner());
-            idle.push(channel);
-        }
-    }
-
     /// A channel failed under a publish. If the connection is gone, that is connection-level
     /// (hand back, reconnect); if only the channel was closed by the broker, this message
-    /// caused it (e.g. larger than the broker accepts), so it is message-level.
+    /// caused it (e.g. larger than the broker accepts), so it is message-level. Only for a
+    /// channel that carried nothing but this message.
     fn channel_failure(&self, live: &Live, reason: &str) -> Outcome {
         if live.connection.status().connected() {
             Outcome::Rejected(format!("the broker closed the channel: {reason}"))
         } else {
             self.mark_down(live.generation);
             Outcome::Unavailable(format!("connection lost: {reason}"))
+        }
+    }
+
+    /// Opens a channel in confirm mode, bounded by `confirm_timeout`.
+    async fn open_channel(&self, live: &Live) -> Result<Channel, Outcome> {
+        let opening = async {
+            let ch = live.connection.create_channel().await?;
+            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+            Ok::<Channel, lapin::Error>(ch)
+        };
+        match tokio::time::timeout(self.cfg.confirm_timeout, opening).await {
+            Ok(Ok(ch)) => Ok(ch),
+            Ok(Err(e)) => Err(self.channel_failure(live, &format!("cannot open a channel: {e}"))),
+            Err(_) => {
+                self.mark_down(live.generation);
+                Err(Outcome::Unavailable(format!(
+                    "no answer to opening a channel within {}",
+                    humantime::format_duration(self.cfg.confirm_timeout)
+                )))
+            }
+        }
+    }
+
+    /// The next publishing channel, opened (with its settler) if it is not open.
+    async fn lane(&self, live: &Arc<Live>) -> Result<Arc<Lane>, Outcome> {
+        let slot = &live.lanes[live.next_lane.fetch_add(1, Ordering::Relaxed) % live.lanes.len()];
+        if let Some(lane) = slot.usable() {
+            return Ok(lane);
+        }
+        let _serial = slot.opening.lock().await;
+        if let Some(lane) = slot.usable() {
+            return Ok(lane);
+        }
+        let channel = self.open_channel(live).await?;
+        let lane = Arc::new(Lane {
+            channel,
+            incoming: Mutex::new(Incoming::default()),
+            wake: Notify::new(),
+        });
+        tokio::spawn(settle_lane(
+            Arc::clone(&lane),
+            live.gone.clone(),
+            Arc::clone(live),
+        ));
+        *slot.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&lane));
+        Ok(lane)
+    }
+
+    /// Publishes one message on the solo channel and waits for its own answer: with nothing
+    /// else unconfirmed on that channel, a return or a channel closure can only be its own.
+    async fn publish_alone(
+        &self,
+        live: &Live,
+        msg: &OutboxMessage,
+        routing_key: ShortString,
+        props: BasicProperties,
+    ) -> Outcome {
+        let mut solo = live.solo.lock().await;
+        let channel = match solo.take() {
+            Some(ch) if ch.status().connected() => ch,
+            _ => match self.open_channel(live).await {
+                Ok(ch) => ch,
+                Err(outcome) => return outcome,
+            },
+        };
+        let publishing = async {
+            channel
+                .basic_publish(
+                    ShortString::from(self.cfg.exchange.clone()),
+                    routing_key,
+                    publish_options(),
+                    &msg.payload,
+                    props,
+                )
+                .await?
+                .await
+        };
+        match tokio::time::timeout(self.cfg.confirm_timeout, publishing).await {
+            Ok(Ok(confirmation)) => {
+                *solo = Some(channel);
+                classify_confirmation(confirmation, &msg.id.to_string())
+            }
+            Ok(Err(e)) => self.channel_failure(live, &e.to_string()),
+            Err(_) => {
+                self.mark_down(live.generation);
+                Outcome::Unavailable(format!(
+                    "no confirm within {}",
+                    humantime::format_duration(self.cfg.confirm_timeout)
+                ))
+            }
         }
     }
 
@@ -222,8 +379,253 @@ fn exchange_kind(name: &str) -> ExchangeKind {
     }
 }
 
-/// Maps a broker confirmation of message `id` to an outcome. An ack that carries a returned
-/// message means the message was unroutable (`mandatory`): that is a failure, not a success.
+fn publish_options() -> BasicPublishOptions {
+    BasicPublishOptions {
+        mandatory: true,
+        ..BasicPublishOptions::default()
+    }
+}
+
+impl LaneSlot {
+    fn usable(&self) -> Option<Arc<Lane>> {
+        let current = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        current
+            .as_ref()
+            .filter(|l| l.channel.status().connected())
+            .cloned()
+    }
+}
+
+impl Lane {
+    /// Publishes on this channel and queues the answer for the settler; `None` when the
+    /// channel is closed (publish elsewhere).
+    fn submit(&self, id: String, mut confirming: Confirming) -> Option<oneshot::Receiver<Settled>> {
+        let (reply, answer) = oneshot::channel();
+        {
+            let mut incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+            if incoming.closed || !self.channel.status().connected() {
+                return None;
+            }
+            // The first poll registers the delivery tag and queues the frames (lapin does both
+            // before its first await); doing it under the lock makes the order of `incoming`
+            // the order of the tags. The settler polls the rest with its own waker.
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            let answer = match confirming.as_mut().poll(&mut cx) {
+                Poll::Ready(known) => Pending::Known(Box::new(known)),
+                Poll::Pending => Pending::Waiting(confirming),
+            };
+            incoming.entries.push(Entry { id, answer, reply });
+        }
+        self.wake.notify_one();
+        Some(answer)
+    }
+}
+
+/// A message published on a lane, in publish order, until it is answered.
+struct Slot {
+    id: String,
+    reply: Option<oneshot::Sender<Settled>>,
+    // The confirm once read.
+    answer: Option<Answer>,
+    // `takes` when the answer was read: it may be acted on once `incoming` was taken (and the
+    // confirms read) after that.
+    read_at: u64,
+}
+
+/// The settler of one lane (see the module docs): reads its confirms as they complete, and
+/// answers its messages in publish order once no return for them can still be unread.
+async fn settle_lane(lane: Arc<Lane>, gone: CancellationToken, live: Arc<Live>) {
+    let mut slots: VecDeque<Slot> = VecDeque::new();
+    // Index into `slots` by sequence: `slots[i]` has sequence `first + i`.
+    let mut first: u64 = 0;
+    let mut confirming = FuturesUnordered::new();
+    // message_id → why it came back, for returns read but not yet charged.
+    let mut returned: HashMap<String, String> = HashMap::new();
+    let mut takes: u64 = 0;
+    let mut again = false;
+    loop {
+        if !again {
+            tokio::select! {
+                () = lane.wake.notified() => {}
+                Some((seq, answer)) = confirming.next(), if !confirming.is_empty() => {
+                    record(&mut slots, first, seq, answer, &mut returned, takes);
+                }
+                () = gone.cancelled() => {
+                    hand_back_all(&lane, slots, "the connection was closed");
+                    return;
+                }
+            }
+        }
+        // Every confirm completed by now, then every message published by now, then every
+        // confirm completed by then: what was read before the take may be acted on.
+        drain(&mut confirming, &mut slots, first, &mut returned, takes);
+        let taken = std::mem::take(
+            &mut lane
+                .incoming
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entries,
+        );
+        takes += 1;
+        for entry in taken {
+            let seq = first + slots.len() as u64;
+            let mut slot = Slot {
+                id: entry.id,
+                reply: Some(entry.reply),
+                answer: None,
+                read_at: takes,
+            };
+            match entry.answer {
+                Pending::Known(answer) => {
+                    slot.answer = Some(strip_return(*answer, &mut returned));
+                }
+                Pending::Waiting(fut) => confirming.push(async move { (seq, fut.await) }),
+            }
+            slots.push_back(slot);
+        }
+        drain(&mut confirming, &mut slots, first, &mut returned, takes);
+
+        while let Some(slot) = slots.front() {
+            if slot.answer.is_none() || slot.read_at >= takes {
+                break;
+            }
+            let Some(mut slot) = slots.pop_front() else {
+                break;
+            };
+            first += 1;
+            let settled = match (returned.remove(&slot.id), slot.answer.take()) {
+                (Some(why), _) => Settled::Outcome(Outcome::Rejected(why)),
+                (None, Some(Answer::Ack)) => Settled::Outcome(Outcome::Confirmed),
+                (None, Some(Answer::Nack)) => {
+                    Settled::Outcome(Outcome::Rejected("nacked by the broker".to_owned()))
+                }
+                (None, Some(Answer::NotRequested)) => Settled::Outcome(Outcome::Unavailable(
+                    "channel is not in confirm mode".to_owned(),
+                )),
+                (None, Some(Answer::Failed(e))) if live.connection.status().connected() => {
+                    Settled::ChannelClosed(e.to_string())
+                }
+                (None, Some(Answer::Failed(e))) => Settled::ConnectionLost(e.to_string()),
+                (None, None) => Settled::ConnectionLost("no answer".to_owned()),
+            };
+            if let Some(reply) = slot.reply.take() {
+                // The publish may have stopped waiting (timeout): nothing to tell it then.
+                let _ = reply.send(settled);
+            }
+        }
+        if slots.is_empty() && !returned.is_empty() {
+            // Every message taken so far is answered, so these returns belong to none of
+            // them: the ordering this settler relies on did not hold.
+            tracing::error!(
+                returned = ?returned.keys().collect::<Vec<_>>(),
+                "returned messages arrived for messages already answered; please report this"
+            );
+            returned.clear();
+        }
+        // An answer read after the take is acted on after the next one: go round again.
+        again = slots.front().is_some_and(|s| s.answer.is_some());
+
+        if slots.is_empty() && !lane.channel.status().connected() {
+            let mut incoming = lane.incoming.lock().unwrap_or_else(|p| p.into_inner());
+            if incoming.entries.is_empty() {
+                incoming.closed = true;
+                return;
+            }
+        }
+    }
+}
+
+/// Reads the confirms that have completed, without waiting.
+fn drain<F>(
+    confirming: &mut FuturesUnordered<F>,
+    slots: &mut VecDeque<Slot>,
+    first: u64,
+    returned: &mut HashMap<String, String>,
+    takes: u64,
+) where
+    F: Future<Output = (u64, Result<Confirmation, lapin::Error>)>,
+{
+    while let Some(Some((seq, answer))) = confirming.next().now_or_never() {
+        record(slots, first, seq, answer, returned, takes);
+    }
+}
+
+/// Stores the confirm of message `seq`, and its returned message (whoever's it is) in
+/// `returned`.
+fn record(
+    slots: &mut VecDeque<Slot>,
+    first: u64,
+    seq: u64,
+    answer: Result<Confirmation, lapin::Error>,
+    returned: &mut HashMap<String, String>,
+    takes: u64,
+) {
+    let answer = strip_return(answer, returned);
+    let slot = seq
+        .checked_sub(first)
+        .and_then(|i| usize::try_from(i).ok())
+        .and_then(|i| slots.get_mut(i));
+    if let Some(slot) = slot {
+        slot.answer = Some(answer);
+        slot.read_at = takes;
+    }
+}
+
+/// Moves the returned message a confirm carries into `returned`, keyed by its `message_id`.
+fn strip_return(
+    answer: Result<Confirmation, lapin::Error>,
+    returned: &mut HashMap<String, String>,
+) -> Answer {
+    let (message, ack) = match answer {
+        Ok(Confirmation::Ack(Some(m))) => (m, true),
+        Ok(Confirmation::Nack(Some(m))) => (m, false),
+        Ok(Confirmation::Ack(None)) => return Answer::Ack,
+        Ok(Confirmation::Nack(None)) => return Answer::Nack,
+        Ok(Confirmation::NotRequested) => return Answer::NotRequested,
+        Err(e) => return Answer::Failed(e),
+    };
+    match message.delivery.properties.message_id() {
+        Some(id) => {
+            returned.insert(id.to_string(), returned_reason(&message));
+        }
+        None => tracing::error!(
+            reply_code = message.reply_code,
+            reply_text = %message.reply_text,
+            "the broker returned a message without message_id; it cannot be charged to a row"
+        ),
+    }
+    if ack { Answer::Ack } else { Answer::Nack }
+}
+
+fn returned_reason(m: &lapin::message::BasicReturnMessage) -> String {
+    format!(
+        "returned by the broker: {} {} (no queue bound for exchange {:?}, routing key {:?})",
+        m.reply_code,
+        m.reply_text,
+        m.delivery.exchange.as_str(),
+        m.delivery.routing_key.as_str()
+    )
+}
+
+/// Answers every message a lane holds when its connection is given up.
+fn hand_back_all(lane: &Lane, slots: VecDeque<Slot>, reason: &str) {
+    let entries = {
+        let mut incoming = lane.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        incoming.closed = true;
+        std::mem::take(&mut incoming.entries)
+    };
+    let replies = slots
+        .into_iter()
+        .filter_map(|s| s.reply)
+        .chain(entries.into_iter().map(|e| e.reply));
+    for reply in replies {
+        let _ = reply.send(Settled::Outcome(Outcome::Unavailable(reason.to_owned())));
+    }
+}
+
+/// Maps the confirm of message `id`, published on a channel with nothing else unconfirmed, to
+/// an outcome. An ack that carries a
+/// returned message means the message was unroutable (`mandatory`): a failure, not a success.
 /// A returned message that is not this one would mean the attribution is broken: the row is
 /// handed back rather than guessed about.
 pub fn classify_confirmation(confirmation: Confirmation, id: &str) -> Outcome {
@@ -243,13 +645,7 @@ pub fn classify_confirmation(confirmation: Confirmation, id: &str) -> Outcome {
             ))
         }
         Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
-            Outcome::Rejected(format!(
-                "returned by the broker: {} {} (no queue bound for exchange {:?}, routing key {:?})",
-                returned.reply_code,
-                returned.reply_text,
-                returned.delivery.exchange.as_str(),
-                returned.delivery.routing_key.as_str()
-            ))
+            Outcome::Rejected(returned_reason(&returned))
         }
         Confirmation::Nack(None) => Outcome::Rejected("nacked by the broker".to_owned()),
         Confirmation::NotRequested => {
@@ -331,8 +727,10 @@ impl Publisher for RabbitMqPublisher {
         let live = Live {
             generation: self.generations.fetch_add(1, Ordering::Relaxed) + 1,
             connection,
-            idle: Mutex::new(vec![channel]),
-            slots: Arc::new(Semaphore::new(self.cfg.channels.max(1))),
+            lanes: (0..CHANNELS).map(|_| LaneSlot::default()).collect(),
+            next_lane: AtomicUsize::new(0),
+            solo: tokio::sync::Mutex::new(Some(channel)),
+            gone: CancellationToken::new(),
         };
         let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
         *guard = Some(Arc::new(live));
@@ -356,50 +754,46 @@ impl Publisher for RabbitMqPublisher {
             Ok(p) => p,
             Err(reason) => return Outcome::Rejected(reason),
         };
-        // One unconfirmed message per channel (see the module docs).
-        let Ok(_slot) = Arc::clone(&live.slots).acquire_owned().await else {
-            return Outcome::Unavailable("publisher closed".to_owned());
-        };
-        // Opening a channel waits for the broker too: bound it like the confirm.
-        let channel =
-            match tokio::time::timeout(self.cfg.confirm_timeout, self.checkout(&live)).await {
-                Ok(Ok(ch)) => ch,
-                Ok(Err(e)) => {
-                    return self.channel_failure(&live, &format!("cannot open a channel: {e}"));
+        let id = msg.id.to_string();
+        let waiting = async {
+            // A lane found closed was closed after we picked it: pick again (each is reopened
+            // once).
+            for _ in 0..=CHANNELS {
+                let lane = self.lane(&live).await?;
+                let channel = lane.channel.clone();
+                let (exchange, key, payload, props) = (
+                    ShortString::from(self.cfg.exchange.clone()),
+                    routing_key.clone(),
+                    msg.payload.clone(),
+                    props.clone(),
+                );
+                let confirming: Confirming = Box::pin(async move {
+                    channel
+                        .basic_publish(exchange, key, publish_options(), &payload, props)
+                        .await?
+                        .await
+                });
+                if let Some(answer) = lane.submit(id.clone(), confirming) {
+                    return answer
+                        .await
+                        .map_err(|_| Outcome::Unavailable("the publisher was closed".to_owned()));
                 }
-                Err(_) => {
-                    self.mark_down(live.generation);
-                    return Outcome::Unavailable(format!(
-                        "no answer to opening a channel within {}",
-                        humantime::format_duration(self.cfg.confirm_timeout)
-                    ));
-                }
-            };
-        let exchange = ShortString::from(self.cfg.exchange.clone());
-        let options = BasicPublishOptions {
-            mandatory: true,
-            ..BasicPublishOptions::default()
+            }
+            Err(Outcome::Unavailable(
+                "the broker keeps closing channels".to_owned(),
+            ))
         };
-        let sent = tokio::time::timeout(
-            self.cfg.confirm_timeout,
-            channel.basic_publish(exchange, routing_key, options, &msg.payload, props),
-        )
-        .await;
-        let confirm = match sent {
-            Ok(Ok(confirm)) => confirm,
-            Ok(Err(e)) => return self.channel_failure(&live, &format!("publish failed: {e}")),
-            Err(_) => {
+        match tokio::time::timeout(self.cfg.confirm_timeout, waiting).await {
+            Ok(Ok(Settled::Outcome(outcome))) => outcome,
+            Ok(Ok(Settled::ConnectionLost(reason))) => {
                 self.mark_down(live.generation);
-                return Outcome::Unavailable("the broker did not take the message in time".into());
+                Outcome::Unavailable(format!("connection lost: {reason}"))
             }
-        };
-        match tokio::time::timeout(self.cfg.confirm_timeout, confirm).await {
-            Ok(Ok(confirmation)) => {
-                let outcome = classify_confirmation(confirmation, &msg.id.to_string());
-                Self::checkin(&live, channel);
-                outcome
+            Ok(Ok(Settled::ChannelClosed(reason))) => {
+                tracing::warn!(id = %msg.id, reason = %reason, "the broker closed a channel with this message unconfirmed on it; publishing it again on its own");
+                self.publish_alone(&live, msg, routing_key, props).await
             }
-            Ok(Err(e)) => self.channel_failure(&live, &format!("no confirm: {e}")),
+            Ok(Err(outcome)) => outcome,
             Err(_) => {
                 // No answer at all: treat the connection as dead rather than the message as bad.
                 self.mark_down(live.generation);
@@ -417,6 +811,7 @@ impl Publisher for RabbitMqPublisher {
             guard.take()
         };
         if let Some(live) = live {
+            live.gone.cancel();
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
             let _ = tokio::time::timeout(
                 Duration::from_secs(1),

@@ -209,6 +209,27 @@ const OPEN_H: &str = "h.status NOT IN ('sent', 'expired')";
 const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_type, t.payload, \
                          t.headers, t.destination, t.attempts, t.created_at, t.expires_at";
 
+/// The relay's hot-path statements for `table`, as the relay sends them, for tools that replay
+/// them outside the relay (the benchmark's pgbench ceiling): like `migrate --print` for the
+/// DDL. Parameters stay `$n` placeholders, documented per statement.
+#[derive(Debug, Clone)]
+pub struct HotPathSql {
+    /// The claim with `ordering = "none"`: `$1` batch size, `$2` instance id; returns the
+    /// claimed rows.
+    pub claim: String,
+    /// Marking confirmed rows sent: `$1` ids (`uuid[]`), `$2` instance id.
+    pub mark_sent: String,
+}
+
+/// Renders [`HotPathSql`] for `table`.
+pub fn hot_path_sql(table: &TableName) -> HotPathSql {
+    let q = Queries::new(table);
+    HotPathSql {
+        claim: q.claim_none,
+        mark_sent: q.mark_sent,
+    }
+}
+
 /// The SQL text of every statement, rendered once for the configured table.
 #[derive(Debug, Clone)]
 struct Queries {
@@ -1146,4 +1167,20 @@ pub fn pg_config(url: &str) -> Result<tokio_postgres::Config> {
     }
     pg.connect_timeout(Duration::from_secs(5));
     Ok(pg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hot_path_sql_is_the_relays_own_for_the_table() {
+        let table = TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}"));
+        let sql = hot_path_sql(&table);
+        let q = Queries::new(&table);
+        assert_eq!(sql.claim, q.claim_none);
+        assert_eq!(sql.mark_sent, q.mark_sent);
+        assert!(sql.claim.contains("app.events") && sql.claim.contains("FOR UPDATE SKIP LOCKED"));
+        assert!(sql.mark_sent.contains("id = ANY($1)"));
+    }
 }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Result, bail};
 use serde_json::json;
 
-use super::{cpu_text, rate, scrape};
+use super::{cpu_per_100k, cpu_text, rate, scrape};
 use crate::Ctx;
 use crate::util::{CpuSample, Relay, fill, verify_sent, wait_drained};
 
@@ -123,6 +123,15 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
         r,
         "msgs/s",
     );
+    if let Some(cpu) = cpu_per_100k(&usage, "relay", elapsed, ctx.rows) {
+        ctx.report.figure(
+            "4 relay drain",
+            &format!("{key}_cpu_s_per_100k"),
+            &format!("{what}: relay CPU (user+sys) per 100k msgs"),
+            cpu,
+            "s",
+        );
+    }
     ctx.report.detail(
         &key,
         json!({

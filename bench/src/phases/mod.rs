@@ -49,6 +49,13 @@ async fn scrape(port: Option<u16>) -> serde_json::Value {
     }
 }
 
+/// CPU seconds (user + system) that process group `group` (see `CpuUsage::cores`) spent per
+/// 100,000 messages, over a phase of `elapsed` that moved `n` messages.
+fn cpu_per_100k(u: &CpuUsage, group: &str, elapsed: Duration, n: usize) -> Option<f64> {
+    let cores = u.cores.get(group)?;
+    Some(cores * elapsed.as_secs_f64() * 100_000.0 / n.max(1) as f64)
+}
+
 fn rate(n: usize, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64().max(1e-9)
 }
