@@ -204,7 +204,7 @@ pub struct RawKafka {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPublisher {
-    /// `rabbitmq` (default) or `kafka`.
+    /// `rabbitmq` (default), `kafka` or `stdout` (JSON lines, for development).
     pub kind: String,
     /// RabbitMQ settings.
     pub rabbitmq: RawRabbitMq,
@@ -524,14 +524,17 @@ pub enum PublisherConfig {
     RabbitMq(RabbitMqConfig),
     /// Kafka via rdkafka.
     Kafka(KafkaConfig),
+    /// CloudEvents JSON lines on standard output (development, piping).
+    Stdout,
 }
 
 impl PublisherConfig {
-    /// `rabbitmq` or `kafka`.
+    /// `rabbitmq`, `kafka` or `stdout`.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::RabbitMq(_) => "rabbitmq",
             Self::Kafka(_) => "kafka",
+            Self::Stdout => "stdout",
         }
     }
 }
@@ -885,10 +888,11 @@ impl RawConfig {
                     properties: k.properties,
                 })
             }
+            "stdout" => PublisherConfig::Stdout,
             other => {
                 return Err(ConfigError::invalid(
                     "publisher.kind",
-                    format!("{other:?} is not one of \"rabbitmq\", \"kafka\""),
+                    format!("{other:?} is not one of \"rabbitmq\", \"kafka\", \"stdout\""),
                 ));
             }
         };
@@ -1109,6 +1113,13 @@ mod tests {
 
     fn err(toml: &str) -> String {
         load_str(toml, &[]).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn stdout_publisher_needs_no_section() {
+        let c = load_str("[publisher]\nkind = \"stdout\"\n", &[]).unwrap();
+        assert!(matches!(c.publisher, PublisherConfig::Stdout));
+        assert_eq!(c.publisher.kind(), "stdout");
     }
 
     #[test]

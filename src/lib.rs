@@ -98,6 +98,7 @@ pub fn build_publisher(config: &Config, payload_kind: PayloadKind) -> Arc<dyn Pu
             }
             Arc::new(publish::kafka::KafkaPublisher::new(c, envelope))
         }
+        PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new(envelope)),
     }
 }
 
