@@ -606,6 +606,68 @@ async fn lag_gauges_tell_rows_ready_now_from_rows_in_backoff() {
     table.drop_table().await;
 }
 
+// ---- table health ------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
+    let table = TestTable::new("ops_vacuum").await;
+    // Off for this table whatever the server says (this machine's server has it off anyway).
+    table
+        .db
+        .batch_execute(&format!(
+            "ALTER TABLE {} SET (autovacuum_enabled = false)",
+            table.name
+        ))
+        .await
+        .unwrap();
+    let rabbit = RabbitFixture::new("ops_vacuum", "#", "barrier.x").await;
+    let relay = relay(&table, &rabbit, None)
+        .set("cleanup.retention", "0s")
+        .spawn();
+    // 8,000 rows sent and deleted leave about 16,000 dead tuples (claim + delete).
+    let rows: Vec<NewRow> = (0..8_000)
+        .map(|i| NewRow::new("vac", None, "tick", json!({ "i": i })))
+        .collect();
+    for chunk in rows.chunks(2_000) {
+        table.insert(chunk).await;
+    }
+    relay
+        .wait_for_log("vacuumed the outbox table", 1, WAIT)
+        .await;
+    assert!(relay.stderr().contains("reason=\"autovacuum is off\""));
+    wait_until(
+        WAIT,
+        "every row is sent and deleted",
+        async || match table.count_where("true").await {
+            0 => Ok(()),
+            n => Err(format!("{n} rows left")),
+        },
+    )
+    .await;
+    // Later vacuums keep the dead tuples below the threshold.
+    wait_until(WAIT, "dead tuples fall below 10,000", async || {
+        let dead: i64 = table
+            .db
+            .query_one(
+                "SELECT coalesce(n_dead_tup, 0) FROM pg_stat_user_tables \
+                 WHERE relid = $1::text::regclass",
+                &[&table.name],
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if dead < 10_000 {
+            Ok(())
+        } else {
+            Err(format!("{dead} dead tuples"))
+        }
+    })
+    .await;
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
 // ---- status -----------------------------------------------------------------------------------
 
 const STATUS_KEYS: [&str; 9] = [
