@@ -9,6 +9,8 @@
 //! - [`store`]: PostgreSQL — every SQL statement (claim, settle, reclaim, migrations).
 //! - [`relay`]: the loop — claim → publish → settle; knows no SQL and no broker.
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
+//! - [`wakeup`]: the idle relay's waiting record, which makes inserts NOTIFY only while it waits.
+//! - [`tasks`]: background services beside the loop (table vacuum).
 //! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker.
 //! - [`retry`]: the backoff policy (pure).
 //! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
@@ -35,8 +37,10 @@ pub mod retry;
 pub mod signing;
 pub mod store;
 pub mod tail;
+pub mod tasks;
 pub mod telemetry;
 pub mod template;
+pub mod wakeup;
 pub mod watermark;
 
 use std::sync::Arc;
@@ -170,14 +174,39 @@ pub async fn run_with(
     let wake = Arc::new(Notify::new());
     let background = CancellationToken::new();
     let mut helpers = Vec::new();
+    let listener = wakeup::ListenerPid::default();
+    let mut waiter = None;
     if config.relay.notify {
         helpers.push(tokio::spawn(listen_loop(
             config.database.url.clone(),
             config.database.table.channel(),
             Arc::clone(&wake),
+            Arc::clone(&listener),
             background.clone(),
         )));
+        match store.has_waiters().await {
+            Ok(true) => {
+                waiter = Some(wakeup::Waiter::new(
+                    store.clone(),
+                    listener,
+                    table_oid,
+                    config.relay.poll_interval,
+                ));
+            }
+            Ok(false) => tracing::warn!(
+                table = %store.table(),
+                "the table predates schema version 3: every inserting transaction sends a NOTIFY, which serialises the application's commits; run `outbox-relay migrate`"
+            ),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot check for the wake-up table; polling only")
+            }
+        }
     }
+    helpers.push(tokio::spawn(tasks::vacuum::vacuum_loop(
+        store.clone(),
+        table_oid,
+        background.clone(),
+    )));
     let held = relay::Held::default();
     helpers.push(tokio::spawn(relay::lease_loop(
         store.clone(),
@@ -189,6 +218,7 @@ pub async fn run_with(
     )));
     helpers.push(tokio::spawn(backlog_loop(
         store.clone(),
+        waiter.is_some(),
         background.clone(),
     )));
     if !config.cleanup.retention.is_zero() {
@@ -206,7 +236,7 @@ pub async fn run_with(
         table_oid,
     };
     let engine = Relay::new(store, Arc::clone(&publisher), settings, health, wake, held);
-    engine.run(shutdown.clone()).await;
+    engine.run(shutdown.clone(), waiter).await;
 
     background.cancel();
     for h in helpers {
@@ -290,19 +320,43 @@ async fn prepare_schema(
 
 /// LISTENs on the table's channel on a dedicated connection and wakes the loop on every
 /// NOTIFY; after a lost connection it reconnects, re-LISTENs and wakes the loop once so that
-/// nothing inserted meanwhile waits for the poll.
-async fn listen_loop(url: String, channel: String, wake: Arc<Notify>, shutdown: CancellationToken) {
+/// nothing inserted meanwhile waits for the poll. `listener` holds the session's backend pid
+/// while it listens (0 otherwise): the relay's waiting record names it.
+async fn listen_loop(
+    url: String,
+    channel: String,
+    wake: Arc<Notify>,
+    listener: wakeup::ListenerPid,
+    shutdown: CancellationToken,
+) {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
     while !shutdown.is_cancelled() {
         let session = async {
             let pg = store::pg_config(&url)?;
             if store::tls_required(&pg) {
-                listen_session(&pg, store::make_tls()?, &channel, &wake, &shutdown).await
+                listen_session(
+                    &pg,
+                    store::make_tls()?,
+                    &channel,
+                    &wake,
+                    &listener,
+                    &shutdown,
+                )
+                .await
             } else {
-                listen_session(&pg, tokio_postgres::NoTls, &channel, &wake, &shutdown).await
+                listen_session(
+                    &pg,
+                    tokio_postgres::NoTls,
+                    &channel,
+                    &wake,
+                    &listener,
+                    &shutdown,
+                )
+                .await
             }
         }
         .await;
+        listener.store(0, std::sync::atomic::Ordering::Release);
         let delay = backoff.next_delay();
         match session {
             Ok(None) => return,
@@ -323,6 +377,7 @@ async fn listen_session<T>(
     tls: T,
     channel: &str,
     wake: &Arc<Notify>,
+    listener: &wakeup::ListenerPid,
     shutdown: &CancellationToken,
 ) -> Result<Option<String>, StoreError>
 where
@@ -353,7 +408,12 @@ where
     client
         .batch_execute(&format!("LISTEN \"{channel}\""))
         .await?;
-    tracing::debug!(%channel, "listening for NOTIFY");
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await?
+        .try_get(0)?;
+    listener.store(pid, std::sync::atomic::Ordering::Release);
+    tracing::debug!(%channel, pid, "listening for NOTIFY");
     wake.notify_one();
     let ended = tokio::select! {
         r = &mut closed => Some(r.unwrap_or_else(|_| "connection task ended".to_owned())),
@@ -370,9 +430,20 @@ async fn sleep_or(d: Duration, token: &CancellationToken) {
     }
 }
 
-/// Refreshes the backlog gauges every 5 s.
-async fn backlog_loop(store: Store, shutdown: CancellationToken) {
+/// Refreshes the backlog gauges every 5 s, and deletes the waiting records of relays that
+/// died (`clean_waiters`).
+async fn backlog_loop(store: Store, clean_waiters: bool, shutdown: CancellationToken) {
     loop {
+        if clean_waiters {
+            match store.clean_waiters().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    records = n,
+                    "deleted the waiting records of relays that stopped"
+                ),
+                Err(e) => tracing::debug!(error = %e, "stale waiting records not cleaned"),
+            }
+        }
         match store.backlog().await {
             Ok(b) => telemetry::record_backlog(&b),
             Err(e) if e.is_connection() => {

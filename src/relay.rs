@@ -26,6 +26,7 @@ use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
 use crate::store::{Expired, Failure, OutboxMessage, Store, StoreError};
 use crate::telemetry::{self, Health};
+use crate::wakeup::{Idle, Waiter};
 use crate::watermark::Watermark;
 
 /// Exponential reconnect delays (100 ms doubling to 30 s), reset on success.
@@ -116,11 +117,16 @@ impl Relay {
     }
 
     /// Claims and publishes until `shutdown`; then drains in-flight batches until
-    /// `relay.shutdown_timeout`, handing back whatever is still unconfirmed.
-    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+    /// `relay.shutdown_timeout`, handing back whatever is still unconfirmed. With a `waiter`,
+    /// the relay publishes that it waits whenever it goes idle (see [`crate::wakeup`]).
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken, mut waiter: Option<Waiter>) {
         let hard_stop = CancellationToken::new();
         let tasks = TaskTracker::new();
-        self.dispatch(&shutdown, &hard_stop, &tasks).await;
+        self.dispatch(&shutdown, &hard_stop, &tasks, &mut waiter)
+            .await;
+        if let Some(w) = waiter.as_mut() {
+            w.busy().await;
+        }
 
         tasks.close();
         let timeout = self.settings.relay.shutdown_timeout;
@@ -156,6 +162,7 @@ impl Relay {
         shutdown: &CancellationToken,
         hard_stop: &CancellationToken,
         tasks: &TaskTracker,
+        waiter: &mut Option<Waiter>,
     ) {
         let cfg = &self.settings.relay;
         let capacity = Arc::new(Semaphore::new(cfg.max_in_flight));
@@ -283,6 +290,10 @@ impl Relay {
                 }
             }
 
+            if let Some(w) = waiter.as_mut() {
+                w.before_claim().await;
+            }
+            let held_nothing = self.holds_nothing();
             let claimed = self
                 .store
                 .claim_and_expire(cfg.ordering, limit, mark, self.settings.delete_on_confirm)
@@ -305,6 +316,11 @@ impl Relay {
             db_backoff = reconnect_backoff();
             let full = rows.len() == limit;
             backlog = full;
+            // Nothing claimed, and nothing held when the claim began (a batch settled while
+            // the claim ran may not be in its snapshot, and its settle wakes the loop anyway):
+            // the relay is idle.
+            let idle = rows.is_empty() && held_nothing;
+            let found = !rows.is_empty();
             if !rows.is_empty() {
                 // Idle polls are not claims: recording them would bury the batch sizes in zeros.
                 telemetry::record_claim(rows.len());
@@ -317,12 +333,24 @@ impl Relay {
                 }
                 self.launch(rows, permit, hard_stop, tasks);
             }
+            if let Some(w) = waiter.as_mut().filter(|_| found) {
+                w.busy().await;
+            }
             if !full {
                 // Nothing more is ready: wait for a NOTIFY, a finished batch, or the poll.
                 let poll = if watermark.holding() {
                     cfg.poll_interval.min(Duration::from_millis(50))
                 } else {
                     cfg.poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
+                };
+                let poll = match waiter.as_mut() {
+                    // Also while the ordering guard holds rows back: the commit of the
+                    // writer it waits for must wake the relay.
+                    Some(w) if idle => match w.idle(poll).await {
+                        Idle::Recheck => continue,
+                        Idle::Sleep(d) => d,
+                    },
+                    _ => poll,
                 };
                 tokio::select! {
                     () = self.wake.notified() => {}
@@ -484,6 +512,13 @@ impl Relay {
         for id in ids {
             held.remove(&id);
         }
+    }
+
+    fn holds_nothing(&self) -> bool {
+        self.held
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
     }
 
     fn hold(&self, rows: &[OutboxMessage]) {

@@ -20,8 +20,17 @@ use tokio_util::sync::CancellationToken;
 pub mod names {
     /// Gauge: pending rows, labelled `state` = `ready` | `waiting`.
     pub const PENDING: &str = "outbox_pending_messages";
-    /// Gauge: age of the oldest pending row (the lag).
+    /// Gauge: age of the oldest pending or processing row, rows waiting out a backoff included.
     pub const OLDEST_PENDING_AGE: &str = "outbox_oldest_pending_age_seconds";
+    /// Gauge: how long the oldest row that could be published now has been ready (the lag that
+    /// alerts use).
+    pub const OLDEST_READY_AGE: &str = "outbox_oldest_ready_age_seconds";
+    /// Gauge: age of the oldest row waiting out a retry backoff.
+    pub const OLDEST_WAITING_AGE: &str = "outbox_oldest_waiting_age_seconds";
+    /// Gauge: dead tuples in the outbox table (`pg_stat_user_tables.n_dead_tup`).
+    pub const DEAD_TUPLES: &str = "outbox_table_dead_tuples";
+    /// Counter: `VACUUM`s the relay ran on the outbox table.
+    pub const VACUUMS: &str = "outbox_vacuums_total";
     /// Gauge: dead letters.
     pub const FAILED: &str = "outbox_failed_messages";
     /// Gauge: aggregates whose earliest unsent row is `failed`.
@@ -50,6 +59,10 @@ pub mod names {
     pub const ALL: &[&str] = &[
         PENDING,
         OLDEST_PENDING_AGE,
+        OLDEST_READY_AGE,
+        OLDEST_WAITING_AGE,
+        DEAD_TUPLES,
+        VACUUMS,
         FAILED,
         BLOCKED_AGGREGATES,
         PUBLISHED,
@@ -99,6 +112,17 @@ pub fn record_info(instance: &str, publisher: &str) {
     metrics::counter!(names::EXPIRED).increment(0);
     metrics::gauge!(names::WATERMARK_LAG).set(0.0);
     metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
+    metrics::counter!(names::VACUUMS).increment(0);
+}
+
+/// The outbox table's dead tuples, as last read.
+pub fn record_dead_tuples(n: i64) {
+    metrics::gauge!(names::DEAD_TUPLES).set(n as f64);
+}
+
+/// The relay vacuumed the outbox table.
+pub fn record_vacuum() {
+    metrics::counter!(names::VACUUMS).increment(1);
 }
 
 /// A message was confirmed by the broker.
@@ -153,8 +177,12 @@ pub struct Backlog {
     pub ready: i64,
     /// Pending rows waiting for a retry.
     pub waiting: i64,
-    /// Age of the oldest pending row, seconds.
+    /// Age of the oldest pending or processing row, seconds.
     pub oldest_pending_age: f64,
+    /// How long the oldest ready row has been ready, seconds (0 when none).
+    pub oldest_ready_age: f64,
+    /// Age of the oldest row waiting out a backoff, seconds (0 when none).
+    pub oldest_waiting_age: f64,
     /// Dead letters.
     pub failed: i64,
     /// Aggregates held by a dead letter.
@@ -166,6 +194,8 @@ pub fn record_backlog(b: &Backlog) {
     metrics::gauge!(names::PENDING, "state" => "ready").set(b.ready as f64);
     metrics::gauge!(names::PENDING, "state" => "waiting").set(b.waiting as f64);
     metrics::gauge!(names::OLDEST_PENDING_AGE).set(b.oldest_pending_age);
+    metrics::gauge!(names::OLDEST_READY_AGE).set(b.oldest_ready_age);
+    metrics::gauge!(names::OLDEST_WAITING_AGE).set(b.oldest_waiting_age);
     metrics::gauge!(names::FAILED).set(b.failed as f64);
     metrics::gauge!(names::BLOCKED_AGGREGATES).set(b.blocked_aggregates as f64);
 }

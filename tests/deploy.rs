@@ -714,8 +714,17 @@ fn dashboard_covers_every_metric_and_names_no_other() {
         );
     };
     has(
-        "Lag: oldest pending age",
-        "outbox_oldest_pending_age_seconds",
+        "Lag: oldest ready, waiting and unsent",
+        "outbox_oldest_ready_age_seconds",
+    );
+    has(
+        "Lag: oldest ready, waiting and unsent",
+        "outbox_oldest_waiting_age_seconds",
+    );
+    has("Lag", "outbox_oldest_ready_age_seconds");
+    has(
+        "Table health: dead tuples and relay vacuums",
+        "outbox_table_dead_tuples",
     );
     has(
         "Pending: ready vs waiting",
@@ -802,7 +811,7 @@ fn alert_rules_name_known_metrics_and_each_has_both_unit_test_cases() {
     let exprs: Vec<String> = rules.iter().map(|(_, e)| e.clone()).collect();
     let used = assert_known_metrics("alerts.yml", &exprs);
     for needed in [
-        names::OLDEST_PENDING_AGE,
+        names::OLDEST_READY_AGE,
         names::FAILED,
         names::BLOCKED_AGGREGATES,
         names::PUBLISHED,

@@ -429,6 +429,14 @@ async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
         |v| v == 4.0,
     )
     .await;
+    wait_for_sample(
+        port,
+        names::OLDEST_READY_AGE,
+        &[],
+        "the rows inserted during the outage count as late",
+        |v| v > 0.0,
+    )
+    .await;
     let age1 = sample(&scrape(port).await.unwrap(), names::OLDEST_PENDING_AGE, &[]).unwrap();
     let age2 = wait_for_sample(
         port,
@@ -468,11 +476,12 @@ async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
             sample(&text, names::PENDING, &[("state", "ready")]),
             sample(&text, names::PENDING, &[("state", "waiting")]),
             sample(&text, names::OLDEST_PENDING_AGE, &[]),
+            sample(&text, names::OLDEST_READY_AGE, &[]),
         );
-        if got == (Some(0.0), Some(0.0), Some(0.0)) {
+        if got == (Some(0.0), Some(0.0), Some(0.0), Some(0.0)) {
             Ok(())
         } else {
-            Err(format!("(ready, waiting, oldest age) = {got:?}"))
+            Err(format!("(ready, waiting, oldest age, ready age) = {got:?}"))
         }
     })
     .await;
@@ -553,6 +562,107 @@ async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
         Some(0.0)
     );
 
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+// ---- lag gauges --------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn lag_gauges_tell_rows_ready_now_from_rows_in_backoff() {
+    let table = ops_table().await;
+    insert_states(
+        &table,
+        &[
+            // In flight for 500 s: the oldest unsent row.
+            state_row("order", Some("o1"), "processing").created(500.0),
+            // Waiting out a backoff for another 300 s: not late, but the oldest waiting.
+            state_row("order", Some("o2"), "pending")
+                .created(200.0)
+                .available_in(300.0),
+            // Its backoff ended 30 s ago: ready for 30 s (not 100).
+            state_row("order", Some("o3"), "pending")
+                .created(100.0)
+                .available_in(-30.0),
+            // Ready since its insert 10 s ago.
+            state_row("invoice", None, "pending").created(10.0),
+        ],
+    )
+    .await;
+    let mut raw = outbox_relay::config::RawConfig::default();
+    raw.database.url = PG_URL.to_owned();
+    raw.database.table = table.name.clone();
+    raw.metrics.listen = String::new();
+    let config = raw.validate().unwrap();
+    let store =
+        outbox_relay::store::Store::new(&config.database, &config.relay.instance_id).unwrap();
+    let b = store.backlog().await.unwrap();
+    let near = |got: f64, want: f64| (got - want).abs() < 5.0;
+    assert_eq!((b.ready, b.waiting), (2, 1), "{b:?}");
+    assert!(near(b.oldest_ready_age, 30.0), "{b:?}");
+    assert!(near(b.oldest_waiting_age, 200.0), "{b:?}");
+    assert!(near(b.oldest_pending_age, 500.0), "{b:?}");
+    table.drop_table().await;
+}
+
+// ---- table health ------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
+    let table = TestTable::new("ops_vacuum").await;
+    // Off for this table whatever the server says (this machine's server has it off anyway).
+    table
+        .db
+        .batch_execute(&format!(
+            "ALTER TABLE {} SET (autovacuum_enabled = false)",
+            table.name
+        ))
+        .await
+        .unwrap();
+    let rabbit = RabbitFixture::new("ops_vacuum", "#", "barrier.x").await;
+    let relay = relay(&table, &rabbit, None)
+        .set("cleanup.retention", "0s")
+        .spawn();
+    // 8,000 rows sent and deleted leave about 16,000 dead tuples (claim + delete).
+    let rows: Vec<NewRow> = (0..8_000)
+        .map(|i| NewRow::new("vac", None, "tick", json!({ "i": i })))
+        .collect();
+    for chunk in rows.chunks(2_000) {
+        table.insert(chunk).await;
+    }
+    relay
+        .wait_for_log("vacuumed the outbox table", 1, WAIT)
+        .await;
+    assert!(relay.stderr().contains("reason=\"autovacuum is off\""));
+    wait_until(
+        WAIT,
+        "every row is sent and deleted",
+        async || match table.count_where("true").await {
+            0 => Ok(()),
+            n => Err(format!("{n} rows left")),
+        },
+    )
+    .await;
+    // Later vacuums keep the dead tuples below the threshold.
+    wait_until(WAIT, "dead tuples fall below 10,000", async || {
+        let dead: i64 = table
+            .db
+            .query_one(
+                "SELECT coalesce(n_dead_tup, 0) FROM pg_stat_user_tables \
+                 WHERE relid = $1::text::regclass",
+                &[&table.name],
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .get(0);
+        if dead < 10_000 {
+            Ok(())
+        } else {
+            Err(format!("{dead} dead tuples"))
+        }
+    })
+    .await;
     relay.stop().await;
     rabbit.teardown().await;
     table.drop_table().await;
@@ -1312,7 +1422,9 @@ impl Prometheus {
 async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
     let table = ops_table().await;
     let rabbit = RabbitFixture::new("ops_prometheus", "#", "barrier.ops").await;
-    // A row in backoff (so the lag is large and steady), a dead letter that blocks o-9.
+    // A row in backoff (old, but not late: it must not trip the lag alert by itself), a dead
+    // letter that blocks o-9, and a ready row of o-9 behind it (late: the lag is large and
+    // steady).
     insert_states(
         &table,
         &[
@@ -1320,6 +1432,9 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
                 .created(1000.0)
                 .available_in(3600.0),
             state_row("order", Some("o-9"), "failed").failed_after(12, "nack"),
+            state_row("order", Some("o-9"), "pending")
+                .created(1000.0)
+                .available_in(-1000.0),
         ],
     )
     .await;
@@ -1353,9 +1468,9 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
         WAIT,
         "Prometheus holds the relay's current lag",
         async || {
-            let before = sample(&scrape(port).await?, names::OLDEST_PENDING_AGE, &[]);
-            let held = prom.value(names::OLDEST_PENDING_AGE).await?;
-            let after = sample(&scrape(port).await?, names::OLDEST_PENDING_AGE, &[]);
+            let before = sample(&scrape(port).await?, names::OLDEST_READY_AGE, &[]);
+            let held = prom.value(names::OLDEST_READY_AGE).await?;
+            let after = sample(&scrape(port).await?, names::OLDEST_READY_AGE, &[]);
             match (before, after) {
                 (Some(b), Some(a)) if a == b && (held - a).abs() < 1e-9 => Ok(held),
                 _ => Err(format!("relay {before:?}/{after:?}, Prometheus {held}")),
@@ -1363,7 +1478,10 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
         },
     )
     .await;
-    assert!(lag >= 1000.0, "the backoff row is 1000 s old: lag {lag}");
+    assert!(
+        lag >= 1000.0,
+        "the blocked ready row is 1000 s old: lag {lag}"
+    );
     let expect_value = |q: &'static str, want: f64| {
         let prom = &prom;
         async move {
@@ -1377,7 +1495,7 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
         }
     };
     expect_value(r#"outbox_pending_messages{state="waiting"}"#, 1.0).await;
-    expect_value(r#"outbox_pending_messages{state="ready"}"#, 0.0).await;
+    expect_value(r#"outbox_pending_messages{state="ready"}"#, 1.0).await;
     expect_value("outbox_failed_messages", 1.0).await;
     expect_value("outbox_blocked_aggregates", 1.0).await;
     expect_value("sum(outbox_published_total)", 3.0).await;

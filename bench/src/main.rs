@@ -773,10 +773,18 @@ fn finish(ctx: &mut Ctx) {
             ratio(r.get("relay_kafka_aggregate_msgs_per_s"), kafka_none),
         ),
         (
-            "ratio_insert_notify_trigger_vs_none_c8",
-            "app inserts, 8 connections: NOTIFY trigger on / off",
+            "ratio_insert_wakeup_busy_vs_none_c8",
+            "app inserts, 8 connections: wake-up trigger, relay busy / no trigger",
             ratio(
-                r.get("insert_notify_trigger_c8_per_s"),
+                r.get("insert_wakeup_busy_c8_per_s"),
+                r.get("insert_no_trigger_c8_per_s"),
+            ),
+        ),
+        (
+            "ratio_insert_wakeup_idle_vs_none_c8",
+            "app inserts, 8 connections: wake-up trigger, relay waiting (NOTIFY per txn) / no trigger",
+            ratio(
+                r.get("insert_wakeup_idle_c8_per_s"),
                 r.get("insert_no_trigger_c8_per_s"),
             ),
         ),

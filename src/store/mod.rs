@@ -254,12 +254,20 @@ struct Queries {
     retry_dead: String,
     discard_dead: String,
     cleanup: String,
+    mark_waiting: String,
+    unmark_waiting: String,
+    writers_active: String,
+    clean_waiters: String,
+    has_waiters: String,
+    table_health: String,
+    vacuum: String,
 }
 
 impl Queries {
     fn new(table: &TableName) -> Self {
         let t = table.qualified();
         let seq = table.prefixed("_seq");
+        let waiters = table.prefixed("_waiters");
         // A ready row reclaimed from a dead relay that is the head of its aggregate (or has
         // none) and at or below the watermark (`$W`).
         let suspect_where = format!(
@@ -461,12 +469,49 @@ impl Queries {
                    LIMIT $2)"
             ),
             last_seq: format!("SELECT last_value, is_called FROM {seq}"),
+            // The wake-up (schema version 3): an idle relay's row makes the insert trigger
+            // NOTIFY. $1 instance id, $2 LISTEN backend pid, $3 lifetime (ms).
+            mark_waiting: format!(
+                "INSERT INTO {waiters} (relay, pid, alive_until) \
+                 VALUES ($1, $2, now() + $3::bigint * interval '1 millisecond') \
+                 ON CONFLICT (relay) DO UPDATE SET pid = EXCLUDED.pid, alive_until = EXCLUDED.alive_until"
+            ),
+            // $1 instance id.
+            unmark_waiting: format!("DELETE FROM {waiters} WHERE relay = $1"),
+            // $1 the table's oid. Whether a transaction that may still commit rows is running:
+            // it may have passed its wake-up check before this relay marked itself waiting.
+            writers_active:
+                "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                      WHERE l.locktype = 'relation' AND l.relation = $1 AND l.granted \
+                        AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
+                        AND a.application_name NOT LIKE 'outbox-relay%')"
+                    .to_owned(),
+            // Rows of relays whose LISTEN session is gone (they died), or long expired.
+            clean_waiters: format!(
+                "DELETE FROM {waiters} w WHERE w.alive_until < now() - interval '1 minute' \
+                 OR NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = w.pid)"
+            ),
+            has_waiters: format!("SELECT to_regclass('{waiters}') IS NOT NULL"),
+            // $1 the table's oid. Dead tuples and vacuum history of the table; whether
+            // autovacuum may run on it (server setting and the table's own option).
+            table_health: "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), \
+                   extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8, \
+                   current_setting('autovacuum') = 'on' \
+                     AND coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions) \
+                                   WHERE option_name = 'autovacuum_enabled'), 'true')::bool, \
+                   pg_total_relation_size(c.oid), \
+                   pg_has_role(c.relowner, 'MEMBER') \
+                     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user), \
+                   EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
+                 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
+                 WHERE c.oid = $1"
+                .to_owned(),
+            vacuum: format!("VACUUM (ANALYZE) {t}"),
             // Cheap on a large table: each part walks a partial index. The oldest unsent row is
-            // approximated by the lowest seq among pending and processing rows.
+            // approximated by the lowest seq among pending and processing rows. A ready row's
+            // age counts from when it became ready (its insert, or the end of its backoff).
             backlog: format!(
-                "SELECT \
-                   (SELECT count(*) FROM {t} WHERE status = 'pending' AND available_at <= now()), \
-                   (SELECT count(*) FROM {t} WHERE status = 'pending' AND available_at > now()), \
+                "SELECT p.ready, p.waiting, \
                    (SELECT coalesce(extract(epoch FROM now() - least( \
                        (SELECT created_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1), \
                        (SELECT min(created_at) FROM {t} WHERE status = 'processing'))), 0)::float8), \
@@ -474,7 +519,15 @@ impl Queries {
                    (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
                       WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
                         SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
-                          AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b)"
+                          AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b), \
+                   p.ready_age, p.waiting_age \
+                 FROM (SELECT count(*) FILTER (WHERE available_at <= now()) AS ready, \
+                         count(*) FILTER (WHERE available_at > now()) AS waiting, \
+                         coalesce(extract(epoch FROM now() - min(greatest(created_at, available_at)) \
+                           FILTER (WHERE available_at <= now())), 0)::float8 AS ready_age, \
+                         coalesce(extract(epoch FROM now() - min(created_at) \
+                           FILTER (WHERE available_at > now())), 0)::float8 AS waiting_age \
+                       FROM {t} WHERE status = 'pending') p"
             ),
             // $1 the table's oid. Transactions that hold a lock on the table and may still commit
             // rows; the relay's own sessions (application_name outbox-relay…) never insert.
@@ -913,9 +966,124 @@ impl Store {
     }
 }
 
+/// The outbox table's health as PostgreSQL's statistics see it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableHealth {
+    /// `pg_stat_user_tables.n_dead_tup`.
+    pub dead_tuples: i64,
+    /// `pg_stat_user_tables.n_live_tup`.
+    pub live_tuples: i64,
+    /// Seconds since the last vacuum (manual or auto), if any.
+    pub since_vacuum: Option<f64>,
+    /// Whether autovacuum may run on the table (server `autovacuum` and the table's option).
+    pub autovacuum: bool,
+    /// Table + indexes + TOAST, bytes.
+    pub total_bytes: i64,
+    /// Whether this session may vacuum the table (owner or superuser).
+    pub may_vacuum: bool,
+    /// Whether a vacuum of the table (autovacuum or another relay's) is running now.
+    pub vacuum_running: bool,
+}
+
 impl Store {
-    /// The backlog gauges: pending (ready / waiting), oldest unsent age, dead letters, blocked
-    /// aggregates.
+    /// Whether the table has the wake-up of schema version 3 (`<table>_waiters`).
+    pub async fn has_waiters(&self) -> Result<bool> {
+        let client = self.client().await?;
+        Ok(client
+            .query_one(&self.q.has_waiters, &[])
+            .await?
+            .try_get(0)?)
+    }
+
+    /// Records that this relay is idle and LISTENing on the backend `pid`, for `lifetime`: until
+    /// then (or [`Store::unmark_waiting`]) every inserting transaction NOTIFYs once.
+    pub async fn mark_waiting(&self, pid: i32, lifetime: Duration) -> Result<()> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.mark_waiting).await?;
+        let ms = i64::try_from(lifetime.as_millis()).unwrap_or(i64::MAX);
+        client
+            .execute(&stmt, &[&self.instance_id, &pid, &ms])
+            .await?;
+        Ok(())
+    }
+
+    /// [`Store::mark_waiting`], then [`Store::writers_active`] once the record is committed,
+    /// pipelined on one connection (one round trip; the server runs them in order).
+    pub async fn mark_waiting_then_writers(
+        &self,
+        pid: i32,
+        lifetime: Duration,
+        table_oid: u32,
+    ) -> Result<bool> {
+        let client = self.client().await?;
+        let mark = client.prepare_cached(&self.q.mark_waiting).await?;
+        let writers = client.prepare_cached(&self.q.writers_active).await?;
+        let ms = i64::try_from(lifetime.as_millis()).unwrap_or(i64::MAX);
+        let oid: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
+        let mark_params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&self.instance_id, &pid, &ms];
+        let (marked, active) = tokio::join!(
+            client.execute(&mark, &mark_params),
+            client.query_one(&writers, &oid)
+        );
+        marked?;
+        Ok(active?.try_get(0)?)
+    }
+
+    /// This relay is busy: inserts stop notifying on its account.
+    pub async fn unmark_waiting(&self) -> Result<()> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.unmark_waiting).await?;
+        client.execute(&stmt, &[&self.instance_id]).await?;
+        Ok(())
+    }
+
+    /// Whether a transaction that may still commit rows (one holding a lock on the table) is
+    /// running, other than the relays' own.
+    pub async fn writers_active(&self, table_oid: u32) -> Result<bool> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.writers_active).await?;
+        let oid: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
+        Ok(client.query_one(&stmt, &oid).await?.try_get(0)?)
+    }
+
+    /// Deletes the waiting marks of relays whose LISTEN session has ended; returns how many.
+    pub async fn clean_waiters(&self) -> Result<u64> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.clean_waiters).await?;
+        Ok(client.execute(&stmt, &[]).await?)
+    }
+
+    /// Dead tuples, size and autovacuum state of the table.
+    pub async fn table_health(&self, table_oid: u32) -> Result<TableHealth> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.table_health).await?;
+        let oid: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
+        let r = client.query_one(&stmt, &oid).await?;
+        Ok(TableHealth {
+            dead_tuples: r.try_get(0)?,
+            live_tuples: r.try_get(1)?,
+            since_vacuum: r.try_get(2)?,
+            autovacuum: r.try_get(3)?,
+            total_bytes: r.try_get(4)?,
+            may_vacuum: r.try_get(5)?,
+            vacuum_running: r.try_get(6)?,
+        })
+    }
+
+    /// Runs a plain `VACUUM (ANALYZE)` of the table on a pooled connection outside any
+    /// transaction. It takes a SHARE UPDATE EXCLUSIVE lock, which claims, settles and inserts
+    /// do not conflict with.
+    pub async fn vacuum(&self) -> Result<()> {
+        let client = self.client().await?;
+        client.batch_execute(&self.q.vacuum).await?;
+        Ok(())
+    }
+}
+
+impl Store {
+    /// The backlog gauges: pending (ready / waiting), oldest unsent, ready and waiting ages,
+    /// dead letters, blocked aggregates.
     pub async fn backlog(&self) -> Result<crate::telemetry::Backlog> {
         let client = self.client().await?;
         let stmt = client.prepare_cached(&self.q.backlog).await?;
@@ -926,6 +1094,8 @@ impl Store {
             oldest_pending_age: r.try_get(2)?,
             failed: r.try_get(3)?,
             blocked_aggregates: r.try_get(4)?,
+            oldest_ready_age: r.try_get(5)?,
+            oldest_waiting_age: r.try_get(6)?,
         })
     }
 }

@@ -30,6 +30,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_expiry.sql",
         sql: include_str!("../../sql/0002_expiry.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_wakeup_and_storage.sql",
+        sql: include_str!("../../sql/0003_wakeup_and_storage.sql"),
+    },
 ];
 
 /// The table that records which version each outbox table is at.
@@ -143,6 +148,30 @@ mod tests {
         assert!(sql.contains("DROP INDEX IF EXISTS app.events_aggregate_idx;"));
         assert!(sql.contains("CREATE INDEX IF NOT EXISTS events_expiry_idx\n    ON app.events"));
         assert_eq!(MIGRATIONS[1].version, 2);
+    }
+
+    #[test]
+    fn wakeup_renders_for_a_qualified_table() {
+        let t = TableName::parse("app.events").unwrap();
+        let v3 = MIGRATIONS.iter().find(|m| m.version == 3).unwrap();
+        let sql = render(v3.sql, &t);
+        assert!(!sql.contains("outbox_messages"), "{sql}");
+        assert!(sql.contains("CREATE UNLOGGED TABLE IF NOT EXISTS app.events_waiters ("));
+        assert!(sql.contains("CREATE OR REPLACE FUNCTION app.events_wakeup()"));
+        assert!(sql.contains("SELECT 1 FROM app.events_waiters WHERE alive_until > now()"));
+        assert!(sql.contains("pg_notify('app.events', '')"));
+        assert!(sql.contains("DROP TRIGGER IF EXISTS events_notify ON app.events;"));
+        assert!(
+            sql.contains("CREATE CONSTRAINT TRIGGER events_wakeup\n    AFTER INSERT ON app.events")
+        );
+        assert!(sql.contains("EXECUTE FUNCTION app.events_wakeup()"));
+        assert!(sql.contains("DROP FUNCTION IF EXISTS app.events_notify();"));
+        assert!(sql.contains("ALTER TABLE app.events SET ("));
+    }
+
+    #[test]
+    fn migrations_are_in_version_order() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].version < w[1].version));
     }
 
     #[test]

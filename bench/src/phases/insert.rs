@@ -1,4 +1,7 @@
-//! What the table's NOTIFY trigger costs the application's one-row inserts.
+//! What the table's wake-up trigger costs the application's one-row inserts, in the three
+//! states it can be in: disabled, enabled while no relay waits (a busy relay: no NOTIFY), and
+//! enabled while a relay waits (an idle relay: every transaction notifies, as every
+//! transaction did with schema version 1's trigger).
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -9,24 +12,52 @@ use serde_json::json;
 use crate::Ctx;
 use crate::util::{median, payload, pg_connect};
 
+/// The trigger's states, as measured.
+const VARIANTS: [(&str, &str); 3] = [
+    ("no_trigger", "trigger disabled"),
+    (
+        "wakeup_busy",
+        "wake-up trigger, no relay waiting (relay busy)",
+    ),
+    (
+        "wakeup_idle",
+        "wake-up trigger, a relay waiting (every txn NOTIFYs, like v1)",
+    ),
+];
+
 /// One-row insert transactions as fast as possible from `clients` connections for `secs`,
-/// with the table's NOTIFY trigger enabled and disabled (alternating, twice each).
+/// in each trigger state (rotating, three rounds).
 pub async fn insert_cost(ctx: &mut Ctx) -> Result<()> {
     let table = ctx.new_table("insert").await?;
-    let trigger = format!("{table}_notify");
+    let trigger = format!("{table}_wakeup");
     let secs = if ctx.args.quick { 2 } else { 3 };
     let sql = format!(
         "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
          VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb)"
     );
-    let mut results: HashMap<(usize, bool), Vec<f64>> = HashMap::new();
+    let mut results: HashMap<(usize, &str), Vec<f64>> = HashMap::new();
     let sentinel = ctx.sentinel().await;
     for clients in [1usize, 8] {
         for round in 0..3 {
-            for on in [true, false] {
-                let action = if on { "ENABLE" } else { "DISABLE" };
+            for (variant, what) in VARIANTS {
+                let action = if variant == "no_trigger" {
+                    "DISABLE"
+                } else {
+                    "ENABLE"
+                };
+                // A waiting record as an idle relay writes it (alive for the whole burst).
+                let waiter = if variant == "wakeup_idle" {
+                    format!(
+                        "INSERT INTO {table}_waiters (relay, pid, alive_until) \
+                         VALUES ('bench', pg_backend_pid(), now() + interval '1 hour')"
+                    )
+                } else {
+                    format!("DELETE FROM {table}_waiters")
+                };
                 ctx.pg
-                    .batch_execute(&format!("ALTER TABLE {table} {action} TRIGGER {trigger}"))
+                    .batch_execute(&format!(
+                        "ALTER TABLE {table} {action} TRIGGER {trigger}; {waiter}"
+                    ))
                     .await?;
                 let r = insert_burst(
                     &ctx.args.database_url,
@@ -35,27 +66,25 @@ pub async fn insert_cost(ctx: &mut Ctx) -> Result<()> {
                     Duration::from_secs(secs),
                 )
                 .await?;
+                ctx.pg
+                    .batch_execute(&format!("DELETE FROM {table}_waiters"))
+                    .await?;
                 ctx.progress(format!(
-                    "insert: {clients} connection(s), NOTIFY trigger {}: {r:.0} commits/s (round {})",
-                    if on { "on" } else { "off" },
+                    "insert: {clients} connection(s), {what}: {r:.0} commits/s (round {})",
                     round + 1
                 ));
-                results.entry((clients, on)).or_default().push(r);
+                results.entry((clients, variant)).or_default().push(r);
             }
         }
     }
     ctx.check(sentinel).await?;
     for clients in [1usize, 8] {
-        for on in [true, false] {
-            let v = results.get(&(clients, on)).map_or(f64::NAN, |v| median(v));
-            let key = format!(
-                "insert_{}_c{clients}_per_s",
-                if on { "notify_trigger" } else { "no_trigger" }
-            );
-            let label = format!(
-                "app inserts (1 row/txn), {clients} connection(s), NOTIFY trigger {}",
-                if on { "on (as migrated)" } else { "disabled" }
-            );
+        for (variant, what) in VARIANTS {
+            let v = results
+                .get(&(clients, variant))
+                .map_or(f64::NAN, |v| median(v));
+            let key = format!("insert_{variant}_c{clients}_per_s");
+            let label = format!("app inserts (1 row/txn), {clients} connection(s), {what}");
             ctx.report
                 .figure("8 insert cost", &key, &label, v, "rows/s");
         }
@@ -65,10 +94,7 @@ pub async fn insert_cost(ctx: &mut Ctx) -> Result<()> {
         json!(
             results
                 .iter()
-                .map(|((c, on), v)| (
-                    format!("c{c}_{}", if *on { "trigger" } else { "no_trigger" }),
-                    json!(v)
-                ))
+                .map(|((c, variant), v)| (format!("c{c}_{variant}"), json!(v)))
                 .collect::<serde_json::Map<_, _>>()
         ),
     );

@@ -1,0 +1,217 @@
+//! The relay's side of the wake-up (schema version 3): an idle relay records in
+//! `<table>_waiters` that it waits, and the insert trigger NOTIFYs only while such a record is
+//! alive, once per transaction. A busy relay has no record, so the application's commits pay no
+//! NOTIFY (PostgreSQL serialises the commits of notifying transactions).
+//!
+//! The race between the relay's last empty claim and its sleep is closed in two steps: the
+//! relay first publishes its record, then checks that no transaction which might have passed its
+//! (commit-time) check before the record existed is still running, and claims once more. While
+//! such a transaction runs, the relay rechecks on a doubling delay (2 ms up to 250 ms)
+//! instead of sleeping the whole poll interval. Only an application transaction in
+//! REPEATABLE READ or SERIALIZABLE that took its snapshot before the record but inserted after
+//! the check can still go unnoticed; `relay.poll_interval` bounds that wait.
+//!
+//! A relay that dies while waiting leaves its record behind: the trigger ignores records past
+//! their `alive_until` (renewed while the relay waits), and live relays delete records whose
+//! LISTEN session has ended ([`crate::store::Store::clean_waiters`]).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::store::Store;
+
+/// The backend pid of the relay's LISTEN session, 0 while it is not listening.
+pub type ListenerPid = Arc<AtomicI32>;
+
+/// First delay between rechecks while a writer that may have missed the record runs: about
+/// one commit's WAL flush, the time a transaction spends between its check and its commit.
+const FIRST_RECHECK: Duration = Duration::from_millis(2);
+
+/// Longest delay between rechecks. A transaction in READ COMMITTED that is still in its body
+/// will see the record at commit and notify; rechecks only catch the rare one that cannot.
+const LAST_RECHECK: Duration = Duration::from_millis(250);
+
+/// What the loop should do after an empty claim with nothing in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Idle {
+    /// Claim again at once (the record was just published).
+    Recheck,
+    /// Wait this long for a NOTIFY, a finished batch or the shutdown.
+    Sleep(Duration),
+}
+
+/// Where the relay is in the protocol.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// No record: inserts do not notify on this relay's account.
+    Busy,
+    /// Record published under `pid` at `at`; not yet proven that nothing was missed. `writers`
+    /// is what the check before the last claim found (`None`: check again before the next).
+    Verifying {
+        pid: i32,
+        at: Instant,
+        writers: Option<bool>,
+        next: Duration,
+    },
+    /// Record published under `pid` at `at`, nothing missed: sleep until woken.
+    Armed { pid: i32, at: Instant },
+}
+
+/// One relay's waiting record for one outbox table.
+pub struct Waiter {
+    store: Store,
+    listener: ListenerPid,
+    table_oid: u32,
+    poll: Duration,
+    // How long a record stays alive without renewal: a few polls, so a relay that died stops
+    // costing NOTIFYs within seconds, while a live one renews it every few polls.
+    lifetime: Duration,
+    state: State,
+}
+
+impl Waiter {
+    /// A waiter for the table `table_oid` whose LISTEN session reports its pid in `listener`.
+    pub fn new(store: Store, listener: ListenerPid, table_oid: u32, poll: Duration) -> Self {
+        Self {
+            store,
+            listener,
+            table_oid,
+            poll,
+            lifetime: lifetime(poll),
+            state: State::Busy,
+        }
+    }
+
+    /// Called before each claim: while verifying, checks for writers that may have missed the
+    /// record (this must precede the claim it vouches for).
+    pub async fn before_claim(&mut self) {
+        if let State::Verifying {
+            writers: writers @ None,
+            ..
+        } = &mut self.state
+        {
+            *writers = match self.store.writers_active(self.table_oid).await {
+                Ok(active) => Some(active),
+                Err(e) => {
+                    tracing::debug!(error = %e, "wake-up recheck failed");
+                    None
+                }
+            };
+        }
+    }
+
+    /// The claim found rows: drop the record so that inserts stop notifying.
+    pub async fn busy(&mut self) {
+        if self.state == State::Busy {
+            return;
+        }
+        self.state = State::Busy;
+        tracing::trace!("busy: waiting record deleted");
+        if let Err(e) = self.store.unmark_waiting().await {
+            // The record expires on its own; meanwhile inserts notify needlessly.
+            tracing::debug!(error = %e, "cannot clear the waiting record");
+        }
+    }
+
+    /// The claim found nothing and nothing is in flight: publish or renew the record, and say
+    /// whether to claim again or how long to sleep. `jittered_poll` is the normal idle wait.
+    pub async fn idle(&mut self, jittered_poll: Duration) -> Idle {
+        let pid = self.listener.load(Ordering::Acquire);
+        let now = Instant::now();
+        if pid == 0 {
+            // Not listening: a record would only make inserts notify for nothing.
+            self.busy().await;
+            return Idle::Sleep(jittered_poll);
+        }
+        let alive = |at: Instant| now.duration_since(at) < self.lifetime;
+        let fresh = |at: Instant| now.duration_since(at) < self.lifetime / 3;
+        match self.state {
+            State::Armed { pid: p, at } if p == pid && fresh(at) => Idle::Sleep(jittered_poll),
+            State::Armed { pid: p, at } if p == pid && alive(at) => {
+                // Renewed while still alive: nothing can have been missed.
+                let at = self.renew(pid, at, now).await;
+                self.state = State::Armed { pid, at };
+                Idle::Sleep(jittered_poll)
+            }
+            State::Verifying {
+                pid: p,
+                at,
+                writers,
+                next,
+            } if p == pid && alive(at) => {
+                let at = if fresh(at) {
+                    at
+                } else {
+                    self.renew(pid, at, now).await
+                };
+                if writers == Some(false) {
+                    self.state = State::Armed { pid, at };
+                    Idle::Sleep(jittered_poll)
+                } else {
+                    self.state = State::Verifying {
+                        pid,
+                        at,
+                        writers: None,
+                        next: (next * 2).min(self.poll).min(LAST_RECHECK),
+                    };
+                    Idle::Sleep(next)
+                }
+            }
+            // Busy, a new LISTEN session, or a record that may have expired: publish it.
+            _ => match self
+                .store
+                .mark_waiting_then_writers(pid, self.lifetime, self.table_oid)
+                .await
+            {
+                Ok(active) => {
+                    tracing::trace!(pid, writers = active, "idle: waiting record published");
+                    self.state = State::Verifying {
+                        pid,
+                        at: now,
+                        writers: Some(active),
+                        next: FIRST_RECHECK,
+                    };
+                    Idle::Recheck
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot publish the waiting record; polling");
+                    self.state = State::Busy;
+                    Idle::Sleep(jittered_poll)
+                }
+            },
+        }
+    }
+
+    /// Extends the record; returns when it was renewed (`at` unchanged when that failed).
+    async fn renew(&self, pid: i32, at: Instant, now: Instant) -> Instant {
+        match self.store.mark_waiting(pid, self.lifetime).await {
+            Ok(()) => now,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot renew the waiting record");
+                at
+            }
+        }
+    }
+}
+
+/// How long a waiting record lives without renewal: three polls plus two seconds.
+pub fn lifetime(poll: Duration) -> Duration {
+    poll * 3 + Duration::from_secs(2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifetime_outlives_renewal() {
+        let poll = Duration::from_secs(1);
+        // Renewed after a third of it: at least two polls of margin.
+        assert!(lifetime(poll) / 3 < lifetime(poll) - poll * 2);
+        assert_eq!(
+            lifetime(Duration::from_millis(200)),
+            Duration::from_millis(2600)
+        );
+    }
+}

@@ -1,0 +1,165 @@
+//! What the relay costs the application's commits (issue 13), measured with pgbench beside the
+//! real binary draining to RabbitMQ: 8 connections, one row per transaction, as fast as they
+//! go, in one run: no relay; the relay on its defaults; the relay polling only; and the
+//! relay on its defaults with every transaction notifying (a waiting record kept alive by
+//! hand: what schema version 1's trigger cost). A measurement, so `#[ignore]`d: run it alone,
+//! `cargo test --test commit_cost -- --ignored --nocapture` (`COMMIT_COST_SECS`, default 20).
+
+// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{PG_URL, RabbitFixture, RelayBuilder, TestTable};
+
+/// `pgbench` one-row inserts from `clients` connections for `secs`; returns (tps, mean
+/// latency ms).
+fn pgbench(table: &str, clients: u32, secs: u64, rate: Option<u32>) -> (f64, f64) {
+    let dir = std::env::temp_dir().join(format!("commit_cost_{table}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = dir.join("insert.sql");
+    std::fs::write(
+        &script,
+        format!(
+            "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('order', 'a' || (random() * 1000)::int, 'OrderPlaced', '{{\"n\": 1}}');\n"
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new("pgbench");
+    cmd.args(["-n", "-M", "prepared", "-c"])
+        .arg(clients.to_string())
+        .args(["-j", "2", "-T"])
+        .arg(secs.to_string())
+        .arg("-f")
+        .arg(&script);
+    if let Some(r) = rate {
+        cmd.arg("-R").arg(r.to_string());
+    }
+    let out = cmd.arg(PG_URL).output().expect("pgbench");
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "pgbench: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let num = |prefix: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(prefix))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {prefix:?} in pgbench output:\n{text}"))
+    };
+    (num("tps = "), num("latency average = "))
+}
+
+/// CPU seconds (user + system) a process has used so far.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // utime and stime are fields 14 and 15 (1-based) of the whole line: 12 and 13 after ')'.
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: run alone with --ignored --nocapture"]
+async fn application_commits_beside_the_relay() {
+    let secs: u64 = std::env::var("COMMIT_COST_SECS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20);
+    let table = TestTable::new("commit_cost").await;
+    let rabbit = RabbitFixture::new("commit_cost", "#", "barrier.x").await;
+    let sent = async || table.count_where("true").await;
+    let mut lines = Vec::new();
+    let mut by_mode = std::collections::BTreeMap::new();
+    for round in 0..2 {
+        for mode in ["no relay", "default", "poll only", "notify every txn"] {
+            let relay = (mode != "no relay").then(|| {
+                RelayBuilder::for_test(&table, &rabbit, &format!("cost-{round}"))
+                    .set(
+                        "relay.notify",
+                        if mode == "poll only" { "false" } else { "true" },
+                    )
+                    .set("cleanup.retention", "0s")
+                    .spawn()
+            });
+            if let Some(r) = &relay {
+                r.wait_for_log("connected to the broker", 1, Duration::from_secs(30))
+                    .await;
+            }
+            if mode == "notify every txn" {
+                table
+                    .db
+                    .batch_execute(&format!(
+                        "INSERT INTO {}_waiters (relay, pid, alive_until) \
+                         VALUES ('v1-like', pg_backend_pid(), now() + interval '1 hour')",
+                        table.name
+                    ))
+                    .await
+                    .unwrap();
+            }
+            let before = sent().await;
+            let cpu0 = relay.as_ref().map(|r| cpu_secs(r.pid()));
+            let t0 = Instant::now();
+            let (tps, lat) = pgbench(&table.name, 8, secs, None);
+            let cpu = relay.as_ref().map(|r| cpu_secs(r.pid()) - cpu0.unwrap());
+            if let Some(r) = relay {
+                // Let it drain what is left, then stop it.
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while sent().await > 0 && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                r.stop().await;
+            }
+            table
+                .db
+                .batch_execute(&format!("DELETE FROM {}_waiters", table.name))
+                .await
+                .unwrap();
+            let inserted = tps * t0.elapsed().as_secs_f64();
+            let left = sent().await;
+            let line = format!(
+                "round {round}, {mode:>16}: {tps:>7.0} commits/s, mean commit latency {lat:.2} ms, \
+                 relay CPU {} ms per 1k rows, rows left {left} (of ~{:.0})",
+                cpu.map_or("-".to_owned(), |c| format!(
+                    "{:.0}",
+                    c * 1e6 / inserted.max(1.0)
+                )),
+                inserted + before as f64
+            );
+            eprintln!("{line}");
+            lines.push(line);
+            by_mode.entry(mode).or_insert_with(Vec::new).push(tps);
+            if mode == "no relay" {
+                table
+                    .db
+                    .batch_execute(&format!("DELETE FROM {}", table.name))
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    let best = |m: &str| by_mode[m].iter().cloned().fold(0.0, f64::max);
+    eprintln!(
+        "default / poll only {:.2}; default / no relay {:.2}; poll only / no relay {:.2}; notify every txn / poll only {:.2}",
+        best("default") / best("poll only"),
+        best("default") / best("no relay"),
+        best("poll only") / best("no relay"),
+        best("notify every txn") / best("poll only"),
+    );
+    rabbit.teardown().await;
+    table.drop_table().await;
+    assert!(
+        best("default") >= 0.95 * best("poll only"),
+        "the default wake-up costs commits: {lines:#?}"
+    );
+}
