@@ -7,9 +7,8 @@
 //! - A broker outage never spends an attempt: connection-level outcomes hand rows back.
 //! - Per-aggregate order (`ordering = "aggregate"`): a claimed run of one aggregate goes to the
 //!   publisher as one run ([`Publisher::publish_run`]): one message at a time, each after the
-//!   previous was confirmed, unless the transport can pipeline it without ever delivering a
-//!   message ahead of an earlier one that failed (Kafka's idempotent producer); when one
-//!   fails, the rest of its run is handed back without spending an attempt.
+//!   previous was confirmed (both transports keep that default); when one fails, the rest of
+//!   its run is handed back without spending an attempt.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,7 +1,15 @@
 //! Kafka transport (rdkafka with its bundled librdkafka): an idempotent producer with
-//! `acks=all` and `enable.gapless.guarantee`, records keyed by aggregate id, many records in
-//! flight — an aggregate's run too (see [`KafkaPublisher`]'s `publish_run`). Delivery reports
+//! `acks=all`, records keyed by aggregate id, many records in flight (one at a time per
+//! aggregate: `publish_run` keeps the trait's sequential default, see below). Delivery reports
 //! are classified into message-level and connection-level outcomes.
+//!
+//! Why an aggregate's run is not pipelined: librdkafka's `enable.gapless.guarantee` does not
+//! cover records that fail on `message.timeout.ms` (its documentation: the producer then bumps
+//! its epoch and sends what was queued behind, leaving a gap). During a broker stall record n
+//! would time out (connection-level, handed back) while n+1, queued a moment later, is
+//! delivered once the broker is back: n+1 ahead of n. Until that is closed (e.g. no librdkafka
+//! timeout, a relay-side deadline and a purge before replacing the producer), each record of a
+//! run waits for the previous one's delivery report.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -144,9 +152,6 @@ impl KafkaPublisher {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &cfg.brokers)
             .set("enable.idempotence", "true")
-            // A record that fails for good stops the producer (replaced on reconnect) instead
-            // of letting the records queued behind it through: ordered runs are pipelined.
-            .set("enable.gapless.guarantee", "true")
             .set("acks", "all")
             .set(
                 "message.timeout.ms",
@@ -415,46 +420,6 @@ impl Publisher for KafkaPublisher {
         }
     }
 
-    /// Queues each stretch of the run that goes to one topic (so to one partition: the key is
-    /// the aggregate id) without waiting for delivery reports: the idempotent producer keeps
-    /// their order across retries, and with `enable.gapless.guarantee` a record that fails for
-    /// good stops the producer instead of letting the records queued after it through. A
-    /// record that cannot even be queued (too large, bad topic) stops the run there. Stretches
-    /// for different topics go one after the other, each after the previous was confirmed.
-    async fn publish_run(&self, run: &[OutboxMessage]) -> Vec<Outcome> {
-        let mut outcomes = Vec::with_capacity(run.len());
-        for stretch in run.chunk_by(|a, b| {
-            envelope::destination(a, &self.cfg.topic) == envelope::destination(b, &self.cfg.topic)
-        }) {
-            let mut deliveries = Vec::with_capacity(stretch.len());
-            let mut refused = None;
-            for msg in stretch {
-                match self.enqueue(msg).await {
-                    Ok(delivery) => deliveries.push(delivery),
-                    Err(outcome) => {
-                        refused = Some(outcome);
-                        break;
-                    }
-                }
-            }
-            for delivery in deliveries {
-                outcomes.push(self.delivered(delivery.await));
-            }
-            outcomes.extend(refused);
-            if let Some(first) = outcomes.iter().position(|o| *o != Outcome::Confirmed) {
-                // Later answers are kept only when confirmed: the caller hands back the rest.
-                let last = outcomes
-                    .iter()
-                    .rposition(|o| *o == Outcome::Confirmed)
-                    .filter(|&i| i > first)
-                    .unwrap_or(first);
-                outcomes.truncate(last + 1);
-                return outcomes;
-            }
-        }
-        outcomes
-    }
-
     async fn close(&self) {
         let producer = {
             let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
@@ -539,7 +504,6 @@ mod tests {
         };
         let c = KafkaPublisher::client_config(&cfg);
         assert_eq!(c.get("enable.idempotence"), Some("true"));
-        assert_eq!(c.get("enable.gapless.guarantee"), Some("true"));
     }
 
     #[test]
