@@ -21,8 +21,11 @@ CREATE UNLOGGED TABLE IF NOT EXISTS outbox_messages_waiters (
 -- started waiting while the transaction ran is still woken. The transaction-local setting
 -- (named after the table's oid) makes the check once per transaction however many rows it
 -- inserts.
+-- SECURITY DEFINER: the application's role needs no rights on the waiters table (an INSERT
+-- grant on the outbox table stays all it needs); search_path is pinned so that definer rights
+-- cannot be steered through the caller's search_path.
 CREATE OR REPLACE FUNCTION outbox_messages_wakeup() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
     IF current_setting('outbox.woke_' || TG_RELID, true) IS DISTINCT FROM '1' THEN
         PERFORM set_config('outbox.woke_' || TG_RELID, '1', true);
