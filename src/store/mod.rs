@@ -506,7 +506,9 @@ impl Queries {
                  FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
                  WHERE c.oid = $1"
                 .to_owned(),
-            vacuum: format!("VACUUM (ANALYZE) {t}"),
+            // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
+            // would stall inserts and claims (and is replayed on standbys).
+            vacuum: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
             // Cheap on a large table: each part walks a partial index. The oldest unsent row is
             // approximated by the lowest seq among pending and processing rows. A ready row's
             // age counts from when it became ready (its insert, or the end of its backoff).
@@ -726,7 +728,9 @@ impl Store {
         let t = self.table.qualified();
         let row = client
             .query_opt(
-                "SELECT c.oid, format_type(a.atttypid, a.atttypmod) \
+                "SELECT c.oid, format_type(a.atttypid, a.atttypmod), EXISTS ( \
+                   SELECT 1 FROM pg_attribute x WHERE x.attrelid = c.oid \
+                     AND x.attname = 'expires_at' AND NOT x.attisdropped) \
                  FROM pg_class c LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'payload' \
                  WHERE c.oid = to_regclass($1)",
                 &[&t],
@@ -737,8 +741,16 @@ impl Store {
                     "table {t} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true"
                 ))
             })?;
-        let oid: u32 = row.get(0);
-        let ty: Option<String> = row.get(1);
+        let oid: u32 = row.try_get(0)?;
+        let ty: Option<String> = row.try_get(1)?;
+        let has_expiry: bool = row.try_get(2)?;
+        if !has_expiry {
+            // Every claim would fail on the missing column (and look like a database outage).
+            return Err(StoreError::Schema(format!(
+                "table {t} predates schema version 2 (no expires_at column): run `outbox-relay migrate`, \
+                 or set database.auto_migrate = true"
+            )));
+        }
         let kind = match ty.as_deref() {
             Some("jsonb" | "json") => PayloadKind::Json,
             Some("bytea") => PayloadKind::Binary,

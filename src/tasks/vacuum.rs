@@ -48,6 +48,9 @@ pub fn should_vacuum(h: &TableHealth) -> Option<&'static str> {
 pub async fn vacuum_loop(store: Store, table_oid: u32, shutdown: CancellationToken) {
     let mut told_owner = false;
     let mut told_autovacuum = None;
+    // Dead tuples the last vacuum could not remove (a long transaction or a replication slot
+    // still needs them): they do not count again, or every check would vacuum in vain.
+    let mut unremovable = 0i64;
     loop {
         match store.table_health(table_oid).await {
             Ok(h) => {
@@ -69,12 +72,16 @@ pub async fn vacuum_loop(store: Store, table_oid: u32, shutdown: CancellationTok
                         "the relay's database user does not own the table, so it cannot vacuum it; make sure autovacuum runs on it"
                     );
                 }
-                if let Some(reason) = should_vacuum(&h) {
+                unremovable = unremovable.min(h.dead_tuples);
+                let mut fresh = h;
+                fresh.dead_tuples -= unremovable;
+                if let Some(reason) = should_vacuum(&fresh) {
                     let started = Instant::now();
                     match store.vacuum().await {
                         Ok(()) => {
                             telemetry::record_vacuum();
                             let after = store.table_health(table_oid).await.ok();
+                            unremovable = after.map_or(0, |a| a.dead_tuples);
                             tracing::info!(
                                 table = %store.table(),
                                 reason,
