@@ -691,7 +691,7 @@ impl Config {
         // RELAY_CONFIG names the file and RELAY_LOG_* tune logging; neither is a config key.
         // The signing key is read from the environment as is (see SIGNING_KEY_ENV).
         let env = env.split("__").filter(|k| {
-            !["config", "log_format", "log", "signing__key"]
+            !["config", "log_format", "log", "signing.key"]
                 .iter()
                 .any(|n| k.as_str().eq_ignore_ascii_case(n))
         });
