@@ -336,6 +336,27 @@ async fn version_1_table(test: &str) -> TestTable {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_1_table_without_auto_migrate_is_refused_with_the_fix() {
+    let table = version_1_table("expiry_refused").await;
+    let out = RelayBuilder::bare("expiry-refused")
+        .set("database.url", PG_URL)
+        .set("database.table", &table.name)
+        .set("database.auto_migrate", "false")
+        .set("metrics.listen", "")
+        .output(&["run"], WAIT)
+        .await;
+    // Not a "database down" loop that never publishes: a clear refusal naming the fix.
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    assert!(
+        out.stderr.contains("predates schema version 2")
+            && out.stderr.contains("run `outbox-relay migrate`"),
+        "{}",
+        out.stderr
+    );
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_upgrades_a_version_1_table_in_place_with_rows_pending_and_in_flight() {
     let table = version_1_table("expiry_upgrade").await;
     let rabbit = RabbitFixture::new("expiry_upgrade", "#", "it.barrier").await;
