@@ -23,6 +23,19 @@ struct Run {
     max: Duration,
 }
 
+impl Run {
+    /// p50, p99 and max of the latencies measured.
+    fn of(mut lat: Vec<Duration>) -> Self {
+        lat.sort();
+        let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
+        Run {
+            p50: pct(0.50),
+            p99: pct(0.99),
+            max: *lat.last().unwrap(),
+        }
+    }
+}
+
 /// Inserts `rate` rows per second for `secs` seconds, one committed transaction per row, and
 /// measures commit → receive for each.
 async fn measure(table: &TestTable, rabbit: &RabbitFixture, rate: u32, secs: u32) -> Run {
@@ -45,17 +58,11 @@ async fn measure(table: &TestTable, rabbit: &RabbitFixture, rate: u32, secs: u32
             first.entry(id).or_insert(d.received_at);
         }
     }
-    let mut lat: Vec<Duration> = committed
+    let lat: Vec<Duration> = committed
         .iter()
         .map(|(id, at)| first[id].saturating_duration_since(*at))
         .collect();
-    lat.sort();
-    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
-    Run {
-        p50: pct(0.50),
-        p99: pct(0.99),
-        max: *lat.last().unwrap(),
-    }
+    Run::of(lat)
 }
 
 /// Inserts one row at a time into an idle relay's table and measures commit → receive for
@@ -68,21 +75,10 @@ async fn measure_idle(table: &TestTable, rabbit: &RabbitFixture, tries: usize) -
         let row = NewRow::new("latency", Some("idle"), "tick", json!({ "i": i }));
         let id = insert_rows(&db, &table.name, &[row]).await[0].id;
         let committed = Instant::now();
-        rabbit.wait_for_ids(&[id], Duration::from_secs(30)).await;
-        let got = rabbit
-            .deliveries()
-            .into_iter()
-            .find(|d| d.message_id == id.to_string())
-            .unwrap();
+        let got = rabbit.wait_for_delivery(id, Duration::from_secs(30)).await;
         lat.push(got.received_at.saturating_duration_since(committed));
     }
-    lat.sort();
-    let pct = |p: f64| lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)];
-    Run {
-        p50: pct(0.50),
-        p99: pct(0.99),
-        max: *lat.last().unwrap(),
-    }
+    Run::of(lat)
 }
 
 /// A fresh table and exchange, and a relay (`ordering = "aggregate"`) connected to the broker.

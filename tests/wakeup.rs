@@ -123,12 +123,7 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() 
         tokio::time::sleep(Duration::from_millis(30)).await;
         let id = insert_rows(&db, &table.name, &[row(i)]).await[0].id;
         let committed = Instant::now();
-        rabbit.wait_for_ids(&[id], Duration::from_secs(30)).await;
-        let got = rabbit
-            .deliveries()
-            .into_iter()
-            .find(|d| d.message_id == id.to_string())
-            .unwrap();
+        let got = rabbit.wait_for_delivery(id, Duration::from_secs(30)).await;
         slowest = slowest.max(got.received_at.saturating_duration_since(committed));
     }
     let idle_notifies = counter.get();
@@ -240,12 +235,7 @@ async fn a_row_committing_while_the_relay_goes_idle_is_not_left_for_the_poll() {
         .spawn();
     wait_for_waiter(&table, "wake-race").await;
     let (id, committed) = writer.await.unwrap();
-    rabbit.wait_for_ids(&[id], Duration::from_secs(20)).await;
-    let got = rabbit
-        .deliveries()
-        .into_iter()
-        .find(|d| d.message_id == id.to_string())
-        .unwrap();
+    let got = rabbit.wait_for_delivery(id, Duration::from_secs(20)).await;
     let waited = got.received_at.saturating_duration_since(committed);
     eprintln!("row committed while the relay went idle: received {waited:?} after its commit");
     assert!(

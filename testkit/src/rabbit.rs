@@ -267,6 +267,16 @@ impl RabbitFixture {
         .await;
     }
 
+    /// Waits until `id` has arrived and returns its first delivery.
+    pub async fn wait_for_delivery(&self, id: Uuid, timeout: Duration) -> Delivered {
+        self.wait_for_ids(&[id], timeout).await;
+        let id = id.to_string();
+        self.deliveries()
+            .into_iter()
+            .find(|d| d.message_id == id)
+            .expect("an id that arrived is among the deliveries")
+    }
+
     /// Publishes a marker to the exchange and waits for it: every message the broker had
     /// accepted into the queue before this call has then been received.
     pub async fn barrier(&self) {
