@@ -10,7 +10,10 @@
 //! - [`relay`]: the loop — claim → publish → settle; knows no SQL and no broker.
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
 //! - [`wakeup`]: the idle relay's waiting record, which makes inserts NOTIFY only while it waits.
-//! - [`tasks`]: background services beside the loop (table vacuum).
+//! - [`outbox`]: one outbox table's claim loop and background tasks, started together.
+//! - [`tasks`]: background services beside the loop, one file each (LISTEN wake-up, lease
+//!   renew + reclaim, backlog gauges, retention cleanup, vacuum) on one named-task tracker.
+//! - [`backoff`]: reconnect delays (database, broker, LISTEN session).
 //! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker.
 //! - [`retry`]: the backoff policy (pure).
 //! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
@@ -29,7 +32,9 @@
 //! a message-level failure sends it back to `pending` with backoff, and to `failed` after
 //! `retry.max_attempts`; a connection-level failure hands it back without spending an attempt.
 
+pub mod backoff;
 pub mod config;
+pub mod outbox;
 pub mod publish;
 pub mod redact;
 pub mod relay;
@@ -46,15 +51,19 @@ pub mod watermark;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::Backoff;
 use crate::config::{Config, Ordering, PublisherConfig};
+use crate::outbox::Outbox;
 use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
-use crate::relay::{Backoff, LoopSettings, Relay};
 use crate::store::{PayloadKind, Store, StoreError};
+use crate::tasks::Tasks;
 use crate::telemetry::Health;
+
+/// How long the background tasks get to stop once the claim loop has drained.
+const TASKS_STOP_DEADLINE: Duration = Duration::from_secs(5);
 
 /// Why `run` could not start.
 #[derive(Debug, thiserror::Error)]
@@ -170,77 +179,14 @@ pub async fn run_with(
         "outbox-relay starting"
     );
 
-    let wake = Arc::new(Notify::new());
-    let background = CancellationToken::new();
-    let mut helpers = Vec::new();
-    let listener = wakeup::ListenerPid::default();
-    let mut waiter = None;
-    if config.relay.notify {
-        helpers.push(tokio::spawn(listen_loop(
-            config.database.url.clone(),
-            config.database.table.channel(),
-            Arc::clone(&wake),
-            Arc::clone(&listener),
-            background.clone(),
-        )));
-        match store.has_waiters().await {
-            Ok(true) => {
-                waiter = Some(wakeup::Waiter::new(
-                    store.clone(),
-                    listener,
-                    table_oid,
-                    config.relay.poll_interval,
-                ));
-            }
-            Ok(false) => tracing::warn!(
-                table = %store.table(),
-                "the table predates schema version 3: every inserting transaction sends a NOTIFY, which serialises the application's commits; run `outbox-relay migrate`"
-            ),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot check for the wake-up table; polling only")
-            }
-        }
-    }
-    helpers.push(tokio::spawn(tasks::vacuum::vacuum_loop(
-        store.clone(),
+    let tasks = Tasks::new();
+    let outbox = Outbox {
+        store,
         table_oid,
-        background.clone(),
-    )));
-    let held = relay::Held::default();
-    helpers.push(tokio::spawn(relay::lease_loop(
-        store.clone(),
-        Arc::clone(&held),
-        config.relay.lease_timeout,
-        config.retry,
-        Arc::clone(&wake),
-        background.clone(),
-    )));
-    helpers.push(tokio::spawn(backlog_loop(
-        store.clone(),
-        waiter.is_some(),
-        background.clone(),
-    )));
-    if !config.cleanup.retention.is_zero() {
-        helpers.push(tokio::spawn(cleanup_loop(
-            store.clone(),
-            config.cleanup.clone(),
-            background.clone(),
-        )));
-    }
-
-    let settings = LoopSettings {
-        relay: config.relay.clone(),
-        retry: config.retry,
-        delete_on_confirm: config.cleanup.retention.is_zero(),
-        table_oid,
+        publisher: Arc::clone(&publisher),
     };
-    let engine = Relay::new(store, Arc::clone(&publisher), settings, health, wake, held);
-    engine.run(shutdown.clone(), waiter).await;
-
-    background.cancel();
-    for h in helpers {
-        let _ = h.await;
-    }
+    outbox.run(&config, health, &tasks, shutdown.clone()).await;
+    tasks.stop(TASKS_STOP_DEADLINE).await;
     publisher.close().await;
     if let Some(server) = server {
         let _ = server.await;
@@ -286,7 +232,7 @@ async fn prepare_schema(
     health: &Health,
     shutdown: &CancellationToken,
 ) -> Result<Option<(PayloadKind, u32)>, RunError> {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
+    let mut backoff = Backoff::session();
     loop {
         let attempt = async {
             let plan = plan_schema(store, config.database.auto_migrate).await?;
@@ -313,179 +259,6 @@ async fn prepare_schema(
                 }
             }
             Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-/// LISTENs on the table's channel on a dedicated connection and wakes the loop on every
-/// NOTIFY; after a lost connection it reconnects, re-LISTENs and wakes the loop once so that
-/// nothing inserted meanwhile waits for the poll. `listener` holds the session's backend pid
-/// while it listens (0 otherwise): the relay's waiting record names it.
-async fn listen_loop(
-    url: String,
-    channel: String,
-    wake: Arc<Notify>,
-    listener: wakeup::ListenerPid,
-    shutdown: CancellationToken,
-) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(30));
-    while !shutdown.is_cancelled() {
-        let session = async {
-            let pg = store::pg_config(&url)?;
-            if store::tls_required(&pg) {
-                listen_session(
-                    &pg,
-                    store::make_tls()?,
-                    &channel,
-                    &wake,
-                    &listener,
-                    &shutdown,
-                )
-                .await
-            } else {
-                listen_session(
-                    &pg,
-                    tokio_postgres::NoTls,
-                    &channel,
-                    &wake,
-                    &listener,
-                    &shutdown,
-                )
-                .await
-            }
-        }
-        .await;
-        listener.store(0, std::sync::atomic::Ordering::Release);
-        let delay = backoff.next_delay();
-        match session {
-            Ok(None) => return,
-            Ok(Some(err)) => {
-                tracing::warn!(error = ?err, retry_in = ?delay, "LISTEN connection lost; polling until it is back");
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, retry_in = ?delay, "cannot LISTEN for notifications; polling meanwhile");
-            }
-        }
-        sleep_or(delay, &shutdown).await;
-    }
-}
-
-/// One LISTEN connection: `Ok(None)` on shutdown, `Ok(Some(reason))` when it was lost.
-async fn listen_session<T>(
-    pg: &tokio_postgres::Config,
-    tls: T,
-    channel: &str,
-    wake: &Arc<Notify>,
-    listener: &wakeup::ListenerPid,
-    shutdown: &CancellationToken,
-) -> Result<Option<String>, StoreError>
-where
-    T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
-    T::Stream: Send + 'static,
-{
-    use futures::StreamExt;
-    use tokio_postgres::AsyncMessage;
-
-    let (client, mut conn) = pg.connect(tls).await?;
-    let (tx, mut closed) = tokio::sync::oneshot::channel::<String>();
-    let wake_on_notify = Arc::clone(wake);
-    tokio::spawn(async move {
-        let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
-        let mut reason = "connection closed".to_owned();
-        while let Some(msg) = messages.next().await {
-            match msg {
-                Ok(AsyncMessage::Notification(_)) => wake_on_notify.notify_one(),
-                Ok(_) => {}
-                Err(e) => {
-                    reason = e.to_string();
-                    break;
-                }
-            }
-        }
-        let _ = tx.send(reason);
-    });
-    client
-        .batch_execute(&format!("LISTEN \"{channel}\""))
-        .await?;
-    let pid: i32 = client
-        .query_one("SELECT pg_backend_pid()", &[])
-        .await?
-        .try_get(0)?;
-    listener.store(pid, std::sync::atomic::Ordering::Release);
-    tracing::debug!(%channel, pid, "listening for NOTIFY");
-    wake.notify_one();
-    let ended = tokio::select! {
-        r = &mut closed => Some(r.unwrap_or_else(|_| "connection task ended".to_owned())),
-        () = shutdown.cancelled() => None,
-    };
-    drop(client);
-    Ok(ended)
-}
-
-async fn sleep_or(d: Duration, token: &CancellationToken) {
-    tokio::select! {
-        () = tokio::time::sleep(d) => {}
-        () = token.cancelled() => {}
-    }
-}
-
-/// Refreshes the backlog gauges every 5 s, and deletes the waiting records of relays that
-/// died (`clean_waiters`).
-async fn backlog_loop(store: Store, clean_waiters: bool, shutdown: CancellationToken) {
-    loop {
-        if clean_waiters {
-            match store.clean_waiters().await {
-                Ok(0) => {}
-                Ok(n) => tracing::info!(
-                    records = n,
-                    "deleted the waiting records of relays that stopped"
-                ),
-                Err(e) => tracing::debug!(error = %e, "stale waiting records not cleaned"),
-            }
-        }
-        match store.backlog().await {
-            Ok(b) => telemetry::record_backlog(&b),
-            Err(e) if e.is_connection() => {
-                tracing::debug!(error = %e, "backlog gauges not refreshed")
-            }
-            Err(e) => tracing::warn!(error = %e, "backlog gauges not refreshed"),
-        }
-        tokio::select! {
-            () = tokio::time::sleep(Duration::from_secs(5)) => {}
-            () = shutdown.cancelled() => return,
-        }
-    }
-}
-
-/// Deletes `sent` rows older than `cleanup.retention`, a batch at a time, every
-/// `cleanup.interval`. `failed` rows are never deleted automatically.
-async fn cleanup_loop(store: Store, cfg: config::CleanupConfig, shutdown: CancellationToken) {
-    loop {
-        let mut total = 0u64;
-        loop {
-            match store.cleanup_batch(cfg.retention, cfg.batch_size).await {
-                Ok(n) => {
-                    total += n;
-                    if n < cfg.batch_size as u64 || shutdown.is_cancelled() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    if e.is_connection() {
-                        tracing::debug!(error = %e, "retention cleanup skipped");
-                    } else {
-                        tracing::warn!(error = %e, "retention cleanup failed");
-                    }
-                    break;
-                }
-            }
-        }
-        if total > 0 {
-            tracing::info!(deleted = total, retention = ?cfg.retention, "deleted sent rows past retention (and expired rows as long past their deadline)");
-        }
-        tokio::select! {
-            () = tokio::time::sleep(cfg.interval) => {}
-            () = shutdown.cancelled() => return,
         }
     }
 }

@@ -20,41 +20,18 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use crate::backoff::{Backoff, sleep_or_cancel};
 use crate::config::{Ordering, RelayConfig};
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
 use crate::store::{Expired, Failure, OutboxMessage, Store, StoreError};
+use crate::tasks::lease::Held;
 use crate::telemetry::{self, Health};
 use crate::wakeup::{Idle, Waiter};
 use crate::watermark::Watermark;
 
-/// Exponential reconnect delays (100 ms doubling to 30 s), reset on success.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    /// Starts at `first`, doubles up to `max`.
-    pub fn new(first: Duration, max: Duration) -> Self {
-        Self { next: first, max }
-    }
-
-    /// The delay to wait now; the following one is twice as long (capped).
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d.mul_f64(0.8 + 0.2 * rand::random::<f64>())
-    }
-}
-
 /// How often to look for rows reclaimed from a dead relay when there were none last time.
 const SUSPECT_CHECK_PERIOD: Duration = Duration::from_secs(1);
-
-fn reconnect_backoff() -> Backoff {
-    Backoff::new(Duration::from_millis(100), Duration::from_secs(30))
-}
 
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
@@ -68,11 +45,6 @@ pub struct LoopSettings {
     /// The outbox table's oid (for the ordering guard's lock query).
     pub table_oid: u32,
 }
-
-/// The ids this relay has claimed and not yet settled: the only rows whose leases it renews.
-/// A row it lost track of (a claim whose answer never arrived, an outcome it gave up
-/// recording) is not renewed, so its lease runs out and another relay (or this one) reclaims it.
-pub type Held = Arc<std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>>;
 
 /// The claim/publish/settle engine shared by the dispatcher and its batch tasks.
 pub struct Relay {
@@ -166,8 +138,8 @@ impl Relay {
         let cfg = &self.settings.relay;
         let capacity = Arc::new(Semaphore::new(cfg.max_in_flight));
         let mut watermark = Watermark::new();
-        let mut broker_backoff = reconnect_backoff();
-        let mut db_backoff = reconnect_backoff();
+        let mut broker_backoff = Backoff::reconnect();
+        let mut db_backoff = Backoff::reconnect();
         let mut last_blocking_warning: Option<Instant> = None;
         let mut next_suspect_check = Instant::now();
         // Whether the last claim filled its batch (so more rows are waiting). Permits come back
@@ -197,7 +169,7 @@ impl Relay {
                         broker_up = true;
                         telemetry::record_broker_connected();
                         self.health.set_broker(true);
-                        broker_backoff = reconnect_backoff();
+                        broker_backoff = Backoff::reconnect();
                     }
                     Err(e) => {
                         telemetry::record_broker_down();
@@ -292,7 +264,7 @@ impl Relay {
             if let Some(w) = waiter.as_mut() {
                 w.before_claim().await;
             }
-            let held_nothing = self.holds_nothing();
+            let held_nothing = self.held.is_empty();
             let claimed = self
                 .store
                 .claim_and_expire(cfg.ordering, limit, mark, self.settings.delete_on_confirm)
@@ -312,7 +284,7 @@ impl Relay {
                 tracing::info!("database connection restored");
             }
             self.health.set_database(true);
-            db_backoff = reconnect_backoff();
+            db_backoff = Backoff::reconnect();
             let full = rows.len() == limit;
             backlog = full;
             // Nothing claimed, and nothing held when the claim began (a batch settled while
@@ -405,7 +377,7 @@ impl Relay {
         hard_stop: &CancellationToken,
         tasks: &TaskTracker,
     ) {
-        self.hold(&rows);
+        self.held.hold(rows.iter().map(|r| r.id));
         let relay = Arc::clone(self);
         let hard_stop = hard_stop.clone();
         tasks.spawn(async move { relay.process_batch(rows, permit, hard_stop).await });
@@ -507,22 +479,7 @@ impl Relay {
         let ids: Vec<uuid::Uuid> = results.iter().map(|(m, _)| m.id).collect();
         self.record_outcomes(results).await;
         // Recorded, or given up on: either way this relay no longer renews their leases.
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        for id in ids {
-            held.remove(&id);
-        }
-    }
-
-    fn holds_nothing(&self) -> bool {
-        self.held
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
-    }
-
-    fn hold(&self, rows: &[OutboxMessage]) {
-        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        held.extend(rows.iter().map(|r| r.id));
+        self.held.release(&ids);
     }
 
     async fn record_outcomes(&self, results: Vec<(OutboxMessage, RowResult)>) {
@@ -551,7 +508,7 @@ impl Relay {
         }
 
         let deadline = Instant::now() + self.settings.relay.lease_timeout;
-        let mut backoff = reconnect_backoff();
+        let mut backoff = Backoff::reconnect();
         let delete = self.settings.delete_on_confirm;
         let max_attempts = self.settings.retry.max_attempts;
         loop {
@@ -671,56 +628,6 @@ fn u32_of(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-async fn sleep_or_cancel(d: Duration, token: &CancellationToken) {
-    tokio::select! {
-        () = tokio::time::sleep(d) => {}
-        () = token.cancelled() => {}
-    }
-}
-
-/// Every `lease_timeout / 3`: renews the leases of the rows this relay holds (so rows waiting
-/// on a slow broker are never taken from a live relay), then hands back rows whose lease
-/// expired because their relay stopped or lost track of them.
-pub async fn lease_loop(
-    store: Store,
-    held: Held,
-    lease: Duration,
-    retry: RetryPolicy,
-    wake: Arc<Notify>,
-    shutdown: CancellationToken,
-) {
-    let period = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(20));
-    loop {
-        let ids: Vec<uuid::Uuid> = {
-            let held = held.lock().unwrap_or_else(|p| p.into_inner());
-            held.iter().copied().collect()
-        };
-        if !ids.is_empty()
-            && let Err(e) = store.heartbeat(&ids).await
-        {
-            tracing::warn!(error = %e, "cannot renew leases; rows may be reclaimed by another relay if this lasts longer than lease_timeout");
-        }
-        match store.reclaim_expired(lease, retry.max_attempts).await {
-            Ok((0, 0)) => {}
-            Ok((reclaimed, dead)) => {
-                tracing::warn!(
-                    reclaimed,
-                    dead_lettered = dead,
-                    lease = ?lease,
-                    "reclaimed rows whose relay stopped while holding them"
-                );
-                telemetry::record_dead_lettered(dead);
-                wake.notify_one();
-            }
-            Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),
-        }
-        tokio::select! {
-            () = tokio::time::sleep(period) => {}
-            () = shutdown.cancelled() => return,
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -763,14 +670,5 @@ mod tests {
     fn unordered_chains_are_single_rows() {
         let rows = vec![row(1, Some("a")), row(2, Some("a"))];
         assert_eq!(chains(rows, Ordering::None).len(), 2);
-    }
-
-    #[test]
-    fn backoff_doubles_and_caps() {
-        let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(350));
-        let d: Vec<Duration> = (0..4).map(|_| b.next_delay()).collect();
-        assert!(d[0] <= Duration::from_millis(100) && d[0] >= Duration::from_millis(80));
-        assert!(d[1] <= Duration::from_millis(200) && d[1] >= Duration::from_millis(160));
-        assert!(d[3] <= Duration::from_millis(350) && d[3] >= Duration::from_millis(280));
     }
 }

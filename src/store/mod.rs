@@ -1339,6 +1339,14 @@ pub fn make_tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
 
+/// `LISTEN` on the table's NOTIFY channel, for the wake-up listener's own session.
+pub fn listen_sql(channel: &str) -> String {
+    format!("LISTEN \"{channel}\"")
+}
+
+/// The session's backend pid (the listener's, named in the relay's waiting record).
+pub const BACKEND_PID_SQL: &str = "SELECT pg_backend_pid()";
+
 /// Parses a libpq URL and names the session `outbox-relay` unless the URL names it.
 pub fn pg_config(url: &str) -> Result<tokio_postgres::Config> {
     let mut pg: tokio_postgres::Config = url

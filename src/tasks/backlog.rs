@@ -1,0 +1,41 @@
+//! The backlog gauges (`outbox_pending_messages`, ages, dead letters, blocked aggregates),
+//! refreshed every few seconds, and the removal of waiting records left by relays that died
+//! (which would otherwise make every insert NOTIFY for nothing).
+
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::store::Store;
+use crate::telemetry;
+
+/// How often the gauges are refreshed.
+const EVERY: Duration = Duration::from_secs(5);
+
+/// Refreshes the backlog gauges every 5 s (`EVERY`), and deletes the waiting records of relays
+/// that died (`clean_waiters`: the table has the wake-up of schema version 3).
+pub async fn backlog_loop(store: Store, clean_waiters: bool, shutdown: CancellationToken) {
+    loop {
+        if clean_waiters {
+            match store.clean_waiters().await {
+                Ok(0) => {}
+                Ok(n) => tracing::info!(
+                    records = n,
+                    "deleted the waiting records of relays that stopped"
+                ),
+                Err(e) => tracing::debug!(error = %e, "stale waiting records not cleaned"),
+            }
+        }
+        match store.backlog().await {
+            Ok(b) => telemetry::record_backlog(&b),
+            Err(e) if e.is_connection() => {
+                tracing::debug!(error = %e, "backlog gauges not refreshed")
+            }
+            Err(e) => tracing::warn!(error = %e, "backlog gauges not refreshed"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(EVERY) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}

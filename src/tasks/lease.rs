@@ -1,0 +1,114 @@
+//! Leases: this relay renews the leases of the rows it holds, and returns rows whose lease
+//! ran out (their relay stopped, or lost track of them) to `pending`, like River's rescuer.
+//!
+//! A `processing` row is safe from other relays only while its lease is renewed; what this
+//! relay renews is exactly [`Held`], so a row it lost track of expires and is published again
+//! (at least once), never silently kept.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::retry::RetryPolicy;
+use crate::store::Store;
+use crate::telemetry;
+
+/// The ids this relay has claimed and not yet settled: the only rows whose leases it renews.
+/// A row it lost track of (a claim whose answer never arrived, an outcome it gave up
+/// recording) is not renewed, so its lease runs out and another relay (or this one) reclaims it.
+/// Clones share the set.
+#[derive(Debug, Clone, Default)]
+pub struct Held(Arc<Mutex<HashSet<Uuid>>>);
+
+impl Held {
+    /// Starts renewing the leases of `ids`.
+    pub fn hold(&self, ids: impl IntoIterator<Item = Uuid>) {
+        self.lock().extend(ids);
+    }
+
+    /// Stops renewing the leases of `ids` (settled, or given up on).
+    pub fn release(&self, ids: &[Uuid]) {
+        let mut held = self.lock();
+        for id in ids {
+            held.remove(id);
+        }
+    }
+
+    /// Whether no row is held.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    /// The held ids, copied out so the lock is not kept across a database call.
+    pub fn ids(&self) -> Vec<Uuid> {
+        self.lock().iter().copied().collect()
+    }
+
+    // A panic while the set was locked leaves it consistent (every operation is one call on
+    // the set), so a poisoned lock is used as is.
+    fn lock(&self) -> MutexGuard<'_, HashSet<Uuid>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Every `lease_timeout / 3`: renews the leases of the rows this relay holds (so rows waiting
+/// on a slow broker are never taken from a live relay), then hands back rows whose lease
+/// expired because their relay stopped or lost track of them, waking the loop when it did.
+pub async fn lease_loop(
+    store: Store,
+    held: Held,
+    lease: Duration,
+    retry: RetryPolicy,
+    wake: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    let period = (lease / 3).clamp(Duration::from_millis(100), Duration::from_secs(20));
+    loop {
+        let ids = held.ids();
+        if !ids.is_empty()
+            && let Err(e) = store.heartbeat(&ids).await
+        {
+            tracing::warn!(error = %e, "cannot renew leases; rows may be reclaimed by another relay if this lasts longer than lease_timeout");
+        }
+        match store.reclaim_expired(lease, retry.max_attempts).await {
+            Ok((0, 0)) => {}
+            Ok((reclaimed, dead)) => {
+                tracing::warn!(
+                    reclaimed,
+                    dead_lettered = dead,
+                    lease = ?lease,
+                    "reclaimed rows whose relay stopped while holding them"
+                );
+                telemetry::record_dead_lettered(dead);
+                wake.notify_one();
+            }
+            Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),
+        }
+        tokio::select! {
+            () = tokio::time::sleep(period) => {}
+            () = shutdown.cancelled() => return,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_tracks_until_released_and_clones_share() {
+        let held = Held::default();
+        let other = held.clone();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        held.hold([a, b]);
+        assert!(!other.is_empty());
+        other.release(&[a]);
+        assert_eq!(held.ids(), vec![b]);
+        held.release(&[b, a]);
+        assert!(held.is_empty());
+    }
+}
