@@ -54,7 +54,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
-use crate::config::{Config, Ordering, PublisherConfig};
+use crate::config::{Config, PublisherConfig};
 use crate::outbox::Outbox;
 use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
@@ -96,26 +96,14 @@ pub fn build_publisher(config: &Config, payload_kind: PayloadKind) -> Arc<dyn Pu
             c.clone(),
             envelope,
         )),
-        PublisherConfig::Kafka(c) => {
-            let mut c = c.clone();
-            if config.relay.ordering == Ordering::Aggregate
-                && !c.properties.contains_key("linger.ms")
-                && !c.properties.contains_key("queue.buffering.max.ms")
-            {
-                // An aggregate's next record waits for the previous one's delivery report, so
-                // librdkafka's 5 ms batching delay is paid once per record of a chain (bench,
-                // 20 aggregates: 2.4k msgs/s at 5 ms, 4.8k at 1 ms).
-                c.properties
-                    .insert("linger.ms".to_owned(), ORDERED_LINGER_MS.to_owned());
-            }
-            Arc::new(publish::kafka::KafkaPublisher::new(c, envelope))
-        }
+        PublisherConfig::Kafka(c) => Arc::new(publish::kafka::KafkaPublisher::for_ordering(
+            c.clone(),
+            envelope,
+            config.relay.ordering,
+        )),
         PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new(envelope)),
     }
 }
-
-/// librdkafka `linger.ms` with `relay.ordering = "aggregate"`, unless the properties set it.
-pub const ORDERED_LINGER_MS: &str = "1";
 
 /// Runs the relay until `shutdown` is cancelled, then drains within `relay.shutdown_timeout`.
 ///
@@ -260,43 +248,5 @@ async fn prepare_schema(
             }
             Err(e) => return Err(e.into()),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use figment::Figment;
-    use figment::providers::{Format, Serialized, Toml};
-
-    use super::*;
-    use crate::config::RawConfig;
-
-    fn kafka_config(ordering: &str, properties: &str) -> Config {
-        let toml = format!(
-            "[relay]\nordering = \"{ordering}\"\n[publisher]\nkind = \"kafka\"\n\
-             [publisher.kafka.properties]\n{properties}\n"
-        );
-        let raw: RawConfig = Figment::from(Serialized::defaults(RawConfig::default()))
-            .merge(Toml::string(&toml))
-            .extract()
-            .unwrap();
-        raw.validate().unwrap()
-    }
-
-    #[test]
-    fn ordered_kafka_lingers_one_millisecond_unless_told_otherwise() {
-        let describe = |c: &Config| build_publisher(c, PayloadKind::Json).describe();
-        assert!(describe(&kafka_config("aggregate", "")).contains("linger.ms=1"));
-        let own = describe(&kafka_config("aggregate", "\"linger.ms\" = \"20\""));
-        assert!(
-            own.contains("linger.ms=20") && !own.contains("linger.ms=1,"),
-            "{own}"
-        );
-        let alias = describe(&kafka_config(
-            "aggregate",
-            "\"queue.buffering.max.ms\" = \"9\"",
-        ));
-        assert!(!alias.contains("linger.ms"), "{alias}");
-        assert!(!describe(&kafka_config("none", "")).contains("linger.ms"));
     }
 }

@@ -26,7 +26,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
-use crate::config::KafkaConfig;
+use crate::config::{KafkaConfig, Ordering as RelayOrdering};
 use crate::store::OutboxMessage;
 
 /// Routes librdkafka's errors and logs to tracing, tracks broker reachability and keeps the
@@ -109,6 +109,9 @@ fn hint(code: Option<RDKafkaErrorCode>, reason: &str) -> &'static str {
     }
 }
 
+/// librdkafka `linger.ms` with `relay.ordering = "aggregate"`, unless the properties set it.
+pub const ORDERED_LINGER_MS: &str = "1";
+
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
@@ -145,6 +148,26 @@ impl KafkaPublisher {
             replace: AtomicBool::new(false),
             connecting: tokio::sync::Mutex::new(()),
         }
+    }
+
+    /// [`KafkaPublisher::new`] tuned for the relay's `ordering`: with `aggregate`, librdkafka
+    /// lingers [`ORDERED_LINGER_MS`] unless the properties set `linger.ms` (or its alias).
+    pub fn for_ordering(
+        mut cfg: KafkaConfig,
+        envelope: EnvelopeConfig,
+        ordering: RelayOrdering,
+    ) -> Self {
+        if ordering == RelayOrdering::Aggregate
+            && !cfg.properties.contains_key("linger.ms")
+            && !cfg.properties.contains_key("queue.buffering.max.ms")
+        {
+            // An aggregate's next record waits for the previous one's delivery report, so
+            // librdkafka's 5 ms batching delay is paid once per record of a chain (bench,
+            // 20 aggregates: 2.4k msgs/s at 5 ms, 4.8k at 1 ms).
+            cfg.properties
+                .insert("linger.ms".to_owned(), ORDERED_LINGER_MS.to_owned());
+        }
+        Self::new(cfg, envelope)
     }
 
     /// The librdkafka configuration: our required settings, then the user's properties.
@@ -494,15 +517,42 @@ mod tests {
         }
     }
 
-    #[test]
-    fn the_producer_keeps_order_through_a_failed_record() {
-        let cfg = KafkaConfig {
+    fn config(properties: &[(&str, &str)]) -> KafkaConfig {
+        KafkaConfig {
             brokers: "b:9092".into(),
             topic: crate::template::Template::parse("t").unwrap_or_else(|e| panic!("{e}")),
             message_timeout: Duration::from_secs(5),
-            properties: Default::default(),
+            properties: properties
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn ordered_kafka_lingers_one_millisecond_unless_told_otherwise() {
+        let describe = |ordering, properties: &[(&str, &str)]| {
+            let envelope = EnvelopeConfig {
+                source: "/s".into(),
+                payload_kind: crate::store::PayloadKind::Json,
+                signer: None,
+            };
+            KafkaPublisher::for_ordering(config(properties), envelope, ordering).describe()
         };
-        let c = KafkaPublisher::client_config(&cfg);
+        assert!(describe(RelayOrdering::Aggregate, &[]).contains("linger.ms=1"));
+        let own = describe(RelayOrdering::Aggregate, &[("linger.ms", "20")]);
+        assert!(
+            own.contains("linger.ms=20") && !own.contains("linger.ms=1,"),
+            "{own}"
+        );
+        let alias = describe(RelayOrdering::Aggregate, &[("queue.buffering.max.ms", "9")]);
+        assert!(!alias.contains("linger.ms"), "{alias}");
+        assert!(!describe(RelayOrdering::None, &[]).contains("linger.ms"));
+    }
+
+    #[test]
+    fn the_producer_keeps_order_through_a_failed_record() {
+        let c = KafkaPublisher::client_config(&config(&[]));
         assert_eq!(c.get("enable.idempotence"), Some("true"));
     }
 
