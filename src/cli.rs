@@ -3,7 +3,8 @@
 
 use anyhow::{Context, Result, bail};
 use outbox_relay::config::{Config, PublisherConfig};
-use outbox_relay::store::{PayloadKind, Selection, Store, schema};
+use outbox_relay::message::PayloadKind;
+use outbox_relay::store::{Selection, Store, schema};
 
 /// `migrate [--print]`.
 pub async fn migrate(config: &Config, print: bool) -> Result<()> {

@@ -6,6 +6,7 @@
 //!
 //! ## Map of the crate
 //! - [`config`]: figment loading (defaults ← `relay.toml` ← `RELAY_*`) and validation, once.
+//! - [`message`]: the claimed outbox row ([`message::OutboxMessage`]) that store and transports share.
 //! - [`store`]: PostgreSQL — every SQL statement (claim, settle, reclaim, migrations).
 //! - [`relay`]: the loop — claim → publish → settle; knows no SQL and no broker.
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
@@ -34,6 +35,7 @@
 
 pub mod backoff;
 pub mod config;
+pub mod message;
 pub mod outbox;
 pub mod publish;
 pub mod redact;
@@ -55,10 +57,11 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::Backoff;
 use crate::config::{Config, PublisherConfig};
+use crate::message::PayloadKind;
 use crate::outbox::Outbox;
 use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
-use crate::store::{PayloadKind, Store, StoreError};
+use crate::store::{Store, StoreError};
 use crate::tasks::Tasks;
 use crate::telemetry::Health;
 

@@ -22,9 +22,10 @@ use tokio_util::task::TaskTracker;
 
 use crate::backoff::{Backoff, sleep_or_cancel};
 use crate::config::{Ordering, RelayConfig};
+use crate::message::OutboxMessage;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
-use crate::store::{Expired, Failure, OutboxMessage, Store, StoreError};
+use crate::store::{Expired, Failure, Store, StoreError};
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, Health};
 use crate::wakeup::{Idle, Waiter};
@@ -587,8 +588,8 @@ fn chains(rows: Vec<OutboxMessage>, ordering: Ordering) -> Vec<Vec<OutboxMessage
 mod crash_switch {
     use std::sync::OnceLock;
 
+    use crate::message::OutboxMessage;
     use crate::publish::envelope::row_headers;
-    use crate::store::OutboxMessage;
 
     static HEADER: OnceLock<Option<String>> = OnceLock::new();
 

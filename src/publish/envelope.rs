@@ -4,7 +4,7 @@
 use chrono::SecondsFormat;
 use serde_json::Value;
 
-use crate::store::{OutboxMessage, PayloadKind};
+use crate::message::{OutboxMessage, PayloadKind};
 use crate::template::{Fields, Template};
 
 /// Settings the envelope needs besides the row.

@@ -27,7 +27,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::{KafkaConfig, Ordering as RelayOrdering};
-use crate::store::OutboxMessage;
+use crate::message::OutboxMessage;
 
 /// Routes librdkafka's errors and logs to tracing, tracks broker reachability and keeps the
 /// last client-level error, which says *why* a broker cannot be used (TLS, SASL, network).
@@ -180,7 +180,7 @@ impl KafkaPublisher {
                 "message.timeout.ms",
                 cfg.message_timeout.as_millis().to_string(),
             )
-            .set("client.id", crate::store::APPLICATION_NAME)
+            .set("client.id", crate::message::APPLICATION_NAME)
             // An unknown topic must fail its message (message-level) before the message times
             // out (connection-level); librdkafka's default waits 30 s.
             .set(
@@ -534,7 +534,7 @@ mod tests {
         let describe = |ordering, properties: &[(&str, &str)]| {
             let envelope = EnvelopeConfig {
                 source: "/s".into(),
-                payload_kind: crate::store::PayloadKind::Json,
+                payload_kind: crate::message::PayloadKind::Json,
                 signer: None,
             };
             KafkaPublisher::for_ordering(config(properties), envelope, ordering).describe()

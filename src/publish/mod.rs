@@ -12,7 +12,7 @@ pub mod stdout;
 
 use async_trait::async_trait;
 
-use crate::store::OutboxMessage;
+use crate::message::OutboxMessage;
 
 /// The result of publishing one message.
 #[derive(Debug, Clone, PartialEq, Eq)]

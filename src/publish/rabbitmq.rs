@@ -44,8 +44,8 @@ use tokio_util::sync::CancellationToken;
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::RabbitMqConfig;
+use crate::message::OutboxMessage;
 use crate::redact::redact_url;
-use crate::store::OutboxMessage;
 
 /// Channels messages are spread over. The broker runs one process per channel, so a few
 /// channels use more than one of its cores; lapin looks at every channel for each frame it
@@ -681,7 +681,7 @@ impl Publisher for RabbitMqPublisher {
             ConnectError(format!("{what} {}: {e}", redact_url(&self.cfg.url)))
         };
         let props = ConnectionProperties::default()
-            .with_connection_name(LongString::from(crate::store::APPLICATION_NAME));
+            .with_connection_name(LongString::from(crate::message::APPLICATION_NAME));
         let connection = tokio::time::timeout(
             Duration::from_secs(10),
             Connection::connect(&self.cfg.url, props),

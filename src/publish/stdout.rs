@@ -17,7 +17,7 @@ use tokio::sync::Mutex;
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
-use crate::store::{OutboxMessage, PayloadKind};
+use crate::message::{OutboxMessage, PayloadKind};
 
 /// Writes messages as JSON lines to standard output (or, in tests, any writer).
 pub struct StdoutPublisher {

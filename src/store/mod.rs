@@ -17,6 +17,7 @@ use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use crate::config::{DatabaseConfig, Ordering, TableName};
+use crate::message::{APPLICATION_NAME, OutboxMessage, PayloadKind};
 
 /// A database failure; none of these carry the connection URL.
 #[derive(Debug, thiserror::Error)]
@@ -94,52 +95,6 @@ impl<'a> FromSql<'a> for RawBytes {
             Type::JSONB | Type::JSON | Type::BYTEA | Type::TEXT | Type::VARCHAR
         )
     }
-}
-
-/// Whether payloads are JSON text or arbitrary bytes (detected from the column type at start).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PayloadKind {
-    /// `jsonb` or `json`: sent as JSON text, content type `application/json`.
-    Json,
-    /// `bytea`: sent as is, content type `application/octet-stream`.
-    Binary,
-}
-
-impl PayloadKind {
-    /// The `datacontenttype` sent with the message.
-    pub fn content_type(self) -> &'static str {
-        match self {
-            Self::Json => "application/json",
-            Self::Binary => "application/octet-stream",
-        }
-    }
-}
-
-/// One claimed outbox row.
-#[derive(Debug, Clone, PartialEq)]
-pub struct OutboxMessage {
-    /// Message id, for downstream dedup.
-    pub id: Uuid,
-    /// Insert order.
-    pub seq: i64,
-    /// Aggregate type (may be empty).
-    pub aggregate_type: String,
-    /// Aggregate id; `None` means no ordering constraint.
-    pub aggregate_id: Option<String>,
-    /// Event type.
-    pub event_type: String,
-    /// Body bytes.
-    pub payload: Vec<u8>,
-    /// The row's `headers` JSON text (an object, normally).
-    pub headers: Vec<u8>,
-    /// Per-row routing key / topic override.
-    pub destination: Option<String>,
-    /// Attempts including this one.
-    pub attempts: i32,
-    /// When the application inserted the row.
-    pub created_at: DateTime<Utc>,
-    /// Deadline after which the row is no longer published (`None`: never expires).
-    pub expires_at: Option<DateTime<Utc>>,
 }
 
 /// A row that passed its deadline before it could be published (see [`Store::claim_and_expire`]).
@@ -608,9 +563,6 @@ pub struct Store {
 ///   parameters (it walks partial indexes), so planning it on every call is wasted work.
 const SESSION_SETTINGS: &str =
     "SET synchronous_commit = off; SET plan_cache_mode = force_generic_plan";
-
-/// The `application_name` the relay's sessions use; the ordering guard ignores them.
-pub const APPLICATION_NAME: &str = "outbox-relay";
 
 impl Store {
     /// Builds the pool; connects lazily, so this succeeds while the database is down.

@@ -6,8 +6,8 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
+use outbox_relay::message::{OutboxMessage, PayloadKind};
 use outbox_relay::publish::{Outcome, Publisher};
-use outbox_relay::store::{OutboxMessage, PayloadKind};
 use serde_json::json;
 use uuid::Uuid;
 

@@ -10,8 +10,9 @@ use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
 use outbox_relay::PublisherFactory;
 use outbox_relay::config::TableName;
+use outbox_relay::message::OutboxMessage;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
-use outbox_relay::store::{OutboxMessage, hot_path_sql};
+use outbox_relay::store::hot_path_sql;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
