@@ -5,7 +5,9 @@
 //! written, index and trigger names (which PostgreSQL does not let us qualify) get the bare
 //! name, and every other reference gets the schema-qualified name.
 
+use super::{Result, Store, StoreError};
 use crate::config::TableName;
+use crate::message::PayloadKind;
 
 /// One versioned migration file.
 #[derive(Debug, Clone, Copy)]
@@ -104,6 +106,148 @@ pub fn full_ddl(table: &TableName) -> String {
         out.push('\n');
     }
     out
+}
+
+/// The table's schema as found in the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaState {
+    /// The outbox table exists.
+    pub table_exists: bool,
+    /// Versions `migrate` would apply, in order (every one when the table does not exist).
+    pub pending: Vec<i32>,
+}
+
+struct Current {
+    table_exists: bool,
+    version: i32,
+}
+
+/// The version the table is at: the recorded one, or 0 when the table does not exist (so
+/// that a dropped table is created again) or nothing was recorded.
+async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
+    client: &C,
+    table: &TableName,
+) -> Result<Current> {
+    let key = table.qualified();
+    let row = client
+        .query_one(
+            "SELECT to_regclass($1) IS NOT NULL, \
+                    to_regclass('outbox_relay_schema_version') IS NOT NULL",
+            &[&key],
+        )
+        .await?;
+    let (table_exists, recorded): (bool, bool) = (row.get(0), row.get(1));
+    let version = if table_exists && recorded {
+        client
+            .query_opt(
+                "SELECT version FROM outbox_relay_schema_version WHERE table_name = $1",
+                &[&key],
+            )
+            .await?
+            .map_or(0, |r| r.get(0))
+    } else {
+        0
+    };
+    Ok(Current {
+        table_exists,
+        version,
+    })
+}
+
+impl Store {
+    /// Applies pending migrations under an advisory lock; returns the versions applied.
+    ///
+    /// What is pending is decided by what exists, not only by what was recorded: when the
+    /// table is missing (never created, or dropped since) every file is applied again (they
+    /// are idempotent), whatever `outbox_relay_schema_version` says.
+    pub async fn migrate(&self) -> Result<Vec<i32>> {
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        tx.execute(
+            "SELECT pg_advisory_xact_lock(hashtext('outbox-relay:migrate'))",
+            &[],
+        )
+        .await?;
+        tx.batch_execute(VERSION_TABLE_DDL).await?;
+        let key = self.table.qualified();
+        let current = current_version(&tx, &self.table).await?.version;
+        if let Some(schema) = &self.table.schema {
+            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
+                .await?;
+        }
+        let mut applied = Vec::new();
+        for m in MIGRATIONS.iter().filter(|m| m.version > current) {
+            tx.batch_execute(&render(m.sql, &self.table)).await?;
+            applied.push(m.version);
+        }
+        if let Some(&version) = applied.last() {
+            tx.execute(
+                "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, $2) \
+                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now()",
+                &[&key, &version],
+            )
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(applied)
+    }
+
+    /// Whether the table exists and which schema versions `migrate` would apply, read
+    /// without changing anything (for `check` and the start-up decision).
+    pub async fn schema_state(&self) -> Result<SchemaState> {
+        let client = self.client().await?;
+        let current = current_version(&client, &self.table).await?;
+        Ok(SchemaState {
+            table_exists: current.table_exists,
+            pending: MIGRATIONS
+                .iter()
+                .map(|m| m.version)
+                .filter(|&v| v > current.version)
+                .collect(),
+        })
+    }
+
+    /// Checks that the table exists and returns its payload kind and oid.
+    pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
+        let client = self.client().await?;
+        let t = self.table.qualified();
+        let row = client
+            .query_opt(
+                "SELECT c.oid, format_type(a.atttypid, a.atttypmod), EXISTS ( \
+                   SELECT 1 FROM pg_attribute x WHERE x.attrelid = c.oid \
+                     AND x.attname = 'expires_at' AND NOT x.attisdropped) \
+                 FROM pg_class c LEFT JOIN pg_attribute a ON a.attrelid = c.oid AND a.attname = 'payload' \
+                 WHERE c.oid = to_regclass($1)",
+                &[&t],
+            )
+            .await?
+            .ok_or_else(|| {
+                StoreError::Schema(format!(
+                    "table {t} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true"
+                ))
+            })?;
+        let oid: u32 = row.try_get(0)?;
+        let ty: Option<String> = row.try_get(1)?;
+        let has_expiry: bool = row.try_get(2)?;
+        if !has_expiry {
+            // Every claim would fail on the missing column (and look like a database outage).
+            return Err(StoreError::Schema(format!(
+                "table {t} predates schema version 2 (no expires_at column): run `outbox-relay migrate`, \
+                 or set database.auto_migrate = true"
+            )));
+        }
+        let kind = match ty.as_deref() {
+            Some("jsonb" | "json") => PayloadKind::Json,
+            Some("bytea") => PayloadKind::Binary,
+            Some(other) => {
+                return Err(StoreError::Schema(format!(
+                    "{t}.payload has type {other}; the relay supports jsonb, json and bytea"
+                )));
+            }
+            None => return Err(StoreError::Schema(format!("{t} has no payload column"))),
+        };
+        Ok((kind, oid))
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,136 @@
+//! Connections: the libpq URL (with the relay's `application_name`), TLS for
+//! `sslmode=require`, the pool and the settings of every pooled session, and the statements of
+//! the wake-up listener's own session.
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tokio_postgres::NoTls;
+
+use super::claim::ClaimSql;
+use super::maintenance::MaintenanceSql;
+use super::operator::OperatorSql;
+use super::waiting::WaitingSql;
+use super::{Queries, Result, Store, StoreError};
+use crate::config::DatabaseConfig;
+use crate::message::APPLICATION_NAME;
+
+/// Set on every pooled session (plain `SET`s, so poolers such as PgBouncer accept them):
+/// - `synchronous_commit = off`: the relay's own commits (claim, settle) need not wait for the
+///   WAL flush. A database crash can undo the last fraction of a second of them; those rows
+///   then go out again (at-least-once holds, duplicates stay bounded by `max_in_flight`). The
+///   application's inserts keep the server's setting.
+/// - `plan_cache_mode = force_generic_plan`: the claim statement's plan does not depend on its
+///   parameters (it walks partial indexes), so planning it on every call is wasted work.
+const SESSION_SETTINGS: &str =
+    "SET synchronous_commit = off; SET plan_cache_mode = force_generic_plan";
+
+impl Store {
+    /// Builds the pool; connects lazily, so this succeeds while the database is down.
+    pub fn new(cfg: &DatabaseConfig, instance_id: &str) -> Result<Self> {
+        let pg = pg_config(&cfg.url)?;
+        let mgr_cfg = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let mgr = if tls_required(&pg) {
+            Manager::from_config(pg, make_tls()?, mgr_cfg)
+        } else {
+            Manager::from_config(pg, NoTls, mgr_cfg)
+        };
+        let pool = Pool::builder(mgr)
+            .max_size(cfg.pool_size)
+            .runtime(Runtime::Tokio1)
+            .create_timeout(Some(Duration::from_secs(5)))
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .recycle_timeout(Some(Duration::from_secs(5)))
+            .post_create(deadpool_postgres::Hook::async_fn(|client, _| {
+                Box::pin(async move {
+                    client
+                        .batch_execute(SESSION_SETTINGS)
+                        .await
+                        .map_err(deadpool_postgres::HookError::Backend)
+                })
+            }))
+            .build()
+            .map_err(|e| StoreError::Build(e.to_string()))?;
+        Ok(Self {
+            pool,
+            table: cfg.table.clone(),
+            instance_id: instance_id.to_owned(),
+            q: std::sync::Arc::new(Queries {
+                claim: ClaimSql::new(&cfg.table),
+                waiting: WaitingSql::new(&cfg.table),
+                maintenance: MaintenanceSql::new(&cfg.table),
+                operator: OperatorSql::new(&cfg.table),
+            }),
+        })
+    }
+}
+
+/// Whether the URL asks for TLS (`sslmode=require`). `prefer` (libpq's default) connects
+/// without TLS, so a server with a self-signed certificate keeps working out of the box.
+pub fn tls_required(pg: &tokio_postgres::Config) -> bool {
+    pg.get_ssl_mode() == tokio_postgres::config::SslMode::Require
+}
+/// TLS for `sslmode=require`: rustls, verifying the server against the system trust store.
+pub fn make_tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
+    let mut roots = rustls::RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    for cert in native.certs {
+        // A certificate the store cannot parse is skipped, as libpq would.
+        let _ = roots.add(cert);
+    }
+    let provider = std::sync::Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| StoreError::Build(format!("TLS setup failed: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
+}
+/// Parses a libpq URL and names the session `outbox-relay` unless the URL names it.
+pub fn pg_config(url: &str) -> Result<tokio_postgres::Config> {
+    let mut pg: tokio_postgres::Config = url
+        .parse()
+        .map_err(|e| StoreError::Build(format!("bad database URL: {e}")))?;
+    if pg.get_application_name().is_none() {
+        pg.application_name(APPLICATION_NAME);
+    }
+    pg.connect_timeout(Duration::from_secs(5));
+    Ok(pg)
+}
+/// `LISTEN` on the table's NOTIFY channel, for the wake-up listener's own session.
+pub fn listen_sql(channel: &str) -> String {
+    format!("LISTEN \"{channel}\"")
+}
+/// The session's backend pid (the listener's, named in the relay's waiting record).
+pub const BACKEND_PID_SQL: &str = "SELECT pg_backend_pid()";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sessions_are_named_unless_the_url_names_them() {
+        let pg = pg_config("postgres://u@h/db").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pg.get_application_name(), Some(APPLICATION_NAME));
+        assert!(!tls_required(&pg));
+        let pg = pg_config("postgres://u@h/db?application_name=mine&sslmode=require")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pg.get_application_name(), Some("mine"));
+        assert!(tls_required(&pg));
+    }
+
+    #[test]
+    fn a_bad_url_is_a_build_error_without_the_password() {
+        let e = pg_config("postgres://u:hunter2@h:notaport/db")
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(e, StoreError::Build(_)), "{e}");
+    }
+
+    #[test]
+    fn listen_quotes_the_channel() {
+        assert_eq!(listen_sql("app.events"), "LISTEN \"app.events\"");
+    }
+}

@@ -1,0 +1,146 @@
+//! The background tasks' statements: the backlog gauges, the table's health (dead tuples,
+//! autovacuum) and the relay's own `VACUUM`.
+
+use super::{OPEN_E, Result, Store};
+use crate::config::TableName;
+
+/// The outbox table's health as PostgreSQL's statistics see it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TableHealth {
+    /// `pg_stat_user_tables.n_dead_tup`.
+    pub dead_tuples: i64,
+    /// `pg_stat_user_tables.n_live_tup`.
+    pub live_tuples: i64,
+    /// Seconds since the last vacuum (manual or auto), if any.
+    pub since_vacuum: Option<f64>,
+    /// Whether autovacuum may run on the table (server `autovacuum` and the table's option).
+    pub autovacuum: bool,
+    /// Table + indexes + TOAST, bytes.
+    pub total_bytes: i64,
+    /// Whether this session may vacuum the table (owner or superuser).
+    pub may_vacuum: bool,
+    /// Whether a vacuum of the table (autovacuum or another relay's) is running now.
+    pub vacuum_running: bool,
+}
+
+/// The background tasks' SQL text, rendered once for the configured table.
+#[derive(Debug, Clone)]
+pub(super) struct MaintenanceSql {
+    pub(super) backlog: String,
+    pub(super) table_health: String,
+    pub(super) vacuum: String,
+}
+
+impl MaintenanceSql {
+    pub(super) fn new(table: &TableName) -> Self {
+        let t = table.qualified();
+        Self {
+            // Cheap on a large table: each part walks a partial index. The oldest unsent row is
+            // approximated by the lowest seq among pending and processing rows. A ready row's
+            // age counts from when it became ready (its insert, or the end of its backoff).
+            backlog: format!(
+                "SELECT p.ready, p.waiting, \
+                   (SELECT coalesce(extract(epoch FROM now() - least( \
+                       (SELECT created_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1), \
+                       (SELECT min(created_at) FROM {t} WHERE status = 'processing'))), 0)::float8), \
+                   (SELECT count(*) FROM {t} WHERE status = 'failed'), \
+                   (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
+                      WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
+                        SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
+                          AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b), \
+                   p.ready_age, p.waiting_age \
+                 FROM (SELECT count(*) FILTER (WHERE available_at <= now()) AS ready, \
+                         count(*) FILTER (WHERE available_at > now()) AS waiting, \
+                         coalesce(extract(epoch FROM now() - min(greatest(created_at, available_at)) \
+                           FILTER (WHERE available_at <= now())), 0)::float8 AS ready_age, \
+                         coalesce(extract(epoch FROM now() - min(created_at) \
+                           FILTER (WHERE available_at > now())), 0)::float8 AS waiting_age \
+                       FROM {t} WHERE status = 'pending') p"
+            ),
+            // $1 the table's oid. Dead tuples and vacuum history of the table; whether
+            // autovacuum may run on it (server setting and the table's own option).
+            table_health: "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), \
+                   extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8, \
+                   current_setting('autovacuum') = 'on' \
+                     AND coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions) \
+                                   WHERE option_name = 'autovacuum_enabled'), 'true')::bool, \
+                   pg_total_relation_size(c.oid), \
+                   pg_has_role(c.relowner, 'MEMBER') \
+                     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user), \
+                   EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
+                 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
+                 WHERE c.oid = $1"
+                .to_owned(),
+            // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
+            // would stall inserts and claims (and is replayed on standbys).
+            vacuum: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
+        }
+    }
+}
+
+impl Store {
+    /// Dead tuples, size and autovacuum state of the table.
+    pub async fn table_health(&self, table_oid: u32) -> Result<TableHealth> {
+        let client = self.client().await?;
+        let stmt = client
+            .prepare_cached(&self.q.maintenance.table_health)
+            .await?;
+        let oid: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
+        let r = client.query_one(&stmt, &oid).await?;
+        Ok(TableHealth {
+            dead_tuples: r.try_get(0)?,
+            live_tuples: r.try_get(1)?,
+            since_vacuum: r.try_get(2)?,
+            autovacuum: r.try_get(3)?,
+            total_bytes: r.try_get(4)?,
+            may_vacuum: r.try_get(5)?,
+            vacuum_running: r.try_get(6)?,
+        })
+    }
+
+    /// Runs a plain `VACUUM (ANALYZE)` of the table on a pooled connection outside any
+    /// transaction. It takes a SHARE UPDATE EXCLUSIVE lock, which claims, settles and inserts
+    /// do not conflict with.
+    pub async fn vacuum(&self) -> Result<()> {
+        let client = self.client().await?;
+        client.batch_execute(&self.q.maintenance.vacuum).await?;
+        Ok(())
+    }
+
+    /// The backlog gauges: pending (ready / waiting), oldest unsent, ready and waiting ages,
+    /// dead letters, blocked aggregates.
+    pub async fn backlog(&self) -> Result<crate::telemetry::Backlog> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.maintenance.backlog).await?;
+        let r = client.query_one(&stmt, &[]).await?;
+        Ok(crate::telemetry::Backlog {
+            ready: r.try_get(0)?,
+            waiting: r.try_get(1)?,
+            oldest_pending_age: r.try_get(2)?,
+            failed: r.try_get(3)?,
+            blocked_aggregates: r.try_get(4)?,
+            oldest_ready_age: r.try_get(5)?,
+            oldest_waiting_age: r.try_get(6)?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_name_the_schema_qualified_table() {
+        let q =
+            MaintenanceSql::new(&TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}")));
+        assert_eq!(q.vacuum, "VACUUM (ANALYZE, TRUNCATE false) app.events");
+        assert!(
+            q.backlog
+                .contains("FROM app.events WHERE status = 'pending'"),
+            "{}",
+            q.backlog
+        );
+        assert!(!q.backlog.contains("outbox_messages"));
+        assert!(q.table_health.contains("WHERE c.oid = $1"));
+    }
+}
