@@ -35,6 +35,8 @@
 
 pub mod backoff;
 pub mod config;
+#[cfg(feature = "fault-injection")]
+mod fault_injection;
 pub mod message;
 pub mod outbox;
 pub mod publish;

@@ -94,7 +94,8 @@ impl Relay {
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken, mut waiter: Option<Waiter>) {
         let hard_stop = CancellationToken::new();
         let tasks = TaskTracker::new();
-        self.dispatch(&shutdown, &hard_stop, &tasks, &mut waiter)
+        Dispatch::new(&self, &shutdown, &hard_stop, &tasks, &mut waiter)
+            .run()
             .await;
         if let Some(w) = waiter.as_mut() {
             w.busy().await;
@@ -127,247 +128,6 @@ impl Relay {
                 );
             }
         }
-    }
-
-    async fn dispatch(
-        self: &Arc<Self>,
-        shutdown: &CancellationToken,
-        hard_stop: &CancellationToken,
-        tasks: &TaskTracker,
-        waiter: &mut Option<Waiter>,
-    ) {
-        let cfg = &self.settings.relay;
-        let capacity = Arc::new(Semaphore::new(cfg.max_in_flight));
-        let mut watermark = Watermark::new();
-        let mut broker_backoff = Backoff::reconnect();
-        let mut db_backoff = Backoff::reconnect();
-        let mut last_blocking_warning: Option<Instant> = None;
-        let mut next_suspect_check = Instant::now();
-        // Whether the last claim filled its batch (so more rows are waiting). Permits come back
-        // chain by chain as confirms arrive; with a backlog, claiming on the first free permit
-        // would make many tiny claims, so the loop waits for half a window (at most a batch).
-        let mut backlog = false;
-        let refill = cfg.batch_size.min(cfg.max_in_flight / 2).max(1);
-        // Whether the broker was connected when last looked at: a drop from true is a lost
-        // connection, counted once however many rows (none, when idle) were in flight.
-        let mut broker_up = false;
-
-        while !shutdown.is_cancelled() {
-            if !self.publisher.is_connected() {
-                if broker_up {
-                    broker_up = false;
-                    telemetry::record_broker_down();
-                    tracing::warn!(publisher = %self.publisher.describe(), "lost the broker connection; reconnecting");
-                }
-                self.health.set_broker(false);
-                let connected = tokio::select! {
-                    r = self.publisher.connect() => r,
-                    () = shutdown.cancelled() => break,
-                };
-                match connected {
-                    Ok(()) => {
-                        tracing::info!(publisher = %self.publisher.describe(), "connected to the broker");
-                        broker_up = true;
-                        telemetry::record_broker_connected();
-                        self.health.set_broker(true);
-                        broker_backoff = Backoff::reconnect();
-                    }
-                    Err(e) => {
-                        telemetry::record_broker_down();
-                        let delay = broker_backoff.next_delay();
-                        tracing::warn!(error = %e, retry_in = ?delay, "broker unavailable; not claiming rows until it is back");
-                        sleep_or_cancel(delay, shutdown).await;
-                        continue;
-                    }
-                }
-            } else {
-                // A handed-back row marks the broker down for /readyz; the connection says
-                // whether it really is.
-                self.health.set_broker(true);
-            }
-
-            // Wait for room in the in-flight window, then take as much of it as one batch may.
-            let want = if backlog { refill } else { 1 };
-            let first = tokio::select! {
-                p = capacity.clone().acquire_many_owned(u32_of(want)) => match p { Ok(p) => p, Err(_) => break },
-                () = shutdown.cancelled() => break,
-            };
-            let limit = cfg
-                .batch_size
-                .min(capacity.available_permits() + first.num_permits());
-            let permit = match capacity
-                .clone()
-                .try_acquire_many_owned(u32_of(limit - first.num_permits()))
-            {
-                Ok(mut more) => {
-                    more.merge(first);
-                    more
-                }
-                Err(_) => first,
-            };
-            let limit = permit.num_permits();
-
-            let mark = if cfg.ordering == Ordering::Aggregate {
-                match self
-                    .observe_watermark(&mut watermark, &mut last_blocking_warning)
-                    .await
-                {
-                    Ok(w) => w,
-                    Err(e) => {
-                        drop(permit);
-                        self.database_down(&e, &mut db_backoff, shutdown).await;
-                        continue;
-                    }
-                }
-            } else {
-                i64::MAX
-            };
-
-            // A row reclaimed from a relay that died goes out alone: if it is what killed that
-            // relay, only its own attempts are spent. Wait until nothing else is in flight (take
-            // the whole window), claim it, and keep the window until it is settled, so no other
-            // row shares its fate. Looked for on every round while there are some, otherwise
-            // once a second.
-            if Instant::now() >= next_suspect_check {
-                match self.store.suspects_waiting(mark).await {
-                    Ok(false) => next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD,
-                    Ok(true) => {
-                        drop(permit);
-                        let window = tokio::select! {
-                            p = capacity.clone().acquire_many_owned(u32_of(cfg.max_in_flight)) => match p { Ok(p) => p, Err(_) => break },
-                            () = shutdown.cancelled() => break,
-                        };
-                        match self.store.claim_suspect(mark).await {
-                            Ok(Some(row)) => {
-                                tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
-                                self.launch(vec![row], window, hard_stop, tasks);
-                            }
-                            Ok(None) => {
-                                // Another relay took it meanwhile.
-                                drop(window);
-                                next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
-                            }
-                            Err(e) => {
-                                drop(window);
-                                self.database_down(&e, &mut db_backoff, shutdown).await;
-                            }
-                        }
-                        continue;
-                    }
-                    Err(e) => {
-                        drop(permit);
-                        self.database_down(&e, &mut db_backoff, shutdown).await;
-                        continue;
-                    }
-                }
-            }
-
-            if let Some(w) = waiter.as_mut() {
-                w.before_claim().await;
-            }
-            let held_nothing = self.held.is_empty();
-            let claimed = self
-                .store
-                .claim_and_expire(cfg.ordering, limit, mark, self.settings.delete_on_confirm)
-                .await;
-            let rows = match claimed {
-                Ok(claim) => {
-                    record_expired(&claim.expired);
-                    claim.rows
-                }
-                Err(e) => {
-                    drop(permit);
-                    self.database_down(&e, &mut db_backoff, shutdown).await;
-                    continue;
-                }
-            };
-            if !self.health.database() {
-                tracing::info!("database connection restored");
-            }
-            self.health.set_database(true);
-            db_backoff = Backoff::reconnect();
-            let full = rows.len() == limit;
-            backlog = full;
-            // Nothing claimed, and nothing held when the claim began (a batch settled while
-            // the claim ran may not be in its snapshot, and its settle wakes the loop anyway):
-            // the relay is idle.
-            let idle = rows.is_empty() && held_nothing;
-            let found = !rows.is_empty();
-            if !rows.is_empty() {
-                // Idle polls are not claims: recording them would bury the batch sizes in zeros.
-                telemetry::record_claim(rows.len());
-                let mut permit = permit;
-                if !full {
-                    // Give back the part of the window the claim did not use.
-                    if let Some(rest) = permit.split(limit - rows.len()) {
-                        drop(rest);
-                    }
-                }
-                self.launch(rows, permit, hard_stop, tasks);
-            }
-            if let Some(w) = waiter.as_mut().filter(|_| found) {
-                w.busy().await;
-            }
-            if !full {
-                // Nothing more is ready: wait for a NOTIFY, a finished batch, or the poll.
-                let poll = if watermark.holding() {
-                    cfg.poll_interval.min(Duration::from_millis(50))
-                } else {
-                    cfg.poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
-                };
-                let poll = match waiter.as_mut() {
-                    // Also while the ordering guard holds rows back: the commit of the
-                    // writer it waits for must wake the relay.
-                    Some(w) if idle => match w.idle(poll).await {
-                        Idle::Recheck => continue,
-                        Idle::Sleep(d) => d,
-                    },
-                    _ => poll,
-                };
-                tokio::select! {
-                    () = self.wake.notified() => {}
-                    () = tokio::time::sleep(poll) => {}
-                    () = shutdown.cancelled() => {}
-                }
-            }
-        }
-    }
-
-    async fn database_down(
-        &self,
-        e: &StoreError,
-        backoff: &mut Backoff,
-        shutdown: &CancellationToken,
-    ) {
-        let delay = backoff.next_delay();
-        self.health.set_database(false);
-        tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
-        sleep_or_cancel(delay, shutdown).await;
-    }
-
-    /// Reads the sequence, then the table's writers, and returns the highest final `seq`.
-    async fn observe_watermark(
-        &self,
-        watermark: &mut Watermark,
-        last_warning: &mut Option<Instant>,
-    ) -> Result<i64, StoreError> {
-        let (last, writers) = self.store.observe(self.settings.table_oid).await?;
-        let now = Instant::now();
-        let mark = watermark.observe(last, &writers.writers, now);
-        let lag = watermark.lag(now);
-        telemetry::record_watermark_lag(lag);
-        if lag > Duration::from_secs(5)
-            && last_warning.is_none_or(|t| now.duration_since(t) > Duration::from_secs(30))
-        {
-            *last_warning = Some(now);
-            tracing::warn!(
-                held_for = ?lag,
-                oldest_writer_age_seconds = writers.oldest_writer_age.unwrap_or_default(),
-                writers = writers.writers.len(),
-                "ordered publishing is held back by a long-running transaction that writes to the outbox table; rows after it wait until it commits or rolls back"
-            );
-        }
-        Ok(mark)
     }
 
     /// Tracks `rows` for lease renewal and publishes them in a task holding `permit`.
@@ -424,9 +184,9 @@ impl Relay {
         chain: Vec<OutboxMessage>,
         hard_stop: &CancellationToken,
     ) -> Vec<(OutboxMessage, RowResult)> {
-        #[cfg(debug_assertions)]
+        #[cfg(feature = "fault-injection")]
         for msg in &chain {
-            crash_switch::check(msg);
+            crate::fault_injection::crash_switch(msg);
         }
         let started = Instant::now();
         let outcomes = tokio::select! {
@@ -551,6 +311,349 @@ impl Relay {
     }
 }
 
+/// Why a round of the claim loop ended early.
+enum Exit {
+    /// Start the next round (after a failure was waited out, or with nothing to wait for).
+    Again,
+    /// Shutdown: stop claiming.
+    Stop,
+}
+
+/// A step of a round: its result, or why the round ends here.
+type Step<T> = Result<T, Exit>;
+
+/// The claim loop's state between rounds. One round: make sure the broker is connected, take
+/// room in the in-flight window, observe the watermark, isolate a suspect or claim a batch,
+/// then wait when nothing more is ready.
+struct Dispatch<'a> {
+    relay: &'a Arc<Relay>,
+    shutdown: &'a CancellationToken,
+    hard_stop: &'a CancellationToken,
+    batches: &'a TaskTracker,
+    waiter: &'a mut Option<Waiter>,
+    // The in-flight window: one permit per claimed row until its chain is answered.
+    capacity: Arc<Semaphore>,
+    watermark: Watermark,
+    last_blocking_warning: Option<Instant>,
+    broker_backoff: Backoff,
+    db_backoff: Backoff,
+    next_suspect_check: Instant,
+    // Whether the last claim filled its batch (so more rows are waiting). Permits come back
+    // chain by chain as confirms arrive; with a backlog, claiming on the first free permit
+    // would make many tiny claims, so the loop waits for `refill` permits (half a window, at
+    // most a batch).
+    backlog: bool,
+    refill: usize,
+    // Whether the broker was connected when last looked at: a drop from true is a lost
+    // connection, counted once however many rows (none, when idle) were in flight.
+    broker_up: bool,
+}
+
+/// What one claim brought back, for the adaptive wait.
+struct Claimed {
+    /// The batch filled its limit: more rows are ready, claim again at once.
+    full: bool,
+    /// Nothing was claimed and nothing was held: the relay is idle.
+    idle: bool,
+}
+
+impl<'a> Dispatch<'a> {
+    fn new(
+        relay: &'a Arc<Relay>,
+        shutdown: &'a CancellationToken,
+        hard_stop: &'a CancellationToken,
+        batches: &'a TaskTracker,
+        waiter: &'a mut Option<Waiter>,
+    ) -> Self {
+        let cfg = &relay.settings.relay;
+        Self {
+            relay,
+            shutdown,
+            hard_stop,
+            batches,
+            waiter,
+            capacity: Arc::new(Semaphore::new(cfg.max_in_flight)),
+            watermark: Watermark::new(),
+            last_blocking_warning: None,
+            broker_backoff: Backoff::reconnect(),
+            db_backoff: Backoff::reconnect(),
+            next_suspect_check: Instant::now(),
+            backlog: false,
+            refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
+            broker_up: false,
+        }
+    }
+
+    /// Rounds until shutdown.
+    async fn run(mut self) {
+        while !self.shutdown.is_cancelled() {
+            if let Err(Exit::Stop) = self.round().await {
+                break;
+            }
+        }
+    }
+
+    async fn round(&mut self) -> Step<()> {
+        self.reconnect().await?;
+        let permit = self.take_window().await?;
+        let (mark, permit) = self.observe_watermark(permit).await?;
+        let Some(permit) = self.isolate_suspect(mark, permit).await? else {
+            return Ok(());
+        };
+        let claimed = self.claim(mark, permit).await?;
+        self.adaptive_wait(claimed).await
+    }
+
+    /// Connects the publisher when it is not: no row is claimed while the broker is away.
+    async fn reconnect(&mut self) -> Step<()> {
+        let (relay, publisher) = (self.relay, &self.relay.publisher);
+        if publisher.is_connected() {
+            // A handed-back row marks the broker down for /readyz; the connection says
+            // whether it really is.
+            relay.health.set_broker(true);
+            return Ok(());
+        }
+        if self.broker_up {
+            self.broker_up = false;
+            telemetry::record_broker_down();
+            tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
+        }
+        relay.health.set_broker(false);
+        let connected = tokio::select! {
+            r = publisher.connect() => r,
+            () = self.shutdown.cancelled() => return Err(Exit::Stop),
+        };
+        match connected {
+            Ok(()) => {
+                tracing::info!(publisher = %publisher.describe(), "connected to the broker");
+                self.broker_up = true;
+                telemetry::record_broker_connected();
+                relay.health.set_broker(true);
+                self.broker_backoff = Backoff::reconnect();
+                Ok(())
+            }
+            Err(e) => {
+                telemetry::record_broker_down();
+                let delay = self.broker_backoff.next_delay();
+                tracing::warn!(error = %e, retry_in = ?delay, "broker unavailable; not claiming rows until it is back");
+                sleep_or_cancel(delay, self.shutdown).await;
+                Err(Exit::Again)
+            }
+        }
+    }
+
+    /// Waits for room in the in-flight window, then takes as much of it as one batch may.
+    async fn take_window(&mut self) -> Step<OwnedSemaphorePermit> {
+        let want = if self.backlog { self.refill } else { 1 };
+        let first = self.acquire(want).await?;
+        let batch_size = self.relay.settings.relay.batch_size;
+        let limit = batch_size.min(self.capacity.available_permits() + first.num_permits());
+        let more =
+            Arc::clone(&self.capacity).try_acquire_many_owned(u32_of(limit - first.num_permits()));
+        Ok(match more {
+            Ok(mut more) => {
+                more.merge(first);
+                more
+            }
+            Err(_) => first,
+        })
+    }
+
+    /// `n` permits of the window, once they are free.
+    async fn acquire(&self, n: usize) -> Step<OwnedSemaphorePermit> {
+        tokio::select! {
+            p = Arc::clone(&self.capacity).acquire_many_owned(u32_of(n)) => p.map_err(|_| Exit::Stop),
+            () = self.shutdown.cancelled() => Err(Exit::Stop),
+        }
+    }
+
+    /// The highest `seq` that may be claimed: with `ordering = "aggregate"`, the ordering
+    /// guard's watermark (the sequence, then the table's writers); otherwise any.
+    async fn observe_watermark(
+        &mut self,
+        permit: OwnedSemaphorePermit,
+    ) -> Step<(i64, OwnedSemaphorePermit)> {
+        if self.relay.settings.relay.ordering != Ordering::Aggregate {
+            return Ok((i64::MAX, permit));
+        }
+        let (last, writers) = match self
+            .relay
+            .store
+            .observe(self.relay.settings.table_oid)
+            .await
+        {
+            Ok(observed) => observed,
+            Err(e) => {
+                drop(permit);
+                return Err(self.database_down(&e).await);
+            }
+        };
+        let now = Instant::now();
+        let mark = self.watermark.observe(last, &writers.writers, now);
+        let lag = self.watermark.lag(now);
+        telemetry::record_watermark_lag(lag);
+        if lag > Duration::from_secs(5)
+            && self
+                .last_blocking_warning
+                .is_none_or(|t| now.duration_since(t) > Duration::from_secs(30))
+        {
+            self.last_blocking_warning = Some(now);
+            tracing::warn!(
+                held_for = ?lag,
+                oldest_writer_age_seconds = writers.oldest_writer_age.unwrap_or_default(),
+                writers = writers.writers.len(),
+                "ordered publishing is held back by a long-running transaction that writes to the outbox table; rows after it wait until it commits or rolls back"
+            );
+        }
+        Ok((mark, permit))
+    }
+
+    /// A row reclaimed from a relay that died goes out alone: if it is what killed that relay,
+    /// only its own attempts are spent. Waits until nothing else is in flight (takes the whole
+    /// window), claims it, and keeps the window until it is settled, so no other row shares
+    /// its fate. Looked for on every round while there are some, otherwise once a second.
+    /// Gives `permit` back for the ordinary claim when there is no suspect; `None` when the
+    /// round is over.
+    async fn isolate_suspect(
+        &mut self,
+        mark: i64,
+        permit: OwnedSemaphorePermit,
+    ) -> Step<Option<OwnedSemaphorePermit>> {
+        if Instant::now() < self.next_suspect_check {
+            return Ok(Some(permit));
+        }
+        match self.relay.store.suspects_waiting(mark).await {
+            Ok(false) => {
+                self.next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+                return Ok(Some(permit));
+            }
+            Ok(true) => drop(permit),
+            Err(e) => {
+                drop(permit);
+                return Err(self.database_down(&e).await);
+            }
+        }
+        let window = self
+            .acquire(self.relay.settings.relay.max_in_flight)
+            .await?;
+        match self.relay.store.claim_suspect(mark).await {
+            Ok(Some(row)) => {
+                tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
+                self.relay
+                    .launch(vec![row], window, self.hard_stop, self.batches);
+            }
+            Ok(None) => {
+                // Another relay took it meanwhile.
+                drop(window);
+                self.next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+            }
+            Err(e) => {
+                drop(window);
+                self.database_down(&e).await;
+            }
+        }
+        Ok(None)
+    }
+
+    /// Expires overdue rows and claims up to the window taken, then publishes the batch in a
+    /// task of its own, giving back the part of the window it did not use.
+    async fn claim(&mut self, mark: i64, permit: OwnedSemaphorePermit) -> Step<Claimed> {
+        let relay = self.relay;
+        let settings = &relay.settings;
+        if let Some(w) = self.waiter.as_mut() {
+            w.before_claim().await;
+        }
+        let limit = permit.num_permits();
+        let held_nothing = relay.held.is_empty();
+        let claimed = relay
+            .store
+            .claim_and_expire(
+                settings.relay.ordering,
+                limit,
+                mark,
+                settings.delete_on_confirm,
+            )
+            .await;
+        let rows = match claimed {
+            Ok(claim) => {
+                record_expired(&claim.expired);
+                claim.rows
+            }
+            Err(e) => {
+                drop(permit);
+                return Err(self.database_down(&e).await);
+            }
+        };
+        if !relay.health.database() {
+            tracing::info!("database connection restored");
+        }
+        relay.health.set_database(true);
+        self.db_backoff = Backoff::reconnect();
+        let full = rows.len() == limit;
+        self.backlog = full;
+        // Nothing claimed, and nothing held when the claim began (a batch settled while the
+        // claim ran may not be in its snapshot, and its settle wakes the loop anyway): the
+        // relay is idle.
+        let idle = rows.is_empty() && held_nothing;
+        let found = !rows.is_empty();
+        if found {
+            // Idle polls are not claims: recording them would bury the batch sizes in zeros.
+            telemetry::record_claim(rows.len());
+            let mut permit = permit;
+            if !full {
+                // Give back the part of the window the claim did not use.
+                if let Some(rest) = permit.split(limit - rows.len()) {
+                    drop(rest);
+                }
+            }
+            relay.launch(rows, permit, self.hard_stop, self.batches);
+        }
+        if let Some(w) = self.waiter.as_mut().filter(|_| found) {
+            w.busy().await;
+        }
+        Ok(Claimed { full, idle })
+    }
+
+    /// When nothing more is ready, waits for a NOTIFY, a finished batch, or the poll
+    /// (jittered; short while the ordering guard holds rows back). An idle relay with a
+    /// waiter first publishes that it waits.
+    async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
+        if claimed.full {
+            return Ok(());
+        }
+        let poll_interval = self.relay.settings.relay.poll_interval;
+        let poll = if self.watermark.holding() {
+            poll_interval.min(Duration::from_millis(50))
+        } else {
+            poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
+        };
+        let poll = match self.waiter.as_mut() {
+            // Also while the ordering guard holds rows back: the commit of the writer it
+            // waits for must wake the relay.
+            Some(w) if claimed.idle => match w.idle(poll).await {
+                Idle::Recheck => return Ok(()),
+                Idle::Sleep(d) => d,
+            },
+            _ => poll,
+        };
+        tokio::select! {
+            () = self.relay.wake.notified() => {}
+            () = tokio::time::sleep(poll) => {}
+            () = self.shutdown.cancelled() => {}
+        }
+        Ok(())
+    }
+
+    /// Marks the database down and waits out the next reconnect delay; the round ends.
+    async fn database_down(&mut self, e: &StoreError) -> Exit {
+        let delay = self.db_backoff.next_delay();
+        self.relay.health.set_database(false);
+        tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
+        sleep_or_cancel(delay, self.shutdown).await;
+        Exit::Again
+    }
+}
+
 /// Splits a claimed batch into chains published concurrently: one per aggregate (in `seq`
 /// order) with `ordering = "aggregate"`, one per row otherwise or when the row has no
 /// aggregate id.
@@ -579,32 +682,6 @@ fn chains(rows: Vec<OutboxMessage>, ordering: Ordering) -> Vec<Vec<OutboxMessage
         chain.sort_by_key(|m| m.seq);
     }
     out
-}
-
-/// Fault injection for the crash-loop test, compiled into debug builds only: with
-/// `OUTBOX_RELAY_TEST_CRASH_HEADER=<name>` set, the process aborts when it is about to publish
-/// a row whose headers contain `<name>`, as a row that crashes the relay would.
-#[cfg(debug_assertions)]
-mod crash_switch {
-    use std::sync::OnceLock;
-
-    use crate::message::OutboxMessage;
-    use crate::publish::envelope::row_headers;
-
-    static HEADER: OnceLock<Option<String>> = OnceLock::new();
-
-    pub(super) fn check(msg: &OutboxMessage) {
-        let header = HEADER.get_or_init(|| std::env::var("OUTBOX_RELAY_TEST_CRASH_HEADER").ok());
-        if let Some(name) = header
-            && row_headers(msg).0.iter().any(|(k, _)| k == name)
-        {
-            eprintln!(
-                "test crash switch: aborting before publishing row {}",
-                msg.id
-            );
-            std::process::abort();
-        }
-    }
 }
 
 /// Counts and logs rows that passed their deadline before they could be published.
