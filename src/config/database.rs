@@ -1,0 +1,209 @@
+//! `[database]`: the PostgreSQL URL, the pool and the outbox table's name.
+
+use serde::{Deserialize, Serialize};
+
+use super::ConfigError;
+use crate::redact::redact_url;
+
+/// `[database]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDatabase {
+    /// PostgreSQL URL (`postgres://user:pass@host:port/db?sslmode=...`).
+    pub url: String,
+    /// Connections in the pool (default 8).
+    pub pool_size: usize,
+    /// Outbox table, optionally schema-qualified (default `outbox_messages`).
+    pub table: String,
+    /// Apply `sql/` at start (default false; the shipped relay.toml sets true).
+    pub auto_migrate: bool,
+}
+
+/// A validated table name: `name` or `schema.name`, each a bare SQL identifier.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableName {
+    /// The schema, when qualified.
+    pub schema: Option<String>,
+    /// The table's own name.
+    pub name: String,
+}
+
+impl TableName {
+    /// Parses and validates `schema.table` or `table`.
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        let mut parts = raw.split('.');
+        let (schema, name) = match (parts.next(), parts.next(), parts.next()) {
+            (Some(name), None, _) => (None, name),
+            (Some(schema), Some(name), None) => (Some(schema), name),
+            _ => {
+                return Err(format!(
+                    "{raw:?} has more than one '.'; write table or schema.table"
+                ));
+            }
+        };
+        if let Some(schema) = schema {
+            validate_identifier(schema)?;
+        }
+        validate_identifier(name)?;
+        // Derived object names (`<name>_next_seq`, `<name>_aggregate_idx`) must fit in 63 bytes.
+        if name.len() > 40 {
+            return Err(format!(
+                "{name:?} is longer than 40 characters (names of its index and functions are derived from it)"
+            ));
+        }
+        Ok(Self {
+            schema: schema.map(str::to_owned),
+            name: name.to_owned(),
+        })
+    }
+
+    /// `schema.name` or `name`, as written: safe to splice into SQL.
+    pub fn qualified(&self) -> String {
+        self.prefixed("")
+    }
+
+    /// The qualified name of a derived object, `schema.<name><suffix>`.
+    pub fn prefixed(&self, suffix: &str) -> String {
+        match &self.schema {
+            Some(schema) => format!("{schema}.{}{suffix}", self.name),
+            None => format!("{}{suffix}", self.name),
+        }
+    }
+
+    /// The NOTIFY channel: the table name as written.
+    pub fn channel(&self) -> String {
+        self.qualified()
+    }
+}
+
+impl std::fmt::Display for TableName {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.qualified())
+    }
+}
+
+/// Accepts bare SQL identifiers only: a letter or `_`, then letters, digits or `_`, at most 63 bytes.
+pub fn validate_identifier(ident: &str) -> Result<(), String> {
+    let mut chars = ident.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') || ident.len() > 63 {
+        return Err(format!(
+            "{ident:?} is not a bare SQL identifier (letters, digits and '_', not starting with a digit, at most 63 characters)"
+        ));
+    }
+    Ok(())
+}
+
+/// The validated `[database]` section.
+#[derive(Debug, Clone)]
+pub struct DatabaseConfig {
+    /// Connection URL (may hold a password: log only [`DatabaseConfig::redacted_url`]).
+    pub url: String,
+    /// Pool size.
+    pub pool_size: usize,
+    /// Outbox table.
+    pub table: TableName,
+    /// Apply migrations at start.
+    pub auto_migrate: bool,
+}
+
+impl DatabaseConfig {
+    /// The URL with its password masked.
+    pub fn redacted_url(&self) -> String {
+        redact_url(&self.url)
+    }
+}
+
+impl RawDatabase {
+    /// Checks the section; also returns the parsed URL (its database name is the default
+    /// CloudEvents source's).
+    pub(super) fn validate(self) -> Result<(DatabaseConfig, tokio_postgres::Config), ConfigError> {
+        let d = self;
+        if d.url.trim().is_empty() {
+            return Err(ConfigError::invalid("database.url", "must not be empty"));
+        }
+        let pg: tokio_postgres::Config = d.url.parse().map_err(|e| {
+            ConfigError::invalid(
+                "database.url",
+                format!("{} is not a PostgreSQL URL: {e}", redact_url(&d.url)),
+            )
+        })?;
+        if d.pool_size < 2 || d.pool_size > 1000 {
+            return Err(ConfigError::invalid(
+                "database.pool_size",
+                format!("{} is out of range (2..=1000)", d.pool_size),
+            ));
+        }
+        let table =
+            TableName::parse(&d.table).map_err(|r| ConfigError::invalid("database.table", r))?;
+
+        Ok((
+            DatabaseConfig {
+                url: d.url,
+                pool_size: d.pool_size,
+                table,
+                auto_migrate: d.auto_migrate,
+            },
+            pg,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{err, rejects};
+    use super::*;
+
+    #[test]
+    fn hostile_table_name_is_rejected() {
+        let e = err("[database]\ntable = \"x; drop table y\"\n");
+        assert!(
+            e.contains("database.table") && e.contains("identifier"),
+            "{e}"
+        );
+        assert!(err("[database]\ntable = \"a.b.c\"\n").contains("database.table"));
+        assert!(err("[database]\ntable = \"1abc\"\n").contains("database.table"));
+    }
+
+    #[test]
+    fn identifiers() {
+        assert!(validate_identifier("outbox_messages").is_ok());
+        assert!(validate_identifier("_x1").is_ok());
+        assert!(validate_identifier("").is_err());
+        assert!(validate_identifier("a-b").is_err());
+        assert!(validate_identifier("a\"b").is_err());
+        assert!(validate_identifier(&"a".repeat(64)).is_err());
+        let t = TableName::parse("app.outbox").unwrap();
+        assert_eq!(t.qualified(), "app.outbox");
+        assert_eq!(t.prefixed("_seq"), "app.outbox_seq");
+        assert_eq!(t.channel(), "app.outbox");
+    }
+
+    #[test]
+    fn each_rejection_names_its_key() {
+        rejects(
+            "[database]\nurl = \" \"\n",
+            "invalid value for database.url: must not be empty",
+        );
+        rejects(
+            "[database]\nurl = \"postgres://h:x/db\"\n",
+            "invalid value for database.url: postgres://h:x/db is not a PostgreSQL URL",
+        );
+        rejects(
+            "[database]\npool_size = 1\n",
+            "invalid value for database.pool_size: 1 is out of range (2..=1000)",
+        );
+        rejects(
+            "[database]\npool_size = 1001\n",
+            "invalid value for database.pool_size: 1001 is out of range (2..=1000)",
+        );
+        let long = "t".repeat(41);
+        let e = err(&format!("[database]\ntable = \"{long}\"\n"));
+        assert!(
+            e.contains("database.table") && e.contains("longer than 40"),
+            "{e}"
+        );
+    }
+}

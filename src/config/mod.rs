@@ -1,0 +1,557 @@
+//! Configuration: figment layering (defaults ← TOML file ← `RELAY_*` environment), then
+//! validation into a [`Config`] that the rest of the crate can trust.
+//!
+//! The raw structs mirror `relay.toml` one to one (unknown keys are rejected), a file per
+//! section: `database`, `relay`, `retry`, `publisher`, `metrics`, `cleanup`,
+//! `signing`; each validates its own section. Closed sets are serde enums
+//! (`publisher.rabbitmq.exchange_type`, `cloudevents_prefix`) or, where the raw field stays a
+//! string (`relay.ordering`, `publisher.kind`: the benchmark sets them as text), matched by one
+//! helper that names every choice. [`Config`] holds parsed durations, templates and
+//! identifiers. Every rejection names the key at fault.
+
+mod cleanup;
+mod database;
+mod metrics;
+mod publisher;
+mod relay;
+mod retry;
+mod signing;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+pub use cleanup::{CleanupConfig, RawCleanup};
+pub use database::{DatabaseConfig, RawDatabase, TableName, validate_identifier};
+pub use metrics::RawMetrics;
+pub use publisher::{
+    CloudEventsPrefix, ExchangeType, KafkaConfig, PublisherConfig, PublisherKind, RabbitMqConfig,
+    RawKafka, RawPublisher, RawRabbitMq,
+};
+pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
+pub use retry::RawRetry;
+pub use signing::{
+    BASE64_PREFIX, MIN_SIGNING_KEY_BYTES, RawSigning, SIGNING_KEY_ENV, Secret, SigningConfig,
+};
+
+use crate::redact::redact_url;
+use crate::retry::RetryPolicy;
+
+/// Everything that can be wrong with a configuration. Each message names the key at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// `--config` named a file that does not exist.
+    #[error(
+        "config file {0} does not exist (pass an existing file to --config, or omit it to use ./relay.toml or the defaults)"
+    )]
+    MissingFile(PathBuf),
+    /// The file or environment could not be parsed (unknown key, wrong type, bad syntax).
+    #[error("{0}")]
+    Load(String),
+    /// A value parsed but is not acceptable.
+    #[error("invalid value for {key}: {reason}")]
+    Invalid {
+        /// The dotted key, e.g. `database.table`.
+        key: &'static str,
+        /// What is wrong and what is expected.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    fn invalid(key: &'static str, reason: impl Into<String>) -> Self {
+        Self::Invalid {
+            key,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// A duration written as a human string (`"500ms"`, `"5m"`); bare numbers are rejected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HumanDuration(pub Duration);
+
+impl Serialize for HumanDuration {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(self.0).to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = HumanDuration;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a duration string with a unit, such as \"500ms\", \"30s\" or \"5m\"")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<HumanDuration, E> {
+                humantime::parse_duration(v.trim())
+                    .map(HumanDuration)
+                    .map_err(|e| {
+                        E::custom(format!(
+                            "bad duration {v:?}: {e} (write e.g. \"500ms\", \"30s\", \"5m\")"
+                        ))
+                    })
+            }
+        }
+        d.deserialize_str(V)
+    }
+}
+
+fn dur(s: &str) -> HumanDuration {
+    HumanDuration(humantime::parse_duration(s).unwrap_or_default())
+}
+
+/// The whole file as written, before validation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// `[database]`
+    pub database: RawDatabase,
+    /// `[relay]`
+    pub relay: RawRelay,
+    /// `[retry]`
+    pub retry: RawRetry,
+    /// `[publisher]`
+    pub publisher: RawPublisher,
+    /// `[metrics]`
+    pub metrics: RawMetrics,
+    /// `[cleanup]`
+    pub cleanup: RawCleanup,
+    /// `[signing]`
+    #[serde(default)]
+    pub signing: RawSigning,
+}
+
+impl Default for RawConfig {
+    fn default() -> Self {
+        Self {
+            database: RawDatabase {
+                url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+                pool_size: 8,
+                table: "outbox_messages".into(),
+                auto_migrate: false,
+            },
+            relay: RawRelay {
+                instance_id: None,
+                batch_size: 500,
+                max_in_flight: 1000,
+                poll_interval: dur("1s"),
+                notify: true,
+                lease_timeout: dur("60s"),
+                ordering: "aggregate".into(),
+                source: None,
+                shutdown_timeout: dur("30s"),
+            },
+            retry: RawRetry {
+                base_delay: dur("1s"),
+                max_delay: dur("5m"),
+                max_attempts: 12,
+                jitter: 0.2,
+            },
+            publisher: RawPublisher {
+                kind: "rabbitmq".into(),
+                rabbitmq: RawRabbitMq {
+                    url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+                    exchange: "outbox".into(),
+                    exchange_type: ExchangeType::Topic,
+                    declare_exchange: true,
+                    routing_key: "{aggregate_type}.{event_type}".into(),
+                    confirm_timeout: dur("30s"),
+                    declare_queue: String::new(),
+                    queue_binding: "#".into(),
+                    cloudevents_prefix: CloudEventsPrefix::Colon,
+                },
+                kafka: RawKafka {
+                    brokers: "127.0.0.1:9092".into(),
+                    topic: "{aggregate_type}".into(),
+                    message_timeout: dur("30s"),
+                    properties: BTreeMap::new(),
+                },
+            },
+            metrics: RawMetrics {
+                listen: "127.0.0.1:9187".into(),
+            },
+            cleanup: RawCleanup {
+                retention: dur("24h"),
+                interval: dur("1m"),
+                batch_size: 5000,
+            },
+            signing: RawSigning::default(),
+        }
+    }
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// `[database]`
+    pub database: DatabaseConfig,
+    /// `[relay]`
+    pub relay: RelayConfig,
+    /// `[retry]`
+    pub retry: RetryPolicy,
+    /// `[publisher]`
+    pub publisher: PublisherConfig,
+    /// `[metrics] listen`; `None` when disabled.
+    pub metrics_listen: Option<std::net::SocketAddr>,
+    /// `[cleanup]`
+    pub cleanup: CleanupConfig,
+    /// `[signing]`; `None`: messages are not signed.
+    pub signing: Option<SigningConfig>,
+}
+
+/// Where the configuration file comes from.
+#[derive(Debug, Clone)]
+pub enum ConfigSource {
+    /// `--config PATH` or `RELAY_CONFIG`: must exist.
+    Explicit(PathBuf),
+    /// `./relay.toml` if it exists, else defaults + environment.
+    Default,
+}
+
+/// The default file name looked up in the working directory.
+pub const DEFAULT_FILE: &str = "relay.toml";
+
+impl Config {
+    /// Loads defaults ← file ← `RELAY_*` environment, then validates.
+    pub fn load(source: &ConfigSource) -> Result<Self, ConfigError> {
+        Self::load_with_env(source, Env::prefixed("RELAY_"))
+    }
+
+    /// As [`Config::load`], with an explicit environment provider (for tests).
+    pub fn load_with_env(source: &ConfigSource, env: Env) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(RawConfig::default()));
+        match source {
+            ConfigSource::Explicit(path) => {
+                if !path.is_file() {
+                    return Err(ConfigError::MissingFile(path.clone()));
+                }
+                figment = figment.merge(Toml::file_exact(path));
+            }
+            ConfigSource::Default => {
+                if Path::new(DEFAULT_FILE).is_file() {
+                    figment = figment.merge(Toml::file_exact(DEFAULT_FILE));
+                }
+            }
+        }
+        // RELAY_CONFIG names the file and RELAY_LOG_* tune logging; neither is a config key.
+        // The signing key is read from the environment as is (see SIGNING_KEY_ENV).
+        let env = env.split("__").filter(|k| {
+            !["config", "log_format", "log", "signing.key"]
+                .iter()
+                .any(|n| k.as_str().eq_ignore_ascii_case(n))
+        });
+        let mut raw: RawConfig = figment
+            .merge(env)
+            .extract()
+            .map_err(|e| ConfigError::Load(describe_figment_error(e)))?;
+        if let Ok(key) = std::env::var(SIGNING_KEY_ENV) {
+            raw.signing.key = Some(Secret(key));
+        }
+        raw.validate()
+    }
+}
+
+fn describe_figment_error(e: figment::Error) -> String {
+    e.into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            let origin = e
+                .metadata
+                .as_ref()
+                .and_then(|m| m.source.as_ref().map(|s| format!(" (in {s})")))
+                .or_else(|| e.metadata.as_ref().map(|m| format!(" (from {})", m.name)))
+                .unwrap_or_default();
+            if let figment::error::Kind::UnknownVariant(value, expected) = &e.kind
+                && let Some(message) = closed_set_error(&key, value, expected)
+            {
+                return message;
+            }
+            // A value that did not parse is quoted in the error: never the signing key's.
+            let what = if key.starts_with("signing.key") && !key.starts_with("signing.key_id") {
+                "not a string (the value is not shown)".to_owned()
+            } else {
+                redact_url(&e.kind.to_string())
+            };
+            if key.is_empty() {
+                format!("configuration error{origin}: {what}")
+            } else {
+                format!("configuration error at {key}{origin}: {what}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// The message of a value outside a serde enum's closed set, as it read when the key was
+/// parsed by hand (`None` for other keys: figment's own message names the choices).
+fn closed_set_error(key: &str, value: &str, expected: &[&str]) -> Option<String> {
+    (key == "publisher.rabbitmq.exchange_type").then(|| {
+        format!(
+            "invalid value for {key}: {value:?} is not one of {}",
+            expected.join(", ")
+        )
+    })
+}
+
+/// The choice written as `value` among `choices` (a closed set kept as a string in the raw
+/// struct), or the rejection naming `key` and every choice.
+pub(super) fn choose<T: Copy>(
+    key: &'static str,
+    value: &str,
+    choices: &[(&str, T)],
+) -> Result<T, ConfigError> {
+    choices
+        .iter()
+        .find(|(name, _)| *name == value)
+        .map(|(_, choice)| *choice)
+        .ok_or_else(|| {
+            let names: Vec<String> = choices.iter().map(|(n, _)| format!("{n:?}")).collect();
+            ConfigError::invalid(key, format!("{value:?} is not one of {}", names.join(", ")))
+        })
+}
+
+impl RawConfig {
+    /// Checks every value and converts the file's shape into [`Config`].
+    pub fn validate(self) -> Result<Config, ConfigError> {
+        let (database, pg) = self.database.validate()?;
+        let relay = self.relay.validate(&pg, &database.table)?;
+        let retry = self.retry.validate()?;
+        let publisher = self.publisher.validate()?;
+        let metrics_listen = self.metrics.validate()?;
+        let signing = self.signing.validate()?;
+        let cleanup = self.cleanup.validate()?;
+        Ok(Config {
+            database,
+            relay,
+            retry,
+            publisher,
+            metrics_listen,
+            cleanup,
+            signing,
+        })
+    }
+}
+
+pub(super) fn positive(key: &'static str, d: HumanDuration) -> Result<(), ConfigError> {
+    if d.0.is_zero() {
+        return Err(ConfigError::invalid(key, "must be greater than zero"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(super) mod tests {
+    use super::*;
+
+    /// Loads `toml` as `--config` with `env` set, inside a figment jail (own cwd and env).
+    #[allow(clippy::result_large_err)] // figment::Jail's closure returns figment::Error
+    pub(crate) fn load_str(toml: &str, env: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let mut out = None;
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("test.toml", toml)?;
+            for (k, v) in env {
+                jail.set_env(format!("RELAY_{k}"), v);
+            }
+            out = Some(Config::load(&ConfigSource::Explicit("test.toml".into())));
+            Ok(())
+        });
+        out.unwrap()
+    }
+
+    pub(crate) fn err(toml: &str) -> String {
+        load_str(toml, &[]).unwrap_err().to_string()
+    }
+
+    /// `toml` is rejected with a message that starts with `message`.
+    pub(crate) fn rejects(toml: &str, message: &str) {
+        let e = err(toml);
+        assert!(e.starts_with(message), "{toml:?}: {e}");
+    }
+
+    #[test]
+    fn defaults_match_the_contract() {
+        let c = load_str("", &[]).unwrap();
+        assert_eq!(c.database.pool_size, 8);
+        assert_eq!(c.database.table.qualified(), "outbox_messages");
+        assert!(!c.database.auto_migrate);
+        assert_eq!(c.relay.batch_size, 500);
+        assert_eq!(c.relay.max_in_flight, 1000);
+        assert_eq!(c.relay.poll_interval, Duration::from_secs(1));
+        assert!(c.relay.notify);
+        assert_eq!(c.relay.lease_timeout, Duration::from_secs(60));
+        assert_eq!(c.relay.ordering, Ordering::Aggregate);
+        assert_eq!(c.relay.shutdown_timeout, Duration::from_secs(30));
+        assert_eq!(c.relay.source, "/outbox/postgres/outbox_messages");
+        assert_eq!(c.retry.base_delay, Duration::from_secs(1));
+        assert_eq!(c.retry.max_delay, Duration::from_secs(300));
+        assert_eq!(c.retry.max_attempts, 12);
+        assert!((c.retry.jitter - 0.2).abs() < f64::EPSILON);
+        assert_eq!(c.cleanup.retention, Duration::from_secs(86_400));
+        assert_eq!(c.cleanup.interval, Duration::from_secs(60));
+        assert_eq!(c.cleanup.batch_size, 5000);
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9187".parse().unwrap()));
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("default publisher is rabbitmq")
+        };
+        assert_eq!(q.exchange, "outbox");
+        assert_eq!(q.exchange_type, "topic");
+        assert!(q.declare_exchange);
+        assert_eq!(q.routing_key.as_str(), "{aggregate_type}.{event_type}");
+        assert_eq!(q.confirm_timeout, Duration::from_secs(30));
+        assert_eq!(q.declare_queue, None);
+        assert_eq!(q.queue_binding, "#");
+        assert_eq!(q.cloudevents_prefix.as_str(), "cloudEvents:");
+        assert!(
+            c.relay
+                .instance_id
+                .contains(&std::process::id().to_string())
+        );
+    }
+
+    #[test]
+    fn env_overrides_file() {
+        let c = load_str(
+            "[relay]\nbatch_size = 100\n[publisher.rabbitmq]\nexchange = \"from-file\"\n",
+            &[
+                ("RELAY__BATCH_SIZE", "200"),
+                ("PUBLISHER__RABBITMQ__EXCHANGE", "from-env"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.batch_size, 200);
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("rabbitmq")
+        };
+        assert_eq!(q.exchange, "from-env");
+    }
+
+    #[test]
+    fn relay_config_and_log_format_variables_are_not_config_keys() {
+        let c = load_str(
+            "",
+            &[
+                ("LOG_FORMAT", "json"),
+                ("CONFIG", "x.toml"),
+                ("LOG", "debug"),
+            ],
+        );
+        assert!(c.is_ok(), "{:?}", c.err().map(|e| e.to_string()));
+    }
+
+    #[test]
+    fn file_overrides_defaults() {
+        let c = load_str(
+            "[database]\ntable = \"app.events_outbox\"\n[relay]\nordering = \"none\"\npoll_interval = \"250ms\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.database.table.schema.as_deref(), Some("app"));
+        assert_eq!(c.database.table.name, "events_outbox");
+        assert_eq!(c.relay.ordering, Ordering::None);
+        assert_eq!(c.relay.poll_interval, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = err("[relay]\nbatch_sise = 3\n");
+        assert!(e.contains("batch_sise"), "{e}");
+        let e = err("[nonsense]\n");
+        assert!(e.contains("nonsense"), "{e}");
+    }
+
+    #[test]
+    fn bare_number_duration_is_rejected() {
+        let e = err("[relay]\npoll_interval = 5\n");
+        assert!(
+            e.contains("relay.poll_interval") && e.contains("duration"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn bad_duration_string_is_rejected() {
+        let e = err("[retry]\nbase_delay = \"soon\"\n");
+        assert!(e.contains("retry.base_delay") && e.contains("soon"), "{e}");
+    }
+
+    #[test]
+    fn ranges_are_checked() {
+        assert!(err("[relay]\nbatch_size = 0\n").contains("relay.batch_size"));
+        assert!(
+            err("[relay]\nbatch_size = 600\nmax_in_flight = 500\n").contains("relay.max_in_flight")
+        );
+        assert!(err("[retry]\njitter = 1.5\n").contains("retry.jitter"));
+        assert!(err("[retry]\nmax_attempts = 0\n").contains("retry.max_attempts"));
+        assert!(err("[relay]\nordering = \"fifo\"\n").contains("relay.ordering"));
+        assert!(err("[publisher]\nkind = \"sqs\"\n").contains("publisher.kind"));
+        assert!(err("[metrics]\nlisten = \"nowhere\"\n").contains("metrics.listen"));
+    }
+
+    #[test]
+    fn shipped_file_declares_the_development_queue() {
+        let c = Config::load_with_env(
+            &ConfigSource::Explicit(Path::new(env!("CARGO_MANIFEST_DIR")).join(DEFAULT_FILE)),
+            Env::prefixed("RELAYTEST_NONE_"),
+        )
+        .unwrap();
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("the shipped relay.toml publishes to RabbitMQ")
+        };
+        assert_eq!(q.exchange, "outbox");
+        assert_eq!(q.declare_queue.as_deref(), Some("outbox.dev"));
+        assert_eq!(q.queue_binding, "#");
+    }
+
+    #[test]
+    fn password_never_in_errors() {
+        let e = err("[publisher.rabbitmq]\nurl = \"http://guest:hunter2@x\"\n");
+        assert!(
+            !e.contains("hunter2") && e.contains("publisher.rabbitmq.url"),
+            "{e}"
+        );
+        let e = err("[database]\nurl = \"postgres://u:hunter2@h:notaport/db\"\n");
+        assert!(!e.contains("hunter2") && e.contains("database.url"), "{e}");
+    }
+
+    #[test]
+    fn missing_explicit_file_is_an_error() {
+        let e = Config::load_with_env(
+            &ConfigSource::Explicit("/nonexistent/relay.toml".into()),
+            Env::prefixed("RELAYTEST_NONE_"),
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::MissingFile(_)));
+    }
+
+    mod properties {
+        use super::*;
+        use proptest::prelude::*;
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(64))]
+            /// Arbitrary file contents load or fail with an error that names the problem;
+            /// they never panic.
+            #[test]
+            fn loader_never_panics(body in "(\\[[a-z.]{1,12}\\]\n|[a-z_]{1,12} = (\"[^\"\\\\]{0,12}\"|[0-9]{1,4}|true)\n){0,6}") {
+                match load_str(&body, &[]) {
+                    Ok(_) => {}
+                    Err(e) => prop_assert!(!e.to_string().is_empty()),
+                }
+            }
+
+            #[test]
+            fn table_names_are_identifiers_or_errors(raw in ".{0,80}") {
+                if let Ok(t) = TableName::parse(&raw) {
+                    prop_assert!(t.qualified().chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.'));
+                }
+            }
+        }
+    }
+}

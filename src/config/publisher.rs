@@ -1,0 +1,421 @@
+//! `[publisher]`: which broker, and each transport's settings (`[publisher.rabbitmq]`,
+//! `[publisher.kafka]`).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, HumanDuration, choose, positive};
+use crate::redact::redact_url;
+use crate::template::Template;
+
+/// `publisher.kind`: which broker to publish to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PublisherKind {
+    /// RabbitMQ via lapin (the default).
+    RabbitMq,
+    /// Kafka via rdkafka.
+    Kafka,
+    /// CloudEvents JSON lines on standard output (development).
+    Stdout,
+}
+
+impl PublisherKind {
+    /// Every kind, as written in `publisher.kind`.
+    pub const ALL: [(&'static str, Self); 3] = [
+        ("rabbitmq", Self::RabbitMq),
+        ("kafka", Self::Kafka),
+        ("stdout", Self::Stdout),
+    ];
+}
+
+/// `publisher.rabbitmq.exchange_type`: the AMQP exchange types the relay declares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExchangeType {
+    /// Routing key equals the binding key.
+    Direct,
+    /// Routing key matches the binding pattern (the default).
+    Topic,
+    /// Every bound queue.
+    Fanout,
+    /// Matched on headers.
+    Headers,
+}
+
+impl ExchangeType {
+    /// The type as AMQP names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Topic => "topic",
+            Self::Fanout => "fanout",
+            Self::Headers => "headers",
+        }
+    }
+}
+
+/// `[publisher.rabbitmq]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRabbitMq {
+    /// AMQP URL (default `amqp://guest:guest@127.0.0.1:5672/%2f`).
+    pub url: String,
+    /// Exchange to publish to (default `outbox`).
+    pub exchange: String,
+    /// Exchange type when declared (default `topic`).
+    pub exchange_type: ExchangeType,
+    /// Declare the exchange (durable) at start and after every reconnect (default true).
+    pub declare_exchange: bool,
+    /// Routing key template (default `{aggregate_type}.{event_type}`).
+    pub routing_key: String,
+    /// How long to wait for a publisher confirm (default 30s).
+    pub confirm_timeout: HumanDuration,
+    /// A durable queue to declare and bind to the exchange at start and after every
+    /// reconnect, for development (default empty: none; the shipped relay.toml: `outbox.dev`).
+    pub declare_queue: String,
+    /// The binding key of `declare_queue` (default `#`: every message on a topic exchange).
+    pub queue_binding: String,
+    /// Header-name prefix of the CloudEvents attributes (default `cloudEvents:`).
+    pub cloudevents_prefix: CloudEventsPrefix,
+}
+
+/// How CloudEvents attributes are named in RabbitMQ headers
+/// (`publisher.rabbitmq.cloudevents_prefix`): a closed set, one per consumer convention.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum CloudEventsPrefix {
+    /// `cloudEvents:`: the CloudEvents AMQP binding (Spring AMQP, the SDKs' AMQP bindings).
+    #[default]
+    #[serde(rename = "cloudEvents:")]
+    Colon,
+    /// `cloudEvents_`: the AMQP binding's JMS-safe spelling.
+    #[serde(rename = "cloudEvents_")]
+    Underscore,
+    /// `ce-`: Knative eventing-rabbitmq and the Python SDK's RabbitMQ binding.
+    #[serde(rename = "ce-")]
+    Dash,
+}
+
+impl CloudEventsPrefix {
+    /// The prefix as written in headers.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Colon => "cloudEvents:",
+            Self::Underscore => "cloudEvents_",
+            Self::Dash => "ce-",
+        }
+    }
+}
+
+/// `[publisher.kafka]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKafka {
+    /// Comma-separated bootstrap servers (default `127.0.0.1:9092`).
+    pub brokers: String,
+    /// Topic template (default `{aggregate_type}`).
+    pub topic: String,
+    /// librdkafka `message.timeout.ms` (default 30s).
+    pub message_timeout: HumanDuration,
+    /// Extra librdkafka properties, passed through unchanged.
+    pub properties: BTreeMap<String, String>,
+}
+
+/// `[publisher]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPublisher {
+    /// `rabbitmq` (default), `kafka` or `stdout` (JSON lines, for development).
+    pub kind: String,
+    /// RabbitMQ settings.
+    pub rabbitmq: RawRabbitMq,
+    /// Kafka settings.
+    pub kafka: RawKafka,
+}
+
+/// The validated RabbitMQ settings.
+#[derive(Debug, Clone)]
+pub struct RabbitMqConfig {
+    /// AMQP URL (may hold a password).
+    pub url: String,
+    /// Exchange name (empty: the default exchange).
+    pub exchange: String,
+    /// Exchange type for the declaration.
+    pub exchange_type: String,
+    /// Declare the exchange.
+    pub declare_exchange: bool,
+    /// Routing key template.
+    pub routing_key: Template,
+    /// Confirm wait.
+    pub confirm_timeout: Duration,
+    /// A development queue to declare (durable) and bind to the exchange, if any.
+    pub declare_queue: Option<String>,
+    /// Its binding key.
+    pub queue_binding: String,
+    /// Header-name prefix of the CloudEvents attributes.
+    pub cloudevents_prefix: CloudEventsPrefix,
+}
+
+/// The validated Kafka settings.
+#[derive(Debug, Clone)]
+pub struct KafkaConfig {
+    /// Bootstrap servers.
+    pub brokers: String,
+    /// Topic template.
+    pub topic: Template,
+    /// Delivery timeout.
+    pub message_timeout: Duration,
+    /// librdkafka pass-through properties.
+    pub properties: BTreeMap<String, String>,
+}
+
+/// Which broker to publish to.
+#[derive(Debug, Clone)]
+pub enum PublisherConfig {
+    /// RabbitMQ via lapin.
+    RabbitMq(RabbitMqConfig),
+    /// Kafka via rdkafka.
+    Kafka(KafkaConfig),
+    /// CloudEvents JSON lines on standard output (development, piping).
+    Stdout,
+}
+
+impl PublisherConfig {
+    /// `rabbitmq`, `kafka` or `stdout`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::RabbitMq(_) => "rabbitmq",
+            Self::Kafka(_) => "kafka",
+            Self::Stdout => "stdout",
+        }
+    }
+}
+
+impl RawPublisher {
+    /// Checks the section of the chosen transport (the others are ignored).
+    pub(super) fn validate(self) -> Result<PublisherConfig, ConfigError> {
+        let p = self;
+        Ok(
+            match choose("publisher.kind", &p.kind, &PublisherKind::ALL)? {
+                PublisherKind::RabbitMq => {
+                    let q = p.rabbitmq;
+                    if !(q.url.starts_with("amqp://") || q.url.starts_with("amqps://")) {
+                        return Err(ConfigError::invalid(
+                            "publisher.rabbitmq.url",
+                            format!("{} must start with amqp:// or amqps://", redact_url(&q.url)),
+                        ));
+                    }
+                    if q.exchange.len() > 255 {
+                        return Err(ConfigError::invalid(
+                            "publisher.rabbitmq.exchange",
+                            "is longer than 255 bytes",
+                        ));
+                    }
+                    positive("publisher.rabbitmq.confirm_timeout", q.confirm_timeout)?;
+                    let declare_queue = validate_dev_queue(&q)?;
+                    let routing_key = Template::parse(&q.routing_key).map_err(|e| {
+                        ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string())
+                    })?;
+                    PublisherConfig::RabbitMq(RabbitMqConfig {
+                        url: q.url,
+                        exchange: q.exchange,
+                        exchange_type: q.exchange_type.as_str().to_owned(),
+                        declare_exchange: q.declare_exchange,
+                        routing_key,
+                        confirm_timeout: q.confirm_timeout.0,
+                        declare_queue,
+                        queue_binding: q.queue_binding,
+                        cloudevents_prefix: q.cloudevents_prefix,
+                    })
+                }
+                PublisherKind::Kafka => {
+                    let k = p.kafka;
+                    if k.brokers.trim().is_empty() {
+                        return Err(ConfigError::invalid(
+                            "publisher.kafka.brokers",
+                            "must not be empty",
+                        ));
+                    }
+                    positive("publisher.kafka.message_timeout", k.message_timeout)?;
+                    let topic = Template::parse(&k.topic).map_err(|e| {
+                        ConfigError::invalid("publisher.kafka.topic", e.to_string())
+                    })?;
+                    PublisherConfig::Kafka(KafkaConfig {
+                        brokers: k.brokers,
+                        topic,
+                        message_timeout: k.message_timeout.0,
+                        properties: k.properties,
+                    })
+                }
+                PublisherKind::Stdout => PublisherConfig::Stdout,
+            },
+        )
+    }
+}
+
+/// `publisher.rabbitmq.declare_queue` and `queue_binding`: `None` when no queue is declared.
+fn validate_dev_queue(q: &RawRabbitMq) -> Result<Option<String>, ConfigError> {
+    if q.queue_binding.len() > 255 {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.queue_binding",
+            "is longer than 255 bytes",
+        ));
+    }
+    let name = q.declare_queue.trim();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    if name.len() > 255 {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.declare_queue",
+            "is longer than 255 bytes",
+        ));
+    }
+    if name.starts_with("amq.") {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.declare_queue",
+            format!("{name:?} starts with \"amq.\", which RabbitMQ reserves for itself"),
+        ));
+    }
+    if q.exchange.is_empty() {
+        return Err(ConfigError::invalid(
+            "publisher.rabbitmq.declare_queue",
+            "needs a named publisher.rabbitmq.exchange (the default exchange cannot be bound)",
+        ));
+    }
+    Ok(Some(name.to_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{err, load_str, rejects};
+    use super::*;
+
+    #[test]
+    fn stdout_publisher_needs_no_section() {
+        let c = load_str("[publisher]\nkind = \"stdout\"\n", &[]).unwrap();
+        assert!(matches!(c.publisher, PublisherConfig::Stdout));
+        assert_eq!(c.publisher.kind(), "stdout");
+    }
+
+    #[test]
+    fn unknown_placeholder_is_rejected() {
+        let e = err("[publisher.rabbitmq]\nrouting_key = \"{tenant}.x\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.routing_key") && e.contains("tenant"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn dev_queue_is_checked() {
+        let c = load_str(
+            "[publisher.rabbitmq]\ndeclare_queue = \"outbox.dev\"\nqueue_binding = \"order.#\"\n",
+            &[],
+        )
+        .unwrap();
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("rabbitmq")
+        };
+        assert_eq!(q.declare_queue.as_deref(), Some("outbox.dev"));
+        assert_eq!(q.queue_binding, "order.#");
+        let e = err("[publisher.rabbitmq]\ndeclare_queue = \"amq.mine\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.declare_queue") && e.contains("reserves"),
+            "{e}"
+        );
+        let e = err("[publisher.rabbitmq]\nexchange = \"\"\ndeclare_queue = \"q\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.declare_queue") && e.contains("default exchange"),
+            "{e}"
+        );
+        let long = "x".repeat(256);
+        let e = err(&format!(
+            "[publisher.rabbitmq]\ndeclare_queue = \"{long}\"\n"
+        ));
+        assert!(e.contains("publisher.rabbitmq.declare_queue"), "{e}");
+        let e = err(&format!(
+            "[publisher.rabbitmq]\nqueue_binding = \"{long}\"\n"
+        ));
+        assert!(e.contains("publisher.rabbitmq.queue_binding"), "{e}");
+    }
+
+    #[test]
+    fn cloudevents_prefix_is_a_closed_set() {
+        for (written, want) in [
+            ("cloudEvents:", CloudEventsPrefix::Colon),
+            ("cloudEvents_", CloudEventsPrefix::Underscore),
+            ("ce-", CloudEventsPrefix::Dash),
+        ] {
+            let c = load_str(
+                &format!("[publisher.rabbitmq]\ncloudevents_prefix = \"{written}\"\n"),
+                &[],
+            )
+            .unwrap();
+            let PublisherConfig::RabbitMq(q) = c.publisher else {
+                panic!("rabbitmq")
+            };
+            assert_eq!(q.cloudevents_prefix, want);
+            assert_eq!(want.as_str(), written);
+        }
+        let e = err("[publisher.rabbitmq]\ncloudevents_prefix = \"ce_\"\n");
+        assert!(
+            e.contains("publisher.rabbitmq.cloudevents_prefix")
+                && e.contains("ce_")
+                && e.contains("cloudEvents:")
+                && e.contains("ce-"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn each_rejection_names_its_key() {
+        rejects(
+            "[publisher.rabbitmq]\nurl = \"http://x\"\n",
+            "invalid value for publisher.rabbitmq.url: http://x must start with amqp:// or amqps://",
+        );
+        let long = "x".repeat(256);
+        rejects(
+            &format!("[publisher.rabbitmq]\nexchange = \"{long}\"\n"),
+            "invalid value for publisher.rabbitmq.exchange: is longer than 255 bytes",
+        );
+        rejects(
+            "[publisher.rabbitmq]\nconfirm_timeout = \"0s\"\n",
+            "invalid value for publisher.rabbitmq.confirm_timeout: must be greater than zero",
+        );
+        let kafka = "[publisher]\nkind = \"kafka\"\n[publisher.kafka]\n";
+        rejects(
+            &format!("{kafka}brokers = \" \"\n"),
+            "invalid value for publisher.kafka.brokers: must not be empty",
+        );
+        rejects(
+            &format!("{kafka}message_timeout = \"0s\"\n"),
+            "invalid value for publisher.kafka.message_timeout: must be greater than zero",
+        );
+        let e = err(&format!("{kafka}topic = \"{{nope}}\"\n"));
+        assert!(
+            e.contains("invalid value for publisher.kafka.topic") && e.contains("nope"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn kind_and_exchange_type_are_closed_sets_with_the_same_messages() {
+        rejects(
+            "[publisher]\nkind = \"sqs\"\n",
+            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\"",
+        );
+        rejects(
+            "[publisher.rabbitmq]\nexchange_type = \"x-delayed\"\n",
+            "invalid value for publisher.rabbitmq.exchange_type: \"x-delayed\" is not one of direct, topic, fanout, headers",
+        );
+        let c = load_str("[publisher.rabbitmq]\nexchange_type = \"fanout\"\n", &[]).unwrap();
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("rabbitmq")
+        };
+        assert_eq!(q.exchange_type, "fanout");
+        let c = load_str("[publisher]\nkind = \"kafka\"\n", &[]).unwrap();
+        assert_eq!(c.publisher.kind(), "kafka");
+    }
+}
