@@ -5,23 +5,32 @@
 //! at least once, in order per aggregate.
 //!
 //! ## Map of the crate
-//! - [`config`]: figment loading (defaults ← `relay.toml` ← `RELAY_*`) and validation, once.
-//! - [`message`]: the claimed outbox row ([`message::OutboxMessage`]) that store and transports share.
-//! - [`store`]: PostgreSQL — every SQL statement (claim, settle, reclaim, migrations).
-//! - [`relay`]: the loop — claim → publish → settle; knows no SQL and no broker.
+//! - [`config`]: figment loading (defaults ← `relay.toml` ← `RELAY_*`) and validation, once;
+//!   a file per section.
+//! - [`message`]: the claimed outbox row ([`message::OutboxMessage`]) shared by the store and
+//!   the transports.
+//! - [`relay`]: the claim loop — claim → publish → settle; knows no SQL and no broker. One
+//!   round is a sequence of named steps (reconnect, window, watermark, suspect, claim, wait).
+//! - [`outbox`]: one outbox table's claim loop and background tasks, started together.
+//! - [`tasks`]: background services beside the loop, one file each: [`tasks::listen`] (NOTIFY
+//!   wake-up), [`tasks::lease`] (renew + reclaim), [`tasks::backlog`] (gauges),
+//!   [`tasks::cleanup`] (retention), [`tasks::vacuum`]; on one named-task tracker.
+//! - [`store`]: PostgreSQL — every SQL statement, a file per concern (hot path, wake-up record,
+//!   maintenance, operator commands, connection/TLS, schema).
+//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker
+//!   (with its own tuning).
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
 //! - [`wakeup`]: the idle relay's waiting record, which makes inserts NOTIFY only while it waits.
-//! - [`outbox`]: one outbox table's claim loop and background tasks, started together.
-//! - [`tasks`]: background services beside the loop, one file each (LISTEN wake-up, lease
-//!   renew + reclaim, backlog gauges, retention cleanup, vacuum) on one named-task tracker.
 //! - [`backoff`]: reconnect delays (database, broker, LISTEN session).
-//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker.
-//! - [`retry`]: the backoff policy (pure).
+//! - [`retry`]: the backoff policy of rejected messages (pure).
 //! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
 //! - [`template`]: routing-key / topic templates.
 //! - [`telemetry`]: metric names, `record_*` functions, the `/metrics` + health server.
 //! - [`redact`]: masking passwords before anything is logged.
 //! - [`tail`]: the development consumer behind `outbox-relay tail`.
+//!
+//! Start-up ([`run`]) is here: the metrics server, the schema (migrating when configured,
+//! waiting out database outages), the publisher, then one [`outbox::Outbox`].
 //!
 //! Around this crate (a Cargo workspace): the binary in `src/main.rs` + `src/cli.rs`, the
 //! integration tests in `tests/`, the shared test kit in `testkit/` (`outbox-testkit`: the binary

@@ -43,7 +43,7 @@ pub fn should_vacuum(h: &TableHealth) -> Option<&'static str> {
     }
 }
 
-/// Reads the table's health every [`CHECK_EVERY`] (publishing the dead-tuple gauge) and
+/// Reads the table's health every 5 s (`CHECK_EVERY`, publishing the dead-tuple gauge) and
 /// vacuums it when [`should_vacuum`] says so, until `shutdown`.
 pub async fn vacuum_loop(store: Store, table_oid: u32, shutdown: CancellationToken) {
     let mut told_owner = false;
