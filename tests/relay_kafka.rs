@@ -21,8 +21,9 @@ use common::kafka::{
     id_counts, kafka_relay, topic_name,
 };
 use common::{
-    NewRow, Proxy, RowState, TempDir, TestTable, concurrent_writers, spawn_paced_writer,
-    wait_for_count, wait_until,
+    NewRow, Proxy, RowState, TempDir, TestTable, analyse, assert_none, bulk_row,
+    concurrent_writers, not_sent_cleanly, spawn_paced_writer, time_problem, wait_for_count,
+    wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -82,26 +83,8 @@ fn envelope_problems(r: &Record, row: &RowState, topic: &str, source: &str) -> V
             format!("{name} {:?} != {want:?}", r.header(name)),
         );
     }
-    match r.header("ce_time") {
-        Some(t) => {
-            // RFC 3339 with at least millisecond precision, equal to created_at.
-            let frac = t
-                .split('.')
-                .nth(1)
-                .map_or(0, |f| f.chars().take_while(char::is_ascii_digit).count());
-            check(
-                frac >= 3,
-                format!("ce_time {t:?} has less than millisecond precision"),
-            );
-            match DateTime::parse_from_rfc3339(t) {
-                Ok(parsed) => check(
-                    parsed.with_timezone(&Utc) == row.created_at,
-                    format!("ce_time {t} != created_at {}", row.created_at),
-                ),
-                Err(e) => check(false, format!("ce_time {t:?} is not RFC 3339: {e}")),
-            }
-        }
-        None => check(false, "no ce_time".to_owned()),
+    if let Some(problem) = time_problem("ce_time", r.header("ce_time"), row.created_at) {
+        check(false, problem);
     }
 
     let own: BTreeMap<String, String> = r
@@ -120,19 +103,6 @@ fn envelope_problems(r: &Record, row: &RowState, topic: &str, source: &str) -> V
 
 /// Where a record landed and which row it carries: (partition, offset, seq).
 type Placed = (i32, i64, i64);
-
-fn first_problems(problems: &[String]) -> String {
-    format!(
-        "{} problems, first 10:\n{}",
-        problems.len(),
-        problems
-            .iter()
-            .take(10)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    )
-}
 
 // ---------------------------------------------------------------------------------------------
 // Tests
@@ -156,32 +126,6 @@ async fn ten_thousand_rows_arrive_keyed_ordered_per_key_with_the_contract_envelo
     .set("relay.ordering", "aggregate")
     .spawn();
 
-    // 100 aggregates (a-0..a-49 orders, a-50..a-99 customers), one row in 53 without aggregate
-    // id; headers of every JSON kind on most rows, none on some.
-    fn bulk_row(n: usize) -> NewRow {
-        let a = n % 100;
-        let aggregate_type = if a < 50 { "order" } else { "customer" };
-        let aggregate_id = (!n.is_multiple_of(53)).then(|| format!("a-{a}"));
-        let event_type = ["created", "updated", "deleted"][n % 3];
-        let row = NewRow::new(
-            aggregate_type,
-            aggregate_id.as_deref(),
-            event_type,
-            json!({"n": n, "name": format!("row {n}"), "nested": {"list": [n, "x", null], "ok": true}, "text": "é✓ \"quoted\""}),
-        );
-        if n % 4 == 3 {
-            row
-        } else {
-            row.headers(json!({
-                "trace": format!("t-{n}"),
-                "n": n,
-                "ratio": 0.5,
-                "flag": n.is_multiple_of(2),
-                "nested": {"k": [n]},
-                "gone": null,
-            }))
-        }
-    }
     let started = Instant::now();
     let inserted = concurrent_writers(
         &table.name,
@@ -194,7 +138,6 @@ async fn ten_thousand_rows_arrive_keyed_ordered_per_key_with_the_contract_envelo
     .await;
     let inserted_in = started.elapsed();
     assert_eq!(inserted.len(), 10_000);
-    let expected: HashSet<Uuid> = inserted.iter().map(|i| i.id).collect();
 
     table.wait_all_sent(LONG).await;
     let sent_in = started.elapsed();
@@ -216,24 +159,17 @@ async fn ten_thousand_rows_arrive_keyed_ordered_per_key_with_the_contract_envelo
     );
 
     // Exactly once (no outage, idempotent producer) and nothing foreign.
-    let counts = id_counts(&records);
-    let missing = expected
+    let all = table.rows().await;
+    assert_eq!(all.len(), 10_000);
+    let ids = records
         .iter()
-        .filter(|id| !counts.contains_key(id))
-        .count();
-    let dups: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
-    let strangers = counts.keys().filter(|id| !expected.contains(id)).count();
-    assert!(
-        missing == 0 && dups.is_empty() && strangers == 0,
-        "{missing} rows missing, {} duplicated (e.g. {:?}), {strangers} unknown ids",
-        dups.len(),
-        dups.iter().take(5).collect::<Vec<_>>()
-    );
-
-    let rows: HashMap<Uuid, RowState> = table.rows().await.into_iter().map(|r| (r.id, r)).collect();
-    assert_eq!(rows.len(), 10_000);
+        .map(|r| r.header("ce_id").unwrap_or("<no ce_id>"));
+    analyse(&all, ids)
+        .ignoring_order()
+        .assert_exactly_once("kafka bulk");
+    let mut problems = not_sent_cleanly(&all);
+    let rows: HashMap<Uuid, RowState> = all.into_iter().map(|r| (r.id, r)).collect();
     let source = table.default_source();
-    let mut problems = Vec::new();
     for r in &records {
         let row = &rows[&r.id().unwrap()];
         let topic = format!("{prefix}-{}", row.aggregate_type);
@@ -241,20 +177,7 @@ async fn ten_thousand_rows_arrive_keyed_ordered_per_key_with_the_contract_envelo
             problems.push(format!("{} (seq {}): {p}", row.id, row.seq));
         }
     }
-    for row in rows.values() {
-        if row.status != "sent"
-            || row.sent_at.is_none()
-            || row.attempts != 1
-            || row.locked_by.is_some()
-            || row.last_error.is_some()
-        {
-            problems.push(format!(
-                "{}: status {} sent_at {:?} attempts {} locked_by {:?} last_error {:?}",
-                row.id, row.status, row.sent_at, row.attempts, row.locked_by, row.last_error
-            ));
-        }
-    }
-    assert!(problems.is_empty(), "{}", first_problems(&problems));
+    assert_none("envelope or row problems", &problems);
 
     // Per key: one partition, offsets increasing with seq (contract §3, Kafka).
     let mut by_key: HashMap<(String, String), Vec<Placed>> = HashMap::new();
@@ -467,18 +390,11 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
     let middle: Vec<NewRow> = (0..50).map(|i| small("middle", i)).collect();
     ids.extend(table.insert(&middle).await.into_iter().map(|r| r.id));
 
-    let dead = wait_until(LONG, "the oversize row is failed", async || {
-        let r = table.row(big).await;
-        if r.status == "failed" {
-            Ok(r)
-        } else {
-            Err(format!(
-                "{} attempts {} error {:?}",
-                r.status, r.attempts, r.last_error
-            ))
-        }
-    })
-    .await;
+    let dead = table
+        .wait_row(big, LONG, "the oversize row is failed", |r| {
+            r.status == "failed"
+        })
+        .await;
     assert_eq!(dead.attempts, 2, "{dead:?}");
     let err = dead.last_error.clone().unwrap_or_default();
     assert!(err.contains("MessageSizeTooLarge"), "last_error: {err:?}");
@@ -486,15 +402,7 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
     // The relay is still up and publishing rows inserted after the dead letter.
     let after: Vec<NewRow> = (0..100).map(|i| small("after", i)).collect();
     ids.extend(table.insert(&after).await.into_iter().map(|r| r.id));
-    wait_until(LONG, "the 200 small rows are sent", async || {
-        let n = table.count_where("status = 'sent'").await;
-        if n == 200 {
-            Ok(())
-        } else {
-            Err(format!("{:?}", table.status_counts().await))
-        }
-    })
-    .await;
+    table.wait_count("status = 'sent'", 200, LONG).await;
     let high = high_watermarks(KAFKA, &topic).await;
     consumer.wait_caught_up(&topic, &high, LONG).await;
     assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
@@ -600,19 +508,11 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
             .contains("MessageSizeTooLarge"),
         "{dead:?}"
     );
-    wait_until(
-        LONG,
-        "the records before it and the other aggregate are sent",
-        async || {
-            let sent = table.count_where("status = 'sent'").await;
-            if sent == i64::try_from(BAD + RUN).unwrap() {
-                Ok(())
-            } else {
-                Err(format!("{:?}", table.status_counts().await))
-            }
-        },
-    )
-    .await;
+    // The records before it and the other aggregate are sent.
+    let before_and_b = i64::try_from(BAD + RUN).unwrap();
+    table
+        .wait_count("status = 'sent'", before_and_b, LONG)
+        .await;
     // The later rows of `a` wait untouched: handed back, no attempt spent.
     let held = table.rows_by_id(&a[BAD + 1..]).await;
     for r in held.values() {

@@ -14,37 +14,15 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use common::expected_row_headers;
 use common::{
-    Delivered, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir,
-    TestTable, concurrent_writers, spawn_paced_writer, wait_for_count, wait_until,
+    Analysis, Delivered, NewRow, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState,
+    TempDir, TestTable, analyse, assert_none, bulk_row, concurrent_writers, drop_both, finish,
+    not_sent_cleanly, not_sent_once, spawn_paced_writer, table_and_exchange, time_problem,
+    wait_for_count, wait_until,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
-
-/// Row `n` of the bulk tests: headers of every JSON kind, some rows without an aggregate id.
-fn bulk_row(n: usize) -> NewRow {
-    let aggregate_type = if n.is_multiple_of(2) {
-        "order"
-    } else {
-        "customer"
-    };
-    let aggregate_id = (!n.is_multiple_of(10)).then(|| format!("agg-{}", n % 97));
-    let event_type = ["created", "updated", "deleted"][n % 3];
-    NewRow::new(
-        aggregate_type,
-        aggregate_id.as_deref(),
-        event_type,
-        json!({"n": n, "name": format!("row {n}"), "nested": {"list": [n, "x", null], "ok": true}, "text": "é✓ \"quoted\""}),
-    )
-    .headers(json!({
-        "trace": format!("t-{n}"),
-        "n": n,
-        "flag": n.is_multiple_of(2),
-        "nested": {"k": [n]},
-        "gone": null,
-    }))
-}
 
 /// Checks one delivery against its row (contract §4); returns the problems found.
 fn envelope_problems(d: &Delivered, row: &RowState, source: &str) -> Vec<String> {
@@ -118,29 +96,8 @@ fn envelope_problems(d: &Delivered, row: &RowState, source: &str) -> Vec<String>
             row.aggregate_id
         ),
     );
-    match ce("time") {
-        Some(t) => {
-            // RFC 3339 with at least millisecond precision, equal to created_at.
-            let frac = t
-                .split('.')
-                .nth(1)
-                .map_or(0, |f| f.chars().take_while(char::is_ascii_digit).count());
-            check(
-                frac >= 3,
-                format!("cloudEvents:time {t:?} has less than millisecond precision"),
-            );
-            match DateTime::parse_from_rfc3339(&t) {
-                Ok(parsed) => check(
-                    parsed.with_timezone(&Utc) == row.created_at,
-                    format!("cloudEvents:time {t} != created_at {}", row.created_at),
-                ),
-                Err(e) => check(
-                    false,
-                    format!("cloudEvents:time {t:?} is not RFC 3339: {e}"),
-                ),
-            }
-        }
-        None => check(false, "no cloudEvents:time".to_owned()),
+    if let Some(problem) = time_problem("cloudEvents:time", ce("time").as_deref(), row.created_at) {
+        check(false, problem);
     }
 
     let own: BTreeMap<String, String> = headers
@@ -156,63 +113,28 @@ fn envelope_problems(d: &Delivered, row: &RowState, source: &str) -> Vec<String>
     p
 }
 
-/// Asserts that every id in `expected` arrived exactly once and nothing else did; returns
-/// deliveries by id.
-fn assert_exactly_once(
-    rabbit: &RabbitFixture,
-    expected: &HashSet<Uuid>,
-) -> HashMap<Uuid, Delivered> {
+/// The deliveries checked against `rows`, in arrival order.
+fn analysis(rows: &[RowState], rabbit: &RabbitFixture) -> Analysis {
     let deliveries = rabbit.deliveries();
-    let mut by_id: HashMap<Uuid, Delivered> = HashMap::new();
-    let mut duplicates = Vec::new();
-    let mut strangers = Vec::new();
-    for d in deliveries {
-        match Uuid::parse_str(&d.message_id) {
-            Ok(id) if expected.contains(&id) => {
-                if by_id.insert(id, d).is_some() {
-                    duplicates.push(id);
-                }
-            }
-            _ => strangers.push(d.message_id.clone()),
-        }
-    }
-    let missing: Vec<&Uuid> = expected
-        .iter()
-        .filter(|id| !by_id.contains_key(id))
-        .collect();
-    assert!(
-        missing.is_empty() && duplicates.is_empty() && strangers.is_empty(),
-        "expected each of {} rows exactly once: {} missing (first {:?}), {} duplicates (first {:?}), {} unexpected message ids (first {:?})",
-        expected.len(),
-        missing.len(),
-        missing.iter().take(5).collect::<Vec<_>>(),
-        duplicates.len(),
-        duplicates.iter().take(5).collect::<Vec<_>>(),
-        strangers.len(),
-        strangers.iter().take(5).collect::<Vec<_>>(),
-    );
-    by_id
+    analyse(rows, deliveries.iter().map(|d| d.message_id.as_str()))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ten_thousand_rows_arrive_exactly_once_with_the_contract_envelope() {
-    let table = TestTable::new("bulk_none").await;
-    let rabbit = RabbitFixture::new("bulk_none", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("bulk_none").await;
     let mut relay = RelayBuilder::for_test(&table, &rabbit, "bulk-none")
         .set("relay.ordering", "none")
         .spawn();
 
-    let inserted = concurrent_writers(
+    let writers = concurrent_writers(
         &table.name,
         4,
         2500,
         25,
         Duration::from_millis(1),
         |_, n| bulk_row(n),
-    )
-    .await;
-    assert_eq!(inserted.len(), 10_000);
-    let expected: HashSet<Uuid> = inserted.iter().map(|i| i.id).collect();
+    );
+    assert_eq!(writers.await.len(), 10_000);
 
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
@@ -222,51 +144,34 @@ async fn ten_thousand_rows_arrive_exactly_once_with_the_contract_envelope() {
         relay.stderr()
     );
 
-    let by_id = assert_exactly_once(&rabbit, &expected);
     let rows = table.rows().await;
     assert_eq!(rows.len(), 10_000);
+    analysis(&rows, &rabbit)
+        .ignoring_order()
+        .assert_exactly_once("bulk");
+    let by_id: HashMap<String, Delivered> = rabbit
+        .deliveries()
+        .into_iter()
+        .map(|d| (d.message_id.clone(), d))
+        .collect();
     let source = table.default_source();
-    let mut problems = Vec::new();
+    let mut problems = not_sent_cleanly(&rows);
     for row in &rows {
-        for p in envelope_problems(&by_id[&row.id], row, &source) {
+        for p in envelope_problems(&by_id[&row.id.to_string()], row, &source) {
             problems.push(format!("{} (seq {}): {p}", row.id, row.seq));
         }
-        if row.status != "sent"
-            || row.sent_at.is_none()
-            || row.attempts != 1
-            || row.locked_by.is_some()
-            || row.last_error.is_some()
-        {
-            problems.push(format!(
-                "{}: status {} sent_at {:?} attempts {} locked_by {:?} last_error {:?}",
-                row.id, row.status, row.sent_at, row.attempts, row.locked_by, row.last_error
-            ));
-        }
     }
-    assert!(
-        problems.is_empty(),
-        "{} problems, first 10:\n{}",
-        problems.len(),
-        problems
-            .iter()
-            .take(10)
-            .cloned()
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    assert_none("envelope or row problems", &problems);
     // The fixture covers what it claims to: rows without aggregate id, headers with nulls.
     assert!(rows.iter().any(|r| r.aggregate_id.is_none()));
     assert!(by_id.values().all(|d| !d.headers().contains_key("gone")));
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregate_ordering_delivers_each_aggregate_in_seq_order() {
-    let table = TestTable::new("bulk_aggregate").await;
-    let rabbit = RabbitFixture::new("bulk_aggregate", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("bulk_aggregate").await;
     let mut relay = RelayBuilder::for_test(&table, &rabbit, "bulk-aggregate")
         .set("relay.ordering", "aggregate")
         .spawn();
@@ -284,7 +189,6 @@ async fn aggregate_ordering_delivers_each_aggregate_in_seq_order() {
     })
     .await;
     assert_eq!(inserted.len(), 2000);
-    let expected: HashSet<Uuid> = inserted.iter().map(|i| i.id).collect();
 
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
@@ -293,33 +197,15 @@ async fn aggregate_ordering_delivers_each_aggregate_in_seq_order() {
         "relay exited early:\n{}",
         relay.stderr()
     );
-    assert_exactly_once(&rabbit, &expected);
+    let rows = table.rows().await;
+    assert_eq!(rows.len(), 2000);
+    // Exactly once, and each aggregate in seq order.
+    analysis(&rows, &rabbit).assert_exactly_once("aggregate ordering");
+    let aggregates: HashSet<String> = rows.iter().filter_map(RowState::aggregate).collect();
+    assert_eq!(aggregates.len(), 20);
+    assert_none("rows not sent once", &not_sent_once(&rows));
 
-    let rows: HashMap<String, RowState> = table
-        .rows()
-        .await
-        .into_iter()
-        .map(|r| (r.id.to_string(), r))
-        .collect();
-    let mut arrival: HashMap<String, Vec<i64>> = HashMap::new();
-    for d in rabbit.deliveries() {
-        let row = &rows[&d.message_id];
-        arrival
-            .entry(row.aggregate_id.clone().unwrap())
-            .or_default()
-            .push(row.seq);
-    }
-    assert_eq!(arrival.len(), 20);
-    for (agg, seqs) in &arrival {
-        let mut sorted = seqs.clone();
-        sorted.sort_unstable();
-        assert_eq!(seqs, &sorted, "aggregate {agg} arrived out of seq order");
-    }
-    assert!(rows.values().all(|r| r.status == "sent" && r.attempts == 1));
-
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -479,8 +365,11 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
         "routable rows must flow while the bad row is in backoff"
     );
     rabbit.barrier().await;
-    let by_id = assert_exactly_once(&rabbit, &good.iter().copied().collect());
-    assert!(!by_id.contains_key(&bad));
+    // Every routable row exactly once, and nothing else (the bad row would be foreign).
+    let good_rows: Vec<RowState> = table.rows_by_id(&good).await.into_values().collect();
+    analysis(&good_rows, &rabbit)
+        .ignoring_order()
+        .assert_exactly_once("routable rows");
     let counts = table.status_counts().await;
     assert_eq!(
         (
@@ -493,15 +382,12 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
     );
     assert!(relay.log_count("dead-lettered") >= 1, "{}", relay.stderr());
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
-    let table = TestTable::new("sigkill").await;
-    let rabbit = RabbitFixture::new("sigkill", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("sigkill").await;
     let proxy = Proxy::start(RABBIT_ADDR).await;
     let mut a = RelayBuilder::for_test(&table, &rabbit, "a")
         .set("publisher.rabbitmq.url", proxy.amqp_url())
@@ -567,18 +453,18 @@ async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
     table.wait_all_sent(Duration::from_secs(30)).await;
     rabbit.barrier().await;
 
-    let counts = rabbit.id_counts();
-    let missing = held
-        .iter()
-        .filter(|id| !counts.contains_key(&id.to_string()))
-        .count();
-    assert_eq!(missing, 0, "rows held by the killed relay never arrived");
-    let dups: Vec<_> = counts.iter().filter(|(_, n)| **n > 1).collect();
+    let after = table.rows_by_id(&held).await;
+    // Every held row arrived; each aggregate's first arrivals are in seq order (ordering held
+    // across the crash).
+    let held_rows: Vec<RowState> = after.values().cloned().collect();
+    let a = analysis(&held_rows, &rabbit);
+    assert_none("rows held by the killed relay never arrived", &a.lost);
+    assert_none("first arrivals out of seq order", &a.reordered);
+    let dups = a.duplicated_ids();
     println!(
         "sigkill: {} ids delivered more than once: {dups:?}",
         dups.len()
     );
-    let after = table.rows_by_id(&held).await;
     for id in &held {
         let (was, now) = (&before[id], &after[id]);
         assert_eq!(now.status, "sent");
@@ -601,36 +487,12 @@ async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
         b.stderr()
     );
 
-    // Ordering held across the crash: each aggregate's first arrivals are in seq order.
-    let seq: HashMap<String, (String, i64)> = after
-        .values()
-        .map(|r| (r.id.to_string(), (r.aggregate_id.clone().unwrap(), r.seq)))
-        .collect();
-    let mut first_seen = HashSet::new();
-    let mut arrival: HashMap<String, Vec<i64>> = HashMap::new();
-    for d in rabbit.deliveries() {
-        if let Some((agg, s)) = seq.get(&d.message_id)
-            && first_seen.insert(d.message_id.clone())
-        {
-            arrival.entry(agg.clone()).or_default().push(*s);
-        }
-    }
-    for (agg, seqs) in &arrival {
-        assert!(
-            seqs.windows(2).all(|w| w[0] < w[1]),
-            "aggregate {agg} out of order: {seqs:?}"
-        );
-    }
-
-    b.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(b, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_under_load_exits_zero_and_leaves_nothing_processing() {
-    let table = TestTable::new("sigterm").await;
-    let rabbit = RabbitFixture::new("sigterm", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("sigterm").await;
     for chunk in 0..10 {
         let rows: Vec<NewRow> = (0..500)
             .map(|i| {
@@ -731,9 +593,7 @@ async fn sigterm_under_load_exits_zero_and_leaves_nothing_processing() {
         0
     );
 
-    next.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(next, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -803,9 +663,7 @@ async fn returned_messages_are_charged_to_the_right_row_under_concurrency() {
             .join("\n")
     );
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 /// The publisher keeps thousands of messages unconfirmed on at most 4 channels, so RabbitMQ
@@ -844,24 +702,10 @@ async fn returned_messages_share_multiple_acks_and_are_charged_by_message_id() {
         .set("retry.max_delay", "1h")
         .spawn();
     let expected_sent = i64::try_from(ROWS - unroutable).unwrap();
-    wait_until(
-        LONG,
-        "every row is published once and settled",
-        async || {
-            let unsettled = table
-                .count_where("attempts = 0 OR status = 'processing'")
-                .await;
-            if unsettled == 0 {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{unsettled} unsettled, {:?}",
-                    table.status_counts().await
-                ))
-            }
-        },
-    )
-    .await;
+    // Every row is published once and settled.
+    table
+        .wait_count("attempts = 0 OR status = 'processing'", 0, LONG)
+        .await;
     rabbit.barrier().await;
 
     let states = table
@@ -915,9 +759,7 @@ async fn returned_messages_share_multiple_acks_and_are_charged_by_message_id() {
     assert!(other.is_empty(), "{other:?}");
     assert_eq!(table.count_where("status = 'sent'").await, expected_sent);
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 /// Starts a relay whose broker connection goes through `proxy`, proves it is publishing with a
@@ -937,27 +779,15 @@ async fn hold_rows_behind_a_black_hole(
     proxy.stall();
     let rows: Vec<NewRow> = NewRow::numbered(n, "hole", Some(("h-", 5)), "e");
     let ids: Vec<Uuid> = table.insert_ids(&rows).await;
-    let condition = format!("status = 'processing' AND locked_by = '{instance}'");
-    wait_until(
-        Duration::from_secs(10),
-        &format!("{instance} holds the {n} rows"),
-        async || {
-            let held = table.count_where(&condition).await;
-            if held == i64::try_from(n).unwrap() {
-                Ok(())
-            } else {
-                Err(format!("{held} processing"))
-            }
-        },
-    )
-    .await;
+    let held = format!("status = 'processing' AND locked_by = '{instance}'");
+    let n = i64::try_from(n).unwrap();
+    table.wait_count(&held, n, Duration::from_secs(10)).await;
     ids
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unanswered_publishes_time_out_and_are_handed_back_without_spending_attempts() {
-    let table = TestTable::new("black_hole").await;
-    let rabbit = RabbitFixture::new("black_hole", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("black_hole").await;
     let proxy = Proxy::start(RABBIT_ADDR).await;
     // max_attempts 2: were a timed-out publish counted as a message failure, the second
     // round would dead-letter the rows.
@@ -971,22 +801,10 @@ async fn unanswered_publishes_time_out_and_are_handed_back_without_spending_atte
     let ids = hold_rows_behind_a_black_hole(&table, &rabbit, &proxy, "black-hole", 50).await;
 
     // confirm_timeout passes: every row is handed back, attempt refunded.
-    wait_until(
-        Duration::from_secs(15),
-        "the unconfirmed rows are handed back",
-        async || {
-            let c = table.status_counts().await;
-            let refunded = table
-                .count_where("status = 'pending' AND attempts = 0 AND locked_by IS NULL")
-                .await;
-            if refunded == 50 {
-                Ok(())
-            } else {
-                Err(format!("{c:?}, {refunded} pending with attempts 0"))
-            }
-        },
-    )
-    .await;
+    let refunded = "status = 'pending' AND attempts = 0 AND locked_by IS NULL";
+    table
+        .wait_count(refunded, 50, Duration::from_secs(15))
+        .await;
     assert!(
         relay.log_count("no confirm within") >= 1,
         "{}",
@@ -1014,15 +832,12 @@ async fn unanswered_publishes_time_out_and_are_handed_back_without_spending_atte
         "every row sent on its first counted attempt"
     );
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_a_hung_broker_hands_rows_back_and_exits_within_shutdown_timeout() {
-    let table = TestTable::new("term_hung").await;
-    let rabbit = RabbitFixture::new("term_hung", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("term_hung").await;
     let proxy = Proxy::start(RABBIT_ADDR).await;
     let instance = "term-hung";
     let mut relay = RelayBuilder::for_test(&table, &rabbit, instance)
@@ -1057,8 +872,7 @@ async fn sigterm_with_a_hung_broker_hands_rows_back_and_exits_within_shutdown_ti
         relay.stderr()
     );
     drop(proxy);
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1123,77 +937,6 @@ async fn config_errors_exit_2_with_one_line_naming_the_key() {
     assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn passwords_never_reach_the_output() {
-    const SECRET: &str = "hunter2";
-    let dir = TempDir::new("secrets");
-    let unreachable = dir.write(
-        "secret.toml",
-        "[database]\nurl = \"postgres://u:hunter2@127.0.0.1:1/db\"\n\
-         [publisher.rabbitmq]\nurl = \"amqp://g:hunter2@127.0.0.1:1/%2f\"\n\
-         [metrics]\nlisten = \"\"\n",
-    );
-    let config = unreachable.to_str().unwrap();
-
-    // check: both connections fail → exit 1, each reported with the password masked.
-    let out = RelayBuilder::bare("secrets")
-        .output(&["--config", config, "check"], Duration::from_secs(60))
-        .await;
-    assert_eq!(out.status.code(), Some(1), "{out:?}");
-    assert!(
-        !out.stdout.contains(SECRET) && !out.stderr.contains(SECRET),
-        "{out:?}"
-    );
-    assert!(
-        out.stdout.contains("database: FAILED") && out.stdout.contains("broker: FAILED"),
-        "{out:?}"
-    );
-    assert!(out.stdout.contains("u:***@"), "{out:?}");
-
-    // run with an unreachable database: retries, then SIGTERM.
-    let mut relay = RelayBuilder::bare("secrets-run-db").spawn_with(&["--config", config, "run"]);
-    relay
-        .wait_for_log("database unavailable", 2, Duration::from_secs(20))
-        .await;
-    relay.sigterm();
-    let status = relay.wait_exit(Duration::from_secs(20)).await;
-    assert!(status.success(), "{status}\n{}", relay.stderr());
-    assert!(
-        !relay.stderr().contains(SECRET) && !relay.stdout().contains(SECRET),
-        "{}",
-        relay.stderr()
-    );
-
-    // run with a reachable database (trust auth ignores the password) and an unreachable
-    // broker: the start-up line and the reconnect warnings show both URLs, masked.
-    let table = TestTable::new("secrets").await;
-    let mut relay = RelayBuilder::bare("secrets-run-broker")
-        .set(
-            "database.url",
-            PG_URL.replace("postgres@", "postgres:hunter2@"),
-        )
-        .set("database.table", &table.name)
-        .set("publisher.rabbitmq.url", "amqp://g:hunter2@127.0.0.1:1/%2f")
-        .set("metrics.listen", "")
-        .spawn();
-    relay
-        .wait_for_log("broker unavailable", 2, Duration::from_secs(30))
-        .await;
-    relay.sigterm();
-    let status = relay.wait_exit(Duration::from_secs(20)).await;
-    assert!(status.success(), "{status}\n{}", relay.stderr());
-    let logs = relay.stderr();
-    assert!(
-        !logs.contains(SECRET) && !relay.stdout().contains(SECRET),
-        "{logs}"
-    );
-    assert!(
-        logs.contains("postgres:***@") && logs.contains("g:***@"),
-        "{logs}"
-    );
-    table.drop_table().await;
-}
-
 /// The Python SDK decode (`cloudevents` 2.x, when installed): reads a JSON message description
 /// on stdin, prints the decoded event's attributes and data as JSON.
 const PY_DECODE: &str = r#"
@@ -1255,8 +998,7 @@ fn python_decode(binding: &str, d: &Delivered) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cloudevents_prefix_names_the_headers_for_each_consumer_convention() {
-    let table = TestTable::new("ce_prefix").await;
-    let rabbit = RabbitFixture::new("ce_prefix", "#", "barrier.ce").await;
+    let (table, rabbit) = table_and_exchange("ce_prefix").await;
     let sdk = python_sdk_available();
     if !sdk {
         eprintln!("python3 -m pip install cloudevents to also decode through the Python SDK");
@@ -1274,13 +1016,8 @@ async fn cloudevents_prefix_names_the_headers_for_each_consumer_convention() {
                 json!({"total": n}),
             )])
             .await;
-        rabbit.wait_for_ids(&[row[0].id], LONG).await;
+        let d = rabbit.wait_for_delivery(row[0].id, LONG).await;
         relay.stop().await;
-        let d = rabbit
-            .deliveries()
-            .into_iter()
-            .find(|d| d.message_id == row[0].id.to_string())
-            .unwrap();
         let headers = d.headers();
         let id = row[0].id.to_string();
         let subject = format!("o-{n}");
@@ -1318,6 +1055,5 @@ async fn cloudevents_prefix_names_the_headers_for_each_consumer_convention() {
             assert_eq!(ev["data"], json!({"total": n}), "{ev}");
         }
     }
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
