@@ -8,7 +8,7 @@
 //!    RabbitMQ connection cut by a proxy with publishes in flight (ordering none and aggregate), RabbitMQ restarted for real (`rabbitmqctl
 //!    stop_app`/`start_app`, a durable queue and a reconnecting consumer), the PostgreSQL
 //!    connection cut by a proxy, PostgreSQL restarted for real (`pg_ctlcluster … restart`).
-//! 3. Kafka broker restarts are covered by `tests/relay_kafka.rs`
+//! 3. Kafka broker restarts are covered by `tests/shutdown_and_outages.rs`
 //!    (`broker_killed_and_restarted_mid_stream_spends_no_attempt`), not repeated here.
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind, headers
 //!    that are not an object, names and routing keys over AMQP's 255 bytes, a `bytea` payload of
@@ -70,12 +70,6 @@ fn soak() -> bool {
 /// `short` normally, `long` in the soak.
 fn pick<T>(short: T, long: T) -> T {
     if soak() { long } else { short }
-}
-
-/// [`analyse`] of what `rabbit` received, in arrival order.
-fn analyse_rabbit(expected: &[RowState], rabbit: &RabbitFixture) -> Analysis {
-    let deliveries = rabbit.deliveries();
-    analyse(expected, deliveries.iter().map(|d| d.message_id.as_str()))
 }
 
 /// Prints the test's one summary line, then asserts nothing was lost, reordered or foreign.
@@ -235,7 +229,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
         written,
         "the writer's rows are all in the table"
     );
-    let a = analyse_rabbit(&rows, &rabbit);
+    let a = rabbit.analyse(&rows);
 
     // Duplicates, honestly: every delivery is a publish, and a relay publishes a row only after
     // claiming it, once per claim. The audit trigger records every claim in the claiming
@@ -425,7 +419,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         "{in_flight} rows were in flight at the cut but none was handed back\n{}",
         relay.stderr()
     );
-    let mut a = analyse_rabbit(&rows, &rabbit);
+    let mut a = rabbit.analyse(&rows);
     if ordering == "none" {
         a.reordered.clear(); // `ordering = "none"` promises no order
     }
@@ -650,7 +644,7 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
         &wrong[..wrong.len().min(10)],
         &theirs[..theirs.len().min(20)]
     );
-    let a = analyse_rabbit(&rows, &rabbit);
+    let a = rabbit.analyse(&rows);
     summary(
         "postgres-proxy-cut",
         1,
@@ -725,7 +719,7 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         .await;
     rabbit.barrier().await;
     let all = table.rows().await;
-    let a = analyse_rabbit(&all, &rabbit);
+    let a = rabbit.analyse(&all);
     summary(
         "postgres-outage-beyond-lease",
         1,
@@ -833,7 +827,7 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
     );
     rabbit.barrier().await;
     let all = table.rows().await;
-    let a = analyse_rabbit(&all, &rabbit);
+    let a = rabbit.analyse(&all);
     summary(
         "postgres-lost-claim-answer",
         1,
@@ -932,7 +926,7 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
 
     let rows = table.rows().await;
     assert_none("rows not sent once", &not_sent_once(&rows));
-    let a = analyse_rabbit(&rows, &rabbit);
+    let a = rabbit.analyse(&rows);
     assert!(relay.is_running(), "the relay process survived");
     summary(
         "postgres-restart",
@@ -1392,7 +1386,7 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
             || (f.status == "pending" && f.aggregate().as_deref() == Some("big/whale"))),
         "only the huge aggregate may be unfinished"
     );
-    let a = analyse_rabbit(&sent, &rabbit);
+    let a = rabbit.analyse(&sent);
     summary(
         "huge-aggregate",
         1,
@@ -1679,7 +1673,7 @@ async fn crash_loop(label: &str) -> CrashLoop {
         not_sent.is_empty(),
         "rows dead-lettered or stuck with the crasher: {not_sent:?}"
     );
-    let analysis = analyse_rabbit(&others, &rabbit);
+    let analysis = rabbit.analyse(&others);
     relay.stop().await;
     rabbit.teardown().await;
     audit.drop(&table.db, &table.name).await;

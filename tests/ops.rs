@@ -1566,3 +1566,67 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
     prom.stop().await;
     finish(relay, table, rabbit).await;
 }
+
+// ---- configuration errors ----------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_errors_exit_2_with_one_line_naming_the_key() {
+    let cases: [(&str, &str, &str, &str); 4] = [
+        (
+            "unknown key",
+            "check",
+            "[relay]\nbatch_sise = 3\n",
+            "relay.batch_sise",
+        ),
+        (
+            "hostile table name",
+            "check",
+            "[database]\ntable = \"x; drop table y\"\n",
+            "database.table",
+        ),
+        (
+            "unparsable duration",
+            "run",
+            "[relay]\npoll_interval = \"soon\"\n",
+            "relay.poll_interval",
+        ),
+        (
+            "bare number duration",
+            "run",
+            "[retry]\nbase_delay = 5\n",
+            "retry.base_delay",
+        ),
+    ];
+    for (what, command, toml, key) in cases {
+        let dir = TempDir::new("config");
+        let path = dir.write("bad.toml", toml);
+        let out = RelayBuilder::bare("config")
+            .output(
+                &["--config", path.to_str().unwrap(), command],
+                Duration::from_secs(20),
+            )
+            .await;
+        assert_eq!(out.status.code(), Some(2), "{what}: {out:?}");
+        let lines: Vec<&str> = out.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{what}: stderr should be one line: {out:?}");
+        assert!(
+            lines[0].contains(key),
+            "{what}: {:?} should name {key}",
+            lines[0]
+        );
+        assert!(out.stdout.is_empty(), "{what}: {out:?}");
+    }
+
+    let out = RelayBuilder::bare("config")
+        .output(
+            &["--config", "/nonexistent/outbox-relay/relay.toml", "check"],
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("/nonexistent/outbox-relay/relay.toml"),
+        "{out:?}"
+    );
+    assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
+}

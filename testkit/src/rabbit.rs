@@ -282,6 +282,12 @@ impl RabbitFixture {
             .expect("an id that arrived is among the deliveries")
     }
 
+    /// The deliveries so far checked against `expected` (see [`crate::analyse`]).
+    pub fn analyse(&self, expected: &[crate::RowState]) -> crate::Analysis {
+        let deliveries = self.deliveries();
+        crate::analyse(expected, deliveries.iter().map(|d| d.message_id.as_str()))
+    }
+
     /// Publishes a marker to the exchange and waits for it: every message the broker had
     /// accepted into the queue before this call has then been received.
     pub async fn barrier(&self) {
