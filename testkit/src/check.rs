@@ -116,3 +116,61 @@ pub fn not_sent_once(rows: &[RowState]) -> Vec<String> {
 pub fn not_sent_cleanly(rows: &[RowState]) -> Vec<String> {
     rows.iter().filter_map(RowState::not_sent_cleanly).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(seq: i64, aggregate: Option<&str>) -> RowState {
+        let now = chrono::Utc::now();
+        RowState {
+            id: Uuid::new_v4(),
+            seq,
+            aggregate_type: "t".into(),
+            aggregate_id: aggregate.map(str::to_owned),
+            event_type: "e".into(),
+            payload: serde_json::Value::Null,
+            headers: serde_json::Value::Null,
+            destination: None,
+            status: "sent".into(),
+            attempts: 1,
+            available_at: now,
+            locked_at: None,
+            locked_by: None,
+            last_error: None,
+            created_at: now,
+            sent_at: Some(now),
+        }
+    }
+
+    /// Each kind of wrong delivery is found, and makes the assertion fail.
+    #[test]
+    fn analyse_finds_lost_duplicated_foreign_and_reordered_deliveries() {
+        let rows = [row(1, Some("a")), row(2, Some("a")), row(3, None)];
+        let id = |i: usize| rows[i].id.to_string();
+        let ok = analyse(&rows, [id(0), id(1), id(2)].iter().map(String::as_str));
+        ok.assert_exactly_once("in order");
+        let bad = [
+            vec![id(0), id(1)],                    // lost
+            vec![id(0), id(1), id(2), id(2)],      // duplicated
+            vec![id(0), id(1), id(2), "x".into()], // foreign
+            vec![id(1), id(0), id(2)],             // reordered
+        ];
+        for arrivals in bad {
+            let a = analyse(&rows, arrivals.iter().map(String::as_str));
+            let failed = std::panic::catch_unwind(|| a.assert_exactly_once("case"));
+            assert!(failed.is_err(), "{arrivals:?} passed");
+        }
+        let reordered = analyse(&rows, [id(1), id(0), id(2)].iter().map(String::as_str));
+        reordered
+            .ignoring_order()
+            .assert_exactly_once("order not judged");
+        let mut unsent = row(4, None);
+        unsent.attempts = 2;
+        assert_eq!(not_sent_once(&[unsent.clone()]).len(), 1);
+        unsent.attempts = 1;
+        unsent.last_error = Some("x".into());
+        assert!(not_sent_once(&[unsent.clone()]).is_empty());
+        assert_eq!(not_sent_cleanly(&[unsent]).len(), 1);
+    }
+}
