@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{PG_URL, RabbitFixture, RelayBuilder, TestTable};
+use common::{PG_URL, RelayBuilder, drop_both, table_and_exchange};
 
 /// `pgbench` one-row inserts from `clients` connections for `secs`; returns (tps, mean
 /// latency ms).
@@ -76,8 +76,7 @@ async fn application_commits_beside_the_relay() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
-    let table = TestTable::new("commit_cost").await;
-    let rabbit = RabbitFixture::new("commit_cost", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("commit_cost").await;
     let sent = async || table.count_where("true").await;
     let mut lines = Vec::new();
     let mut by_mode = std::collections::BTreeMap::new();
@@ -156,8 +155,7 @@ async fn application_commits_beside_the_relay() {
         best("poll only") / best("no relay"),
         best("notify every txn") / best("poll only"),
     );
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
     assert!(
         best("default") >= 0.95 * best("poll only"),
         "the default wake-up costs commits: {lines:#?}"

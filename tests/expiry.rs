@@ -15,8 +15,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use common::{
-    PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TestTable, hex8, pg_connect,
-    wait_until,
+    PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TestTable, drop_both, finish, hex8,
+    pg_connect, table_and_exchange, wait_until,
 };
 use outbox_relay::config::TableName;
 use outbox_relay::store::schema::{self, MIGRATIONS};
@@ -94,8 +94,7 @@ async fn scrape(port: u16) -> Result<String, String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate() {
-    let table = TestTable::new("expiry_before_claim").await;
-    let rabbit = RabbitFixture::new("expiry_before_claim", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("expiry_before_claim").await;
     // Aggregate a-1 in order: an expired head, then a row without a deadline, then one with a
     // deadline an hour away. A row without aggregate id that expired. Inserted before the
     // relay starts, so the first claim meets them all.
@@ -111,13 +110,8 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
 
     rabbit.wait_for_ids(&[second, third], WAIT).await;
     // Delivered, then settled: wait for the settle too.
-    wait_until(WAIT, "the two live rows are sent", async || {
-        match table.count_where("status = 'sent'").await {
-            2 => Ok(()),
-            n => Err(format!("{n} sent")),
-        }
-    })
-    .await;
+    // The two live rows are sent.
+    table.wait_count("status = 'sent'", 2, WAIT).await;
     rabbit.barrier().await;
     let delivered: Vec<String> = rabbit
         .deliveries()
@@ -184,15 +178,12 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     assert_eq!(v["by_aggregate_type"]["order"]["expired"], 2, "{v}");
     relay.wait_for_log("passed their expires_at", 1, WAIT).await;
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_going_out_late() {
-    let table = TestTable::new("expiry_outage").await;
-    let rabbit = RabbitFixture::new("expiry_outage", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("expiry_outage").await;
     let proxy = Proxy::start(RABBIT_ADDR).await;
     let relay = relay(&table, &rabbit, "expiry-outage")
         .set("publisher.rabbitmq.url", proxy.amqp_url())
@@ -219,25 +210,13 @@ async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_g
     .await;
     // The connection drops: the row is handed back, and stays back until after its deadline.
     proxy.cut();
-    wait_until(
-        WAIT,
-        "the expiring row is handed back",
-        async || match table.row(expiring).await.status.as_str() {
-            "pending" => Ok(()),
-            other => Err(other.to_owned()),
-        },
-    )
-    .await;
+    let what = "the expiring row is handed back";
+    table
+        .wait_row(expiring, WAIT, what, |r| r.status == "pending")
+        .await;
     let deadline_passed = format!("id = '{expiring}' AND expires_at < now() - interval '500 ms'");
-    wait_until(
-        WAIT,
-        "the deadline passes during the outage",
-        async || match table.count_where(&deadline_passed).await {
-            1 => Ok(()),
-            _ => Err("not yet".to_owned()),
-        },
-    )
-    .await;
+    // The deadline passes during the outage.
+    table.wait_count(&deadline_passed, 1, WAIT).await;
     assert_eq!(table.count_where("status = 'sent'").await, 0);
     proxy.heal();
 
@@ -256,15 +235,12 @@ async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_g
     );
     assert_eq!(table.row(after).await.status, "sent");
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_removes_expired_rows_like_sent_ones() {
-    let table = TestTable::new("expiry_retention").await;
-    let rabbit = RabbitFixture::new("expiry_retention", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("expiry_retention").await;
     // Expired an hour ago (removed at once with a 30 min retention), expired just now (kept
     // for the retention), and a row that is sent (kept: fresh).
     let old = insert_expiring(&table, Some("r-1"), "old", Some(-3600.0)).await;
@@ -307,8 +283,7 @@ async fn retention_removes_expired_rows_like_sent_ones() {
     relay.stop().await;
     rabbit.barrier().await;
     assert!(!rabbit.id_counts().contains_key(&gone.to_string()));
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
 
 fn relay_zero(table: &TestTable, rabbit: &RabbitFixture) -> common::RelayProcess {
@@ -460,7 +435,5 @@ async fn migrate_upgrades_a_version_1_table_in_place_with_rows_pending_and_in_fl
     })
     .await;
     assert_eq!(table.row(late).await.status, "expired");
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }

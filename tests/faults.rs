@@ -8,7 +8,7 @@
 //!    RabbitMQ connection cut by a proxy with publishes in flight (ordering none and aggregate), RabbitMQ restarted for real (`rabbitmqctl
 //!    stop_app`/`start_app`, a durable queue and a reconnecting consumer), the PostgreSQL
 //!    connection cut by a proxy, PostgreSQL restarted for real (`pg_ctlcluster … restart`).
-//! 3. Kafka broker restarts are covered by `tests/relay_kafka.rs`
+//! 3. Kafka broker restarts are covered by `tests/shutdown_and_outages.rs`
 //!    (`broker_killed_and_restarted_mid_stream_spends_no_attempt`), not repeated here.
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind, headers
 //!    that are not an object, names and routing keys over AMQP's 255 bytes, a `bytea` payload of
@@ -42,28 +42,19 @@ mod common;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::os::unix::process::ExitStatusExt;
-use std::sync::atomic::{AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use common::kafka::{KAFKA, create_topic, read_ids, topic_name};
+use common::kafka::{KAFKA, create_topic, kafka_relay, read_ids, topic_name};
 use common::{
-    AMQP_URL, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RelayProcess,
-    TestTable, hex8, wait_for_count, wait_until,
+    AMQP_URL, Analysis, DurableQueue, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
+    RelayBuilder, RelayProcess, RowState, TestTable, analyse, assert_none, drop_both, finish, hex8,
+    not_sent_once, spawn_steady_writer, table_and_exchange, wait_for_count, wait_until,
 };
-use futures::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ExchangeDeleteOptions, QueueDeleteOptions,
-};
-use lapin::types::FieldTable;
-use lapin::{BasicProperties, Connection, ConnectionProperties};
+use lapin::{Connection, ConnectionProperties};
 use serde_json::{Value, json};
 use tokio::sync::RwLock;
-use tokio::task::JoinHandle;
-use tokio_postgres::{Client, NoTls};
-use tokio_util::sync::CancellationToken;
+use tokio_postgres::Client;
 use uuid::Uuid;
 
 /// Read by every test, written by the tests that stop or restart a shared service.
@@ -81,223 +72,15 @@ fn pick<T>(short: T, long: T) -> T {
     if soak() { long } else { short }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Rows as the database holds them, and what the consumer saw
-
-/// The columns the checks need (no payload: it may be `bytea`).
-#[derive(Debug, Clone)]
-struct Fact {
-    id: Uuid,
-    seq: i64,
-    /// `aggregate_type/aggregate_id`, `None` for rows without an aggregate id.
-    aggregate: Option<String>,
-    status: String,
-    attempts: i32,
-    last_error: Option<String>,
-}
-
-async fn facts(db: &Client, table: &str) -> Vec<Fact> {
-    db.query(
-        &format!(
-            "SELECT id, seq, aggregate_type, aggregate_id, status, attempts, last_error \
-             FROM {table} ORDER BY seq"
-        ),
-        &[],
-    )
-    .await
-    .expect("select facts")
-    .iter()
-    .map(|r| Fact {
-        id: r.get(0),
-        seq: r.get(1),
-        aggregate: r
-            .get::<_, Option<String>>(3)
-            .map(|a| format!("{}/{a}", r.get::<_, String>(2))),
-        status: r.get(4),
-        attempts: r.get(5),
-        last_error: r.get(6),
-    })
-    .collect()
-}
-
-/// Deliveries checked against the rows that should have been delivered.
-#[derive(Debug, Default)]
-struct Analysis {
-    /// Rows never delivered.
-    lost: Vec<Uuid>,
-    /// First arrivals of an aggregate out of `seq` order.
-    reordered: Vec<String>,
-    /// Deliveries beyond the first of each id.
-    duplicates: usize,
-    /// Deliveries per id.
-    counts: HashMap<Uuid, usize>,
-    /// Deliveries whose id is not one of `expected`.
-    foreign: usize,
-}
-
-/// `arrivals`: message ids in arrival order. `expected`: the rows that must arrive.
-fn analyse<'a>(expected: &[Fact], arrivals: impl IntoIterator<Item = &'a str>) -> Analysis {
-    let by_id: HashMap<Uuid, &Fact> = expected.iter().map(|f| (f.id, f)).collect();
-    let mut out = Analysis::default();
-    let mut last_seq: HashMap<&str, i64> = HashMap::new();
-    for m in arrivals {
-        let Some(fact) = m.parse::<Uuid>().ok().and_then(|id| by_id.get(&id)) else {
-            out.foreign += 1;
-            continue;
-        };
-        let n = out.counts.entry(fact.id).or_insert(0);
-        *n += 1;
-        if *n > 1 {
-            out.duplicates += 1;
-            continue;
-        }
-        if let Some(agg) = &fact.aggregate {
-            match last_seq.get(agg.as_str()) {
-                Some(&prev) if prev > fact.seq => out
-                    .reordered
-                    .push(format!("{agg}: seq {} arrived after {prev}", fact.seq)),
-                _ => {
-                    last_seq.insert(agg.as_str(), fact.seq);
-                }
-            }
-        }
-    }
-    out.lost = expected
-        .iter()
-        .filter(|f| !out.counts.contains_key(&f.id))
-        .map(|f| f.id)
-        .collect();
-    out
-}
-
-/// [`analyse`] of what `rabbit` received, in arrival order.
-fn analyse_rabbit(expected: &[Fact], rabbit: &RabbitFixture) -> Analysis {
-    let deliveries = rabbit.deliveries();
-    analyse(expected, deliveries.iter().map(|d| d.message_id.as_str()))
-}
-
-/// Prints the test's one summary line, then asserts nothing was lost or reordered.
+/// Prints the test's one summary line, then asserts nothing was lost, reordered or foreign.
 fn summary(fault: &str, injected: usize, rows: usize, a: &Analysis, note: &str) {
-    println!(
-        "FAULT-SUMMARY fault={fault} injected={injected} rows={rows} lost={} reordered={} \
-         duplicates={}{}{note}",
-        a.lost.len(),
-        a.reordered.len(),
-        a.duplicates,
-        if note.is_empty() { "" } else { " " },
+    let (lost, reordered, dups) = (a.lost.len(), a.reordered.len(), a.duplicates);
+    let line = format!(
+        "FAULT-SUMMARY fault={fault} injected={injected} rows={rows} lost={lost} \
+         reordered={reordered} duplicates={dups} {note}"
     );
-    assert!(
-        a.lost.is_empty(),
-        "{fault}: {} rows never arrived, e.g. {:?}",
-        a.lost.len(),
-        &a.lost[..a.lost.len().min(10)]
-    );
-    assert!(
-        a.reordered.is_empty(),
-        "{fault}: {} first arrivals out of seq order, e.g. {:?}",
-        a.reordered.len(),
-        &a.reordered[..a.reordered.len().min(10)]
-    );
-    assert_eq!(a.foreign, 0, "{fault}: deliveries of ids that are not rows");
-}
-
-/// The rows that are not `sent` with exactly one attempt.
-fn not_sent_once(facts: &[Fact]) -> Vec<(Uuid, String, i32, Option<String>)> {
-    facts
-        .iter()
-        .filter(|f| f.status != "sent" || f.attempts != 1)
-        .map(|f| (f.id, f.status.clone(), f.attempts, f.last_error.clone()))
-        .collect()
-}
-
-/// Asserts that every row is `sent` with exactly one attempt (the outage tests' invariant: an
-/// outage never spends an attempt, and nothing in them fails at the message level).
-fn assert_sent_once(facts: &[Fact]) {
-    let wrong = not_sent_once(facts);
-    assert!(
-        wrong.is_empty(),
-        "rows not sent with attempts = 1: {} e.g. {:?}",
-        wrong.len(),
-        &wrong[..wrong.len().min(10)]
-    );
-}
-
-// ---------------------------------------------------------------------------------------------
-// Writing rows while faults happen
-
-/// `insert_rows` that reports errors instead of panicking (the database may be restarting).
-async fn try_insert(client: &Client, table: &str, rows: &[NewRow]) -> Result<usize, String> {
-    common::try_insert_rows(client, table, rows)
-        .await
-        .map(|ids| ids.len())
-        .map_err(|e| e.to_string())
-}
-
-async fn try_connect() -> Result<Client, String> {
-    let (client, conn) = tokio_postgres::connect(PG_URL, NoTls)
-        .await
-        .map_err(|e| e.to_string())?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
-}
-
-/// Inserts `batch` rows spread over `aggregates` aggregates every 30 ms until the returned token
-/// is cancelled, and survives a database restart (reconnects; a batch whose commit is in doubt
-/// may or may not be in the table — the checks read the table, not this count). The task
-/// returns the rows known inserted.
-fn spawn_writer(
-    table: &str,
-    tag: &str,
-    aggregates: usize,
-    batch: usize,
-) -> (CancellationToken, JoinHandle<usize>) {
-    let every = Duration::from_millis(30);
-    let (table, tag, stop) = (table.to_owned(), tag.to_owned(), CancellationToken::new());
-    let token = stop.clone();
-    let task = tokio::spawn(async move {
-        let mut client: Option<Client> = None;
-        let mut n = 0usize;
-        let mut inserted = 0usize;
-        while !stop.is_cancelled() {
-            let Some(c) = client.as_ref() else {
-                match try_connect().await {
-                    Ok(c) => client = Some(c),
-                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
-                }
-                continue;
-            };
-            let rows: Vec<NewRow> = (n..n + batch)
-                .map(|i| {
-                    NewRow::new(
-                        &tag,
-                        Some(&format!("{tag}-{}", i % aggregates)),
-                        "tick",
-                        json!({ "n": i }),
-                    )
-                })
-                .collect();
-            match try_insert(c, &table, &rows).await {
-                Ok(k) => {
-                    inserted += k;
-                    n += batch;
-                }
-                Err(e) => {
-                    eprintln!("writer: insert failed ({e}); reconnecting");
-                    client = None;
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    continue;
-                }
-            }
-            tokio::select! {
-                () = tokio::time::sleep(every) => {}
-                () = stop.cancelled() => {}
-            }
-        }
-        inserted
-    });
-    (token, task)
+    println!("{}", line.trim_end());
+    a.assert_complete(fault);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -376,19 +159,6 @@ fn ordered(b: RelayBuilder) -> RelayBuilder {
         .set("relay.poll_interval", "200ms")
 }
 
-/// `outbox-relay run` for `table` publishing to `exchange` on the local RabbitMQ (for tests that
-/// do not use the harness's [`RabbitFixture`]).
-fn relay_to_exchange(table: &TestTable, exchange: &str, instance: &str) -> RelayBuilder {
-    RelayBuilder::bare(instance)
-        .set("database.url", PG_URL)
-        .set("database.table", &table.name)
-        .set("database.auto_migrate", "false")
-        .set("publisher.rabbitmq.url", AMQP_URL)
-        .set("publisher.rabbitmq.exchange", exchange)
-        .set("metrics.listen", "")
-        .set("relay.instance_id", instance)
-}
-
 /// Waits until `relay` has logged `needle` more than `before` times.
 async fn wait_for_more_logs(relay: &RelayProcess, needle: &str, before: usize, timeout: Duration) {
     relay.wait_for_log(needle, before + 1, timeout).await;
@@ -415,7 +185,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     // Incarnations have their own instance ids, so `locked_by` names exactly one process.
     let mut slots: Vec<Option<RelayProcess>> = vec![Some(spawn("k0a")), Some(spawn("k0b"))];
 
-    let (stop, writer) = spawn_writer(&table.name, "k", 40, 40);
+    let (stop, writer) = spawn_steady_writer(&table.name, "k", 40, 40);
     let mut killed: Vec<String> = Vec::new();
     let mut held_at_death = Vec::new();
     for k in 0..kills {
@@ -453,13 +223,13 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
 
-    let rows = facts(&table.db, &table.name).await;
+    let rows = table.rows().await;
     assert_eq!(
         rows.len(),
         written,
         "the writer's rows are all in the table"
     );
-    let a = analyse_rabbit(&rows, &rabbit);
+    let a = rabbit.analyse(&rows);
 
     // Duplicates, honestly: every delivery is a publish, and a relay publishes a row only after
     // claiming it, once per claim. The audit trigger records every claim in the claiming
@@ -564,8 +334,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
     let _shared = SERVICES.read().await;
     let outage = pick(Duration::from_secs(3), Duration::from_secs(30));
     let test = format!("f_rmq_cut_{ordering}");
-    let table = TestTable::new(&test).await;
-    let rabbit = RabbitFixture::new(&test, "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange(&test).await;
     let proxy = Proxy::start(RABBIT_ADDR).await;
     // A lease far longer than the test, so only the outage can touch attempts.
     let relay = ordered(RelayBuilder::for_test(&table, &rabbit, &test))
@@ -574,7 +343,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         .set("relay.lease_timeout", "120s")
         .set("retry.base_delay", "100ms")
         .spawn();
-    let (stop, writer) = spawn_writer(&table.name, "rc", 13, 20);
+    let (stop, writer) = spawn_steady_writer(&table.name, "rc", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("broker unavailable");
     let connected = relay.log_count("connected to the broker");
@@ -640,8 +409,8 @@ async fn rabbitmq_connection_cut(ordering: &str) {
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
 
-    let rows = facts(&table.db, &table.name).await;
-    assert_sent_once(&rows);
+    let rows = table.rows().await;
+    assert_none("rows not sent once", &not_sent_once(&rows));
     // The relay came back through the proxy, and the rows in flight at the cut were handed
     // back (their attempt refunded: see above).
     assert!(proxy.accepted() >= 2);
@@ -650,7 +419,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         "{in_flight} rows were in flight at the cut but none was handed back\n{}",
         relay.stderr()
     );
-    let mut a = analyse_rabbit(&rows, &rabbit);
+    let mut a = rabbit.analyse(&rows);
     if ordering == "none" {
         a.reordered.clear(); // `ordering = "none"` promises no order
     }
@@ -661,9 +430,7 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         &a,
         &format!("outage={outage:?} attempts_spent=0 unsent_at_heal={pending_at_heal}"),
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 /// Runs a service-control command to completion; panics with its output when it fails.
@@ -745,238 +512,6 @@ impl Drop for RabbitDown {
     }
 }
 
-const QUEUE_BARRIER_PREFIX: &str = "fault-barrier-";
-
-/// A durable exchange and a durable, non-exclusive queue (both survive a broker restart) with a
-/// consumer that reconnects by itself and acknowledges each message after recording it.
-struct DurableQueue {
-    exchange: String,
-    queue: String,
-    /// (message id, redelivered flag) in arrival order.
-    received: Arc<Mutex<Vec<(String, bool)>>>,
-    barriers: Arc<Mutex<HashSet<String>>>,
-    connects: Arc<AtomicUsize>,
-    stop: CancellationToken,
-    task: Option<JoinHandle<()>>,
-}
-
-impl Drop for DurableQueue {
-    /// After a failure (no `teardown`): the durable queue would outlive the test with every
-    /// message the relay published meanwhile.
-    fn drop(&mut self) {
-        if self.task.is_some() {
-            self.stop.cancel();
-            let _ = std::process::Command::new("rabbitmqctl")
-                .args(["delete_queue", &self.queue])
-                .output();
-        }
-    }
-}
-
-impl DurableQueue {
-    async fn new(test: &str) -> Self {
-        let tag = format!("{test}.{}", hex8());
-        let (exchange, queue) = (format!("it.{tag}"), format!("it.{tag}.q"));
-        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-            .await
-            .expect("connect to RabbitMQ");
-        let ch = conn.create_channel().await.unwrap();
-        common::declare_bound_queue(&ch, &exchange, &queue, common::Durability::Durable, "#")
-            .await
-            .unwrap();
-        let _ = conn.close(200, "declared".into()).await;
-
-        let received = Arc::new(Mutex::new(Vec::new()));
-        let barriers = Arc::new(Mutex::new(HashSet::new()));
-        let connects = Arc::new(AtomicUsize::new(0));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(Self::consume(
-            queue.clone(),
-            Arc::clone(&received),
-            Arc::clone(&barriers),
-            Arc::clone(&connects),
-            stop.clone(),
-        ));
-        Self {
-            exchange,
-            queue,
-            received,
-            barriers,
-            connects,
-            stop,
-            task: Some(task),
-        }
-    }
-
-    async fn consume(
-        queue: String,
-        received: Arc<Mutex<Vec<(String, bool)>>>,
-        barriers: Arc<Mutex<HashSet<String>>>,
-        connects: Arc<AtomicUsize>,
-        stop: CancellationToken,
-    ) {
-        let mut last_error = String::new();
-        while !stop.is_cancelled() {
-            let session = async {
-                // Bounded: a broker in the middle of start_app may accept and not answer.
-                let setup = async {
-                    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-                    ch.basic_qos(500, BasicQosOptions::default())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let consumer = ch
-                        .basic_consume(
-                            queue.as_str().into(),
-                            format!("fault-consumer-{}", hex8()).into(),
-                            BasicConsumeOptions::default(),
-                            FieldTable::default(),
-                        )
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    Ok::<_, String>((conn, ch, consumer))
-                };
-                let (conn, ch, mut consumer) = tokio::time::timeout(Duration::from_secs(10), setup)
-                    .await
-                    .map_err(|_| "connecting timed out".to_owned())??;
-                connects.fetch_add(1, AtomicOrdering::SeqCst);
-                // lapin's consumer stream does not always end when the connection dies (seen
-                // after a reset during stop_app): watch the connection as well.
-                let mut watch = tokio::time::interval(Duration::from_millis(250));
-                loop {
-                    let next = tokio::select! {
-                        n = consumer.next() => n,
-                        _ = watch.tick() => {
-                            if conn.status().connected() && ch.status().connected() {
-                                continue;
-                            }
-                            return Err("connection lost".to_owned());
-                        }
-                        () = stop.cancelled() => return Ok::<(), String>(()),
-                    };
-                    let d = match next {
-                        Some(Ok(d)) => d,
-                        Some(Err(e)) => return Err(e.to_string()),
-                        None => return Err("consumer ended".to_owned()),
-                    };
-                    let id = common::message_id(&d.properties);
-                    if id.starts_with(QUEUE_BARRIER_PREFIX) {
-                        barriers.lock().unwrap().insert(id);
-                    } else {
-                        received.lock().unwrap().push((id, d.redelivered));
-                    }
-                    // An ack lost in a restart means a redelivery (flagged), not a loss. On a
-                    // dead connection the ack may never complete: bounded.
-                    match tokio::time::timeout(
-                        Duration::from_secs(2),
-                        d.ack(BasicAckOptions::default()),
-                    )
-                    .await
-                    {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) => return Err(format!("ack failed: {e}")),
-                        Err(_) => return Err("ack timed out".to_owned()),
-                    }
-                }
-            }
-            .await;
-            if let Err(e) = session
-                && e != last_error
-            {
-                eprintln!("durable consumer: {e}; reconnecting");
-                last_error = e;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(250)) => {}
-                () = stop.cancelled() => {}
-            }
-        }
-    }
-
-    fn ids(&self) -> Vec<String> {
-        self.received
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(id, _)| id.clone())
-            .collect()
-    }
-
-    /// Duplicate copies split by cause: (flagged `redelivered` — the broker delivering again
-    /// what the consumer had not acknowledged, the consumer's side of a restart; not flagged —
-    /// the relay published the message twice).
-    fn duplicate_causes(&self) -> (usize, usize) {
-        let mut seen = HashSet::new();
-        let (mut broker, mut relay) = (0, 0);
-        for (id, redelivered) in self.received.lock().unwrap().iter() {
-            if !seen.insert(id.clone()) {
-                if *redelivered {
-                    broker += 1;
-                } else {
-                    relay += 1;
-                }
-            }
-        }
-        (broker, relay)
-    }
-
-    /// Publishes a marker and waits for it: everything queued before it has been received.
-    async fn barrier(&self) {
-        let id = format!("{QUEUE_BARRIER_PREFIX}{}", hex8());
-        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-            .await
-            .expect("barrier connection");
-        let ch = conn.create_channel().await.unwrap();
-        ch.basic_publish(
-            self.exchange.as_str().into(),
-            "it.barrier".into(),
-            BasicPublishOptions::default(),
-            b"barrier",
-            BasicProperties::default().with_message_id(id.as_str().into()),
-        )
-        .await
-        .expect("publish barrier");
-        wait_until(Duration::from_secs(60), "the barrier arrives", async || {
-            if self.barriers.lock().unwrap().contains(&id) {
-                Ok(())
-            } else {
-                Err(format!("{} received", self.received.lock().unwrap().len()))
-            }
-        })
-        .await;
-        let _ = conn.close(200, "barrier".into()).await;
-    }
-
-    /// Waits until every id in `ids` was received at least once.
-    async fn wait_for(&self, ids: &[Uuid], timeout: Duration) {
-        let what = "every row arrives on the durable queue";
-        common::wait_for_all_ids(timeout, what, ids, || self.ids().into_iter().collect()).await;
-    }
-
-    async fn teardown(mut self) {
-        self.stop.cancel();
-        if let Some(task) = self.task.take() {
-            let _ = task.await;
-        }
-        if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
-            if let Ok(ch) = conn.create_channel().await {
-                let _ = ch
-                    .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
-                    .await;
-                let _ = ch
-                    .exchange_delete(
-                        self.exchange.as_str().into(),
-                        ExchangeDeleteOptions::default(),
-                    )
-                    .await;
-            }
-            let _ = conn.close(200, "test done".into()).await;
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let _exclusive = SERVICES.write().await;
@@ -984,25 +519,22 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let down_for = Duration::from_secs(4);
     let table = TestTable::new("f_rmq_restart").await;
     let queue = DurableQueue::new("f_rmq_restart").await;
-    let relay = ordered(relay_to_exchange(&table, &queue.exchange, "rmq-restart"))
-        .set("relay.lease_timeout", "120s")
-        .set("retry.base_delay", "100ms")
-        .spawn();
-    let (stop, writer) = spawn_writer(&table.name, "rr", 13, 20);
+    let relay = ordered(RelayBuilder::to_exchange(
+        &table,
+        &queue.exchange,
+        "rmq-restart",
+    ))
+    .set("relay.lease_timeout", "120s")
+    .set("retry.base_delay", "100ms")
+    .spawn();
+    let (stop, writer) = spawn_steady_writer(&table.name, "rr", 13, 20);
     for r in 0..restarts {
         let since = queue.ids().len();
-        wait_until(LONG, "300 more messages before the restart", async || {
-            let n = queue.ids().len() - since;
-            if n >= 300 {
-                Ok(())
-            } else {
-                Err(format!("{n} received"))
-            }
-        })
-        .await;
+        let what = "300 more messages before the restart";
+        wait_for_count(LONG, what, since + 300, || queue.ids().len()).await;
         let unavailable = relay.log_count("broker unavailable");
         let connected = relay.log_count("connected to the broker");
-        let consumer_connects = queue.connects.load(AtomicOrdering::SeqCst);
+        let consumer_connects = queue.connects.load(std::sync::atomic::Ordering::SeqCst);
         let down = RabbitDown::stop().await;
         wait_for_more_logs(
             &relay,
@@ -1014,16 +546,11 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         assert_nothing_spent_for(&table, down_for, &relay).await;
         down.start().await;
         wait_for_more_logs(&relay, "connected to the broker", connected, LONG).await;
-        wait_until(
+        wait_for_count(
             Duration::from_secs(60),
             "the test consumer reconnects",
-            async || {
-                if queue.connects.load(AtomicOrdering::SeqCst) > consumer_connects {
-                    Ok(())
-                } else {
-                    Err("not yet".to_owned())
-                }
-            },
+            consumer_connects + 1,
+            || queue.connects.load(std::sync::atomic::Ordering::SeqCst),
         )
         .await;
         eprintln!("restart {} of {restarts} done", r + 1);
@@ -1032,12 +559,12 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     stop.cancel();
     writer.await.unwrap();
     table.wait_all_sent(LONG).await;
-    let rows = facts(&table.db, &table.name).await;
+    let rows = table.rows().await;
     let ids: Vec<Uuid> = rows.iter().map(|f| f.id).collect();
     queue.wait_for(&ids, LONG).await;
     queue.barrier().await;
 
-    assert_sent_once(&rows);
+    assert_none("rows not sent once", &not_sent_once(&rows));
     let arrivals = queue.ids();
     let a = analyse(&rows, arrivals.iter().map(String::as_str));
     let (redelivered, republished) = queue.duplicate_causes();
@@ -1071,7 +598,7 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
         )
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let (stop, writer) = spawn_writer(&table.name, "pc", 13, 20);
+    let (stop, writer) = spawn_steady_writer(&table.name, "pc", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
     let unavailable = relay.log_count("database unavailable");
     let restored = relay.log_count("database connection restored");
@@ -1102,20 +629,22 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
 
-    let rows = facts(&table.db, &table.name).await;
+    let rows = table.rows().await;
     let claims = audit.claims(&table.db).await;
-    let wrong = not_sent_once(&rows);
-    if !wrong.is_empty() {
-        let ids: HashSet<Uuid> = wrong.iter().map(|w| w.0).collect();
-        let theirs: Vec<&Claim> = claims.iter().filter(|c| ids.contains(&c.id)).collect();
-        panic!(
-            "rows not sent with attempts = 1: {} e.g. {:?}\nclaims of those rows: {:?}",
-            wrong.len(),
-            &wrong[..wrong.len().min(10)],
-            &theirs[..theirs.len().min(20)]
-        );
-    }
-    let a = analyse_rabbit(&rows, &rabbit);
+    let wrong: Vec<&RowState> = rows
+        .iter()
+        .filter(|r| r.not_sent_once().is_some())
+        .collect();
+    let ids: HashSet<Uuid> = wrong.iter().map(|r| r.id).collect();
+    let theirs: Vec<&Claim> = claims.iter().filter(|c| ids.contains(&c.id)).collect();
+    assert!(
+        wrong.is_empty(),
+        "rows not sent with attempts = 1: {} e.g. {:?}\nclaims of those rows: {:?}",
+        wrong.len(),
+        &wrong[..wrong.len().min(10)],
+        &theirs[..theirs.len().min(20)]
+    );
+    let a = rabbit.analyse(&rows);
     summary(
         "postgres-proxy-cut",
         1,
@@ -1135,8 +664,7 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_pg_lease").await;
-    let rabbit = RabbitFixture::new("f_pg_lease", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_pg_lease").await;
     let broker = Proxy::start(RABBIT_ADDR).await;
     let database = Proxy::start("127.0.0.1:5432").await;
     let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-lease"))
@@ -1190,8 +718,8 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         )
         .await;
     rabbit.barrier().await;
-    let all = facts(&table.db, &table.name).await;
-    let a = analyse_rabbit(&all, &rabbit);
+    let all = table.rows().await;
+    let a = rabbit.analyse(&all);
     summary(
         "postgres-outage-beyond-lease",
         1,
@@ -1199,9 +727,7 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         &a,
         &format!("processing_when_healed={stuck_at_heal}"),
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 /// The database connection dies after the server committed a claim but before the relay read
@@ -1212,8 +738,7 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_lease() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_pg_orphan").await;
-    let rabbit = RabbitFixture::new("f_pg_orphan", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_pg_orphan").await;
     let lease = Duration::from_secs(2);
     // RabbitMQ behind a proxy, so that a row can be kept in flight: the lease loop renews
     // only while the relay holds something, and the renewal must skip the orphans.
@@ -1301,8 +826,8 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
         "orphaned rows came back after {took:?}, before their {lease:?} lease expired"
     );
     rabbit.barrier().await;
-    let all = facts(&table.db, &table.name).await;
-    let a = analyse_rabbit(&all, &rabbit);
+    let all = table.rows().await;
+    let a = rabbit.analyse(&all);
     summary(
         "postgres-lost-claim-answer",
         1,
@@ -1314,9 +839,7 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
             took.as_millis()
         ),
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 /// The PostgreSQL cluster's major version (`ls /etc/postgresql`).
@@ -1362,25 +885,20 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-restart"))
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let (stop, writer) = spawn_writer(&table.name, "pr", 13, 20);
+    let (stop, writer) = spawn_steady_writer(&table.name, "pr", 13, 20);
     let pg = PgRestart;
     let mut took = Vec::new();
     for _ in 0..restarts {
         let since = rabbit.count();
-        wait_until(LONG, "300 more messages before the restart", async || {
-            let n = rabbit.count() - since;
-            if n >= 300 {
-                Ok(())
-            } else {
-                Err(format!("{n} received"))
-            }
-        })
-        .await;
+        let what = "300 more messages before the restart";
+        wait_for_count(LONG, what, since + 300, || rabbit.count()).await;
         let listen_lost = relay.log_count("LISTEN connection lost");
         took.push(pg.restart().await);
         // The test's own connection died with the server.
         table.db = wait_until(LONG, "PostgreSQL accepts connections", async || {
-            try_connect().await
+            common::try_pg_connect(PG_URL, "faults")
+                .await
+                .map_err(|e| e.to_string())
         })
         .await;
         // The relay saw the restart (its LISTEN session is always among the dead; which other
@@ -1406,9 +924,9 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     table.wait_all_sent(LONG).await;
     rabbit.barrier().await;
 
-    let rows = facts(&table.db, &table.name).await;
-    assert_sent_once(&rows);
-    let a = analyse_rabbit(&rows, &rabbit);
+    let rows = table.rows().await;
+    assert_none("rows not sent once", &not_sent_once(&rows));
+    let a = rabbit.analyse(&rows);
     assert!(relay.is_running(), "the relay process survived");
     summary(
         "postgres-restart",
@@ -1417,9 +935,7 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         &a,
         &format!("restart_took={took:?} attempts_spent=0"),
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1428,28 +944,12 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
 /// Waits until none of `ids` is `processing` (rows behind a failed row are handed back by the
 /// statement after the one that records the failure).
 async fn wait_for_released(table: &TestTable, ids: &[Uuid]) {
-    let list = ids
-        .iter()
-        .map(Uuid::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    wait_until(
-        Duration::from_secs(10),
-        "the rows behind the dead letters are handed back",
-        async || {
-            let n = table
-                .count_where(&format!(
-                    "status = 'processing' AND id = ANY('{{{list}}}'::uuid[])"
-                ))
-                .await;
-            if n == 0 {
-                Ok(())
-            } else {
-                Err(format!("{n} processing"))
-            }
-        },
-    )
-    .await;
+    let list: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    let held = format!(
+        "status = 'processing' AND id::text = ANY('{{{}}}')",
+        list.join(",")
+    );
+    table.wait_count(&held, 0, Duration::from_secs(10)).await;
 }
 
 /// A row that must fail on its own (`failed` after `retry.max_attempts`, `last_error`
@@ -1464,8 +964,7 @@ struct Poison {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_poison").await;
-    let rabbit = RabbitFixture::new("f_poison", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_poison").await;
     let long = "k".repeat(300);
     let mixed = json!({
         "int": 42,
@@ -1574,21 +1073,10 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
             .collect::<Vec<_>>()
             .join(",")
     );
-    wait_until(
-        Duration::from_secs(60),
-        "every deliverable row is sent",
-        async || {
-            let n = table
-                .count_where(&format!("{deliverable} AND status <> 'sent'"))
-                .await;
-            if n == 0 {
-                Ok(())
-            } else {
-                Err(format!("{n} not yet sent"))
-            }
-        },
-    )
-    .await;
+    let undelivered = format!("{deliverable} AND status <> 'sent'");
+    table
+        .wait_count(&undelivered, 0, Duration::from_secs(60))
+        .await;
     let others_done = started.elapsed();
     // Not stalled: every other row went out while the failing rows were still being retried.
     let already_failed = table.count_where("status = 'failed'").await;
@@ -1596,19 +1084,10 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
         already_failed, 0,
         "the other rows took {others_done:?}, longer than the poison rows' retries"
     );
-    wait_until(
-        Duration::from_secs(60),
-        "the failing rows are dead-lettered",
-        async || {
-            let n = table.count_where("status = 'failed'").await;
-            if n == i64::try_from(failing.len()).unwrap() {
-                Ok(())
-            } else {
-                Err(format!("{n} failed"))
-            }
-        },
-    )
-    .await;
+    let n_failing = i64::try_from(failing.len()).unwrap();
+    table
+        .wait_count("status = 'failed'", n_failing, Duration::from_secs(60))
+        .await;
     let dead_after = started.elapsed();
     // A batch settles its failures, then hands back the rows behind them: let that finish.
     wait_for_released(&table, &blocked.iter().copied().collect::<Vec<_>>()).await;
@@ -1621,8 +1100,8 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
     rabbit.wait_for_ids(&[late], Duration::from_secs(30)).await;
     rabbit.barrier().await;
 
-    let all = facts(&table.db, &table.name).await;
-    let by_id: HashMap<Uuid, &Fact> = all.iter().map(|f| (f.id, f)).collect();
+    let all = table.rows().await;
+    let by_id: HashMap<Uuid, &RowState> = all.iter().map(|f| (f.id, f)).collect();
     for p in &poisons {
         let (id, follower) = poison_ids[p.name];
         let (row, next) = (by_id[&id], by_id[&follower]);
@@ -1657,11 +1136,7 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
     }
     let wrong: Vec<_> = all
         .iter()
-        .filter(|f| {
-            f.aggregate
-                .as_deref()
-                .is_some_and(|a| a.starts_with("normal/"))
-        })
+        .filter(|f| f.aggregate().is_some_and(|a| a.starts_with("normal/")))
         .filter(|f| f.status != "sent" || f.attempts != 1)
         .collect();
     assert!(wrong.is_empty(), "normal rows: {wrong:?}");
@@ -1720,7 +1195,7 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
         "an empty destination falls back to the template"
     );
 
-    let expected: Vec<Fact> = all
+    let expected: Vec<RowState> = all
         .iter()
         .filter(|f| !failing.contains(&f.id) && !blocked.contains(&f.id))
         .cloned()
@@ -1736,9 +1211,7 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
             failing.len()
         ),
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 /// Contract §4: a header value that is not a string is sent as its JSON text. Ignored because the
@@ -1747,8 +1220,7 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_numbers_keep_their_exact_json_text() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_bignum").await;
-    let rabbit = RabbitFixture::new("f_bignum", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_bignum").await;
     let id = table
         .insert(&[NewRow::new("n", Some("n"), "e", json!({}))])
         .await[0]
@@ -1782,25 +1254,14 @@ async fn header_numbers_keep_their_exact_json_text() {
             .get(0);
         assert_eq!(got.get(key), Some(&text), "header {key}");
     }
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytea_payloads_arrive_byte_for_byte_as_octet_stream() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_bytea").await;
-    let rabbit = RabbitFixture::new("f_bytea", "#", "it.barrier").await;
-    // Before the relay starts: it detects the column type once, at start.
-    table
-        .db
-        .batch_execute(&format!(
-            "ALTER TABLE {} ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8')",
-            table.name
-        ))
-        .await
-        .unwrap();
+    let (table, rabbit) = table_and_exchange("f_bytea").await;
+    table.make_payload_bytea().await;
     let mut payloads: Vec<Vec<u8>> = vec![
         (0..=255u8).collect(),
         Vec::new(),
@@ -1815,20 +1276,7 @@ async fn bytea_payloads_arrive_byte_for_byte_as_octet_stream() {
     );
     let mut ids = Vec::new();
     for (i, p) in payloads.iter().enumerate() {
-        let id: Uuid = table
-            .db
-            .query_one(
-                &format!(
-                    "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
-                     VALUES ('bin', $1, 'blob', $2) RETURNING id",
-                    table.name
-                ),
-                &[&format!("b-{}", i % 2), p],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        ids.push(id);
+        ids.push(table.insert_bytes(&format!("b-{}", i % 2), p).await);
     }
     let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "bytea")).spawn();
     table.wait_all_sent(Duration::from_secs(60)).await;
@@ -1856,12 +1304,10 @@ async fn bytea_payloads_arrive_byte_for_byte_as_octet_stream() {
             "{id}"
         );
     }
-    let rows = facts(&table.db, &table.name).await;
+    let rows = table.rows().await;
     let a = analyse(&rows, deliveries.iter().map(|d| d.message_id.as_str()));
     summary("bytea-payloads", payloads.len(), rows.len(), &a, "");
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1870,8 +1316,7 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
     const BIG: usize = 10_000;
     const OTHERS: usize = 50;
     const EACH: usize = 10;
-    let table = TestTable::new("f_big_agg").await;
-    let rabbit = RabbitFixture::new("f_big_agg", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_big_agg").await;
     for chunk in 0..BIG / 1000 {
         let rows: Vec<NewRow> = (0..1000)
             .map(|i| NewRow::new("big", Some("whale"), "e", json!({ "n": chunk * 1000 + i })))
@@ -1932,16 +1377,16 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
     let first_small = claims.iter().position(|c| c.1).unwrap();
     let small_after = (claims[first_small].0 - claims[0].0).to_std().unwrap();
 
-    let all = facts(&table.db, &table.name).await;
+    let all = table.rows().await;
     // Every row the relay marked sent must have arrived, in order; in the short form the rest of
     // the huge aggregate is still pending (handed back at SIGTERM), which is not a loss.
-    let sent: Vec<Fact> = all.iter().filter(|f| f.status == "sent").cloned().collect();
+    let sent: Vec<RowState> = all.iter().filter(|f| f.status == "sent").cloned().collect();
     assert!(
         all.iter().all(|f| f.status == "sent"
-            || (f.status == "pending" && f.aggregate.as_deref() == Some("big/whale"))),
+            || (f.status == "pending" && f.aggregate().as_deref() == Some("big/whale"))),
         "only the huge aggregate may be unfinished"
     );
-    let a = analyse_rabbit(&sent, &rabbit);
+    let a = rabbit.analyse(&sent);
     summary(
         "huge-aggregate",
         1,
@@ -1984,8 +1429,7 @@ const OVER_MAX_MESSAGE_SIZE: usize = 128 * 1024 * 1024 + 1024;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_oversize").await;
-    let rabbit = RabbitFixture::new("f_oversize", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_oversize").await;
     let huge = insert_huge(&table, "huge", OVER_MAX_MESSAGE_SIZE).await;
     let follower = table
         .insert(&[NewRow::new("o", Some("huge"), "follower", json!({}))])
@@ -1998,26 +1442,15 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
         .set("retry.max_attempts", "3")
         .spawn();
     let others_sent = format!("id NOT IN ('{huge}', '{follower}') AND status = 'sent'");
-    wait_until(
-        Duration::from_secs(90),
-        "the other rows are sent and the oversize row is dead-lettered",
-        async || {
-            let sent = table.count_where(&others_sent).await;
-            let h = table.row(huge).await;
-            if sent == 100 && h.status == "failed" {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{sent}/100 others sent, oversize row {} attempts {} ({:?})",
-                    h.status, h.attempts, h.last_error
-                ))
-            }
-        },
-    )
-    .await;
+    let wait = Duration::from_secs(90);
+    let h = table
+        .wait_row(huge, wait, "the oversize row is dead-lettered", |r| {
+            r.status == "failed"
+        })
+        .await;
+    table.wait_count(&others_sent, 100, wait).await;
     wait_for_released(&table, &[follower]).await;
     assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
-    let h = table.row(huge).await;
     assert_eq!(h.attempts, 3);
     let last = h.last_error.unwrap_or_default();
     assert!(last.contains("larger than configured max size"), "{last}");
@@ -2028,8 +1461,8 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
         "the oversize row's follower waits behind its dead letter"
     );
     rabbit.barrier().await;
-    let all = facts(&table.db, &table.name).await;
-    let spent: Vec<&Fact> = all
+    let all = table.rows().await;
+    let spent: Vec<&RowState> = all
         .iter()
         .filter(|f| f.id != huge && f.id != follower && f.attempts != 1)
         .collect();
@@ -2037,7 +1470,7 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
         spent.is_empty(),
         "other rows' attempts were spent: {spent:?}"
     );
-    let expected: Vec<Fact> = all
+    let expected: Vec<RowState> = all
         .iter()
         .filter(|f| f.id != huge && f.id != follower)
         .cloned()
@@ -2055,9 +1488,7 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
             relay.log_count("larger than configured max size")
         ),
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2067,7 +1498,7 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
 struct CrashLoop {
     crashes: usize,
     /// Rows other than the crasher and its follower.
-    others: Vec<Fact>,
+    others: Vec<RowState>,
     /// Rows claimed in the same claim as the crasher's first claim.
     mates: HashSet<Uuid>,
     analysis: Analysis,
@@ -2187,8 +1618,8 @@ async fn crash_loop(label: &str) -> CrashLoop {
     );
     rabbit.barrier().await;
 
-    let all = facts(&table.db, &table.name).await;
-    let by_id: HashMap<Uuid, &Fact> = all.iter().map(|f| (f.id, f)).collect();
+    let all = table.rows().await;
+    let by_id: HashMap<Uuid, &RowState> = all.iter().map(|f| (f.id, f)).collect();
     let c = by_id[&crasher];
     assert_eq!(
         (c.status.as_str(), c.attempts),
@@ -2227,7 +1658,7 @@ async fn crash_loop(label: &str) -> CrashLoop {
         "the crasher shared its first batch with only {} rows",
         mates.len()
     );
-    let others: Vec<Fact> = all
+    let others: Vec<RowState> = all
         .iter()
         .filter(|f| f.id != crasher && f.id != follower)
         .cloned()
@@ -2242,7 +1673,7 @@ async fn crash_loop(label: &str) -> CrashLoop {
         not_sent.is_empty(),
         "rows dead-lettered or stuck with the crasher: {not_sent:?}"
     );
-    let analysis = analyse_rabbit(&others, &rabbit);
+    let analysis = rabbit.analyse(&others);
     relay.stop().await;
     rabbit.teardown().await;
     audit.drop(&table.db, &table.name).await;
@@ -2336,6 +1767,12 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
             ),
             format!("amqp://guest:{encoded}@127.0.0.1:5672/%2f"),
         ),
+        // Nothing listens on port 1: the broker's connection refused, the database working.
+        (
+            "unreachable-broker",
+            good_db.clone(),
+            format!("amqp://guest:{encoded}@127.0.0.1:1/%2f"),
+        ),
         // Nothing listens on port 1 (no proxy): connection refused on both.
         (
             "unreachable",
@@ -2345,6 +1782,8 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
     ];
     let mut checked = 0;
     for (case, db, amqp) in &cases {
+        // The database works (trust authentication) in the first two cases.
+        let db_ok = ["wrong-amqp-password", "unreachable-broker"].contains(case);
         let builder = || {
             RelayBuilder::bare(case)
                 .set("database.url", db)
@@ -2366,14 +1805,16 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
         );
         assert!(out.stdout.contains(":***@"), "{case}: check {out:?}");
         leaks("check", &format!("{}\n{}", out.stdout, out.stderr));
-        if *case == "wrong-amqp-password" {
+        if db_ok {
             assert!(out.stdout.contains("database: ok"), "{case}: check {out:?}");
+        }
+        if *case == "wrong-amqp-password" {
             assert!(
                 out.stdout.to_ascii_uppercase().contains("ACCESS_REFUSED")
                     || out.stdout.contains("refused"),
                 "{case}: the broker's refusal should be reported: {out:?}"
             );
-        } else {
+        } else if !db_ok {
             assert!(
                 out.stdout.contains("database: FAILED"),
                 "{case}: check {out:?}"
@@ -2386,8 +1827,7 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
             &["dead-letters", "list"],
         ] {
             let out = builder().output(args, Duration::from_secs(60)).await;
-            let expect_ok = *case == "wrong-amqp-password";
-            assert_eq!(out.status.success(), expect_ok, "{case}: {args:?} {out:?}");
+            assert_eq!(out.status.success(), db_ok, "{case}: {args:?} {out:?}");
             leaks(
                 &format!("{args:?}"),
                 &format!("{}\n{}", out.stdout, out.stderr),
@@ -2401,7 +1841,7 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
                 builder()
                     .env("RUST_LOG", "debug")
                     .spawn_with(&["--log-format", format, "run"]);
-            let needle = if *case == "wrong-amqp-password" {
+            let needle = if db_ok {
                 "broker unavailable"
             } else {
                 "database unavailable"
@@ -2410,9 +1850,12 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
             relay.sigterm();
             let status = relay.wait_exit(Duration::from_secs(30)).await;
             assert!(status.success(), "{case}: run {status}\n{}", relay.stderr());
-            leaks(
-                &format!("run ({format} logs)"),
-                &format!("{}\n{}", relay.stdout(), relay.stderr()),
+            let logs = format!("{}\n{}", relay.stdout(), relay.stderr());
+            leaks(&format!("run ({format} logs)"), &logs);
+            // The start-up line and the reconnect warnings show both URLs, masked.
+            assert!(
+                !db_ok || (logs.contains("postgres:***@") && logs.contains("guest:***@")),
+                "{case}: run ({format} logs) should show the masked URLs:\n{logs}"
             );
             checked += 1;
         }
@@ -2427,8 +1870,7 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_tls_is_used_for_every_relay_session_with_sslmode_require() {
     let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_tls").await;
-    let rabbit = RabbitFixture::new("f_tls", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("f_tls").await;
     // A session name of our own (still `outbox-relay…`, which the ordering guard ignores): other
     // relays, in this file and elsewhere, also call their sessions `outbox-relay`.
     let app = format!("outbox-relay-tls-{}", hex8());
@@ -2495,8 +1937,7 @@ async fn postgres_tls_is_used_for_every_relay_session_with_sslmode_require() {
         sessions.len(),
         sessions.iter().map(|s| s.1.clone()).collect::<HashSet<_>>()
     );
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2618,15 +2059,7 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     }
     rows.extend(NewRow::numbered(100, "kp", Some(("k-", 10)), "e"));
     let inserted = table.insert(&rows).await;
-    let mut relay = ordered(RelayBuilder::bare("kafka-poison"))
-        .set("database.url", PG_URL)
-        .set("database.table", &table.name)
-        .set("publisher.kind", "kafka")
-        .set("publisher.kafka.brokers", KAFKA)
-        .set("publisher.kafka.topic", &topic)
-        .set("publisher.kafka.message_timeout", "10s")
-        .set("metrics.listen", "")
-        .set("relay.instance_id", "kafka-poison")
+    let mut relay = ordered(kafka_relay(&table, KAFKA, &topic, "kafka-poison"))
         .set("retry.base_delay", "200ms")
         .set("retry.jitter", "0")
         .set("retry.max_attempts", "3")
@@ -2643,8 +2076,8 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     // A batch settles its failures, then hands back the rows behind them: let that finish.
     let followers: Vec<Uuid> = (0..bad.len()).map(|i| inserted[2 * i + 1].id).collect();
     wait_for_released(&table, &followers).await;
-    let all = facts(&table.db, &table.name).await;
-    let by_id: HashMap<Uuid, &Fact> = all.iter().map(|f| (f.id, f)).collect();
+    let all = table.rows().await;
+    let by_id: HashMap<Uuid, &RowState> = all.iter().map(|f| (f.id, f)).collect();
     for (i, (name, _)) in bad.iter().enumerate() {
         let (row, next) = (by_id[&inserted[2 * i].id], by_id[&inserted[2 * i + 1].id]);
         assert_eq!((row.status.as_str(), row.attempts), ("failed", 3), "{name}");
@@ -2661,17 +2094,13 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
             "{name} follower waits behind its dead letter"
         );
     }
-    let good: Vec<&Fact> = all
+    let good: Vec<&RowState> = all
         .iter()
-        .filter(|f| {
-            f.aggregate
-                .as_deref()
-                .is_some_and(|a| a.starts_with("kp/k-"))
-        })
+        .filter(|f| f.aggregate().is_some_and(|a| a.starts_with("kp/k-")))
         .collect();
     assert!(good.iter().all(|f| f.status == "sent" && f.attempts == 1));
     // The good rows reached the topic, in order per key, and nothing else did.
-    let expected: Vec<Fact> = good.into_iter().cloned().collect();
+    let expected: Vec<RowState> = good.into_iter().cloned().collect();
     let ids = read_ids(KAFKA, &topic, expected.len(), Duration::from_secs(30)).await;
     let a = analyse(&expected, ids.iter().map(String::as_str));
     summary(

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     NewRow, RabbitFixture, RelayBuilder, RelayProcess, TestTable, insert_rows, pg_connect,
+    table_and_exchange,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -83,8 +84,7 @@ async fn measure_idle(table: &TestTable, rabbit: &RabbitFixture, tries: usize) -
 
 /// A fresh table and exchange, and a relay (`ordering = "aggregate"`) connected to the broker.
 async fn start(test: &str, notify: bool, poll: &str) -> (TestTable, RabbitFixture, RelayProcess) {
-    let table = TestTable::new(test).await;
-    let rabbit = RabbitFixture::new(test, "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange(test).await;
     let relay = RelayBuilder::for_test(&table, &rabbit, test)
         .set("relay.ordering", "aggregate")
         .set("relay.notify", notify.to_string())

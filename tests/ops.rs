@@ -17,8 +17,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use common::{
-    NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TempDir, TestTable, free_port,
-    hex8, migrate_table, pg_connect, wait_until,
+    NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RelayProcess, TempDir,
+    TestTable, finish, free_port, hex8, migrate_table, pg_connect, wait_until,
 };
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
@@ -62,6 +62,20 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, metrics_port: Option<u16>) -
             "metrics.listen",
             metrics_port.map_or_else(String::new, |p| format!("127.0.0.1:{p}")),
         )
+}
+
+/// A fresh table, and a relay with metrics on a free port whose broker connection goes
+/// through a proxy the test controls.
+async fn relay_behind_proxy(test: &str) -> (TestTable, RabbitFixture, Proxy, u16, RelayProcess) {
+    let (table, rabbit) = (
+        ops_table().await,
+        RabbitFixture::new(test, "#", "b.ops").await,
+    );
+    let (proxy, port) = (Proxy::start(RABBIT_ADDR).await, free_port());
+    let relay = relay(&table, &rabbit, Some(port))
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .spawn();
+    (table, rabbit, proxy, port, relay)
 }
 
 /// A row inserted directly in a given state, as if the relay (or an operator) had put it there.
@@ -382,20 +396,12 @@ async fn metrics_expose_every_contract_name_after_publishing() {
         "an aggregate id leaked into /metrics"
     );
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
-    let table = ops_table().await;
-    let rabbit = RabbitFixture::new("ops_outage", "#", "barrier.ops").await;
-    let proxy = Proxy::start(RABBIT_ADDR).await;
-    let port = free_port();
-    let relay = relay(&table, &rabbit, Some(port))
-        .set("publisher.rabbitmq.url", proxy.amqp_url())
-        .spawn();
+    let (table, rabbit, proxy, port, relay) = relay_behind_proxy("ops_outage").await;
 
     let body = wait_ready(port, 200).await;
     assert_eq!(body, "database: up\nbroker: up\n");
@@ -486,20 +492,12 @@ async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
     })
     .await;
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
-    let table = ops_table().await;
-    let rabbit = RabbitFixture::new("ops_broker_gauge", "#", "barrier.ops").await;
-    let proxy = Proxy::start(RABBIT_ADDR).await;
-    let port = free_port();
-    let relay = relay(&table, &rabbit, Some(port))
-        .set("publisher.rabbitmq.url", proxy.amqp_url())
-        .spawn();
+    let (table, rabbit, proxy, port, relay) = relay_behind_proxy("ops_broker_gauge").await;
     let connection = [("kind", "connection")];
 
     wait_for_sample(
@@ -562,9 +560,7 @@ async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
         Some(0.0)
     );
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 // ---- lag gauges --------------------------------------------------------------------------------
@@ -635,15 +631,8 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
         .wait_for_log("vacuumed the outbox table", 1, WAIT)
         .await;
     assert!(relay.stderr().contains("reason=\"autovacuum is off\""));
-    wait_until(
-        WAIT,
-        "every row is sent and deleted",
-        async || match table.count_where("true").await {
-            0 => Ok(()),
-            n => Err(format!("{n} rows left")),
-        },
-    )
-    .await;
+    // Every row is sent and deleted.
+    table.wait_count("true", 0, WAIT).await;
     // Later vacuums keep the dead tuples below the threshold.
     wait_until(WAIT, "dead tuples fall below 10,000", async || {
         let dead: i64 = table
@@ -663,9 +652,7 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
         }
     })
     .await;
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 // ---- status -----------------------------------------------------------------------------------
@@ -1192,14 +1179,8 @@ async fn retention_deletes_old_sent_rows_and_nothing_else() {
         .set("cleanup.interval", "1s")
         .spawn();
 
-    wait_until(WAIT, "the old sent rows are deleted", async || match table
-        .count_where("status = 'sent'")
-        .await
-    {
-        0 => Ok(()),
-        n => Err(format!("{n} sent rows left")),
-    })
-    .await;
+    // The old sent rows are deleted.
+    table.wait_count("status = 'sent'", 0, WAIT).await;
     relay
         .wait_for_log("deleted sent rows past retention", 1, WAIT)
         .await;
@@ -1253,9 +1234,7 @@ async fn retention_deletes_old_sent_rows_and_nothing_else() {
         assert_eq!(row_state(&table, id).await, None);
     }
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1294,9 +1273,7 @@ async fn retention_zero_deletes_rows_on_confirm() {
         "dead letters are never deleted automatically"
     );
 
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 // ---- a real Prometheus ------------------------------------------------------------------------
@@ -1587,7 +1564,69 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
     assert_eq!(states["OutboxOrderingHeldBack"], "inactive", "{states:?}");
 
     prom.stop().await;
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
+}
+
+// ---- configuration errors ----------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_errors_exit_2_with_one_line_naming_the_key() {
+    let cases: [(&str, &str, &str, &str); 4] = [
+        (
+            "unknown key",
+            "check",
+            "[relay]\nbatch_sise = 3\n",
+            "relay.batch_sise",
+        ),
+        (
+            "hostile table name",
+            "check",
+            "[database]\ntable = \"x; drop table y\"\n",
+            "database.table",
+        ),
+        (
+            "unparsable duration",
+            "run",
+            "[relay]\npoll_interval = \"soon\"\n",
+            "relay.poll_interval",
+        ),
+        (
+            "bare number duration",
+            "run",
+            "[retry]\nbase_delay = 5\n",
+            "retry.base_delay",
+        ),
+    ];
+    for (what, command, toml, key) in cases {
+        let dir = TempDir::new("config");
+        let path = dir.write("bad.toml", toml);
+        let out = RelayBuilder::bare("config")
+            .output(
+                &["--config", path.to_str().unwrap(), command],
+                Duration::from_secs(20),
+            )
+            .await;
+        assert_eq!(out.status.code(), Some(2), "{what}: {out:?}");
+        let lines: Vec<&str> = out.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{what}: stderr should be one line: {out:?}");
+        assert!(
+            lines[0].contains(key),
+            "{what}: {:?} should name {key}",
+            lines[0]
+        );
+        assert!(out.stdout.is_empty(), "{what}: {out:?}");
+    }
+
+    let out = RelayBuilder::bare("config")
+        .output(
+            &["--config", "/nonexistent/outbox-relay/relay.toml", "check"],
+            Duration::from_secs(20),
+        )
+        .await;
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(
+        out.stderr.contains("/nonexistent/outbox-relay/relay.toml"),
+        "{out:?}"
+    );
+    assert_eq!(out.stderr.lines().count(), 1, "{out:?}");
 }

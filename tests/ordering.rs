@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::{
     NewRow, RabbitFixture, RelayBuilder, RelayProcess, TestTable, insert_rows, pg_connect,
-    wait_until,
+    table_and_exchange, wait_for_count, wait_until,
 };
 use rand::seq::SliceRandom;
 use serde_json::json;
@@ -66,8 +66,7 @@ fn assert_first_arrivals_in_seq_order(
 async fn three_replicas_keep_per_aggregate_order_across_a_sigkill() {
     const AGGREGATES: usize = 300;
     const EVENTS: usize = 30;
-    let table = TestTable::new("replicas").await;
-    let rabbit = RabbitFixture::new("replicas", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("replicas").await;
     let aggs = format!("{}_aggregates", table.name);
     table
         .db
@@ -134,15 +133,8 @@ async fn three_replicas_keep_per_aggregate_order_across_a_sigkill() {
     }
 
     // Kill one replica once publishing is well under way, then bring a new one up.
-    wait_until(LONG, "a third of the events are delivered", async || {
-        let n = rabbit.count();
-        if n >= AGGREGATES * EVENTS / 3 {
-            Ok(())
-        } else {
-            Err(format!("{n} delivered"))
-        }
-    })
-    .await;
+    let what = "a third of the events are delivered";
+    wait_for_count(LONG, what, AGGREGATES * EVENTS / 3, || rabbit.count()).await;
     replicas[1].sigkill();
     replicas[1].wait_exit(Duration::from_secs(10)).await;
     replicas.push(spawn("r4"));
@@ -191,8 +183,7 @@ async fn three_replicas_keep_per_aggregate_order_across_a_sigkill() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
-    let table = TestTable::new("late_commit").await;
-    let rabbit = RabbitFixture::new("late_commit", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("late_commit").await;
     let relay = ordered_relay(&table, &rabbit, "late").spawn();
 
     // A draws seq n for aggregate X and stays open; B draws n+1 for X and commits.
@@ -277,19 +268,12 @@ async fn backoff_parks_only_its_aggregate() {
         .insert_ids(&NewRow::numbered(100, "ok", Some(("Y", 20)), "e"))
         .await;
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
-    wait_until(
-        Duration::from_secs(30),
-        "X's head has been retried",
-        async || {
-            let head = table.row(parked[0]).await;
-            if head.attempts >= 3 {
-                Ok(())
-            } else {
-                Err(format!("attempts {}", head.attempts))
-            }
-        },
-    )
-    .await;
+    let what = "X's head has been retried";
+    table
+        .wait_row(parked[0], Duration::from_secs(30), what, |r| {
+            r.attempts >= 3
+        })
+        .await;
     // X's later rows may be claimed with its head for a moment and handed back when the head
     // is rejected; they never go out and never keep a spent attempt.
     wait_until(
@@ -335,19 +319,12 @@ async fn a_dead_letter_blocks_its_aggregate_until_retried() {
         .insert_ids(&NewRow::numbered(50, "ok", Some(("Y", 5)), "e"))
         .await;
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
-    wait_until(
-        Duration::from_secs(30),
-        "Z's head is dead-lettered",
-        async || {
-            let head = table.row(dead[0]).await;
-            if head.status == "failed" {
-                Ok(())
-            } else {
-                Err(format!("{} after {} attempts", head.status, head.attempts))
-            }
-        },
-    )
-    .await;
+    let what = "Z's head is dead-lettered";
+    table
+        .wait_row(dead[0], Duration::from_secs(30), what, |r| {
+            r.status == "failed"
+        })
+        .await;
 
     let cli = |args: &'static [&'static str]| {
         RelayBuilder::for_test(&table, &rabbit, "cli").output(args, Duration::from_secs(30))

@@ -19,7 +19,10 @@ use std::time::Duration;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use common::kafka::{Collector, KAFKA, create_topic, high_watermarks, kafka_relay, topic_name};
-use common::{AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, wait_until};
+use common::{
+    AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, drop_both,
+    table_and_exchange, wait_until,
+};
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::{Value, json};
@@ -222,8 +225,7 @@ fn signed(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_messages_verify_independently_across_a_key_rotation_and_tampering_fails() {
-    let table = TestTable::new("signing_rabbit").await;
-    let rabbit = RabbitFixture::new("signing_rabbit", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("signing_rabbit").await;
     let key_b = format!("base64:{}", STANDARD.encode(KEY_B));
 
     // Key A (text, from the environment).
@@ -287,14 +289,12 @@ async fn rabbitmq_messages_verify_independently_across_a_key_rotation_and_tamper
     for secret in [KEY_A, key_b.as_str(), &key_b["base64:".len()..]] {
         assert!(!logs.contains(secret), "the key leaked into the logs");
     }
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retried_message_carries_the_same_signature() {
-    let table = TestTable::new("signing_retry").await;
-    let rabbit = RabbitFixture::new("signing_retry", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("signing_retry").await;
     // A second queue on the exchange that refuses every message (max length 0,
     // reject-publish): the broker nacks each publish although the first queue got a copy, so
     // the relay retries and the test consumer sees every attempt.
@@ -354,17 +354,9 @@ async fn a_retried_message_carries_the_same_signature() {
     ch.queue_delete(refusing.as_str().into(), QueueDeleteOptions::default())
         .await
         .unwrap();
-    wait_until(
-        WAIT,
-        "the row is sent once nothing refuses it",
-        async || match table.row(id).await.status.as_str() {
-            "sent" => Ok(()),
-            other => Err(other.to_owned()),
-        },
-    )
-    .await;
+    let what = "the row is sent once nothing refuses it";
+    let row = table.wait_row(id, WAIT, what, |r| r.status == "sent").await;
     rabbit.barrier().await;
-    let row = table.row(id).await;
     assert!(row.attempts >= 3, "{row:?}");
     let copies: Vec<Received> = rabbit
         .deliveries()
@@ -387,8 +379,7 @@ async fn a_retried_message_carries_the_same_signature() {
     );
     relay.stop().await;
     let _ = conn.close(200, "done".into()).await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -456,8 +447,7 @@ async fn kafka_records_verify_independently_and_tampering_fails() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
-    let table = TestTable::new("signing_check").await;
-    let rabbit = RabbitFixture::new("signing_check", "#", "it.barrier").await;
+    let (table, rabbit) = table_and_exchange("signing_check").await;
     let out = signed(&table, &rabbit, "signing-check", "k-check", KEY_A)
         .output(&["check"], WAIT)
         .await;
@@ -488,8 +478,7 @@ async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
             out.stderr
         );
     }
-    rabbit.teardown().await;
-    table.drop_table().await;
+    drop_both(table, rabbit).await;
 }
 
 #[test]

@@ -114,26 +114,9 @@ async fn stdout_sink_writes_one_cloudevent_per_line_in_aggregate_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdout_sink_sends_bytea_payloads_as_data_base64() {
     let table = TestTable::new("stdout_bytea").await;
-    table
-        .db
-        .batch_execute(&format!(
-            "ALTER TABLE {} ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8')",
-            table.name
-        ))
-        .await
-        .unwrap();
+    table.make_payload_bytea().await;
     let payload: Vec<u8> = vec![0, 1, 0xff, b'\n', b'{'];
-    table
-        .db
-        .execute(
-            &format!(
-                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) VALUES ('bin', 'x', 'blob', $1)",
-                table.name
-            ),
-            &[&payload],
-        )
-        .await
-        .unwrap();
+    table.insert_bytes("x", &payload).await;
     let mut relay = stdout_relay(&table, "stdout-bytea").spawn();
     table.wait_all_sent(Duration::from_secs(60)).await;
     relay.sigterm();

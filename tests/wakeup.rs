@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{
-    NewRow, PG_URL, RabbitFixture, RelayBuilder, TestTable, insert_rows, pg_connect, wait_until,
+    NewRow, PG_URL, RabbitFixture, RelayBuilder, TestTable, finish, insert_rows, pg_connect,
+    table_and_exchange, wait_until,
 };
 use futures::StreamExt;
 use outbox_relay::config::TableName;
@@ -102,8 +103,7 @@ async fn wait_for_waiter(table: &TestTable, instance: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() {
-    let table = TestTable::new("wake_idle").await;
-    let rabbit = RabbitFixture::new("wake_idle", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("wake_idle").await;
     // A long poll: a row that waited for it would take seconds.
     let relay = RelayBuilder::for_test(&table, &rabbit, "wake-idle")
         .set("relay.poll_interval", "10s")
@@ -171,15 +171,12 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() 
         "{busy_notifies} NOTIFYs for {busy_commits} commits beside a busy relay"
     );
     table.wait_all_sent(Duration::from_secs(60)).await;
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poll_only_never_notifies() {
-    let table = TestTable::new("wake_poll_only").await;
-    let rabbit = RabbitFixture::new("wake_poll_only", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("wake_poll_only").await;
     let relay = RelayBuilder::for_test(&table, &rabbit, "wake-poll")
         .set("relay.notify", "false")
         .set("relay.poll_interval", "200ms")
@@ -196,15 +193,12 @@ async fn poll_only_never_notifies() {
     rabbit.wait_for_ids(&ids, Duration::from_secs(20)).await;
     assert!(waiters(&table).await.is_empty());
     assert_eq!(counter.get(), 0, "a polling relay made inserts notify");
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(relay, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_committing_while_the_relay_goes_idle_is_not_left_for_the_poll() {
-    let table = TestTable::new("wake_race").await;
-    let rabbit = RabbitFixture::new("wake_race", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("wake_race").await;
     // Widen the window between a transaction's wake-up check and its commit: a second deferred
     // trigger, fired after the wake-up one (triggers fire in name order), sleeps 2 s.
     table
@@ -254,8 +248,7 @@ async fn a_row_committing_while_the_relay_goes_idle_is_not_left_for_the_poll() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_that_dies_waiting_stops_costing_notifies() {
-    let table = TestTable::new("wake_dead").await;
-    let rabbit = RabbitFixture::new("wake_dead", "#", "barrier.x").await;
+    let (table, rabbit) = table_and_exchange("wake_dead").await;
     // poll 200 ms: a waiting record lives 3 polls + 2 s = 2.6 s without renewal.
     let mut relay = RelayBuilder::for_test(&table, &rabbit, "wake-dead")
         .set("relay.poll_interval", "200ms")
@@ -304,9 +297,7 @@ async fn a_relay_that_dies_waiting_stops_costing_notifies() {
     let id = table.insert(&[row(99)]).await[0].id;
     rabbit.wait_for_ids(&[id], Duration::from_secs(2)).await;
     assert!(counter.get() > before, "no NOTIFY for a live waiting relay");
-    other.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
+    finish(other, table, rabbit).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,7 @@ use chrono::{DateTime, Utc};
 use serde_json::Value;
 use tokio::task::JoinHandle;
 use tokio_postgres::{Client, GenericClient, NoTls};
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::{PG_URL, RelayBuilder, hex8, slug, wait_until};
@@ -80,6 +81,56 @@ pub fn spawn_paced_writer(
     })
 }
 
+/// Inserts `batch` rows spread over `aggregates` aggregates (`<tag>-<n>`) every 30 ms until the
+/// returned token is cancelled, and survives a database restart (reconnects; a batch whose
+/// commit is in doubt may or may not be in the table — check the table, not this count). The
+/// task returns the rows known inserted.
+pub fn spawn_steady_writer(
+    table: &str,
+    tag: &str,
+    aggregates: usize,
+    batch: usize,
+) -> (CancellationToken, JoinHandle<usize>) {
+    let (table, tag, stop) = (table.to_owned(), tag.to_owned(), CancellationToken::new());
+    let token = stop.clone();
+    let task = tokio::spawn(async move {
+        let (mut client, mut n, mut inserted) = (None::<Client>, 0, 0);
+        while !stop.is_cancelled() {
+            let Some(c) = client.as_ref() else {
+                match try_pg_connect(PG_URL, "outbox-testkit-writer").await {
+                    Ok(c) => client = Some(c),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+                continue;
+            };
+            let rows: Vec<NewRow> = (n..n + batch)
+                .map(|i| {
+                    let aggregate = format!("{tag}-{}", i % aggregates);
+                    NewRow::new(
+                        &tag,
+                        Some(&aggregate),
+                        "tick",
+                        serde_json::json!({ "n": i }),
+                    )
+                })
+                .collect();
+            if let Err(e) = try_insert_rows(c, &table, &rows).await {
+                eprintln!("writer: insert failed ({e}); reconnecting");
+                client = None;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            (inserted, n) = (inserted + batch, n + batch);
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(30)) => {}
+                () = stop.cancelled() => {}
+            }
+        }
+        inserted
+    });
+    (token, task)
+}
+
 /// A plain connection to the test database (its driver task runs in the background).
 pub async fn pg_connect() -> Client {
     try_pg_connect(PG_URL, "outbox-testkit")
@@ -141,20 +192,16 @@ pub async fn migrate_table(table: &str) -> Vec<i32> {
         .unwrap_or_else(|| panic!("unexpected migrate output: {}", out.stdout))
 }
 
-/// A row to insert, as an application would.
+/// A row to insert, as an application would (fields: the columns of the same name; an
+/// `Option` is NULL when `None`).
+#[allow(missing_docs)] // the fields are the table's columns
 #[derive(Debug, Clone)]
 pub struct NewRow {
-    /// `aggregate_type`
     pub aggregate_type: String,
-    /// `aggregate_id` (NULL when `None`)
     pub aggregate_id: Option<String>,
-    /// `event_type`
     pub event_type: String,
-    /// `payload` (jsonb)
     pub payload: Value,
-    /// `headers` (jsonb)
     pub headers: Value,
-    /// `destination` (routing key override)
     pub destination: Option<String>,
 }
 
@@ -273,44 +320,63 @@ pub async fn try_insert_rows<C: GenericClient + Sync>(
         .collect())
 }
 
-/// One outbox row as the database holds it.
+/// One outbox row as the database holds it (fields: the columns of the same name).
+#[allow(missing_docs)] // the fields are the table's columns
 #[derive(Debug, Clone)]
 pub struct RowState {
-    /// `id`
     pub id: Uuid,
-    /// `seq`
     pub seq: i64,
-    /// `aggregate_type`
     pub aggregate_type: String,
-    /// `aggregate_id`
     pub aggregate_id: Option<String>,
-    /// `event_type`
     pub event_type: String,
-    /// `payload`
     pub payload: Value,
-    /// `headers`
     pub headers: Value,
-    /// `destination`
     pub destination: Option<String>,
-    /// `status`
     pub status: String,
-    /// `attempts`
     pub attempts: i32,
-    /// `available_at`
     pub available_at: DateTime<Utc>,
-    /// `locked_at`
     pub locked_at: Option<DateTime<Utc>>,
-    /// `locked_by`
     pub locked_by: Option<String>,
-    /// `last_error`
     pub last_error: Option<String>,
-    /// `created_at`
     pub created_at: DateTime<Utc>,
-    /// `sent_at`
     pub sent_at: Option<DateTime<Utc>>,
 }
 
-const ROW_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, event_type, payload, headers, destination, \
+impl RowState {
+    /// `aggregate_type/aggregate_id`, `None` for a row without an aggregate id (the key the
+    /// ordering checks of [`crate::analyse`] use).
+    pub fn aggregate(&self) -> Option<String> {
+        let t = &self.aggregate_type;
+        self.aggregate_id.as_ref().map(|a| format!("{t}/{a}"))
+    }
+
+    /// This row's state, unless it is `sent` on its first attempt.
+    pub fn not_sent_once(&self) -> Option<String> {
+        (self.status != "sent" || self.attempts != 1).then(|| self.describe())
+    }
+
+    /// [`RowState::not_sent_once`], and also unless it has a `sent_at`, no lock and no error.
+    pub fn not_sent_cleanly(&self) -> Option<String> {
+        let clean = self.sent_at.is_some() && self.locked_by.is_none() && self.last_error.is_none();
+        self.not_sent_once()
+            .or_else(|| (!clean).then(|| self.describe()))
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (seq {}): status {} attempts {} sent_at {:?} locked_by {:?} last_error {:?}",
+            self.id,
+            self.seq,
+            self.status,
+            self.attempts,
+            self.sent_at,
+            self.locked_by,
+            self.last_error
+        )
+    }
+}
+
+const ROW_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, event_type, to_jsonb(payload), headers, destination, \
                            status, attempts, available_at, locked_at, locked_by, last_error, created_at, sent_at";
 
 fn row_state(r: &tokio_postgres::Row) -> RowState {
@@ -416,6 +482,28 @@ impl TestTable {
         self.insert(rows).await.into_iter().map(|r| r.id).collect()
     }
 
+    /// Turns the `payload` column into `bytea` (do it before the relay starts: it detects the
+    /// column type once, at start).
+    pub async fn make_payload_bytea(&self) {
+        let sql = format!(
+            "ALTER TABLE {} ALTER COLUMN payload TYPE bytea USING convert_to(payload::text, 'UTF8')",
+            self.name
+        );
+        self.db.batch_execute(&sql).await.expect("payload to bytea");
+    }
+
+    /// Inserts a row of type `bin`, event `blob`, in `aggregate`, with `payload` as its bytes
+    /// (a table made `bytea` by [`TestTable::make_payload_bytea`]); its id.
+    pub async fn insert_bytes(&self, aggregate: &str, payload: &[u8]) -> Uuid {
+        let sql = format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('bin', $1, 'blob', $2) RETURNING id",
+            self.name
+        );
+        let row = self.db.query_one(&sql, &[&aggregate, &payload]).await;
+        row.expect("insert bytes").get(0)
+    }
+
     /// Every row, in `seq` order.
     pub async fn rows(&self) -> Vec<RowState> {
         let sql = format!("SELECT {ROW_COLUMNS} FROM {} ORDER BY seq", self.name);
@@ -491,6 +579,42 @@ impl TestTable {
                 Ok(c)
             } else {
                 Err(format!("{c:?}"))
+            }
+        })
+        .await
+    }
+
+    /// Waits until `count_where(condition)` is `want`; panics after `timeout` with the last
+    /// count and the row counts by status.
+    pub async fn wait_count(&self, condition: &str, want: i64, timeout: Duration) {
+        let what = format!("{want} rows of {} where {condition}", self.name);
+        wait_until(timeout, &what, async || {
+            match self.count_where(condition).await {
+                n if n == want => Ok(()),
+                n => Err(format!("{n}; {:?}", self.status_counts().await)),
+            }
+        })
+        .await;
+    }
+
+    /// Waits until row `id` satisfies `done`, and returns it; panics after `timeout` naming
+    /// `what` and the row's last state.
+    pub async fn wait_row(
+        &self,
+        id: Uuid,
+        timeout: Duration,
+        what: &str,
+        done: impl Fn(&RowState) -> bool,
+    ) -> RowState {
+        wait_until(timeout, what, async || {
+            let r = self.row(id).await;
+            if done(&r) {
+                Ok(r)
+            } else {
+                Err(format!(
+                    "{} attempts {} {:?}",
+                    r.status, r.attempts, r.last_error
+                ))
             }
         })
         .await

@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 pub use crate::free_port;
-use crate::{PG_URL, RelayBuilder, TestTable, hex8, wait_until};
+use crate::{RelayBuilder, TestTable, hex8, wait_until};
 
 /// The shared broker.
 pub const KAFKA: &str = "127.0.0.1:9092";
@@ -443,16 +443,11 @@ impl Tansu {
 /// `outbox-relay run` for `table`, publishing to `brokers` with topic template `topic`,
 /// `message_timeout` 10 s, metrics server off.
 pub fn kafka_relay(table: &TestTable, brokers: &str, topic: &str, instance: &str) -> RelayBuilder {
-    RelayBuilder::bare(instance)
-        .set("database.url", PG_URL)
-        .set("database.table", &table.name)
-        .set("database.auto_migrate", "false")
+    RelayBuilder::for_table(table, instance)
         .set("publisher.kind", "kafka")
         .set("publisher.kafka.brokers", brokers)
         .set("publisher.kafka.topic", topic)
         .set("publisher.kafka.message_timeout", "10s")
-        .set("metrics.listen", "")
-        .set("relay.instance_id", instance)
 }
 
 /// Creates `topic` with [`PARTITIONS`] partitions through the Kafka admin API, for brokers

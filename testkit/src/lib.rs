@@ -10,7 +10,8 @@
 //!   exchange + queue pairs ([`DurableBinding`]);
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
 //!   front;
-//! - [`proxy`]: a TCP proxy that can cut or stall a connection.
+//! - [`proxy`]: a TCP proxy that can cut or stall a connection;
+//! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
 //!
 //! The kit does not depend on the `outbox-relay` library: it talks to the binary, the database
 //! and the brokers the way an operator and an application do. Test-flavoured helpers panic with
@@ -20,6 +21,7 @@
 //! Every fixture gets a unique name (`it_<test>_<hex>`, `it.<test>.<hex>`) so tests run in
 //! parallel without seeing each other's rows or messages.
 
+pub mod check;
 pub mod db;
 pub mod kafka;
 pub mod process;
@@ -28,6 +30,7 @@ pub mod rabbit;
 
 use std::time::{Duration, Instant};
 
+pub use check::*;
 pub use db::*;
 pub use process::*;
 pub use proxy::*;
@@ -104,4 +107,23 @@ pub async fn wait_for_count(timeout: Duration, what: &str, min: usize, count: im
         }
     })
     .await;
+}
+
+/// A test's own outbox table and exchange (its queue bound with `#`): what most RabbitMQ tests
+/// start from. [`drop_both`] removes them.
+pub async fn table_and_exchange(test: &str) -> (TestTable, RabbitFixture) {
+    let table = TestTable::new(test).await;
+    (table, RabbitFixture::new(test, "#", "it.barrier").await)
+}
+
+/// Deletes the exchange and drops the table of [`table_and_exchange`].
+pub async fn drop_both(table: TestTable, rabbit: RabbitFixture) {
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+/// Stops `relay` (asserting a clean exit, see [`RelayProcess::stop`]), then [`drop_both`].
+pub async fn finish(relay: RelayProcess, table: TestTable, rabbit: RabbitFixture) {
+    relay.stop().await;
+    drop_both(table, rabbit).await;
 }

@@ -106,12 +106,24 @@ impl RelayBuilder {
 
     /// Configured for `table` and `rabbit`, instance id `instance`, metrics server disabled.
     pub fn for_test(table: &TestTable, rabbit: &RabbitFixture, instance: &str) -> Self {
+        Self::to_exchange(table, &rabbit.exchange, instance)
+    }
+
+    /// Configured for `table` and `exchange` on the local RabbitMQ, instance id `instance`,
+    /// metrics server disabled (for a test without a [`RabbitFixture`]).
+    pub fn to_exchange(table: &TestTable, exchange: &str, instance: &str) -> Self {
+        Self::for_table(table, instance)
+            .set("publisher.rabbitmq.url", AMQP_URL)
+            .set("publisher.rabbitmq.exchange", exchange)
+    }
+
+    /// Configured for `table` (no migration at start), instance id `instance`, metrics server
+    /// disabled; the publisher is left to the caller.
+    pub fn for_table(table: &TestTable, instance: &str) -> Self {
         Self::bare(instance)
             .set("database.url", PG_URL)
             .set("database.table", &table.name)
             .set("database.auto_migrate", "false")
-            .set("publisher.rabbitmq.url", AMQP_URL)
-            .set("publisher.rabbitmq.exchange", &rabbit.exchange)
             .set("metrics.listen", "")
             .set("relay.instance_id", instance)
     }

@@ -1,17 +1,22 @@
 //! RabbitMQ: an exchange with a queue and a collecting consumer per test, and durable
-//! exchange + queue pairs that outlive a connection (broker restarts, the benchmark).
+//! exchange + queue pairs that outlive a connection (broker restarts, the benchmark), one with a
+//! consumer that reconnects by itself ([`DurableQueue`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::{AMQP_URL, hex8, slug, wait_until};
@@ -277,6 +282,12 @@ impl RabbitFixture {
             .expect("an id that arrived is among the deliveries")
     }
 
+    /// The deliveries so far checked against `expected` (see [`crate::analyse`]).
+    pub fn analyse(&self, expected: &[crate::RowState]) -> crate::Analysis {
+        let deliveries = self.deliveries();
+        crate::analyse(expected, deliveries.iter().map(|d| d.message_id.as_str()))
+    }
+
     /// Publishes a marker to the exchange and waits for it: every message the broker had
     /// accepted into the queue before this call has then been received.
     pub async fn barrier(&self) {
@@ -315,5 +326,243 @@ impl RabbitFixture {
             )
             .await;
         let _ = self.conn.close(200, "test done".into()).await;
+    }
+}
+
+const QUEUE_BARRIER_PREFIX: &str = "fault-barrier-";
+
+/// A durable exchange and a durable, non-exclusive queue (both survive a broker restart) with a
+/// consumer that reconnects by itself and acknowledges each message after recording it.
+pub struct DurableQueue {
+    /// The durable exchange the relay publishes to.
+    pub exchange: String,
+    /// The durable queue bound to it with `#`.
+    pub queue: String,
+    /// (message id, redelivered flag) in arrival order.
+    received: Arc<Mutex<Vec<(String, bool)>>>,
+    barriers: Arc<Mutex<HashSet<String>>>,
+    /// Connections the consumer made so far (it reconnects after a broker restart).
+    pub connects: Arc<AtomicUsize>,
+    stop: CancellationToken,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Drop for DurableQueue {
+    /// After a failure (no `teardown`): the durable queue would outlive the test with every
+    /// message the relay published meanwhile.
+    fn drop(&mut self) {
+        if self.task.is_some() {
+            self.stop.cancel();
+            let _ = std::process::Command::new("rabbitmqctl")
+                .args(["delete_queue", &self.queue])
+                .output();
+        }
+    }
+}
+
+impl DurableQueue {
+    /// Declares `it.<test>.<hex>` and its queue and starts the consumer.
+    pub async fn new(test: &str) -> Self {
+        let tag = format!("{test}.{}", hex8());
+        let (exchange, queue) = (format!("it.{tag}"), format!("it.{tag}.q"));
+        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+            .await
+            .expect("connect to RabbitMQ");
+        let ch = conn.create_channel().await.unwrap();
+        declare_bound_queue(&ch, &exchange, &queue, Durability::Durable, "#")
+            .await
+            .unwrap();
+        let _ = conn.close(200, "declared".into()).await;
+
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let barriers = Arc::new(Mutex::new(HashSet::new()));
+        let connects = Arc::new(AtomicUsize::new(0));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(Self::consume(
+            queue.clone(),
+            Arc::clone(&received),
+            Arc::clone(&barriers),
+            Arc::clone(&connects),
+            stop.clone(),
+        ));
+        Self {
+            exchange,
+            queue,
+            received,
+            barriers,
+            connects,
+            stop,
+            task: Some(task),
+        }
+    }
+
+    async fn consume(
+        queue: String,
+        received: Arc<Mutex<Vec<(String, bool)>>>,
+        barriers: Arc<Mutex<HashSet<String>>>,
+        connects: Arc<AtomicUsize>,
+        stop: CancellationToken,
+    ) {
+        let mut last_error = String::new();
+        while !stop.is_cancelled() {
+            let session = async {
+                // Bounded: a broker in the middle of start_app may accept and not answer.
+                let setup = async {
+                    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+                    ch.basic_qos(500, BasicQosOptions::default())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let consumer = ch
+                        .basic_consume(
+                            queue.as_str().into(),
+                            format!("fault-consumer-{}", hex8()).into(),
+                            BasicConsumeOptions::default(),
+                            FieldTable::default(),
+                        )
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok::<_, String>((conn, ch, consumer))
+                };
+                let (conn, ch, mut consumer) = tokio::time::timeout(Duration::from_secs(10), setup)
+                    .await
+                    .map_err(|_| "connecting timed out".to_owned())??;
+                connects.fetch_add(1, Ordering::SeqCst);
+                // lapin's consumer stream does not always end when the connection dies (seen
+                // after a reset during stop_app): watch the connection as well.
+                let mut watch = tokio::time::interval(Duration::from_millis(250));
+                loop {
+                    let next = tokio::select! {
+                        n = consumer.next() => n,
+                        _ = watch.tick() => {
+                            if conn.status().connected() && ch.status().connected() {
+                                continue;
+                            }
+                            return Err("connection lost".to_owned());
+                        }
+                        () = stop.cancelled() => return Ok::<(), String>(()),
+                    };
+                    let d = match next {
+                        Some(Ok(d)) => d,
+                        Some(Err(e)) => return Err(e.to_string()),
+                        None => return Err("consumer ended".to_owned()),
+                    };
+                    let id = message_id(&d.properties);
+                    if id.starts_with(QUEUE_BARRIER_PREFIX) {
+                        barriers.lock().unwrap().insert(id);
+                    } else {
+                        received.lock().unwrap().push((id, d.redelivered));
+                    }
+                    // An ack lost in a restart means a redelivery (flagged), not a loss. On a
+                    // dead connection the ack may never complete: bounded.
+                    match tokio::time::timeout(
+                        Duration::from_secs(2),
+                        d.ack(BasicAckOptions::default()),
+                    )
+                    .await
+                    {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => return Err(format!("ack failed: {e}")),
+                        Err(_) => return Err("ack timed out".to_owned()),
+                    }
+                }
+            }
+            .await;
+            if let Err(e) = session
+                && e != last_error
+            {
+                eprintln!("durable consumer: {e}; reconnecting");
+                last_error = e;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(250)) => {}
+                () = stop.cancelled() => {}
+            }
+        }
+    }
+
+    /// Message ids received, in arrival order (redeliveries included).
+    pub fn ids(&self) -> Vec<String> {
+        self.received
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// Duplicate copies split by cause: (flagged `redelivered` — the broker delivering again
+    /// what the consumer had not acknowledged, the consumer's side of a restart; not flagged —
+    /// the relay published the message twice).
+    pub fn duplicate_causes(&self) -> (usize, usize) {
+        let mut seen = HashSet::new();
+        let (mut broker, mut relay) = (0, 0);
+        for (id, redelivered) in self.received.lock().unwrap().iter() {
+            if !seen.insert(id.clone()) {
+                if *redelivered {
+                    broker += 1;
+                } else {
+                    relay += 1;
+                }
+            }
+        }
+        (broker, relay)
+    }
+
+    /// Publishes a marker and waits for it: everything queued before it has been received.
+    pub async fn barrier(&self) {
+        let id = format!("{QUEUE_BARRIER_PREFIX}{}", hex8());
+        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+            .await
+            .expect("barrier connection");
+        let ch = conn.create_channel().await.unwrap();
+        ch.basic_publish(
+            self.exchange.as_str().into(),
+            "it.barrier".into(),
+            BasicPublishOptions::default(),
+            b"barrier",
+            BasicProperties::default().with_message_id(id.as_str().into()),
+        )
+        .await
+        .expect("publish barrier");
+        wait_until(Duration::from_secs(60), "the barrier arrives", async || {
+            if self.barriers.lock().unwrap().contains(&id) {
+                Ok(())
+            } else {
+                Err(format!("{} received", self.received.lock().unwrap().len()))
+            }
+        })
+        .await;
+        let _ = conn.close(200, "barrier".into()).await;
+    }
+
+    /// Waits until every id in `ids` was received at least once.
+    pub async fn wait_for(&self, ids: &[Uuid], timeout: Duration) {
+        let what = "every row arrives on the durable queue";
+        wait_for_all_ids(timeout, what, ids, || self.ids().into_iter().collect()).await;
+    }
+
+    /// Stops the consumer and deletes the queue and the exchange.
+    pub async fn teardown(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            let _ = task.await;
+        }
+        if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = ch
+                    .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+                    .await;
+                let _ = ch
+                    .exchange_delete(
+                        self.exchange.as_str().into(),
+                        ExchangeDeleteOptions::default(),
+                    )
+                    .await;
+            }
+            let _ = conn.close(200, "test done".into()).await;
+        }
     }
 }

@@ -11,6 +11,7 @@ pub use outbox_testkit::*;
 
 use std::collections::BTreeMap;
 
+use chrono::{DateTime, Utc};
 use serde_json::Value;
 
 /// The binary under test (the kit finds the same file next to the test executable).
@@ -29,4 +30,43 @@ pub fn expected_row_headers(headers: &Value) -> BTreeMap<String, String> {
             other => Some((k.clone(), other.to_string())),
         })
         .collect()
+}
+
+/// Row `n` of the bulk tests: 100 aggregates (`a-0`..`a-49` orders, `a-50`..`a-99`
+/// customers), one row in 53 without aggregate id, headers of every JSON kind (a null among
+/// them) on most rows, none on every fourth.
+pub fn bulk_row(n: usize) -> NewRow {
+    let a = n % 100;
+    let aggregate_type = if a < 50 { "order" } else { "customer" };
+    let aggregate_id = (!n.is_multiple_of(53)).then(|| format!("a-{a}"));
+    let event_type = ["created", "updated", "deleted"][n % 3];
+    let payload = serde_json::json!({"n": n, "name": format!("row {n}"), "nested": {"list": [n, "x", null], "ok": true}, "text": "é✓ \"quoted\""});
+    let row = NewRow::new(aggregate_type, aggregate_id.as_deref(), event_type, payload);
+    if n % 4 == 3 {
+        return row;
+    }
+    row.headers(serde_json::json!({
+        "trace": format!("t-{n}"), "n": n, "ratio": 0.5, "flag": n.is_multiple_of(2),
+        "nested": {"k": [n]}, "gone": null,
+    }))
+}
+
+/// The contract's §4 checks of the time attribute `name` (`cloudEvents:time`, `ce_time`):
+/// RFC 3339 with at least millisecond precision, equal to `created_at`; the problem found.
+pub fn time_problem(name: &str, value: Option<&str>, created_at: DateTime<Utc>) -> Option<String> {
+    let Some(t) = value else {
+        return Some(format!("no {name}"));
+    };
+    let frac = t
+        .split('.')
+        .nth(1)
+        .map_or(0, |f| f.chars().take_while(char::is_ascii_digit).count());
+    if frac < 3 {
+        return Some(format!("{name} {t:?} has less than millisecond precision"));
+    }
+    match DateTime::parse_from_rfc3339(t) {
+        Ok(parsed) if parsed.with_timezone(&Utc) == created_at => None,
+        Ok(_) => Some(format!("{name} {t} != created_at {created_at}")),
+        Err(e) => Some(format!("{name} {t:?} is not RFC 3339: {e}")),
+    }
 }
