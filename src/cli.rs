@@ -90,7 +90,8 @@ pub async fn check(config: &Config) -> Result<()> {
             PayloadKind::Json
         }
     };
-    let publisher = outbox_relay::build_publisher(config, kind);
+    let _ = kind;
+    let publisher = outbox_relay::build_publisher(config);
     match tokio::time::timeout(std::time::Duration::from_secs(15), publisher.connect()).await {
         Ok(Ok(())) => println!("broker: ok ({})", publisher.describe()),
         Ok(Err(e)) => {

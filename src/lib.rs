@@ -60,18 +60,16 @@ pub mod telemetry;
 pub mod template;
 pub mod wakeup;
 pub mod watermark;
+pub mod window;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::Backoff;
 use crate::config::{Config, PublisherConfig};
-use crate::message::PayloadKind;
 use crate::outbox::Outbox;
 use crate::publish::Publisher;
-use crate::publish::envelope::EnvelopeConfig;
 use crate::store::{Store, StoreError};
 use crate::tasks::Tasks;
 use crate::telemetry::Health;
@@ -95,41 +93,65 @@ pub enum RunError {
     },
 }
 
-/// Builds the configured publisher (not yet connected).
-pub fn build_publisher(config: &Config, payload_kind: PayloadKind) -> Arc<dyn Publisher> {
-    let envelope = EnvelopeConfig {
-        source: config.relay.source.clone(),
+/// Builds the configured publisher (not yet connected). One publisher serves every outbox:
+/// each publish names its outbox's envelope.
+pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
+    match &config.publisher {
+        PublisherConfig::RabbitMq(c) => {
+            Arc::new(publish::rabbitmq::RabbitMqPublisher::new(c.clone()))
+        }
+        PublisherConfig::Kafka(c) => {
+            // librdkafka's linger is one setting for the producer: ordered if any outbox is.
+            let ordering = if config
+                .outboxes
+                .iter()
+                .any(|o| o.ordering == config::Ordering::Aggregate)
+            {
+                config::Ordering::Aggregate
+            } else {
+                config::Ordering::None
+            };
+            Arc::new(publish::kafka::KafkaPublisher::for_ordering(
+                c.clone(),
+                ordering,
+            ))
+        }
+        PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new()),
+    }
+}
+
+/// The envelope of `outbox`'s messages: its source and route (or the publisher's), the
+/// payload type found in its table, and the `[signing]` key.
+pub fn envelope(
+    config: &Config,
+    outbox: &config::OutboxConfig,
+    payload_kind: message::PayloadKind,
+) -> publish::envelope::EnvelopeConfig {
+    publish::envelope::EnvelopeConfig {
+        route: outbox
+            .route
+            .clone()
+            .unwrap_or_else(|| config.publisher.route()),
+        source: outbox.source.clone(),
         payload_kind,
         signer: config
             .signing
             .as_ref()
             .map(|s| Arc::new(signing::Signer::new(&s.key_id, &s.key))),
-    };
-    match &config.publisher {
-        PublisherConfig::RabbitMq(c) => Arc::new(publish::rabbitmq::RabbitMqPublisher::new(
-            c.clone(),
-            envelope,
-        )),
-        PublisherConfig::Kafka(c) => Arc::new(publish::kafka::KafkaPublisher::for_ordering(
-            c.clone(),
-            envelope,
-            config.relay.ordering,
-        )),
-        PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new(envelope)),
     }
 }
 
 /// Runs the relay until `shutdown` is cancelled, then drains within `relay.shutdown_timeout`.
 ///
-/// The database may be down at start or at any time: the relay waits and reconnects. Only
-/// errors that retrying cannot fix (a missing table without `auto_migrate`, a payload column of
-/// the wrong type, a metrics address in use) end it.
+/// A database may be down at start or at any time: the relay waits and reconnects. Only
+/// errors that retrying cannot fix (a missing table without `auto_migrate` or a payload column
+/// of the wrong type, when it is the only outbox; a metrics address in use) end it.
 pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunError> {
     run_with(config, None, shutdown).await
 }
 
-/// Makes the publisher once the payload column's type is known.
-pub type PublisherFactory = Box<dyn FnOnce(PayloadKind) -> Arc<dyn Publisher> + Send>;
+/// Makes the publisher (instead of [`build_publisher`]).
+pub type PublisherFactory = Box<dyn FnOnce() -> Arc<dyn Publisher> + Send>;
 
 /// [`run`] with the publisher supplied by the caller instead of built from the configuration
 /// (benchmarks use a no-op publisher to measure the database path alone; tests use fakes).
@@ -158,40 +180,74 @@ pub async fn run_with(
         None => None,
     };
 
-    let store = Store::new(&config.database, &config.relay.instance_id)?;
-    let Some((payload_kind, table_oid)) =
-        prepare_schema(&store, &config, &health, &shutdown).await?
-    else {
-        return Ok(()); // shut down while waiting for the database
-    };
     let publisher = match publisher {
-        Some(make) => make(payload_kind),
-        None => build_publisher(&config, payload_kind),
+        Some(make) => make(),
+        None => build_publisher(&config),
     };
     tracing::info!(
         instance = %config.relay.instance_id,
-        database = %config.database.redacted_url(),
-        table = %config.database.table,
-        payload = ?payload_kind,
+        outboxes = config.outboxes.len(),
         publisher = %publisher.describe(),
-        ordering = ?config.relay.ordering,
         batch_size = config.relay.batch_size,
         max_in_flight = config.relay.max_in_flight,
         notify = config.relay.notify,
         "outbox-relay starting"
     );
+    let shared = outbox::Shared {
+        publisher: Arc::clone(&publisher),
+        health,
+    };
+    let window = window::Window::new(config.relay.max_in_flight);
+    // One pool per database: outboxes in the same database share it.
+    let mut pools: Vec<(&str, Store)> = Vec::new();
+    let mut outboxes = Vec::with_capacity(config.outboxes.len());
+    for o in &config.outboxes {
+        let store = match pools.iter().find(|(url, _)| *url == o.database.url) {
+            Some((_, pool)) => pool.for_table(&o.database.table),
+            None => {
+                let store = Store::new(&o.database, &config.relay.instance_id)?;
+                pools.push((&o.database.url, store.clone()));
+                store
+            }
+        };
+        outboxes.push(Outbox {
+            config: o.clone(),
+            store,
+            lane: window.lane(),
+        });
+    }
 
     let tasks = Tasks::new();
-    let outbox = Outbox {
-        store,
-        table_oid,
-        publisher: Arc::clone(&publisher),
-    };
-    outbox.run(&config, health, &tasks, shutdown.clone()).await;
+    let alone = outboxes.len() == 1;
+    let config = Arc::new(config);
+    let mut loops = tokio::task::JoinSet::new();
+    for outbox in outboxes {
+        let (config, shared, tasks, shutdown) = (
+            Arc::clone(&config),
+            shared.clone(),
+            tasks.clone(),
+            shutdown.clone(),
+        );
+        loops.spawn(async move { outbox.run(&config, shared, &tasks, alone, shutdown).await });
+    }
+    let mut failed = None;
+    while let Some(done) = loops.join_next().await {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => failed = Some(e),
+            Err(e) => tracing::error!(error = %e, "an outbox's loop panicked"),
+        }
+    }
     tasks.stop(TASKS_STOP_DEADLINE).await;
     publisher.close().await;
     if let Some(server) = server {
+        if failed.is_some() {
+            shutdown.cancel();
+        }
         let _ = server.await;
+    }
+    if let Some(e) = failed {
+        return Err(e.into());
     }
     tracing::info!("outbox-relay stopped");
     Ok(())
@@ -225,42 +281,4 @@ pub async fn plan_schema(store: &Store, auto_migrate: bool) -> Result<SchemaPlan
             Vec::new()
         },
     })
-}
-
-/// Migrates (when configured) and inspects the table, waiting out database outages.
-async fn prepare_schema(
-    store: &Store,
-    config: &Config,
-    health: &Health,
-    shutdown: &CancellationToken,
-) -> Result<Option<(PayloadKind, u32)>, RunError> {
-    let mut backoff = Backoff::session();
-    loop {
-        let attempt = async {
-            let plan = plan_schema(store, config.database.auto_migrate).await?;
-            if !plan.apply.is_empty() {
-                let applied = store.migrate().await?;
-                if !applied.is_empty() {
-                    tracing::info!(table = %store.table(), versions = ?applied, "applied schema migrations");
-                }
-            }
-            store.inspect().await
-        }
-        .await;
-        match attempt {
-            Ok(found) => {
-                health.set_database(true);
-                return Ok(Some(found));
-            }
-            Err(e) if e.is_connection() => {
-                let delay = backoff.next_delay();
-                tracing::warn!(error = %e, retry_in = ?delay, "database unavailable at start; retrying");
-                tokio::select! {
-                    () = tokio::time::sleep(delay) => {}
-                    () = shutdown.cancelled() => return Ok(None),
-                }
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
 }

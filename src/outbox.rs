@@ -1,75 +1,118 @@
-//! One outbox table's relay: its claim loop ([`crate::relay`]) and the background tasks that
-//! serve that table ([`crate::tasks`]), started once the table's schema is known and the
-//! publisher built. [`crate::run`] starts one; relaying several tables from one process would
-//! start one per table on the same [`Tasks`].
+//! One outbox: its table's start-up (schema plan, migration, inspection, waiting out its
+//! database), its claim loop ([`crate::relay`]) and the background tasks that serve that table
+//! ([`crate::tasks`]). [`crate::run`] starts one per configured outbox; they share the
+//! publisher, the in-flight window ([`crate::window`]), the health flags and (per database)
+//! the connection pool, and nothing else: one outbox's database being down, its table missing
+//! or a burst in it does not hold the others up.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::Config;
+use crate::backoff::Backoff;
+use crate::config::{Config, OutboxConfig};
+use crate::message::PayloadKind;
 use crate::publish::Publisher;
-use crate::relay::{LoopSettings, Relay};
-use crate::store::Store;
+use crate::relay::{LoopSettings, Relay, RelayParts};
+use crate::store::{Store, StoreError};
 use crate::tasks::lease::Held;
 use crate::tasks::{Tasks, backlog, cleanup, lease, listen, vacuum};
-use crate::telemetry::Health;
+use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{ListenerPid, Waiter};
+use crate::window::Lane;
 
-/// An outbox table ready to be relayed.
-pub struct Outbox {
-    /// The table's store.
-    pub store: Store,
-    /// The table's oid (from [`Store::inspect`]).
-    pub table_oid: u32,
-    /// Where its messages go.
+/// With several outboxes, how often one whose table cannot be used (missing without
+/// `auto_migrate`, wrong payload type) is looked at again while the others run.
+const SCHEMA_RETRY: Duration = Duration::from_secs(30);
+
+/// What every outbox of the relay shares.
+#[derive(Clone)]
+pub struct Shared {
+    /// The publisher.
     pub publisher: Arc<dyn Publisher>,
+    /// The process's health flags.
+    pub health: Arc<Health>,
+}
+
+/// An outbox table to relay.
+pub struct Outbox {
+    /// Its configuration.
+    pub config: OutboxConfig,
+    /// Its table (sharing the pool of its database).
+    pub store: Store,
+    /// Its share of the in-flight window.
+    pub lane: Lane,
 }
 
 impl Outbox {
-    /// Starts the table's background tasks on `tasks` (named `<task>:<table>`), then runs its
-    /// claim loop until `shutdown` and its drain. The tasks keep running: the caller stops
-    /// them with [`Tasks::stop`].
+    /// Waits for the table to be usable (migrating it when configured), starts its background
+    /// tasks on `tasks` (named `<task>:<outbox>`), then runs its claim loop until `shutdown`
+    /// and its drain. The tasks keep running: the caller stops them with [`Tasks::stop`].
+    ///
+    /// An error only when the table can never be used as configured and `alone` (the relay's
+    /// only outbox): the relay then stops with it. Beside other outboxes the error is logged
+    /// and the table looked at again every 30 s.
     pub async fn run(
         self,
         config: &Config,
-        health: Arc<Health>,
+        shared: Shared,
         tasks: &Tasks,
+        alone: bool,
         shutdown: CancellationToken,
-    ) {
+    ) -> Result<(), StoreError> {
         let Self {
+            config: outbox,
             store,
-            table_oid,
-            publisher,
+            lane,
         } = self;
-        let table = store.table().to_string();
-        let name = |task: &str| format!("{task}:{table}");
+        let metrics = OutboxMetrics::new(&outbox.name);
+        let database = shared.health.database_slot(&outbox.name);
+        let Some((payload_kind, table_oid)) =
+            prepare(&store, &outbox, config, &database, alone, &shutdown).await?
+        else {
+            return Ok(()); // shut down before the table could be used
+        };
+        tracing::info!(
+            outbox = %outbox.name,
+            database = %outbox.database.redacted_url(),
+            table = %outbox.database.table,
+            payload = ?payload_kind,
+            ordering = ?outbox.ordering,
+            "relaying outbox"
+        );
+        let name = |task: &str| format!("{task}:{}", outbox.name);
         let wake = Arc::new(Notify::new());
 
         let mut waiter = None;
         if config.relay.notify {
             let listener = ListenerPid::default();
-            let (url, channel) = (config.database.url.clone(), store.table().channel());
+            let (url, channel) = (outbox.database.url.clone(), store.table().channel());
             let (wake, pid) = (Arc::clone(&wake), Arc::clone(&listener));
             tasks.spawn(name("listen"), move |token| {
                 listen::listen_loop(url, channel, wake, pid, token)
             });
             waiter = wake_up_waiter(&store, listener, table_oid, config).await;
         }
-        let s = store.clone();
+        let (s, m) = (store.clone(), metrics.clone());
         tasks.spawn(name("vacuum"), move |token| {
-            vacuum::vacuum_loop(s, table_oid, token)
+            vacuum::vacuum_loop(s, m, table_oid, token)
         });
         let held = Held::default();
-        let (s, h, w) = (store.clone(), held.clone(), Arc::clone(&wake));
+        let (s, m, h, w) = (
+            store.clone(),
+            metrics.clone(),
+            held.clone(),
+            Arc::clone(&wake),
+        );
         let (lease_timeout, retry) = (config.relay.lease_timeout, config.retry);
         tasks.spawn(name("lease"), move |token| {
-            lease::lease_loop(s, h, lease_timeout, retry, w, token)
+            lease::lease_loop(s, m, h, lease_timeout, retry, w, token)
         });
-        let (s, clean_waiters) = (store.clone(), waiter.is_some());
+        let (s, m, clean_waiters) = (store.clone(), metrics.clone(), waiter.is_some());
         tasks.spawn(name("backlog"), move |token| {
-            backlog::backlog_loop(s, clean_waiters, token)
+            backlog::backlog_loop(s, m, clean_waiters, token)
         });
         if !config.cleanup.retention.is_zero() {
             let (s, cfg) = (store.clone(), config.cleanup.clone());
@@ -78,14 +121,75 @@ impl Outbox {
             });
         }
 
-        let settings = LoopSettings {
-            relay: config.relay.clone(),
-            retry: config.retry,
-            delete_on_confirm: config.cleanup.retention.is_zero(),
-            table_oid,
-        };
-        let engine = Relay::new(store, publisher, settings, health, wake, held);
+        let mut relay = config.relay.clone();
+        relay.ordering = outbox.ordering;
+        relay.source = outbox.source.clone();
+        let envelope = crate::envelope(config, &outbox, payload_kind);
+        let engine = Relay::new(RelayParts {
+            store,
+            publisher: shared.publisher,
+            envelope,
+            settings: LoopSettings {
+                relay,
+                retry: config.retry,
+                delete_on_confirm: config.cleanup.retention.is_zero(),
+                table_oid,
+            },
+            health: shared.health,
+            database,
+            metrics,
+            lane,
+            wake,
+            held,
+        });
         engine.run(shutdown, waiter).await;
+        Ok(())
+    }
+}
+
+/// Migrates (when configured) and inspects the table, waiting out database outages; `None`
+/// when shut down first.
+async fn prepare(
+    store: &Store,
+    outbox: &OutboxConfig,
+    config: &Config,
+    database: &DatabaseHealth,
+    alone: bool,
+    shutdown: &CancellationToken,
+) -> Result<Option<(PayloadKind, u32)>, StoreError> {
+    let mut backoff = Backoff::session();
+    loop {
+        let attempt = async {
+            let plan = crate::plan_schema(store, config.database.auto_migrate).await?;
+            if !plan.apply.is_empty() {
+                let applied = store.migrate().await?;
+                if !applied.is_empty() {
+                    tracing::info!(outbox = %outbox.name, table = %store.table(), versions = ?applied, "applied schema migrations");
+                }
+            }
+            store.inspect().await
+        }
+        .await;
+        let delay = match attempt {
+            Ok(found) => {
+                database.set(true);
+                return Ok(Some(found));
+            }
+            Err(e) if e.is_connection() => {
+                let delay = backoff.next_delay();
+                tracing::warn!(outbox = %outbox.name, error = %e, retry_in = ?delay, "database unavailable at start; retrying");
+                delay
+            }
+            Err(e) if alone => return Err(e),
+            Err(e) => {
+                tracing::error!(outbox = %outbox.name, error = %e, retry_in = ?SCHEMA_RETRY, "this outbox cannot start; the others run meanwhile");
+                SCHEMA_RETRY
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = shutdown.cancelled() => return Ok(None),
+        }
     }
 }
 

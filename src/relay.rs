@@ -16,20 +16,22 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::backoff::{Backoff, sleep_or_cancel};
 use crate::config::{Ordering, RelayConfig};
 use crate::message::OutboxMessage;
+use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
 use crate::store::{Expired, Failure, Store, StoreError};
 use crate::tasks::lease::Held;
-use crate::telemetry::{self, Health};
+use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
 use crate::watermark::Watermark;
+use crate::window::{Lane, Permit};
 
 /// How often to look for rows reclaimed from a dead relay when there were none last time.
 const SUSPECT_CHECK_PERIOD: Duration = Duration::from_secs(1);
@@ -47,12 +49,42 @@ pub struct LoopSettings {
     pub table_oid: u32,
 }
 
+/// Everything one outbox's loop works with: its own table, settings and identity, and what
+/// it shares with the other outboxes of the relay (the publisher, the in-flight window, the
+/// health flags).
+pub struct RelayParts {
+    /// The outbox's table.
+    pub store: Store,
+    /// The publisher every outbox shares.
+    pub publisher: Arc<dyn Publisher>,
+    /// How this outbox's messages look on the wire and where they go.
+    pub envelope: EnvelopeConfig,
+    /// Loop settings.
+    pub settings: LoopSettings,
+    /// The process's health (the broker flag).
+    pub health: Arc<Health>,
+    /// This outbox's database flag.
+    pub database: DatabaseHealth,
+    /// This outbox's metrics.
+    pub metrics: OutboxMetrics,
+    /// This outbox's share of the in-flight window.
+    pub lane: Lane,
+    /// Woken by NOTIFY, by finished batches and by connection-level failures.
+    pub wake: Arc<Notify>,
+    /// The ids this loop holds (renewed by the lease task).
+    pub held: Held,
+}
+
 /// The claim/publish/settle engine shared by the dispatcher and its batch tasks.
 pub struct Relay {
     store: Store,
     publisher: Arc<dyn Publisher>,
+    envelope: EnvelopeConfig,
     settings: LoopSettings,
     health: Arc<Health>,
+    database: DatabaseHealth,
+    metrics: OutboxMetrics,
+    lane: Lane,
     held: Held,
     // Woken by NOTIFY, by finished batches (their aggregates' next rows are now claimable) and
     // by connection-level failures (so the dispatcher reconnects at once).
@@ -70,19 +102,28 @@ enum RowResult {
 
 impl Relay {
     /// Wires the engine.
-    pub fn new(
-        store: Store,
-        publisher: Arc<dyn Publisher>,
-        settings: LoopSettings,
-        health: Arc<Health>,
-        wake: Arc<Notify>,
-        held: Held,
-    ) -> Arc<Self> {
+    pub fn new(parts: RelayParts) -> Arc<Self> {
+        let RelayParts {
+            store,
+            publisher,
+            envelope,
+            settings,
+            health,
+            database,
+            metrics,
+            lane,
+            wake,
+            held,
+        } = parts;
         Arc::new(Self {
             store,
             publisher,
+            envelope,
             settings,
             health,
+            database,
+            metrics,
+            lane,
             held,
             wake,
         })
@@ -134,7 +175,7 @@ impl Relay {
     fn launch(
         self: &Arc<Self>,
         rows: Vec<OutboxMessage>,
-        permit: OwnedSemaphorePermit,
+        permit: Permit,
         hard_stop: &CancellationToken,
         tasks: &TaskTracker,
     ) {
@@ -150,7 +191,7 @@ impl Relay {
     async fn process_batch(
         self: Arc<Self>,
         rows: Vec<OutboxMessage>,
-        mut permit: OwnedSemaphorePermit,
+        mut permit: Permit,
         hard_stop: CancellationToken,
     ) {
         let chains = chains(rows, self.settings.relay.ordering);
@@ -190,7 +231,7 @@ impl Relay {
         }
         let started = Instant::now();
         let outcomes = tokio::select! {
-            o = self.publisher.publish_run(&chain) => o,
+            o = self.publisher.publish_run(&chain, &self.envelope) => o,
             () = hard_stop.cancelled() => vec![Outcome::Unavailable("shutting down".into())],
         };
         let mut outcomes = outcomes.into_iter();
@@ -208,18 +249,19 @@ impl Relay {
                     let e2e = (chrono::Utc::now() - msg.created_at)
                         .to_std()
                         .unwrap_or_default();
-                    telemetry::record_published(&msg.aggregate_type, started.elapsed(), e2e);
+                    self.metrics
+                        .published(&msg.aggregate_type, started.elapsed(), e2e);
                     RowResult::Confirmed
                 }
                 None => RowResult::HandBack,
                 Some(_) if stopped => RowResult::HandBack,
                 Some(Outcome::Rejected(reason)) => {
-                    telemetry::record_publish_failure(false);
+                    self.metrics.publish_failure(false);
                     stopped = true;
                     RowResult::Rejected(reason)
                 }
                 Some(Outcome::Unavailable(reason)) => {
-                    telemetry::record_publish_failure(true);
+                    self.metrics.publish_failure(true);
                     if !hard_stop.is_cancelled() {
                         tracing::warn!(id = %msg.id, seq = msg.seq, reason = %reason, "broker unavailable; handing the row back without spending an attempt");
                         self.health.set_broker(false);
@@ -280,7 +322,8 @@ impl Relay {
                 }
                 if !failures.is_empty() {
                     let outcome = self.store.fail(&failures, max_attempts).await?;
-                    telemetry::record_dead_lettered(outcome.dead_lettered.len() as u64);
+                    self.metrics
+                        .dead_lettered(outcome.dead_lettered.len() as u64);
                     failures.clear();
                 }
                 if !hand_back.is_empty() {
@@ -294,7 +337,7 @@ impl Relay {
                 Ok(()) => return,
                 Err(e) if Instant::now() < deadline => {
                     let delay = backoff.next_delay();
-                    self.health.set_database(false);
+                    self.database.set(false);
                     tracing::warn!(error = %e, retry_in = ?delay, "cannot record publish outcomes yet; retrying");
                     tokio::time::sleep(delay).await;
                 }
@@ -331,8 +374,6 @@ struct Dispatch<'a> {
     hard_stop: &'a CancellationToken,
     batches: &'a TaskTracker,
     waiter: &'a mut Option<Waiter>,
-    // The in-flight window: one permit per claimed row until its chain is answered.
-    capacity: Arc<Semaphore>,
     watermark: Watermark,
     last_blocking_warning: Option<Instant>,
     broker_backoff: Backoff,
@@ -372,7 +413,6 @@ impl<'a> Dispatch<'a> {
             hard_stop,
             batches,
             waiter,
-            capacity: Arc::new(Semaphore::new(cfg.max_in_flight)),
             watermark: Watermark::new(),
             last_blocking_warning: None,
             broker_backoff: Backoff::reconnect(),
@@ -415,7 +455,7 @@ impl<'a> Dispatch<'a> {
         }
         if self.broker_up {
             self.broker_up = false;
-            telemetry::record_broker_down();
+            relay.metrics.broker_down();
             tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
         }
         relay.health.set_broker(false);
@@ -433,7 +473,7 @@ impl<'a> Dispatch<'a> {
                 Ok(())
             }
             Err(e) => {
-                telemetry::record_broker_down();
+                relay.metrics.broker_down();
                 let delay = self.broker_backoff.next_delay();
                 tracing::warn!(error = %e, retry_in = ?delay, "broker unavailable; not claiming rows until it is back");
                 sleep_or_cancel(delay, self.shutdown).await;
@@ -442,37 +482,28 @@ impl<'a> Dispatch<'a> {
         }
     }
 
-    /// Waits for room in the in-flight window, then takes as much of it as one batch may.
-    async fn take_window(&mut self) -> Step<OwnedSemaphorePermit> {
+    /// Waits for room in this outbox's share of the in-flight window, then takes as much of
+    /// it as one batch may.
+    async fn take_window(&mut self) -> Step<Permit> {
         let want = if self.backlog { self.refill } else { 1 };
-        let first = self.acquire(want).await?;
         let batch_size = self.relay.settings.relay.batch_size;
-        let limit = batch_size.min(self.capacity.available_permits() + first.num_permits());
-        let more =
-            Arc::clone(&self.capacity).try_acquire_many_owned(u32_of(limit - first.num_permits()));
-        Ok(match more {
-            Ok(mut more) => {
-                more.merge(first);
-                more
-            }
-            Err(_) => first,
-        })
+        tokio::select! {
+            p = self.relay.lane.acquire(want, batch_size) => p.ok_or(Exit::Stop),
+            () = self.shutdown.cancelled() => Err(Exit::Stop),
+        }
     }
 
-    /// `n` permits of the window, once they are free.
-    async fn acquire(&self, n: usize) -> Step<OwnedSemaphorePermit> {
+    /// The whole window (of every outbox), once nothing is in flight.
+    async fn acquire_all(&self) -> Step<Permit> {
         tokio::select! {
-            p = Arc::clone(&self.capacity).acquire_many_owned(u32_of(n)) => p.map_err(|_| Exit::Stop),
+            p = self.relay.lane.acquire_all() => p.ok_or(Exit::Stop),
             () = self.shutdown.cancelled() => Err(Exit::Stop),
         }
     }
 
     /// The highest `seq` that may be claimed: with `ordering = "aggregate"`, the ordering
     /// guard's watermark (the sequence, then the table's writers); otherwise any.
-    async fn observe_watermark(
-        &mut self,
-        permit: OwnedSemaphorePermit,
-    ) -> Step<(i64, OwnedSemaphorePermit)> {
+    async fn observe_watermark(&mut self, permit: Permit) -> Step<(i64, Permit)> {
         if self.relay.settings.relay.ordering != Ordering::Aggregate {
             return Ok((i64::MAX, permit));
         }
@@ -491,7 +522,7 @@ impl<'a> Dispatch<'a> {
         let now = Instant::now();
         let mark = self.watermark.observe(last, &writers.writers, now);
         let lag = self.watermark.lag(now);
-        telemetry::record_watermark_lag(lag);
+        self.relay.metrics.watermark_lag(lag);
         if lag > Duration::from_secs(5)
             && self
                 .last_blocking_warning
@@ -514,11 +545,7 @@ impl<'a> Dispatch<'a> {
     /// its fate. Looked for on every round while there are some, otherwise once a second.
     /// Gives `permit` back for the ordinary claim when there is no suspect; `None` when the
     /// round is over.
-    async fn isolate_suspect(
-        &mut self,
-        mark: i64,
-        permit: OwnedSemaphorePermit,
-    ) -> Step<Option<OwnedSemaphorePermit>> {
+    async fn isolate_suspect(&mut self, mark: i64, permit: Permit) -> Step<Option<Permit>> {
         if Instant::now() < self.next_suspect_check {
             return Ok(Some(permit));
         }
@@ -533,9 +560,7 @@ impl<'a> Dispatch<'a> {
                 return Err(self.database_down(&e).await);
             }
         }
-        let window = self
-            .acquire(self.relay.settings.relay.max_in_flight)
-            .await?;
+        let window = self.acquire_all().await?;
         match self.relay.store.claim_suspect(mark).await {
             Ok(Some(row)) => {
                 tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
@@ -557,7 +582,7 @@ impl<'a> Dispatch<'a> {
 
     /// Expires overdue rows and claims up to the window taken, then publishes the batch in a
     /// task of its own, giving back the part of the window it did not use.
-    async fn claim(&mut self, mark: i64, permit: OwnedSemaphorePermit) -> Step<Claimed> {
+    async fn claim(&mut self, mark: i64, permit: Permit) -> Step<Claimed> {
         let relay = self.relay;
         let settings = &relay.settings;
         if let Some(w) = self.waiter.as_mut() {
@@ -576,7 +601,7 @@ impl<'a> Dispatch<'a> {
             .await;
         let rows = match claimed {
             Ok(claim) => {
-                record_expired(&claim.expired);
+                record_expired(&relay.metrics, &claim.expired);
                 claim.rows
             }
             Err(e) => {
@@ -584,10 +609,9 @@ impl<'a> Dispatch<'a> {
                 return Err(self.database_down(&e).await);
             }
         };
-        if !relay.health.database() {
-            tracing::info!("database connection restored");
+        if !relay.database.set(true) {
+            tracing::info!(table = %relay.store.table(), "database connection restored");
         }
-        relay.health.set_database(true);
         self.db_backoff = Backoff::reconnect();
         let full = rows.len() == limit;
         self.backlog = full;
@@ -598,7 +622,7 @@ impl<'a> Dispatch<'a> {
         let found = !rows.is_empty();
         if found {
             // Idle polls are not claims: recording them would bury the batch sizes in zeros.
-            telemetry::record_claim(rows.len());
+            relay.metrics.claimed(rows.len());
             let mut permit = permit;
             if !full {
                 // Give back the part of the window the claim did not use.
@@ -647,7 +671,7 @@ impl<'a> Dispatch<'a> {
     /// Marks the database down and waits out the next reconnect delay; the round ends.
     async fn database_down(&mut self, e: &StoreError) -> Exit {
         let delay = self.db_backoff.next_delay();
-        self.relay.health.set_database(false);
+        self.relay.database.set(false);
         tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
         sleep_or_cancel(delay, self.shutdown).await;
         Exit::Again
@@ -685,11 +709,11 @@ fn chains(rows: Vec<OutboxMessage>, ordering: Ordering) -> Vec<Vec<OutboxMessage
 }
 
 /// Counts and logs rows that passed their deadline before they could be published.
-fn record_expired(expired: &[Expired]) {
+fn record_expired(metrics: &OutboxMetrics, expired: &[Expired]) {
     if expired.is_empty() {
         return;
     }
-    telemetry::record_expired(expired.len() as u64);
+    metrics.expired(expired.len() as u64);
     let sample: Vec<String> = expired
         .iter()
         .take(10)
@@ -700,10 +724,6 @@ fn record_expired(expired: &[Expired]) {
         ids = %sample.join(", "),
         "rows passed their expires_at before they could be published; they will not be sent"
     );
-}
-
-fn u32_of(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]

@@ -102,72 +102,16 @@ pub fn install() -> Option<PrometheusHandle> {
         .clone()
 }
 
-/// Records the static `outbox_relay_info` gauge and registers every metric so `/metrics`
-/// lists them all from the start.
+/// Records the static `outbox_relay_info` gauge and registers the process-wide metrics so
+/// `/metrics` lists them from the start (each outbox registers its own: [`OutboxMetrics`]).
 pub fn record_info(instance: &str, publisher: &str) {
     metrics::gauge!(names::RELAY_INFO, "version" => env!("CARGO_PKG_VERSION"), "instance" => instance.to_owned(), "publisher" => publisher.to_owned()).set(1.0);
-    metrics::counter!(names::PUBLISH_FAILURES, "kind" => "message").increment(0);
-    metrics::counter!(names::PUBLISH_FAILURES, "kind" => "connection").increment(0);
-    metrics::counter!(names::DEAD_LETTERED).increment(0);
-    metrics::counter!(names::EXPIRED).increment(0);
-    metrics::gauge!(names::WATERMARK_LAG).set(0.0);
     metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
-    metrics::counter!(names::VACUUMS).increment(0);
-}
-
-/// The outbox table's dead tuples, as last read.
-pub fn record_dead_tuples(n: i64) {
-    metrics::gauge!(names::DEAD_TUPLES).set(n as f64);
-}
-
-/// The relay vacuumed the outbox table.
-pub fn record_vacuum() {
-    metrics::counter!(names::VACUUMS).increment(1);
-}
-
-/// A message was confirmed by the broker.
-pub fn record_published(aggregate_type: &str, publish: Duration, end_to_end: Duration) {
-    metrics::counter!(names::PUBLISHED, "aggregate_type" => aggregate_type.to_owned()).increment(1);
-    metrics::histogram!(names::PUBLISH_DURATION).record(publish.as_secs_f64());
-    metrics::histogram!(names::END_TO_END_LATENCY).record(end_to_end.as_secs_f64());
-}
-
-/// A publish failed; `connection` says whether it was connection-level.
-pub fn record_publish_failure(connection: bool) {
-    let kind = if connection { "connection" } else { "message" };
-    metrics::counter!(names::PUBLISH_FAILURES, "kind" => kind).increment(1);
 }
 
 /// The relay (re)connected to the broker.
 pub fn record_broker_connected() {
     metrics::gauge!(names::BROKER_CONNECTED).set(1.0);
-}
-
-/// The broker connection was lost, or an attempt to (re)connect failed: a connection-level
-/// failure even when no message was in flight, and the gauge says the broker is down.
-pub fn record_broker_down() {
-    metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
-    metrics::counter!(names::PUBLISH_FAILURES, "kind" => "connection").increment(1);
-}
-
-/// Rows were dead-lettered.
-pub fn record_dead_lettered(n: u64) {
-    metrics::counter!(names::DEAD_LETTERED).increment(n);
-}
-
-/// Rows expired (never published).
-pub fn record_expired(n: u64) {
-    metrics::counter!(names::EXPIRED).increment(n);
-}
-
-/// A claim returned `n` rows.
-pub fn record_claim(n: usize) {
-    metrics::histogram!(names::CLAIM_BATCH_SIZE).record(n as f64);
-}
-
-/// The ordering guard's current hold-back.
-pub fn record_watermark_lag(lag: Duration) {
-    metrics::gauge!(names::WATERMARK_LAG).set(lag.as_secs_f64());
 }
 
 /// Backlog gauges from the periodic table query.
@@ -189,28 +133,121 @@ pub struct Backlog {
     pub blocked_aggregates: i64,
 }
 
-/// Publishes the backlog gauges.
-pub fn record_backlog(b: &Backlog) {
-    metrics::gauge!(names::PENDING, "state" => "ready").set(b.ready as f64);
-    metrics::gauge!(names::PENDING, "state" => "waiting").set(b.waiting as f64);
-    metrics::gauge!(names::OLDEST_PENDING_AGE).set(b.oldest_pending_age);
-    metrics::gauge!(names::OLDEST_READY_AGE).set(b.oldest_ready_age);
-    metrics::gauge!(names::OLDEST_WAITING_AGE).set(b.oldest_waiting_age);
-    metrics::gauge!(names::FAILED).set(b.failed as f64);
-    metrics::gauge!(names::BLOCKED_AGGREGATES).set(b.blocked_aggregates as f64);
+/// One outbox's metrics: every per-table metric carries its `outbox` label (contract §7).
+#[derive(Debug, Clone)]
+pub struct OutboxMetrics {
+    outbox: metrics::SharedString,
 }
 
-/// What `/readyz` reports: the relay can reach both the database and the broker.
+impl OutboxMetrics {
+    /// The metrics of the outbox named `name`, registered so that `/metrics` lists its
+    /// counters from the start.
+    pub fn new(name: &str) -> Self {
+        let m = Self {
+            outbox: metrics::SharedString::from(name.to_owned()),
+        };
+        let o = m.label();
+        metrics::counter!(names::PUBLISH_FAILURES, "outbox" => o.clone(), "kind" => "message")
+            .increment(0);
+        metrics::counter!(names::PUBLISH_FAILURES, "outbox" => o.clone(), "kind" => "connection")
+            .increment(0);
+        metrics::counter!(names::DEAD_LETTERED, "outbox" => o.clone()).increment(0);
+        metrics::counter!(names::EXPIRED, "outbox" => o.clone()).increment(0);
+        metrics::gauge!(names::WATERMARK_LAG, "outbox" => o.clone()).set(0.0);
+        metrics::counter!(names::VACUUMS, "outbox" => o).increment(0);
+        m
+    }
+
+    fn label(&self) -> metrics::SharedString {
+        self.outbox.clone()
+    }
+
+    /// The outbox table's dead tuples, as last read.
+    pub fn dead_tuples(&self, n: i64) {
+        metrics::gauge!(names::DEAD_TUPLES, "outbox" => self.label()).set(n as f64);
+    }
+
+    /// The relay vacuumed the outbox table.
+    pub fn vacuumed(&self) {
+        metrics::counter!(names::VACUUMS, "outbox" => self.label()).increment(1);
+    }
+
+    /// A message was confirmed by the broker.
+    pub fn published(&self, aggregate_type: &str, publish: Duration, end_to_end: Duration) {
+        metrics::counter!(names::PUBLISHED, "outbox" => self.label(), "aggregate_type" => aggregate_type.to_owned()).increment(1);
+        metrics::histogram!(names::PUBLISH_DURATION, "outbox" => self.label())
+            .record(publish.as_secs_f64());
+        metrics::histogram!(names::END_TO_END_LATENCY, "outbox" => self.label())
+            .record(end_to_end.as_secs_f64());
+    }
+
+    /// A publish failed; `connection` says whether it was connection-level.
+    pub fn publish_failure(&self, connection: bool) {
+        let kind = if connection { "connection" } else { "message" };
+        metrics::counter!(names::PUBLISH_FAILURES, "outbox" => self.label(), "kind" => kind)
+            .increment(1);
+    }
+
+    /// The broker connection was lost, or an attempt to (re)connect failed, seen by this
+    /// outbox's loop: a connection-level failure even when no message was in flight, and the
+    /// gauge says the broker is down.
+    pub fn broker_down(&self) {
+        metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
+        self.publish_failure(true);
+    }
+
+    /// Rows were dead-lettered.
+    pub fn dead_lettered(&self, n: u64) {
+        metrics::counter!(names::DEAD_LETTERED, "outbox" => self.label()).increment(n);
+    }
+
+    /// Rows expired (never published).
+    pub fn expired(&self, n: u64) {
+        metrics::counter!(names::EXPIRED, "outbox" => self.label()).increment(n);
+    }
+
+    /// A claim returned `n` rows.
+    pub fn claimed(&self, n: usize) {
+        metrics::histogram!(names::CLAIM_BATCH_SIZE, "outbox" => self.label()).record(n as f64);
+    }
+
+    /// The ordering guard's current hold-back.
+    pub fn watermark_lag(&self, lag: Duration) {
+        metrics::gauge!(names::WATERMARK_LAG, "outbox" => self.label()).set(lag.as_secs_f64());
+    }
+
+    /// Publishes the backlog gauges.
+    pub fn backlog(&self, b: &Backlog) {
+        let o = self.label();
+        metrics::gauge!(names::PENDING, "outbox" => o.clone(), "state" => "ready")
+            .set(b.ready as f64);
+        metrics::gauge!(names::PENDING, "outbox" => o.clone(), "state" => "waiting")
+            .set(b.waiting as f64);
+        metrics::gauge!(names::OLDEST_PENDING_AGE, "outbox" => o.clone()).set(b.oldest_pending_age);
+        metrics::gauge!(names::OLDEST_READY_AGE, "outbox" => o.clone()).set(b.oldest_ready_age);
+        metrics::gauge!(names::OLDEST_WAITING_AGE, "outbox" => o.clone()).set(b.oldest_waiting_age);
+        metrics::gauge!(names::FAILED, "outbox" => o.clone()).set(b.failed as f64);
+        metrics::gauge!(names::BLOCKED_AGGREGATES, "outbox" => o).set(b.blocked_aggregates as f64);
+    }
+}
+
+/// What `/readyz` reports: the relay can reach every outbox's database and the broker.
 #[derive(Debug, Default)]
 pub struct Health {
-    database: AtomicBool,
+    // One entry per outbox: its name and whether its database answered last time.
+    databases: std::sync::Mutex<Vec<(String, bool)>>,
     broker: AtomicBool,
 }
 
 impl Health {
-    /// Records the database's reachability.
-    pub fn set_database(&self, up: bool) {
-        self.database.store(up, Ordering::Relaxed);
+    /// A database flag for the outbox `name` (down until it first answers).
+    pub fn database_slot(self: &std::sync::Arc<Self>, name: &str) -> DatabaseHealth {
+        let mut dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
+        dbs.push((name.to_owned(), false));
+        DatabaseHealth {
+            health: std::sync::Arc::clone(self),
+            slot: dbs.len() - 1,
+        }
     }
 
     /// Records the broker's reachability.
@@ -218,14 +255,54 @@ impl Health {
         self.broker.store(up, Ordering::Relaxed);
     }
 
-    /// Database reachable at last contact.
+    /// The outboxes whose database did not answer at last contact (all of them before the
+    /// first outbox is registered is none).
+    pub fn databases_down(&self) -> Vec<String> {
+        let dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
+        dbs.iter()
+            .filter(|(_, up)| !up)
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Every outbox's database reachable at last contact (and at least one outbox).
     pub fn database(&self) -> bool {
-        self.database.load(Ordering::Relaxed)
+        let dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
+        !dbs.is_empty() && dbs.iter().all(|(_, up)| *up)
     }
 
     /// Broker reachable at last contact.
     pub fn broker(&self) -> bool {
         self.broker.load(Ordering::Relaxed)
+    }
+}
+
+/// One outbox's database flag in [`Health`].
+#[derive(Debug, Clone)]
+pub struct DatabaseHealth {
+    health: std::sync::Arc<Health>,
+    slot: usize,
+}
+
+impl DatabaseHealth {
+    /// Records the database's reachability; returns the previous value.
+    pub fn set(&self, up: bool) -> bool {
+        let mut dbs = self
+            .health
+            .databases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        std::mem::replace(&mut dbs[self.slot].1, up)
+    }
+
+    /// Reachable at last contact.
+    pub fn get(&self) -> bool {
+        let dbs = self
+            .health
+            .databases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        dbs[self.slot].1
     }
 }
 
@@ -273,9 +350,16 @@ async fn metrics_handler(State(s): State<ServerState>) -> (StatusCode, String) {
 async fn ready_handler(State(s): State<ServerState>) -> (StatusCode, String) {
     let db = s.health.database();
     let broker = s.health.broker();
+    let down = s.health.databases_down();
     let body = format!(
         "database: {}\nbroker: {}\n",
-        if db { "up" } else { "down" },
+        if db {
+            "up".to_owned()
+        } else if down.is_empty() {
+            "down".to_owned()
+        } else {
+            format!("down ({})", down.join(", "))
+        },
         if broker { "up" } else { "down" }
     );
     let code = if db && broker {

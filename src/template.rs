@@ -71,6 +71,14 @@ pub struct Fields<'a> {
 }
 
 impl Template {
+    /// `{aggregate_type}`.
+    pub fn aggregate_type() -> Self {
+        Self {
+            source: "{aggregate_type}".to_owned(),
+            parts: vec![Part::Field(Placeholder::AggregateType)],
+        }
+    }
+
     /// Parses `source`; `{{` and `}}` are not special, braces must pair.
     pub fn parse(source: &str) -> Result<Self, TemplateError> {
         if source.is_empty() {

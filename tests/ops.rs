@@ -588,7 +588,7 @@ async fn lag_gauges_tell_rows_ready_now_from_rows_in_backoff() {
     .await;
     let mut raw = outbox_relay::config::RawConfig::default();
     raw.database.url = PG_URL.to_owned();
-    raw.database.table = table.name.clone();
+    raw.database.table = Some(table.name.clone());
     raw.metrics.listen = String::new();
     let config = raw.validate().unwrap();
     let store =

@@ -31,6 +31,7 @@ use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use outbox_relay::config::{Config, RawConfig};
 use outbox_relay::message::OutboxMessage;
+use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
 use outbox_relay::store::Store;
 use outbox_relay::{PublisherFactory, RunError, run_with};
@@ -151,7 +152,7 @@ impl FakeBroker {
     /// The factory `run_with` takes.
     fn factory(self: &Arc<Self>) -> PublisherFactory {
         let me = Arc::clone(self);
-        Box::new(move |_| me as Arc<dyn Publisher>)
+        Box::new(move || me as Arc<dyn Publisher>)
     }
 
     fn publishes(&self) -> Vec<Publish> {
@@ -232,7 +233,7 @@ impl Publisher for FakeBroker {
         self.connected.load(Ordering::SeqCst)
     }
 
-    async fn publish(&self, msg: &OutboxMessage) -> Outcome {
+    async fn publish(&self, msg: &OutboxMessage, _envelope: &EnvelopeConfig) -> Outcome {
         let (index, step) = {
             let mut log = self.log.lock().unwrap();
             let before = log.publishes.iter().filter(|p| p.id == msg.id).count();

@@ -263,7 +263,7 @@ impl Ctx {
     fn config(&self, table: &str, tweak: impl FnOnce(&mut RawConfig)) -> Result<Config> {
         let mut raw = RawConfig::default();
         raw.database.url = self.args.database_url.clone();
-        raw.database.table = table.to_owned();
+        raw.database.table = Some(table.to_owned());
         raw.database.auto_migrate = false;
         raw.relay.instance_id = Some(format!("outbox-bench-{}", std::process::id()));
         raw.metrics.listen = String::new();

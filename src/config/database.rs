@@ -3,6 +3,9 @@
 use serde::{Deserialize, Serialize};
 
 use super::ConfigError;
+
+/// `database.table` when not set.
+pub const DEFAULT_TABLE: &str = "outbox_messages";
 use crate::redact::redact_url;
 
 /// `[database]` as written.
@@ -14,7 +17,7 @@ pub struct RawDatabase {
     /// Connections in the pool (default 8).
     pub pool_size: usize,
     /// Outbox table, optionally schema-qualified (default `outbox_messages`).
-    pub table: String,
+    pub table: Option<String>,
     /// Apply `sql/` at start (default false; the shipped relay.toml sets true).
     pub auto_migrate: bool,
 }
@@ -136,8 +139,8 @@ impl RawDatabase {
                 format!("{} is out of range (2..=1000)", d.pool_size),
             ));
         }
-        let table =
-            TableName::parse(&d.table).map_err(|r| ConfigError::invalid("database.table", r))?;
+        let table = TableName::parse(d.table.as_deref().unwrap_or(DEFAULT_TABLE))
+            .map_err(|r| ConfigError::invalid("database.table", r))?;
 
         Ok((
             DatabaseConfig {

@@ -12,6 +12,7 @@
 mod cleanup;
 mod database;
 mod metrics;
+mod outboxes;
 mod publisher;
 mod relay;
 mod retry;
@@ -28,6 +29,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 pub use cleanup::{CleanupConfig, RawCleanup};
 pub use database::{DatabaseConfig, RawDatabase, TableName, validate_identifier};
 pub use metrics::RawMetrics;
+pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
     CloudEventsPrefix, ExchangeType, KafkaConfig, PublisherConfig, PublisherKind, RabbitMqConfig,
     RawKafka, RawPublisher, RawRabbitMq,
@@ -55,17 +57,17 @@ pub enum ConfigError {
     /// A value parsed but is not acceptable.
     #[error("invalid value for {key}: {reason}")]
     Invalid {
-        /// The dotted key, e.g. `database.table`.
-        key: &'static str,
+        /// The dotted key, e.g. `database.table` or `outboxes[1].table`.
+        key: std::borrow::Cow<'static, str>,
         /// What is wrong and what is expected.
         reason: String,
     },
 }
 
 impl ConfigError {
-    fn invalid(key: &'static str, reason: impl Into<String>) -> Self {
+    fn invalid(key: impl Into<std::borrow::Cow<'static, str>>, reason: impl Into<String>) -> Self {
         Self::Invalid {
-            key,
+            key: key.into(),
             reason: reason.into(),
         }
     }
@@ -126,6 +128,9 @@ pub struct RawConfig {
     /// `[signing]`
     #[serde(default)]
     pub signing: RawSigning,
+    /// `[[outboxes]]`: the tables this relay serves (none: one, `database.table`).
+    #[serde(default)]
+    pub outboxes: Vec<RawOutbox>,
 }
 
 impl Default for RawConfig {
@@ -134,7 +139,7 @@ impl Default for RawConfig {
             database: RawDatabase {
                 url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
                 pool_size: 8,
-                table: "outbox_messages".into(),
+                table: None,
                 auto_migrate: false,
             },
             relay: RawRelay {
@@ -183,6 +188,7 @@ impl Default for RawConfig {
                 batch_size: 5000,
             },
             signing: RawSigning::default(),
+            outboxes: Vec::new(),
         }
     }
 }
@@ -204,6 +210,9 @@ pub struct Config {
     pub cleanup: CleanupConfig,
     /// `[signing]`; `None`: messages are not signed.
     pub signing: Option<SigningConfig>,
+    /// The outboxes served: `[[outboxes]]`, or the one table of `[database]` (never empty).
+    /// With `[[outboxes]]`, `database.table` above is the first outbox's table.
+    pub outboxes: Vec<OutboxConfig>,
 }
 
 /// Where the configuration file comes from.
@@ -320,6 +329,13 @@ pub(super) fn choose<T: Copy>(
 impl RawConfig {
     /// Checks every value and converts the file's shape into [`Config`].
     pub fn validate(self) -> Result<Config, ConfigError> {
+        let table_set = self.database.table.is_some();
+        let table_as_written = self
+            .database
+            .table
+            .clone()
+            .unwrap_or_else(|| database::DEFAULT_TABLE.to_owned());
+        let explicit_source = self.relay.source.clone();
         let (database, pg) = self.database.validate()?;
         let relay = self.relay.validate(&pg, &database.table)?;
         let retry = self.retry.validate()?;
@@ -327,7 +343,33 @@ impl RawConfig {
         let metrics_listen = self.metrics.validate()?;
         let signing = self.signing.validate()?;
         let cleanup = self.cleanup.validate()?;
+        let outboxes = if self.outboxes.is_empty() {
+            vec![OutboxConfig {
+                name: table_as_written,
+                database: database.clone(),
+                ordering: relay.ordering,
+                source: relay.source.clone(),
+                route: None,
+            }]
+        } else {
+            if table_set {
+                return Err(ConfigError::invalid(
+                    "database.table",
+                    "is set together with [[outboxes]]: give each outbox its table there, and remove database.table",
+                ));
+            }
+            outboxes::validate(
+                self.outboxes,
+                &outboxes::Inherited {
+                    database: &database,
+                    ordering: relay.ordering,
+                    source: explicit_source.as_deref(),
+                    publisher: &publisher,
+                },
+            )?
+        };
         Ok(Config {
+            outboxes,
             database,
             relay,
             retry,

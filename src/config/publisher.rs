@@ -190,6 +190,16 @@ impl PublisherConfig {
             Self::Stdout => "stdout",
         }
     }
+
+    /// The routing-key (RabbitMQ) or topic (Kafka) template outboxes inherit; the stdout sink
+    /// routes nowhere (`{aggregate_type}`, used only if a signature needs a route).
+    pub fn route(&self) -> crate::template::Template {
+        match self {
+            Self::RabbitMq(c) => c.routing_key.clone(),
+            Self::Kafka(c) => c.topic.clone(),
+            Self::Stdout => crate::template::Template::aggregate_type(),
+        }
+    }
 }
 
 impl RawPublisher {

@@ -7,9 +7,14 @@ use serde_json::Value;
 use crate::message::{OutboxMessage, PayloadKind};
 use crate::template::{Fields, Template};
 
-/// Settings the envelope needs besides the row.
+/// One outbox's settings for its messages on the wire: what the envelope needs besides the
+/// row, and where the row goes. A publisher is shared by every outbox; each publish names the
+/// outbox's envelope.
 #[derive(Debug, Clone)]
 pub struct EnvelopeConfig {
+    /// The routing-key (RabbitMQ) or topic (Kafka) template; the row's `destination` overrides
+    /// it. Unused by the stdout sink.
+    pub route: Template,
     /// CloudEvents `source`.
     pub source: String,
     /// Payload column type, for `datacontenttype`.
@@ -179,6 +184,7 @@ pub(crate) mod tests {
             source: "/outbox/test/outbox_messages".into(),
             payload_kind: PayloadKind::Json,
             signer: None,
+            route: Template::parse("r").unwrap(),
         };
         let m = message("{}");
         let attrs = cloud_event_attributes(&m, &cfg);
@@ -215,6 +221,7 @@ pub(crate) mod tests {
             source: "/outbox/test/outbox_messages".into(),
             payload_kind: PayloadKind::Json,
             signer: None,
+            route: Template::parse("r").unwrap(),
         };
         let m = message("{}");
         assert_eq!(signature(&m, &cfg, "order.created"), None);

@@ -115,7 +115,6 @@ pub const ORDERED_LINGER_MS: &str = "1";
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
-    envelope: EnvelopeConfig,
     producer: std::sync::RwLock<Option<FutureProducer<Context>>>,
     up: Arc<AtomicBool>,
     /// The last client-level error any of our producers reported (see [`Context`]).
@@ -138,10 +137,9 @@ fn is_secret(key: &str) -> bool {
 
 impl KafkaPublisher {
     /// A publisher that creates its producer on the first [`Publisher::connect`].
-    pub fn new(cfg: KafkaConfig, envelope: EnvelopeConfig) -> Self {
+    pub fn new(cfg: KafkaConfig) -> Self {
         Self {
             cfg,
-            envelope,
             producer: std::sync::RwLock::new(None),
             up: Arc::new(AtomicBool::new(false)),
             last_error: Arc::new(Mutex::new(None)),
@@ -152,11 +150,7 @@ impl KafkaPublisher {
 
     /// [`KafkaPublisher::new`] tuned for the relay's `ordering`: with `aggregate`, librdkafka
     /// lingers [`ORDERED_LINGER_MS`] unless the properties set `linger.ms` (or its alias).
-    pub fn for_ordering(
-        mut cfg: KafkaConfig,
-        envelope: EnvelopeConfig,
-        ordering: RelayOrdering,
-    ) -> Self {
+    pub fn for_ordering(mut cfg: KafkaConfig, ordering: RelayOrdering) -> Self {
         if ordering == RelayOrdering::Aggregate
             && !cfg.properties.contains_key("linger.ms")
             && !cfg.properties.contains_key("queue.buffering.max.ms")
@@ -167,7 +161,7 @@ impl KafkaPublisher {
             cfg.properties
                 .insert("linger.ms".to_owned(), ORDERED_LINGER_MS.to_owned());
         }
-        Self::new(cfg, envelope)
+        Self::new(cfg)
     }
 
     /// The librdkafka configuration: our required settings, then the user's properties.
@@ -203,13 +197,17 @@ impl KafkaPublisher {
 
     /// Hands one record to the producer, waiting while its queue is full (at most
     /// `message_timeout`); the outcome instead when it cannot be queued.
-    async fn enqueue(&self, msg: &OutboxMessage) -> Result<DeliveryFuture, Outcome> {
+    async fn enqueue(
+        &self,
+        msg: &OutboxMessage,
+        env: &EnvelopeConfig,
+    ) -> Result<DeliveryFuture, Outcome> {
         let Some(producer) = self.producer() else {
             return Err(Outcome::Unavailable(
                 "Kafka producer not created yet".to_owned(),
             ));
         };
-        let topic = envelope::destination(msg, &self.cfg.topic);
+        let topic = envelope::destination(msg, &env.route);
         if !valid_topic(&topic) {
             return Err(Outcome::Rejected(format!(
                 "{topic:.100?} is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-])"
@@ -217,7 +215,7 @@ impl KafkaPublisher {
         }
         let mut record = FutureRecord::to(&topic)
             .payload(&msg.payload)
-            .headers(self.record_headers(msg, &topic));
+            .headers(self.record_headers(msg, env, &topic));
         if let Some(key) = &msg.aggregate_id {
             record = record.key(key);
         }
@@ -266,7 +264,12 @@ impl KafkaPublisher {
         outcome
     }
 
-    fn record_headers(&self, msg: &OutboxMessage, topic: &str) -> OwnedHeaders {
+    fn record_headers(
+        &self,
+        msg: &OutboxMessage,
+        env: &EnvelopeConfig,
+        topic: &str,
+    ) -> OwnedHeaders {
         let (row_headers, note) = envelope::row_headers(msg);
         if let Some(note) = note {
             tracing::warn!(id = %msg.id, "{note}");
@@ -279,7 +282,7 @@ impl KafkaPublisher {
             });
         }
         // CloudEvents Kafka binding: `ce_<attr>` headers, `content-type` for datacontenttype.
-        for (name, value) in envelope::cloud_event_attributes(msg, &self.envelope) {
+        for (name, value) in envelope::cloud_event_attributes(msg, env) {
             let key = format!("ce_{name}");
             headers = headers.insert(Header {
                 key: &key,
@@ -288,9 +291,9 @@ impl KafkaPublisher {
         }
         headers = headers.insert(Header {
             key: "content-type",
-            value: Some(self.envelope.payload_kind.content_type().as_bytes()),
+            value: Some(env.payload_kind.content_type().as_bytes()),
         });
-        match envelope::signature(msg, &self.envelope, topic) {
+        match envelope::signature(msg, env, topic) {
             Some(sig) => headers.insert(Header {
                 key: crate::signing::HEADER,
                 value: Some(sig.as_bytes()),
@@ -436,8 +439,8 @@ impl Publisher for KafkaPublisher {
         self.up.load(Ordering::Relaxed)
     }
 
-    async fn publish(&self, msg: &OutboxMessage) -> Outcome {
-        match self.enqueue(msg).await {
+    async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
+        match self.enqueue(msg, env).await {
             Ok(delivery) => self.delivered(delivery.await),
             Err(outcome) => outcome,
         }
@@ -532,12 +535,7 @@ mod tests {
     #[test]
     fn ordered_kafka_lingers_one_millisecond_unless_told_otherwise() {
         let describe = |ordering, properties: &[(&str, &str)]| {
-            let envelope = EnvelopeConfig {
-                source: "/s".into(),
-                payload_kind: crate::message::PayloadKind::Json,
-                signer: None,
-            };
-            KafkaPublisher::for_ordering(config(properties), envelope, ordering).describe()
+            KafkaPublisher::for_ordering(config(properties), ordering).describe()
         };
         assert!(describe(RelayOrdering::Aggregate, &[]).contains("linger.ms=1"));
         let own = describe(RelayOrdering::Aggregate, &[("linger.ms", "20")]);

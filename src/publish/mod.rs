@@ -13,6 +13,7 @@ pub mod stdout;
 use async_trait::async_trait;
 
 use crate::message::OutboxMessage;
+use crate::publish::envelope::EnvelopeConfig;
 
 /// The result of publishing one message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,7 +50,8 @@ pub trait Publisher: Send + Sync + 'static {
 
     /// Publishes one message and waits for the broker's answer. Many calls may be in flight at
     /// once; the caller keeps per-aggregate order by not starting message n+1 before n returns.
-    async fn publish(&self, msg: &OutboxMessage) -> Outcome;
+    /// `envelope` is the settings of the outbox the row comes from.
+    async fn publish(&self, msg: &OutboxMessage, envelope: &EnvelopeConfig) -> Outcome;
 
     /// Publishes one aggregate's run, in order, and returns the outcomes of a prefix of it:
     /// the run stops at its first message that is not [`Outcome::Confirmed`], and whatever
@@ -58,10 +60,10 @@ pub trait Publisher: Send + Sync + 'static {
     /// ahead of an earlier one that failed; outcomes after the first failure are then the
     /// broker's answers to messages sent meanwhile, for the caller to hand back. This default
     /// publishes one message at a time, each after the previous was confirmed.
-    async fn publish_run(&self, run: &[OutboxMessage]) -> Vec<Outcome> {
+    async fn publish_run(&self, run: &[OutboxMessage], envelope: &EnvelopeConfig) -> Vec<Outcome> {
         let mut outcomes = Vec::with_capacity(run.len());
         for msg in run {
-            let outcome = self.publish(msg).await;
+            let outcome = self.publish(msg, envelope).await;
             let stop = outcome != Outcome::Confirmed;
             outcomes.push(outcome);
             if stop {

@@ -133,7 +133,6 @@ enum Settled {
 /// Publishes to a RabbitMQ exchange with publisher confirms.
 pub struct RabbitMqPublisher {
     cfg: RabbitMqConfig,
-    envelope: EnvelopeConfig,
     state: RwLock<Option<Arc<Live>>>,
     generations: AtomicU64,
     // Serialises reconnects so concurrent failures open one connection, not many.
@@ -142,10 +141,9 @@ pub struct RabbitMqPublisher {
 
 impl RabbitMqPublisher {
     /// A publisher that connects on the first [`Publisher::connect`].
-    pub fn new(cfg: RabbitMqConfig, envelope: EnvelopeConfig) -> Self {
+    pub fn new(cfg: RabbitMqConfig) -> Self {
         Self {
             cfg,
-            envelope,
             state: RwLock::new(None),
             generations: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(()),
@@ -286,7 +284,12 @@ impl RabbitMqPublisher {
     }
 
     /// Builds the AMQP properties, or says why this message cannot be expressed in AMQP.
-    fn properties(&self, msg: &OutboxMessage, route: &str) -> Result<BasicProperties, String> {
+    fn properties(
+        &self,
+        msg: &OutboxMessage,
+        env: &EnvelopeConfig,
+        route: &str,
+    ) -> Result<BasicProperties, String> {
         let mut headers = FieldTable::default();
         let (row_headers, note) = envelope::row_headers(msg);
         if let Some(note) = note {
@@ -300,13 +303,13 @@ impl RabbitMqPublisher {
         // CloudEvents binary mode: attributes as `<prefix><name>` headers (`cloudEvents:` is the
         // AMQP binding; `publisher.rabbitmq.cloudevents_prefix` picks the consumers' convention).
         let prefix = self.cfg.cloudevents_prefix.as_str();
-        for (name, value) in envelope::cloud_event_attributes(msg, &self.envelope) {
+        for (name, value) in envelope::cloud_event_attributes(msg, env) {
             headers.insert(
                 ShortString::from(format!("{prefix}{name}")),
                 AMQPValue::LongString(LongString::from(value)),
             );
         }
-        if let Some(sig) = envelope::signature(msg, &self.envelope, route) {
+        if let Some(sig) = envelope::signature(msg, env, route) {
             headers.insert(
                 ShortString::from(crate::signing::HEADER),
                 AMQPValue::LongString(LongString::from(sig)),
@@ -319,7 +322,7 @@ impl RabbitMqPublisher {
             .with_message_id(ShortString::from(msg.id.to_string()))
             .with_type(kind)
             .with_timestamp(timestamp)
-            .with_content_type(ShortString::from(self.envelope.payload_kind.content_type()))
+            .with_content_type(ShortString::from(env.payload_kind.content_type()))
             .with_delivery_mode(2)
             .with_headers(headers);
         // A row with a deadline: the broker drops it too once the deadline passes in a queue.
@@ -742,15 +745,15 @@ impl Publisher for RabbitMqPublisher {
             .is_some_and(|l| l.connection.status().connected())
     }
 
-    async fn publish(&self, msg: &OutboxMessage) -> Outcome {
+    async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
         let Some(live) = self.live() else {
             return Outcome::Unavailable("not connected to RabbitMQ".to_owned());
         };
-        let routing_key = envelope::destination(msg, &self.cfg.routing_key);
+        let routing_key = envelope::destination(msg, &env.route);
         let Ok(routing_key) = ShortString::try_new(routing_key) else {
             return Outcome::Rejected("routing key is longer than 255 bytes".to_owned());
         };
-        let props = match self.properties(msg, routing_key.as_str()) {
+        let props = match self.properties(msg, env, routing_key.as_str()) {
             Ok(p) => p,
             Err(reason) => return Outcome::Rejected(reason),
         };

@@ -21,23 +21,27 @@ use crate::message::{OutboxMessage, PayloadKind};
 
 /// Writes messages as JSON lines to standard output (or, in tests, any writer).
 pub struct StdoutPublisher {
-    envelope: EnvelopeConfig,
     // One writer, one line at a time: lines of concurrent chains never interleave.
     out: Mutex<Box<dyn AsyncWrite + Send + Unpin>>,
     // Cleared by a failed write: the reader is gone and will not come back.
     writable: AtomicBool,
 }
 
+impl Default for StdoutPublisher {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl StdoutPublisher {
     /// Writes to the process's standard output.
-    pub fn new(envelope: EnvelopeConfig) -> Self {
-        Self::with_writer(envelope, Box::new(tokio::io::stdout()))
+    pub fn new() -> Self {
+        Self::with_writer(Box::new(tokio::io::stdout()))
     }
 
     /// Writes to `out` instead of standard output.
-    pub fn with_writer(envelope: EnvelopeConfig, out: Box<dyn AsyncWrite + Send + Unpin>) -> Self {
+    pub fn with_writer(out: Box<dyn AsyncWrite + Send + Unpin>) -> Self {
         Self {
-            envelope,
             out: Mutex::new(out),
             writable: AtomicBool::new(true),
         }
@@ -108,8 +112,8 @@ impl Publisher for StdoutPublisher {
         self.writable.load(Ordering::Relaxed)
     }
 
-    async fn publish(&self, msg: &OutboxMessage) -> Outcome {
-        let mut line = match structured_event(msg, &self.envelope) {
+    async fn publish(&self, msg: &OutboxMessage, envelope: &EnvelopeConfig) -> Outcome {
+        let mut line = match structured_event(msg, envelope) {
             Ok(line) => line,
             Err(reason) => return Outcome::Rejected(reason),
         };
@@ -144,6 +148,7 @@ mod tests {
             source: "/outbox/test/outbox_messages".into(),
             payload_kind,
             signer: None,
+            route: crate::template::Template::parse("r").unwrap(),
         }
     }
 
@@ -190,8 +195,9 @@ mod tests {
     #[tokio::test]
     async fn confirmed_after_the_line_is_written_and_a_closed_pipe_stops_publishing() {
         let (writer, mut reader) = tokio::io::duplex(1 << 16);
-        let p = StdoutPublisher::with_writer(cfg(PayloadKind::Json), Box::new(writer));
-        assert_eq!(p.publish(&message("{}")).await, Outcome::Confirmed);
+        let p = StdoutPublisher::with_writer(Box::new(writer));
+        let env = cfg(PayloadKind::Json);
+        assert_eq!(p.publish(&message("{}"), &env).await, Outcome::Confirmed);
         let mut buf = vec![0u8; 4096];
         let n = tokio::io::AsyncReadExt::read(&mut reader, &mut buf)
             .await
@@ -204,7 +210,7 @@ mod tests {
 
         drop(reader);
         assert!(matches!(
-            p.publish(&message("{}")).await,
+            p.publish(&message("{}"), &env).await,
             Outcome::Unavailable(_)
         ));
         assert!(!p.is_connected());

@@ -12,7 +12,7 @@ use super::maintenance::MaintenanceSql;
 use super::operator::OperatorSql;
 use super::waiting::WaitingSql;
 use super::{Queries, Result, Store, StoreError};
-use crate::config::DatabaseConfig;
+use crate::config::{DatabaseConfig, TableName};
 use crate::message::APPLICATION_NAME;
 
 /// Set on every pooled session (plain `SET`s, so poolers such as PgBouncer accept them):
@@ -53,17 +53,27 @@ impl Store {
             }))
             .build()
             .map_err(|e| StoreError::Build(e.to_string()))?;
-        Ok(Self {
+        Ok(Self::with_pool(pool, &cfg.table, instance_id))
+    }
+
+    /// Another table in the same database, sharing this store's pool (several outboxes in
+    /// one database use one pool).
+    pub fn for_table(&self, table: &TableName) -> Self {
+        Self::with_pool(self.pool.clone(), table, &self.instance_id)
+    }
+
+    fn with_pool(pool: Pool, table: &TableName, instance_id: &str) -> Self {
+        Self {
             pool,
-            table: cfg.table.clone(),
+            table: table.clone(),
             instance_id: instance_id.to_owned(),
             q: std::sync::Arc::new(Queries {
-                claim: ClaimSql::new(&cfg.table),
-                waiting: WaitingSql::new(&cfg.table),
-                maintenance: MaintenanceSql::new(&cfg.table),
-                operator: OperatorSql::new(&cfg.table),
+                claim: ClaimSql::new(table),
+                waiting: WaitingSql::new(table),
+                maintenance: MaintenanceSql::new(table),
+                operator: OperatorSql::new(table),
             }),
-        })
+        }
     }
 }
 

@@ -7,14 +7,19 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::store::Store;
-use crate::telemetry;
+use crate::telemetry::OutboxMetrics;
 
 /// How often the gauges are refreshed.
 const EVERY: Duration = Duration::from_secs(5);
 
 /// Refreshes the backlog gauges every 5 s (`EVERY`), and deletes the waiting records of relays
 /// that died (`clean_waiters`: the table has the wake-up of schema version 3).
-pub async fn backlog_loop(store: Store, clean_waiters: bool, shutdown: CancellationToken) {
+pub async fn backlog_loop(
+    store: Store,
+    metrics: OutboxMetrics,
+    clean_waiters: bool,
+    shutdown: CancellationToken,
+) {
     loop {
         if clean_waiters {
             match store.clean_waiters().await {
@@ -27,7 +32,7 @@ pub async fn backlog_loop(store: Store, clean_waiters: bool, shutdown: Cancellat
             }
         }
         match store.backlog().await {
-            Ok(b) => telemetry::record_backlog(&b),
+            Ok(b) => metrics.backlog(&b),
             Err(e) if e.is_connection() => {
                 tracing::debug!(error = %e, "backlog gauges not refreshed")
             }

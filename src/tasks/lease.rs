@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use crate::retry::RetryPolicy;
 use crate::store::Store;
-use crate::telemetry;
+use crate::telemetry::OutboxMetrics;
 
 /// The ids this relay has claimed and not yet settled: the only rows whose leases it renews.
 /// A row it lost track of (a claim whose answer never arrived, an outcome it gave up
@@ -60,6 +60,7 @@ impl Held {
 /// expired because their relay stopped or lost track of them, waking the loop when it did.
 pub async fn lease_loop(
     store: Store,
+    metrics: OutboxMetrics,
     held: Held,
     lease: Duration,
     retry: RetryPolicy,
@@ -83,7 +84,7 @@ pub async fn lease_loop(
                     lease = ?lease,
                     "reclaimed rows whose relay stopped while holding them"
                 );
-                telemetry::record_dead_lettered(dead);
+                metrics.dead_lettered(dead);
                 wake.notify_one();
             }
             Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),

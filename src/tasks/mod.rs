@@ -22,8 +22,8 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Named background tasks sharing one cancellation token.
-#[derive(Debug, Default)]
+/// Named background tasks sharing one cancellation token (clones share them too).
+#[derive(Debug, Default, Clone)]
 pub struct Tasks {
     tracker: TaskTracker,
     token: CancellationToken,

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::store::{Store, TableHealth};
-use crate::telemetry;
+use crate::telemetry::OutboxMetrics;
 
 /// How often the table's statistics are read.
 const CHECK_EVERY: Duration = Duration::from_secs(5);
@@ -45,7 +45,12 @@ pub fn should_vacuum(h: &TableHealth) -> Option<&'static str> {
 
 /// Reads the table's health every 5 s (`CHECK_EVERY`, publishing the dead-tuple gauge) and
 /// vacuums it when [`should_vacuum`] says so, until `shutdown`.
-pub async fn vacuum_loop(store: Store, table_oid: u32, shutdown: CancellationToken) {
+pub async fn vacuum_loop(
+    store: Store,
+    metrics: OutboxMetrics,
+    table_oid: u32,
+    shutdown: CancellationToken,
+) {
     let mut told_owner = false;
     let mut told_autovacuum = None;
     // Dead tuples the last vacuum could not remove (a long transaction or a replication slot
@@ -54,7 +59,7 @@ pub async fn vacuum_loop(store: Store, table_oid: u32, shutdown: CancellationTok
     loop {
         match store.table_health(table_oid).await {
             Ok(h) => {
-                telemetry::record_dead_tuples(h.dead_tuples);
+                metrics.dead_tuples(h.dead_tuples);
                 if told_autovacuum != Some(h.autovacuum) {
                     told_autovacuum = Some(h.autovacuum);
                     tracing::info!(
@@ -79,7 +84,7 @@ pub async fn vacuum_loop(store: Store, table_oid: u32, shutdown: CancellationTok
                     let started = Instant::now();
                     match store.vacuum().await {
                         Ok(()) => {
-                            telemetry::record_vacuum();
+                            metrics.vacuumed();
                             let after = store.table_health(table_oid).await.ok();
                             unremovable = after.map_or(0, |a| a.dead_tuples);
                             tracing::info!(

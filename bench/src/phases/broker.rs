@@ -7,6 +7,7 @@ use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use outbox_relay::message::{OutboxMessage, PayloadKind};
+use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{Outcome, Publisher};
 use serde_json::json;
 use uuid::Uuid;
@@ -43,11 +44,16 @@ struct Blast {
 }
 
 /// Publishes every message with at most `in_flight` outstanding.
-async fn blast(p: &dyn Publisher, msgs: &[OutboxMessage], in_flight: usize) -> Blast {
+async fn blast(
+    p: &dyn Publisher,
+    envelope: &EnvelopeConfig,
+    msgs: &[OutboxMessage],
+    in_flight: usize,
+) -> Blast {
     let cpu = CpuSample::take();
     let started = Instant::now();
     let mut outcomes = futures::stream::iter(msgs)
-        .map(|m| p.publish(m))
+        .map(|m| p.publish(m, envelope))
         .buffer_unordered(in_flight);
     let mut confirmed = 0;
     let mut first_failure = None;
@@ -170,11 +176,12 @@ async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]
             }
         }
     })?;
-    let p = outbox_relay::build_publisher(&cfg, PayloadKind::Json);
+    let p = outbox_relay::build_publisher(&cfg);
+    let envelope = outbox_relay::envelope(&cfg, &cfg.outboxes[0], PayloadKind::Json);
     p.connect().await.map_err(|e| anyhow!("{e}"))?;
     ctx.progress(format!("broker: {name}, {n} messages, ≤1000 in flight"));
     let sentinel = ctx.sentinel().await;
-    let b = blast(p.as_ref(), msgs, 1000).await;
+    let b = blast(p.as_ref(), &envelope, msgs, 1000).await;
     p.close().await;
     ctx.check(sentinel).await?;
     if let Some(f) = &b.first_failure {

@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use outbox_relay::PublisherFactory;
 use outbox_relay::config::TableName;
 use outbox_relay::message::OutboxMessage;
+use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
 use outbox_relay::store::hot_path_sql;
 use serde_json::json;
@@ -41,7 +42,7 @@ impl Publisher for NoopPublisher {
         true
     }
 
-    async fn publish(&self, _msg: &OutboxMessage) -> Outcome {
+    async fn publish(&self, _msg: &OutboxMessage, _envelope: &EnvelopeConfig) -> Outcome {
         Outcome::Confirmed
     }
 
@@ -60,7 +61,7 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     let batch = config.relay.batch_size;
     let token = CancellationToken::new();
     let _stop_on_drop = token.clone().drop_guard();
-    let factory: PublisherFactory = Box::new(|_| Arc::new(NoopPublisher) as Arc<dyn Publisher>);
+    let factory: PublisherFactory = Box::new(|| Arc::new(NoopPublisher) as Arc<dyn Publisher>);
 
     ctx.progress("db: relay loop (in process, no-op publisher) draining");
     let sentinel = ctx.sentinel().await;

@@ -1,0 +1,283 @@
+//! `[[outboxes]]`: the tables one relay serves, each with its own table and optionally its own
+//! database URL, CloudEvents source, ordering and routing template; whatever an entry leaves
+//! out it inherits from `[database]`, `[relay]` and the publisher (contract §5).
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{ConfigError, DatabaseConfig, Ordering, PublisherConfig, TableName, choose};
+use crate::redact::redact_url;
+use crate::template::Template;
+
+/// One `[[outboxes]]` entry as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawOutbox {
+    /// Name in metrics, logs and `--outbox` (default: the table as written).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The outbox table, optionally schema-qualified (required).
+    pub table: String,
+    /// Its database (default `database.url`).
+    #[serde(default)]
+    pub url: Option<String>,
+    /// CloudEvents `source` (default `relay.source`, else `/outbox/<database>/<table>`).
+    #[serde(default)]
+    pub source: Option<String>,
+    /// `aggregate` or `none` (default `relay.ordering`).
+    #[serde(default)]
+    pub ordering: Option<String>,
+    /// RabbitMQ routing-key template (default `publisher.rabbitmq.routing_key`).
+    #[serde(default)]
+    pub routing_key: Option<String>,
+    /// Kafka topic template (default `publisher.kafka.topic`).
+    #[serde(default)]
+    pub topic: Option<String>,
+}
+
+/// One validated outbox.
+#[derive(Debug, Clone)]
+pub struct OutboxConfig {
+    /// Its name (the `outbox` metric label, `--outbox NAME`).
+    pub name: String,
+    /// Its database and table (pool size and `auto_migrate` come from `[database]`).
+    pub database: DatabaseConfig,
+    /// Its ordering.
+    pub ordering: Ordering,
+    /// Its CloudEvents `source`.
+    pub source: String,
+    /// Its routing-key or topic template, when it overrides the publisher's.
+    pub route: Option<Template>,
+}
+
+/// What entries inherit.
+pub(super) struct Inherited<'a> {
+    pub database: &'a DatabaseConfig,
+    pub ordering: Ordering,
+    /// `relay.source` when it was set.
+    pub source: Option<&'a str>,
+    pub publisher: &'a PublisherConfig,
+}
+
+/// Validates every entry; names must be unique, and so must tables within one database.
+pub(super) fn validate(
+    raw: Vec<RawOutbox>,
+    inherited: &Inherited<'_>,
+) -> Result<Vec<OutboxConfig>, ConfigError> {
+    let mut names: HashMap<String, usize> = HashMap::new();
+    let mut tables: HashMap<(String, String), usize> = HashMap::new();
+    let mut out = Vec::with_capacity(raw.len());
+    for (i, o) in raw.into_iter().enumerate() {
+        let key = |field: &str| format!("outboxes[{i}].{field}");
+        let table =
+            TableName::parse(&o.table).map_err(|r| ConfigError::invalid(key("table"), r))?;
+        let name = o.name.unwrap_or_else(|| o.table.clone());
+        if name.trim().is_empty() || name.len() > 100 || name.chars().any(char::is_control) {
+            return Err(ConfigError::invalid(
+                key("name"),
+                format!("{name:?} must be 1 to 100 printable characters"),
+            ));
+        }
+        if let Some(first) = names.insert(name.clone(), i) {
+            return Err(ConfigError::invalid(
+                key("name"),
+                format!(
+                    "{name:?} is also the name of outboxes[{first}] (a name defaults to the table as written): give each outbox its own name"
+                ),
+            ));
+        }
+        let url = o.url.unwrap_or_else(|| inherited.database.url.clone());
+        let pg: tokio_postgres::Config = url.parse().map_err(|e| {
+            ConfigError::invalid(
+                key("url"),
+                format!("{} is not a PostgreSQL URL: {e}", redact_url(&url)),
+            )
+        })?;
+        if let Some(first) = tables.insert((url.clone(), table.qualified()), i) {
+            return Err(ConfigError::invalid(
+                key("table"),
+                format!("{table} in the same database is already served by outboxes[{first}]"),
+            ));
+        }
+        let ordering = match o.ordering {
+            Some(s) => choose(
+                "outboxes[].ordering",
+                &s,
+                &[("aggregate", Ordering::Aggregate), ("none", Ordering::None)],
+            )
+            .map_err(|e| rename(e, key("ordering")))?,
+            None => inherited.ordering,
+        };
+        let source = match o.source.as_deref().or(inherited.source) {
+            Some(s) if s.trim().is_empty() => {
+                return Err(ConfigError::invalid(key("source"), "must not be empty"));
+            }
+            Some(s) => s.to_owned(),
+            None => format!(
+                "/outbox/{}/{}",
+                pg.get_dbname().unwrap_or("postgres"),
+                table
+            ),
+        };
+        let route = route(&o.routing_key, &o.topic, inherited.publisher, &key)?;
+        out.push(OutboxConfig {
+            name,
+            database: DatabaseConfig {
+                url,
+                pool_size: inherited.database.pool_size,
+                table,
+                auto_migrate: inherited.database.auto_migrate,
+            },
+            ordering,
+            source,
+            route,
+        });
+    }
+    Ok(out)
+}
+
+/// The entry's routing override: `routing_key` for RabbitMQ, `topic` for Kafka.
+fn route(
+    routing_key: &Option<String>,
+    topic: &Option<String>,
+    publisher: &PublisherConfig,
+    key: &dyn Fn(&str) -> String,
+) -> Result<Option<Template>, ConfigError> {
+    let (field, value, applies) = match (routing_key, topic) {
+        (Some(_), Some(_)) => {
+            return Err(ConfigError::invalid(
+                key("topic"),
+                "set either routing_key (RabbitMQ) or topic (Kafka), not both",
+            ));
+        }
+        (Some(v), None) => (
+            "routing_key",
+            v,
+            matches!(publisher, PublisherConfig::RabbitMq(_)),
+        ),
+        (None, Some(v)) => ("topic", v, matches!(publisher, PublisherConfig::Kafka(_))),
+        (None, None) => return Ok(None),
+    };
+    if !applies {
+        let wants = if field == "routing_key" {
+            "rabbitmq"
+        } else {
+            "kafka"
+        };
+        return Err(ConfigError::invalid(
+            key(field),
+            format!(
+                "applies only with publisher.kind = \"{wants}\" (this relay publishes with {:?})",
+                publisher.kind()
+            ),
+        ));
+    }
+    Template::parse(value)
+        .map(Some)
+        .map_err(|e| ConfigError::invalid(key(field), e.to_string()))
+}
+
+/// The same error under the entry's own key.
+fn rename(e: ConfigError, key: String) -> ConfigError {
+    match e {
+        ConfigError::Invalid { reason, .. } => ConfigError::invalid(key, reason),
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{err, load_str};
+
+    const TWO: &str = "[publisher]\nkind = \"rabbitmq\"\n\
+        [[outboxes]]\ntable = \"orders.outbox\"\n\
+        [[outboxes]]\nname = \"billing\"\ntable = \"billing_outbox\"\n\
+        url = \"postgres://u:secret@db2:5432/billing\"\nordering = \"none\"\n\
+        source = \"/billing\"\nrouting_key = \"billing.{event_type}\"\n";
+
+    #[test]
+    fn entries_inherit_what_they_leave_out() {
+        let c = load_str(&format!("[relay]\nordering = \"aggregate\"\n{TWO}"), &[]).unwrap();
+        assert_eq!(c.outboxes.len(), 2);
+        let (a, b) = (&c.outboxes[0], &c.outboxes[1]);
+        assert_eq!(a.name, "orders.outbox");
+        assert_eq!(a.database.url, c.database.url);
+        assert_eq!(a.ordering, super::Ordering::Aggregate);
+        assert_eq!(a.source, "/outbox/postgres/orders.outbox");
+        assert!(a.route.is_none());
+        assert_eq!(b.name, "billing");
+        assert_eq!(b.database.table.qualified(), "billing_outbox");
+        assert!(b.database.url.contains("db2"));
+        assert_eq!(b.database.pool_size, c.database.pool_size);
+        assert_eq!(b.ordering, super::Ordering::None);
+        assert_eq!(b.source, "/billing");
+        assert_eq!(b.route.as_ref().unwrap().as_str(), "billing.{event_type}");
+    }
+
+    #[test]
+    fn without_entries_the_database_table_is_the_one_outbox() {
+        let c = load_str("[database]\ntable = \"app.events\"\n", &[]).unwrap();
+        assert_eq!(c.outboxes.len(), 1);
+        assert_eq!(c.outboxes[0].name, "app.events");
+        assert_eq!(c.outboxes[0].source, c.relay.source);
+        let c = load_str("", &[]).unwrap();
+        assert_eq!(c.outboxes[0].name, "outbox_messages");
+    }
+
+    #[test]
+    fn every_rejection_names_its_key() {
+        for (toml, want) in [
+            (
+                format!("[database]\ntable = \"x\"\n{TWO}"),
+                "invalid value for database.table: is set together with [[outboxes]]",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\n[[outboxes]]\ntable = \"a\"\n".to_owned(),
+                "invalid value for outboxes[1].name: \"a\" is also the name of outboxes[0]",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\n[[outboxes]]\nname = \"b\"\ntable = \"a\"\n"
+                    .to_owned(),
+                "invalid value for outboxes[1].table: a in the same database is already served by outboxes[0]",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a;drop\"\n".to_owned(),
+                "invalid value for outboxes[0].table:",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\nordering = \"fifo\"\n".to_owned(),
+                "invalid value for outboxes[0].ordering: \"fifo\" is not one of",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\ntopic = \"t\"\n".to_owned(),
+                "invalid value for outboxes[0].topic: applies only with publisher.kind = \"kafka\"",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\nrouting_key = \"{nope}\"\n".to_owned(),
+                "invalid value for outboxes[0].routing_key:",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\nsource = \" \"\n".to_owned(),
+                "invalid value for outboxes[0].source: must not be empty",
+            ),
+            (
+                "[[outboxes]]\nname = \"\"\ntable = \"a\"\n".to_owned(),
+                "invalid value for outboxes[0].name:",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\nurl = \"mysql://x\"\n".to_owned(),
+                "invalid value for outboxes[0].url:",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\ncolour = \"red\"\n".to_owned(),
+                "colour",
+            ),
+            ("[[outboxes]]\nname = \"a\"\n".to_owned(), "table"),
+        ] {
+            let e = err(&toml);
+            assert!(e.contains(want), "{toml}\n=> {e}\n(wanted {want})");
+            assert!(!e.contains("secret"), "{e}");
+        }
+    }
+}

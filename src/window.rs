@@ -1,0 +1,357 @@
+//! The in-flight window: how many claimed messages the relay holds unconfirmed at once
+//! (`relay.max_in_flight`), shared fairly by the outboxes one relay serves.
+//!
+//! Every outbox's claim loop takes its permits from one [`Window`] through its own [`Lane`].
+//! An outbox alone may use the whole window, so one busy outbox among idle ones drains as
+//! fast as it would alone. As soon as another outbox asks for room, each outbox that holds or
+//! wants permits is capped at an equal share, and the permits that come back go first to the
+//! lane holding the fewest: a burst in one outbox never makes another wait for more than the
+//! messages already in flight.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::oneshot;
+
+/// The shared window; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Window {
+    shared: Arc<Shared>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    total: usize,
+    state: Mutex<State>,
+}
+
+#[derive(Debug)]
+struct State {
+    available: usize,
+    held: Vec<usize>,
+    queue: VecDeque<Waiter>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    lane: usize,
+    min: usize,
+    max: usize,
+    /// Takes the whole window (ignores the fair share).
+    exclusive: bool,
+    tx: oneshot::Sender<usize>,
+}
+
+impl Window {
+    /// A window of `total` permits (at least 1).
+    pub fn new(total: usize) -> Self {
+        Self {
+            shared: Arc::new(Shared {
+                total: total.max(1),
+                state: Mutex::new(State {
+                    available: total.max(1),
+                    held: Vec::new(),
+                    queue: VecDeque::new(),
+                }),
+            }),
+        }
+    }
+
+    /// The window's size.
+    pub fn total(&self) -> usize {
+        self.shared.total
+    }
+
+    /// A new lane (one per outbox).
+    pub fn lane(&self) -> Lane {
+        let mut state = self.shared.lock();
+        state.held.push(0);
+        Lane {
+            shared: Arc::clone(&self.shared),
+            index: state.held.len() - 1,
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl State {
+    /// Lanes holding or waiting for permits.
+    fn active(&self) -> usize {
+        let mut active = vec![false; self.held.len()];
+        for (i, &h) in self.held.iter().enumerate() {
+            active[i] = h > 0;
+        }
+        for w in &self.queue {
+            active[w.lane] = true;
+        }
+        active.iter().filter(|a| **a).count().max(1)
+    }
+
+    /// Grants queued requests, fewest-held lane first, while permits are available.
+    fn dispatch(&mut self, total: usize) {
+        while !self.queue.is_empty() && self.available > 0 {
+            let Some(pos) = (0..self.queue.len()).min_by_key(|&i| self.held[self.queue[i].lane])
+            else {
+                return;
+            };
+            let (lane, min, max, exclusive) = {
+                let w = &self.queue[pos];
+                (w.lane, w.min, w.max, w.exclusive)
+            };
+            // The fair share binds only while another lane is asking too.
+            let contended = self.queue.iter().any(|w| w.lane != lane);
+            let cap = if exclusive || !contended {
+                total
+            } else {
+                (total / self.active()).max(1)
+            };
+            // The whole window means nothing in flight anywhere, this lane's own batches
+            // included.
+            let room = if exclusive {
+                total
+            } else {
+                cap.saturating_sub(self.held[lane])
+            };
+            let need = if exclusive {
+                total
+            } else {
+                min.min(room).max(1)
+            };
+            if self.available < need || room == 0 {
+                // The neediest lane waits for more permits to come back; keep them for it.
+                return;
+            }
+            let grant = max.min(room).min(self.available);
+            let Some(w) = self.queue.remove(pos) else {
+                return;
+            };
+            if w.tx.send(grant).is_ok() {
+                self.available -= grant;
+                self.held[lane] += grant;
+            }
+        }
+    }
+}
+
+/// One outbox's access to the [`Window`].
+#[derive(Debug)]
+pub struct Lane {
+    shared: Arc<Shared>,
+    index: usize,
+}
+
+impl Lane {
+    /// Waits for at least `min` permits (fewer if this lane's fair share is smaller) and takes
+    /// up to `max`. `None` only if the window is gone.
+    pub async fn acquire(&self, min: usize, max: usize) -> Option<Permit> {
+        self.request(min.max(1), max.max(min).max(1), false).await
+    }
+
+    /// Waits until nothing else is in flight in any outbox and takes the whole window.
+    pub async fn acquire_all(&self) -> Option<Permit> {
+        let total = self.shared.total;
+        self.request(total, total, true).await
+    }
+
+    async fn request(&self, min: usize, max: usize, exclusive: bool) -> Option<Permit> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut state = self.shared.lock();
+            state.queue.push_back(Waiter {
+                lane: self.index,
+                min,
+                max,
+                exclusive,
+                tx,
+            });
+            state.dispatch(self.shared.total);
+        }
+        // Dropping this future drops `rx`: a later grant then fails to send and is not taken;
+        // the queue entry is removed below so that it does not hold permits back meanwhile.
+        let mut guard = Cancel {
+            shared: &self.shared,
+            lane: self.index,
+            done: false,
+        };
+        let n = rx.await.ok()?;
+        guard.done = true;
+        Some(Permit {
+            shared: Arc::clone(&self.shared),
+            lane: self.index,
+            n,
+        })
+    }
+
+    /// Permits this lane holds now.
+    pub fn held(&self) -> usize {
+        self.shared.lock().held[self.index]
+    }
+}
+
+/// Removes an abandoned request from the queue.
+struct Cancel<'a> {
+    shared: &'a Arc<Shared>,
+    lane: usize,
+    done: bool,
+}
+
+impl Drop for Cancel<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut state = self.shared.lock();
+        state
+            .queue
+            .retain(|w| !(w.lane == self.lane && w.tx.is_closed()));
+        state.dispatch(self.shared.total);
+    }
+}
+
+/// Permits taken from the window, given back when dropped.
+#[derive(Debug)]
+pub struct Permit {
+    shared: Arc<Shared>,
+    lane: usize,
+    n: usize,
+}
+
+impl Permit {
+    /// How many permits this holds.
+    pub fn num_permits(&self) -> usize {
+        self.n
+    }
+
+    /// Splits `n` permits off into a new permit (`None` if this holds fewer).
+    pub fn split(&mut self, n: usize) -> Option<Permit> {
+        if n > self.n {
+            return None;
+        }
+        self.n -= n;
+        Some(Permit {
+            shared: Arc::clone(&self.shared),
+            lane: self.lane,
+            n,
+        })
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if self.n == 0 {
+            return;
+        }
+        let mut state = self.shared.lock();
+        state.available += self.n;
+        state.held[self.lane] -= self.n;
+        state.dispatch(self.shared.total);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    async fn soon<T>(f: impl std::future::Future<Output = T>) -> Option<T> {
+        tokio::time::timeout(Duration::from_millis(50), f)
+            .await
+            .ok()
+    }
+
+    #[tokio::test]
+    async fn a_lane_alone_uses_the_whole_window() {
+        let w = Window::new(10);
+        let a = w.lane();
+        let _b = w.lane(); // idle: does not count
+        let p = soon(a.acquire(1, 100)).await.flatten().unwrap();
+        assert_eq!(p.num_permits(), 10);
+        assert!(soon(a.acquire(1, 1)).await.is_none(), "window is full");
+    }
+
+    #[tokio::test]
+    async fn a_waiting_lane_gets_the_next_permits_and_caps_the_busy_one() {
+        let w = Window::new(10);
+        let (busy, quiet) = (w.lane(), w.lane());
+        let mut all = busy.acquire(1, 10).await.unwrap();
+        // The busy lane asks again first, then the quiet one.
+        let mut busy2 = Box::pin(busy.acquire(1, 10));
+        assert!(soon(&mut busy2).await.is_none());
+        let mut quiet1 = Box::pin(quiet.acquire(1, 5));
+        assert!(soon(&mut quiet1).await.is_none());
+        // Two permits come back: both go to the quiet lane (it holds fewest).
+        drop(all.split(2));
+        let q = soon(&mut quiet1).await.flatten().unwrap();
+        assert_eq!(q.num_permits(), 2);
+        assert_eq!(busy.held(), 8);
+        // Nobody else asks now: the busy lane takes what comes back.
+        drop(all.split(3));
+        assert_eq!(soon(&mut busy2).await.flatten().unwrap().num_permits(), 3);
+    }
+
+    #[tokio::test]
+    async fn contended_lanes_are_capped_at_an_equal_share() {
+        let w = Window::new(10);
+        let (busy, quiet) = (w.lane(), w.lane());
+        let mut held = busy.acquire(1, 10).await.unwrap();
+        let q = quiet.acquire(1, 1);
+        let b = busy.acquire(1, 10);
+        let (mut q, mut b) = (Box::pin(q), Box::pin(b));
+        assert!(soon(&mut q).await.is_none());
+        assert!(soon(&mut b).await.is_none());
+        // 6 come back: quiet (0 held) gets its 1; busy (4 held) may grow to its share of 5.
+        drop(held.split(6));
+        let qp = soon(&mut q).await.flatten().unwrap();
+        assert_eq!(qp.num_permits(), 1);
+        let bp = soon(&mut b).await.flatten().unwrap();
+        assert_eq!(bp.num_permits(), 5, "alone in the queue again: no cap");
+        drop((qp, bp, held));
+        assert_eq!(busy.held() + quiet.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn acquire_all_waits_for_every_lane_to_give_back() {
+        let w = Window::new(4);
+        let (a, b) = (w.lane(), w.lane());
+        let pa = a.acquire(1, 2).await.unwrap();
+        let pb = b.acquire(1, 2).await.unwrap();
+        let mut all = Box::pin(a.acquire_all());
+        drop(pb);
+        assert!(
+            soon(&mut all).await.is_none(),
+            "a's own batch still holds 2"
+        );
+        drop(pa);
+        assert_eq!(soon(&mut all).await.flatten().unwrap().num_permits(), 4);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_request_takes_nothing() {
+        let w = Window::new(2);
+        let (a, b) = (w.lane(), w.lane());
+        let p = a.acquire(2, 2).await.unwrap();
+        assert!(soon(b.acquire(2, 2)).await.is_none()); // dropped while queued
+        drop(p);
+        assert_eq!(b.held(), 0);
+        assert_eq!(a.acquire(2, 2).await.unwrap().num_permits(), 2);
+    }
+
+    #[tokio::test]
+    async fn split_permits_return_separately() {
+        let w = Window::new(6);
+        let a = w.lane();
+        let mut p = a.acquire(6, 6).await.unwrap();
+        let part = p.split(4).unwrap();
+        assert!(p.split(3).is_none());
+        drop(part);
+        assert_eq!(a.held(), 2);
+        drop(p);
+        assert_eq!(a.held(), 0);
+    }
+}
