@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo build --release --workspace
-//! target/release/outbox-bench [--rows N] [--quick] [--only db,broker,naive,relay,latency,claim] [--json-only]
+//! target/release/outbox-bench [--rows N] [--quick] [--only db,broker,naive,relay,latency,claim,outboxes] [--json-only]
 //! ```
 //!
 //! Phases (each on fresh `bench_<phase>_<run id>` tables, exchanges, queues and topics, removed
@@ -131,6 +131,8 @@ enum Phase {
     Insert,
     /// 7. Claim cost.
     Claim,
+    /// 9. One busy outbox among idle ones; the idle cost of 20 outboxes.
+    Outboxes,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -610,7 +612,8 @@ async fn setup(args: Args) -> Result<Ctx> {
     let relay_bin = outbox_testkit::relay_bin();
     let needs_relay = args.only.is_empty()
         || args.only.contains(&Phase::Relay)
-        || args.only.contains(&Phase::Latency);
+        || args.only.contains(&Phase::Latency)
+        || args.only.contains(&Phase::Outboxes);
     if needs_relay && !relay_bin.is_file() {
         bail!(
             "{} not found: build both binaries with `cargo build --release --workspace`",
@@ -653,6 +656,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Latency,
         Phase::Insert,
         Phase::Claim,
+        Phase::Outboxes,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -686,6 +690,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Latency => phases::latency(ctx).await,
                     Phase::Insert => phases::insert_cost(ctx).await,
                     Phase::Claim => phases::claim(ctx).await,
+                    Phase::Outboxes => phases::outboxes(ctx).await,
                 },
             )
             .await;
