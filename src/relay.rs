@@ -69,26 +69,23 @@ pub struct RelayParts {
     pub metrics: OutboxMetrics,
     /// This outbox's share of the in-flight window.
     pub lane: Lane,
-    /// Woken by NOTIFY, by finished batches and by connection-level failures.
+    /// Woken by NOTIFY, by finished batches (their aggregates' next rows are now claimable)
+    /// and by connection-level failures (so the dispatcher reconnects at once).
     pub wake: Arc<Notify>,
     /// The ids this loop holds (renewed by the lease task).
     pub held: Held,
 }
 
-/// The claim/publish/settle engine shared by the dispatcher and its batch tasks.
-pub struct Relay {
-    store: Store,
-    publisher: Arc<dyn Publisher>,
-    envelope: EnvelopeConfig,
-    settings: LoopSettings,
-    health: Arc<Health>,
-    database: DatabaseHealth,
-    metrics: OutboxMetrics,
-    lane: Lane,
-    held: Held,
-    // Woken by NOTIFY, by finished batches (their aggregates' next rows are now claimable) and
-    // by connection-level failures (so the dispatcher reconnects at once).
-    wake: Arc<Notify>,
+/// The claim/publish/settle engine shared by the dispatcher and its batch tasks: one
+/// outbox's [`RelayParts`], read through `Deref`.
+pub struct Relay(RelayParts);
+
+impl std::ops::Deref for Relay {
+    type Target = RelayParts;
+
+    fn deref(&self) -> &RelayParts {
+        &self.0
+    }
 }
 
 /// Per-row result of publishing a batch.
@@ -103,30 +100,7 @@ enum RowResult {
 impl Relay {
     /// Wires the engine.
     pub fn new(parts: RelayParts) -> Arc<Self> {
-        let RelayParts {
-            store,
-            publisher,
-            envelope,
-            settings,
-            health,
-            database,
-            metrics,
-            lane,
-            wake,
-            held,
-        } = parts;
-        Arc::new(Self {
-            store,
-            publisher,
-            envelope,
-            settings,
-            health,
-            database,
-            metrics,
-            lane,
-            held,
-            wake,
-        })
+        Arc::new(Self(parts))
     }
 
     /// Claims and publishes until `shutdown`; then drains in-flight batches until

@@ -69,11 +69,12 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, label: &str) -> RelayBuilder
     RelayBuilder::for_test(table, rabbit, label).set("relay.poll_interval", "200ms")
 }
 
-/// The `outbox_expired_total` sample of a Prometheus text exposition.
-fn expired_total(metrics: &str) -> Option<f64> {
+/// The `outbox_expired_total` sample of outbox `table` in a Prometheus text exposition.
+fn expired_total(metrics: &str, table: &str) -> Option<f64> {
+    let series = format!("outbox_expired_total{{outbox=\"{table}\"}} ");
     metrics
         .lines()
-        .find_map(|l| l.strip_prefix("outbox_expired_total "))
+        .find_map(|l| l.strip_prefix(series.as_str()))
         .and_then(|v| v.trim().parse().ok())
 }
 
@@ -159,13 +160,13 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     // Counted and shown.
     let text = wait_until(WAIT, "outbox_expired_total reaches 2", async || {
         let text = scrape(port).await?;
-        match expired_total(&text) {
+        match expired_total(&text, &table.name) {
             Some(n) if n >= 2.0 => Ok(text),
             other => Err(format!("outbox_expired_total = {other:?}")),
         }
     })
     .await;
-    assert_eq!(expired_total(&text), Some(2.0));
+    assert_eq!(expired_total(&text, &table.name), Some(2.0));
     let out = RelayBuilder::bare("expiry-status")
         .set("database.url", PG_URL)
         .set("database.table", &table.name)

@@ -384,6 +384,25 @@ async fn metrics_expose_every_contract_name_after_publishing() {
     for state in ["ready", "waiting"] {
         assert!(sample(&text, names::PENDING, &[("state", state)]).is_some());
     }
+    // Every per-table metric carries the outbox's name (contract §7): here, the table's.
+    let outbox = [("outbox", table.name.as_str())];
+    for name in [
+        names::PENDING,
+        names::OLDEST_READY_AGE,
+        names::PUBLISHED,
+        names::PUBLISH_FAILURES,
+        names::DEAD_LETTERED,
+        names::EXPIRED,
+        names::WATERMARK_LAG,
+        &format!("{}_count", names::END_TO_END_LATENCY),
+        &format!("{}_count", names::CLAIM_BATCH_SIZE),
+    ] {
+        assert!(
+            sample(&text, name, &outbox).is_some(),
+            "{name} has no sample labelled outbox=\"{}\"",
+            table.name
+        );
+    }
     // No high-cardinality labels: neither a row id nor an aggregate id appears anywhere.
     for id in &ids {
         assert!(
