@@ -1,43 +1,135 @@
 //! The operator commands other than `run`: `migrate`, `check`, `status`, `dead-letters`,
-//! `tail`.
+//! `tail`. `migrate`, `status` and `dead-letters` act on every configured outbox, or on the
+//! one `--outbox NAME` selects.
+
+use std::collections::BTreeMap;
 
 use anyhow::{Context, Result, bail};
-use outbox_relay::config::{Config, PublisherConfig};
-use outbox_relay::message::PayloadKind;
-use outbox_relay::store::{Selection, Store, schema};
+use outbox_relay::config::{Config, OutboxConfig, PublisherConfig};
+use outbox_relay::store::{
+    DeadLetter, Selection, StatusCounts, StatusReport, Store, StoreError, schema,
+};
 
-/// `migrate [--print]`.
-pub async fn migrate(config: &Config, print: bool) -> Result<()> {
+/// The outboxes a command acts on: every configured one, or the one `--outbox` names. An
+/// unknown name is a usage error (the binary exits 2 with this sentence).
+pub fn select<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<&'a OutboxConfig>> {
+    let Some(name) = only else {
+        return Ok(config.outboxes.iter().collect());
+    };
+    match config.outboxes.iter().find(|o| o.name == name) {
+        Some(o) => Ok(vec![o]),
+        None => bail!(
+            "there is no outbox named {name:?} (the configured outboxes are {})",
+            config
+                .outboxes
+                .iter()
+                .map(|o| format!("{:?}", o.name))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }
+}
+
+/// One selected outbox and its store; outboxes in the same database share one pool, as in
+/// `run`.
+struct Target<'a> {
+    outbox: &'a OutboxConfig,
+    store: Store,
+}
+
+impl Target<'_> {
+    /// "cannot <verb> <table> on <url>", naming the outbox too when its name differs.
+    fn context(&self, verb: &str) -> String {
+        let table = self.outbox.database.table.to_string();
+        let url = self.outbox.database.redacted_url();
+        if self.outbox.name == table {
+            format!("cannot {verb} {table} on {url}")
+        } else {
+            format!(
+                "outbox {}: cannot {verb} {table} on {url}",
+                self.outbox.name
+            )
+        }
+    }
+}
+
+/// The selected outboxes with their stores (pools connect lazily: nothing is contacted here).
+fn targets<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<Target<'a>>> {
+    let mut pools: Vec<(&str, Store)> = Vec::new();
+    let mut out = Vec::new();
+    for outbox in select(config, only)? {
+        let store = match pools.iter().find(|(url, _)| *url == outbox.database.url) {
+            Some((_, pool)) => pool.for_table(&outbox.database.table),
+            None => {
+                let store = Store::new(&outbox.database, &config.relay.instance_id)?;
+                pools.push((&outbox.database.url, store.clone()));
+                store
+            }
+        };
+        out.push(Target { outbox, store });
+    }
+    Ok(out)
+}
+
+/// `migrate [--print] [--outbox NAME]`.
+pub async fn migrate(config: &Config, print: bool, only: Option<&str>) -> Result<()> {
+    let selected = select(config, only)?;
+    let several = selected.len() > 1;
     if print {
-        print!("{}", schema::full_ddl(&config.database.table));
+        for (i, o) in selected.iter().enumerate() {
+            if several {
+                if i > 0 {
+                    println!();
+                }
+                println!("-- outbox {}: table {}\n", o.name, o.database.table);
+            }
+            print!("{}", schema::full_ddl(&o.database.table));
+        }
         return Ok(());
     }
-    let store = Store::new(&config.database, &config.relay.instance_id)?;
-    let applied = store.migrate().await.with_context(|| {
-        format!(
-            "cannot migrate {} on {}",
-            config.database.table,
-            config.database.redacted_url()
-        )
-    })?;
-    if applied.is_empty() {
-        println!("{} is up to date", config.database.table);
-    } else {
-        println!(
-            "{}: applied schema versions {:?}",
-            config.database.table, applied
-        );
+    for t in targets(config, only)? {
+        let applied = t
+            .store
+            .migrate()
+            .await
+            .with_context(|| t.context("migrate"))?;
+        let table = &t.outbox.database.table;
+        let prefix = if several {
+            format!("{}: ", t.outbox.name)
+        } else {
+            String::new()
+        };
+        if applied.is_empty() {
+            println!("{prefix}{table} is up to date");
+        } else {
+            println!("{prefix}{table}: applied schema versions {applied:?}");
+        }
     }
     Ok(())
 }
 
-/// `check`: configuration (already validated by the time this runs), database, broker.
+/// `check`: configuration (already validated by the time this runs), each outbox's database
+/// and table, the broker.
 pub async fn check(config: &Config) -> Result<()> {
-    println!(
-        "config: ok (publisher {}, table {})",
-        config.publisher.kind(),
-        config.database.table
-    );
+    if let [only] = config.outboxes.as_slice() {
+        println!(
+            "config: ok (publisher {}, table {})",
+            config.publisher.kind(),
+            only.database.table
+        );
+    } else {
+        println!(
+            "config: ok (publisher {}, {} outboxes: {})",
+            config.publisher.kind(),
+            config.outboxes.len(),
+            config
+                .outboxes
+                .iter()
+                .map(|o| o.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     // The key id only: the key itself is never printed.
     match &config.signing {
         Some(s) => println!(
@@ -48,49 +140,21 @@ pub async fn check(config: &Config) -> Result<()> {
         None => println!("signing: off"),
     }
     let mut failed = false;
-    let store = Store::new(&config.database, &config.relay.instance_id)?;
-    let url = config.database.redacted_url();
-    let table = &config.database.table;
-    // The same decision `run` makes at start, without changing anything.
-    let kind = match store.ping().await {
-        Ok(()) => match outbox_relay::plan_schema(&store, config.database.auto_migrate).await {
-            Ok(plan) if !plan.table_exists => {
-                println!(
-                    "database: ok ({url}; table {table} does not exist yet and will be created on start, database.auto_migrate = true)"
-                );
-                PayloadKind::Json
-            }
-            Ok(plan) => match store.inspect().await {
-                Ok((kind, _)) => {
-                    if plan.apply.is_empty() {
-                        println!("database: ok ({url}, table {table} found)");
-                    } else {
-                        println!(
-                            "database: ok ({url}, table {table} found; schema versions {:?} will be applied on start)",
-                            plan.apply
-                        );
-                    }
-                    kind
-                }
-                Err(e) => {
-                    println!("database: reachable, but {e}");
-                    failed = true;
-                    PayloadKind::Json
-                }
-            },
-            Err(e) => {
-                println!("database: reachable, but {e}");
+    let several = config.outboxes.len() > 1;
+    for t in targets(config, None)? {
+        let prefix = if several {
+            format!("{}: ", t.outbox.name)
+        } else {
+            String::new()
+        };
+        match check_database(&t, config.database.auto_migrate).await {
+            Ok(line) => println!("{prefix}{line}"),
+            Err(line) => {
+                println!("{prefix}{line}");
                 failed = true;
-                PayloadKind::Json
             }
-        },
-        Err(e) => {
-            println!("database: FAILED ({url}): {e}");
-            failed = true;
-            PayloadKind::Json
         }
-    };
-    let _ = kind;
+    }
     let publisher = outbox_relay::build_publisher(config);
     match tokio::time::timeout(std::time::Duration::from_secs(15), publisher.connect()).await {
         Ok(Ok(())) => println!("broker: ok ({})", publisher.describe()),
@@ -113,31 +177,102 @@ pub async fn check(config: &Config) -> Result<()> {
     Ok(())
 }
 
-fn store(config: &Config) -> Result<Store> {
-    Ok(Store::new(&config.database, &config.relay.instance_id)?)
-}
-
-fn db_context(config: &Config) -> String {
-    format!(
-        "cannot read {} on {}",
-        config.database.table,
-        config.database.redacted_url()
-    )
-}
-
-/// `status [--json]`.
-pub async fn status(config: &Config, json: bool) -> Result<()> {
-    let report = store(config)?
-        .status()
+/// One outbox's `database:` line: the same decision `run` makes at start, without changing
+/// anything. `Err` carries the line of a failure.
+async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, String> {
+    let url = t.outbox.database.redacted_url();
+    let table = &t.outbox.database.table;
+    if let Err(e) = t.store.ping().await {
+        return Err(format!("database: FAILED ({url}): {e}"));
+    }
+    let plan = outbox_relay::plan_schema(&t.store, auto_migrate)
         .await
-        .with_context(|| db_context(config))?;
+        .map_err(|e| format!("database: reachable, but {e}"))?;
+    if !plan.table_exists {
+        return Ok(format!(
+            "database: ok ({url}; table {table} does not exist yet and will be created on start, database.auto_migrate = true)"
+        ));
+    }
+    t.store
+        .inspect()
+        .await
+        .map_err(|e| format!("database: reachable, but {e}"))?;
+    Ok(if plan.apply.is_empty() {
+        format!("database: ok ({url}, table {table} found)")
+    } else {
+        format!(
+            "database: ok ({url}, table {table} found; schema versions {:?} will be applied on start)",
+            plan.apply
+        )
+    })
+}
+
+/// `status --json`: the totals in the contract's shape, plus the same per outbox.
+#[derive(serde::Serialize)]
+struct StatusJson {
+    #[serde(flatten)]
+    total: StatusReport,
+    by_outbox: BTreeMap<String, StatusReport>,
+}
+
+/// `status [--json] [--outbox NAME]`.
+pub async fn status(config: &Config, json: bool, only: Option<&str>) -> Result<()> {
+    let mut total = StatusReport::default();
+    let mut by_outbox = Vec::new();
+    for t in targets(config, only)? {
+        let report = t.store.status().await.with_context(|| t.context("read"))?;
+        total.overall.add(&report.overall);
+        for (ty, c) in &report.by_aggregate_type {
+            total
+                .by_aggregate_type
+                .entry(ty.clone())
+                .or_default()
+                .add(c);
+        }
+        by_outbox.push((t.outbox.name.clone(), report));
+    }
     if json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let out = StatusJson {
+            total,
+            by_outbox: by_outbox.into_iter().collect(),
+        };
+        println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
+    if by_outbox.len() > 1 {
+        counts_table(
+            "OUTBOX",
+            by_outbox.iter().map(|(n, r)| (n.as_str(), &r.overall)),
+            None,
+        );
+        println!();
+    }
+    counts_table(
+        "AGGREGATE TYPE",
+        total.by_aggregate_type.iter().map(|(ty, c)| {
+            (
+                if ty.is_empty() {
+                    "(empty)"
+                } else {
+                    ty.as_str()
+                },
+                c,
+            )
+        }),
+        Some(&total.overall),
+    );
+    Ok(())
+}
+
+/// A header, one line per `(name, counts)`, then `TOTAL` when given.
+fn counts_table<'a>(
+    first: &str,
+    lines: impl Iterator<Item = (&'a str, &'a StatusCounts)>,
+    total: Option<&StatusCounts>,
+) {
     println!(
         "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>8} {:>12}",
-        "AGGREGATE TYPE",
+        first,
         "PENDING",
         "READY",
         "WAITING",
@@ -148,7 +283,7 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
         "BLOCKED",
         "OLDEST (s)"
     );
-    let line = |name: &str, c: &outbox_relay::store::StatusCounts| {
+    let line = |name: &str, c: &StatusCounts| {
         println!(
             "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>8} {:>12.1}",
             name,
@@ -163,30 +298,64 @@ pub async fn status(config: &Config, json: bool) -> Result<()> {
             c.oldest_pending_age_seconds
         );
     };
-    for (ty, c) in &report.by_aggregate_type {
-        line(if ty.is_empty() { "(empty)" } else { ty }, c);
+    for (name, c) in lines {
+        line(name, c);
     }
-    line("TOTAL", &report.overall);
-    Ok(())
+    if let Some(c) = total {
+        line("TOTAL", c);
+    }
 }
 
-/// `dead-letters list [--limit N] [--json]`.
-pub async fn dead_letters_list(config: &Config, limit: i64, json: bool) -> Result<()> {
-    let rows = store(config)?
-        .dead_letters(limit)
-        .await
-        .with_context(|| db_context(config))?;
+/// One row of `dead-letters list --json`: the contract's keys plus its outbox.
+#[derive(serde::Serialize)]
+struct Listed<'a> {
+    outbox: &'a str,
+    #[serde(flatten)]
+    row: DeadLetter,
+}
+
+/// `dead-letters list [--limit N] [--json] [--outbox NAME]`: outbox by outbox (in
+/// configuration order), oldest first within each, at most `limit` rows in all.
+pub async fn dead_letters_list(
+    config: &Config,
+    limit: i64,
+    json: bool,
+    only: Option<&str>,
+) -> Result<()> {
+    let targets = targets(config, only)?;
+    let several = targets.len() > 1;
+    let mut rows: Vec<Listed<'_>> = Vec::new();
+    for t in &targets {
+        let left = limit - i64::try_from(rows.len()).unwrap_or(i64::MAX);
+        if left <= 0 {
+            break;
+        }
+        let found = t
+            .store
+            .dead_letters(left)
+            .await
+            .with_context(|| t.context("read"))?;
+        rows.extend(found.into_iter().map(|row| Listed {
+            outbox: &t.outbox.name,
+            row,
+        }));
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(());
     }
     if rows.is_empty() {
-        println!("no dead letters in {}", config.database.table);
+        println!("no dead letters in {}", names(&targets));
         return Ok(());
     }
-    for r in &rows {
+    for Listed { outbox, row: r } in &rows {
+        let prefix = if several {
+            format!("{outbox}  ")
+        } else {
+            String::new()
+        };
         println!(
-            "{}  seq {}  {}/{}  {}  attempts {}  {}",
+            "{prefix}{}  seq {}  {}/{}  {}  attempts {}  {}",
             r.id,
             r.seq,
             r.aggregate_type,
@@ -199,27 +368,87 @@ pub async fn dead_letters_list(config: &Config, limit: i64, json: bool) -> Resul
     Ok(())
 }
 
-/// `dead-letters retry|discard (--id ID… | --all)`: all or nothing.
-pub async fn dead_letters_apply(config: &Config, retry: bool, sel: Selection) -> Result<()> {
-    let store = store(config)?;
-    let changed = if retry {
-        store.retry_dead_letters(&sel).await
-    } else {
-        store.discard_dead_letters(&sel).await
+/// The selected outboxes' tables (one) or names (several), for messages.
+fn names(targets: &[Target<'_>]) -> String {
+    match targets {
+        [one] => one.outbox.database.table.to_string(),
+        several => format!(
+            "outboxes {}",
+            several
+                .iter()
+                .map(|t| t.outbox.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     }
-    .with_context(|| {
-        format!(
-            "{} in {}",
-            if retry { "retry" } else { "discard" },
-            config.database.table
-        )
-    })?;
+}
+
+/// `dead-letters retry|discard (--id ID… | --all) [--outbox NAME]`: all or nothing. Each id
+/// is looked up in every selected outbox; when one is a dead letter in none of them, nothing
+/// is changed and the error names it.
+pub async fn dead_letters_apply(
+    config: &Config,
+    retry: bool,
+    sel: Selection,
+    only: Option<&str>,
+) -> Result<()> {
+    let verb = if retry { "retry" } else { "discard" };
+    let targets = targets(config, only)?;
+    let context = || format!("{verb} in {}", names(&targets));
+    // Which outbox holds which id.
+    let mut plan: Vec<(&Target<'_>, Selection)> = Vec::new();
+    match &sel {
+        Selection::All => plan.extend(targets.iter().map(|t| (t, Selection::All))),
+        Selection::Ids(ids) if targets.len() == 1 => {
+            plan.push((&targets[0], Selection::Ids(ids.clone())));
+        }
+        Selection::Ids(ids) => {
+            let mut found = Vec::new();
+            for t in &targets {
+                let here = t
+                    .store
+                    .which_dead_letters(ids)
+                    .await
+                    .with_context(|| t.context("read"))?;
+                found.extend_from_slice(&here);
+                if !here.is_empty() {
+                    plan.push((t, Selection::Ids(here)));
+                }
+            }
+            let missing: Vec<uuid::Uuid> = ids
+                .iter()
+                .filter(|id| !found.contains(id))
+                .copied()
+                .collect();
+            if !missing.is_empty() {
+                return Err(anyhow::Error::from(StoreError::NotDeadLetters(missing)))
+                    .with_context(context);
+            }
+        }
+    }
+    let mut changed = 0;
+    for (t, sel) in plan {
+        let done = if retry {
+            t.store.retry_dead_letters(&sel).await
+        } else {
+            t.store.discard_dead_letters(&sel).await
+        };
+        changed += done
+            .with_context(|| {
+                if targets.len() > 1 {
+                    format!("{verb} in outbox {}", t.outbox.name)
+                } else {
+                    context()
+                }
+            })?
+            .len();
+    }
     let verb = if retry {
         "set back to pending"
     } else {
         "discarded"
     };
-    println!("{} dead letter(s) {verb}", changed.len());
+    println!("{changed} dead letter(s) {verb}");
     Ok(())
 }
 

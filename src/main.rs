@@ -34,11 +34,13 @@ enum LogFormat {
 enum Command {
     /// Run the relay daemon until SIGTERM/SIGINT.
     Run,
-    /// Apply the schema in sql/ to the configured database (idempotent).
+    /// Apply the schema in sql/ to each outbox's table (idempotent).
     Migrate {
-        /// Print the DDL for the configured table instead of applying it.
+        /// Print the DDL of each outbox's table instead of applying it.
         #[arg(long)]
         print: bool,
+        #[command(flatten)]
+        outbox: OutboxArg,
     },
     /// Validate the configuration, then connect to the database and the broker.
     Check,
@@ -47,6 +49,8 @@ enum Command {
         /// Print JSON for scripts.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        outbox: OutboxArg,
     },
     /// Print every message arriving on a RabbitMQ queue (development; consumes them).
     Tail {
@@ -66,17 +70,37 @@ enum Command {
 enum DeadLetters {
     /// List dead letters, oldest first.
     List {
-        /// At most this many rows.
+        /// At most this many rows in all (outbox by outbox, in configuration order).
         #[arg(long, default_value_t = 100)]
         limit: i64,
         /// Print JSON for scripts.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        outbox: OutboxArg,
     },
     /// Set dead letters back to pending with attempts reset (unblocks their aggregate).
-    Retry(Which),
+    Retry {
+        #[command(flatten)]
+        which: Which,
+        #[command(flatten)]
+        outbox: OutboxArg,
+    },
     /// Delete dead letters for good (unblocks their aggregate).
-    Discard(Which),
+    Discard {
+        #[command(flatten)]
+        which: Which,
+        #[command(flatten)]
+        outbox: OutboxArg,
+    },
+}
+
+/// `--outbox NAME`: act on one outbox instead of all of them.
+#[derive(Debug, clap::Args)]
+struct OutboxArg {
+    /// Act on this outbox only (a name from [[outboxes]]; default: every outbox).
+    #[arg(long = "outbox", value_name = "NAME")]
+    name: Option<String>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -85,7 +109,7 @@ struct Which {
     /// Row ids.
     #[arg(long = "id", num_args = 1..)]
     ids: Vec<uuid::Uuid>,
-    /// Every dead letter.
+    /// Every dead letter (of every selected outbox).
     #[arg(long)]
     all: bool,
 }
@@ -134,6 +158,22 @@ fn main() -> ExitCode {
         eprintln!("outbox-relay: {e}");
         return ExitCode::from(2);
     }
+    // An unknown --outbox is a usage error (exit 2), found before connecting.
+    let only = match &args.command {
+        Command::Migrate { outbox, .. }
+        | Command::Status { outbox, .. }
+        | Command::DeadLetters(
+            DeadLetters::List { outbox, .. }
+            | DeadLetters::Retry { outbox, .. }
+            | DeadLetters::Discard { outbox, .. },
+        ) => outbox.name.clone(),
+        _ => None,
+    };
+    if let Err(e) = cli::select(&config, only.as_deref()) {
+        eprintln!("outbox-relay: {e}");
+        return ExitCode::from(2);
+    }
+    let only = only.as_deref();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -158,17 +198,17 @@ fn main() -> ExitCode {
                 spawn_signal_handler(shutdown.clone());
                 cli::tail(&config, queue.as_deref(), count, shutdown).await
             }
-            Command::Migrate { print } => cli::migrate(&config, print).await,
+            Command::Migrate { print, .. } => cli::migrate(&config, print, only).await,
             Command::Check => cli::check(&config).await,
-            Command::Status { json } => cli::status(&config, json).await,
-            Command::DeadLetters(DeadLetters::List { limit, json }) => {
-                cli::dead_letters_list(&config, limit, json).await
+            Command::Status { json, .. } => cli::status(&config, json, only).await,
+            Command::DeadLetters(DeadLetters::List { limit, json, .. }) => {
+                cli::dead_letters_list(&config, limit, json, only).await
             }
-            Command::DeadLetters(DeadLetters::Retry(which)) => {
-                cli::dead_letters_apply(&config, true, which.selection()).await
+            Command::DeadLetters(DeadLetters::Retry { which, .. }) => {
+                cli::dead_letters_apply(&config, true, which.selection(), only).await
             }
-            Command::DeadLetters(DeadLetters::Discard(which)) => {
-                cli::dead_letters_apply(&config, false, which.selection()).await
+            Command::DeadLetters(DeadLetters::Discard { which, .. }) => {
+                cli::dead_letters_apply(&config, false, which.selection(), only).await
             }
         }
     });

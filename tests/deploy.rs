@@ -728,8 +728,49 @@ fn dashboard_covers_every_metric_and_names_no_other() {
     );
     has(
         "Pending: ready vs waiting",
-        "max by (state) (outbox_pending_messages",
+        "max by (outbox, state) (outbox_pending_messages",
     );
+    has(
+        "Throughput by outbox",
+        "sum by (outbox) (rate(outbox_published_total",
+    );
+
+    // The outbox selector: a multi-value variable over the `outbox` label, and every query of
+    // a per-table metric (all but the process-wide ones) filters by it.
+    let vars = d["templating"]["list"].as_array().unwrap();
+    let outbox = vars
+        .iter()
+        .find(|v| v["name"] == "outbox")
+        .expect("an `outbox` template variable");
+    assert!(
+        outbox["query"]["query"]
+            .as_str()
+            .unwrap()
+            .starts_with("label_values(outbox_")
+            && outbox["query"]["query"]
+                .as_str()
+                .unwrap()
+                .ends_with(", outbox)"),
+        "{outbox}"
+    );
+    assert_eq!(outbox["multi"], true);
+    assert_eq!(outbox["includeAll"], true);
+    for p in &all {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().unwrap();
+            let process_wide = ["outbox_relay_info", "outbox_broker_connected", "up{"]
+                .iter()
+                .any(|m| expr.contains(m));
+            if !process_wide {
+                assert_eq!(
+                    expr.matches('{').count(),
+                    expr.matches("outbox=~\"$outbox\"").count(),
+                    "panel {}: every selector filters by $outbox: {expr}",
+                    p["title"]
+                );
+            }
+        }
+    }
     has(
         "Throughput by aggregate type",
         "sum by (aggregate_type) (rate(outbox_published_total",

@@ -694,6 +694,8 @@ fn counts(v: &Value, top: bool) -> (BTreeMap<String, i64>, f64) {
     let mut want: BTreeSet<&str> = STATUS_KEYS.into_iter().collect();
     if top {
         want.insert("by_aggregate_type");
+        // Always present (one outbox here, named after the table): one shape for scripts.
+        want.insert("by_outbox");
     }
     let have: BTreeSet<&str> = obj.keys().map(String::as_str).collect();
     assert_eq!(have, want, "status --json keys (contract §6)");
@@ -783,6 +785,12 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
     assert!(out.status.success(), "{}", out.stderr);
     let v: Value = serde_json::from_str(&out.stdout).expect("status --json is JSON");
     let (overall, overall_age) = counts(&v, true);
+    let by_outbox = v["by_outbox"].as_object().expect("by_outbox");
+    assert_eq!(by_outbox.len(), 1, "{v}");
+    let single = by_outbox[&table.name].clone();
+    let mut totals = v.clone();
+    totals.as_object_mut().unwrap().remove("by_outbox");
+    assert_eq!(single, totals, "one outbox: its entry is the totals");
     let by_type = v["by_aggregate_type"]
         .as_object()
         .expect("by_aggregate_type");
@@ -1034,6 +1042,7 @@ async fn dead_letters_list_retry_and_discard() {
     let list: Vec<Value> = serde_json::from_str(&out.stdout).expect("a JSON array");
     assert_eq!(list.len(), 4);
     let keys: BTreeSet<&str> = [
+        "outbox",
         "id",
         "seq",
         "aggregate_type",
@@ -1054,6 +1063,7 @@ async fn dead_letters_list_retry_and_discard() {
             keys
         );
         assert_eq!(item["id"], id.to_string());
+        assert_eq!(item["outbox"], table.name.as_str());
         assert_eq!(item["attempts"], 12);
         assert_eq!(item["event_type"], "ops.event");
         assert_eq!(item["last_error"], format!("nack: boom {}", n + 1));
@@ -1532,7 +1542,8 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
         let q = expr
             .replace("$__rate_interval", "1m")
             .replace("$job", ".*")
-            .replace("$instance", ".*");
+            .replace("$instance", ".*")
+            .replace("$outbox", ".*");
         wait_until(
             Duration::from_secs(20),
             &format!("panel {title:?} ({q}) returns series"),

@@ -33,7 +33,8 @@ pub struct StatusCounts {
 }
 
 impl StatusCounts {
-    fn add(&mut self, o: &StatusCounts) {
+    /// Adds `o` into these counts (sums; the oldest age is the larger of the two).
+    pub fn add(&mut self, o: &StatusCounts) {
         self.pending += o.pending;
         self.ready += o.ready;
         self.waiting += o.waiting;
@@ -98,6 +99,7 @@ pub(super) struct OperatorSql {
     pub(super) dead_letters: String,
     pub(super) retry_dead: String,
     pub(super) discard_dead: String,
+    pub(super) which_dead: String,
     pub(super) cleanup: String,
 }
 
@@ -136,6 +138,8 @@ impl OperatorSql {
             discard_dead: format!(
                 "DELETE FROM {t} WHERE status = 'failed' AND ($2 OR id = ANY($1)) RETURNING id"
             ),
+            // $1 ids.
+            which_dead: format!("SELECT id FROM {t} WHERE status = 'failed' AND id = ANY($1)"),
             // $1 retention (ms), $2 batch size. Short statements: no long locks on the table.
             // Expired rows are kept as long after their deadline as sent rows after sending.
             cleanup: format!(
@@ -221,6 +225,15 @@ impl Store {
     /// Deletes dead letters; returns the ids removed.
     pub async fn discard_dead_letters(&self, sel: &Selection) -> Result<Vec<Uuid>> {
         self.apply_dead(&self.q.operator.discard_dead, sel).await
+    }
+
+    /// Which of `ids` are dead letters in this table (for commands spanning several outboxes).
+    pub async fn which_dead_letters(&self, ids: &[Uuid]) -> Result<Vec<Uuid>> {
+        let client = self.client().await?;
+        let rows = client.query(&self.q.operator.which_dead, &[&ids]).await?;
+        rows.iter()
+            .map(|r| r.try_get(0).map_err(StoreError::from))
+            .collect()
     }
 
     /// Deletes up to `batch` `sent` rows older than `retention`; returns how many.
