@@ -136,7 +136,7 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
         &key,
         json!({
             "rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "peak_rss_mib": rss_mib,
-            "queue_surplus": duplicates, "cpu": usage, "extra_env": ctx.extra_env,
+            "queue_surplus": duplicates, "cpu": usage, "extra_env": crate::masked_env(&ctx.extra_env),
             "relay_metrics": metrics,
         }),
     );

@@ -9,6 +9,7 @@ mod drain;
 mod insert;
 mod latency;
 mod naive;
+mod steady;
 
 pub use broker::broker_ceiling;
 pub use claim::claim;
@@ -17,6 +18,7 @@ pub use drain::relay_runs;
 pub use insert::insert_cost;
 pub use latency::latency;
 pub use naive::naive;
+pub use steady::{SteadyArgs, steady};
 
 use std::time::Duration;
 
