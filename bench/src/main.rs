@@ -16,11 +16,17 @@
 //! 6. peak RSS of the relay processes of 4 and 5.
 //! 7. `claim`: EXPLAIN (ANALYZE, BUFFERS) of the claim on 10k and 5M-row (99 % sent) tables.
 //! 8. `insert`: what the table's NOTIFY trigger costs the application's one-row inserts.
+//! 9. `steady` (only when named in `--only`): application writers for minutes beside the relay
+//!    (defaults to RabbitMQ and Kafka, poll only to RabbitMQ) and with no relay: commits/s,
+//!    commit and commit → consume latency, lag, table size, dead tuples and claim time over time.
+//! 10. `outboxes`: one busy outbox drained alone and beside 19 idle ones; a 20-outbox relay's
+//!     idle CPU and peak RSS.
 //!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
 //! One file per phase under `phases/`; the relay process, topics and tables come from
 //! `outbox-testkit`, shared with the integration tests. See `bench/README.md`.
 
+mod flow;
 mod phases;
 mod plans;
 mod util;
@@ -48,7 +54,8 @@ struct Args {
     /// Short run: 10,000 rows, naive loop 2,000 rows, latency 200/s for 5 s, no claim phase.
     #[arg(long)]
     quick: bool,
-    /// Only these phases (comma-separated): db, broker, naive, relay, latency, insert, claim.
+    /// Only these phases (comma-separated): db, broker, naive, relay, latency, insert, claim,
+    /// outboxes, steady (steady runs only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<Phase>,
     /// Print only the JSON line on stdout (plans and table go nowhere; progress still on stderr).
@@ -113,6 +120,8 @@ struct Args {
     /// (scraped just before SIGTERM) in the JSON details.
     #[arg(long)]
     metrics: bool,
+    #[command(flatten)]
+    steady: phases::SteadyArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -131,8 +140,10 @@ enum Phase {
     Insert,
     /// 7. Claim cost.
     Claim,
-    /// 9. One busy outbox among idle ones; the idle cost of 20 outboxes.
+    /// 10. One busy outbox among idle ones; the idle cost of 20 outboxes.
     Outboxes,
+    /// 9. Steady state beside a live application (not part of the default run).
+    Steady,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -186,6 +197,8 @@ struct Report {
     notes: Vec<String>,
     errors: Vec<String>,
     plans: Vec<(String, String)>,
+    /// Preformatted blocks (a phase's own table), printed after the plans.
+    sections: Vec<(String, String)>,
 }
 
 impl Report {
@@ -215,6 +228,10 @@ impl Report {
 
     fn plan(&mut self, title: &str, plan: &str) {
         self.plans.push((title.to_owned(), plan.to_owned()));
+    }
+
+    fn section(&mut self, title: &str, text: &str) {
+        self.sections.push((title.to_owned(), text.to_owned()));
     }
 
     fn get(&self, key: &str) -> Option<f64> {
@@ -464,10 +481,7 @@ impl Ctx {
         if !self.args.metrics {
             return Ok(None);
         }
-        let port = outbox_testkit::try_free_port()?;
-        env.retain(|(k, _)| k != "RELAY_METRICS__LISTEN");
-        env.push(("RELAY_METRICS__LISTEN".into(), format!("127.0.0.1:{port}")));
-        Ok(Some(port))
+        with_metrics_port(env).map(Some)
     }
 
     /// Removes everything created so far (unless `--keep`).
@@ -506,6 +520,33 @@ impl Ctx {
             }
         }
     }
+}
+
+/// A free port for the relay's metrics server, set in `env`.
+fn with_metrics_port(env: &mut Vec<(String, String)>) -> Result<u16> {
+    let port = outbox_testkit::try_free_port()?;
+    env.retain(|(k, _)| k != "RELAY_METRICS__LISTEN");
+    env.push(("RELAY_METRICS__LISTEN".into(), format!("127.0.0.1:{port}")));
+    Ok(port)
+}
+
+/// `env` as the bench may echo it (progress, JSON): the value of every variable whose name
+/// contains KEY, PASSWORD, SECRET or TOKEN (e.g. `RELAY_SIGNING__KEY`) masked.
+fn masked_env(env: &[(String, String)]) -> Vec<(String, String)> {
+    env.iter()
+        .map(|(k, v)| {
+            let upper = k.to_ascii_uppercase();
+            let secret = ["KEY", "PASSWORD", "SECRET", "TOKEN"]
+                .iter()
+                .any(|w| upper.contains(w));
+            let v = if secret {
+                "<masked>".to_owned()
+            } else {
+                v.clone()
+            };
+            (k.clone(), v)
+        })
+        .collect()
 }
 
 fn main() -> ExitCode {
@@ -611,9 +652,9 @@ async fn setup(args: Args) -> Result<Ctx> {
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let relay_bin = outbox_testkit::relay_bin();
     let needs_relay = args.only.is_empty()
-        || args.only.contains(&Phase::Relay)
-        || args.only.contains(&Phase::Latency)
-        || args.only.contains(&Phase::Outboxes);
+        || [Phase::Relay, Phase::Latency, Phase::Outboxes, Phase::Steady]
+            .iter()
+            .any(|p| args.only.contains(p));
     if needs_relay && !relay_bin.is_file() {
         bail!(
             "{} not found: build both binaries with `cargo build --release --workspace`",
@@ -643,7 +684,7 @@ async fn setup(args: Args) -> Result<Ctx> {
 async fn run(ctx: &mut Ctx) {
     let selected = |p: Phase| {
         if ctx.args.only.is_empty() {
-            !(p == Phase::Claim && ctx.args.quick)
+            !(p == Phase::Claim && ctx.args.quick) && p != Phase::Steady
         } else {
             ctx.args.only.contains(&p)
         }
@@ -657,6 +698,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Insert,
         Phase::Claim,
         Phase::Outboxes,
+        Phase::Steady,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -672,7 +714,7 @@ async fn run(ctx: &mut Ctx) {
         if ctx.extra_env.is_empty() {
             String::new()
         } else {
-            format!(", relay env {:?}", ctx.extra_env)
+            format!(", relay env {:?}", masked_env(&ctx.extra_env))
         }
     ));
     for phase in plan {
@@ -691,6 +733,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Insert => phases::insert_cost(ctx).await,
                     Phase::Claim => phases::claim(ctx).await,
                     Phase::Outboxes => phases::outboxes(ctx).await,
+                    Phase::Steady => phases::steady(ctx).await,
                 },
             )
             .await;
@@ -805,6 +848,9 @@ fn finish(ctx: &mut Ctx) {
     let mut text = String::new();
     for (title, plan) in &report.plans {
         text.push_str(&format!("--- plan: {title}\n{plan}\n\n"));
+    }
+    for (title, block) in &report.sections {
+        text.push_str(&format!("--- {title}\n{block}\n"));
     }
     let w = report
         .figures

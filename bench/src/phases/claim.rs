@@ -18,15 +18,15 @@ use crate::util::{
 /// sessions load `auto_explain` (analyze + buffers, reported to the client as a NOTICE that
 /// [`crate::plans`] captures), then `Store::mark_sent` as the relay does after publishing, so
 /// consecutive claims walk the table like a draining relay. No SQL is copied from the library.
-struct ClaimRun {
+pub(super) struct ClaimRun {
     wall_ms: f64,
     exec_ms: f64,
     pages: u64,
     rows: usize,
-    plan: String,
+    pub(super) plan: String,
 }
 
-fn explain_url(url: &str) -> String {
+pub(super) fn explain_url(url: &str) -> String {
     let options = "-c session_preload_libraries=auto_explain -c auto_explain.log_min_duration=0 \
                    -c auto_explain.log_analyze=on -c auto_explain.log_buffers=on \
                    -c auto_explain.log_level=notice -c client_min_messages=notice";
@@ -35,7 +35,11 @@ fn explain_url(url: &str) -> String {
     format!("{url}{sep}options={encoded}")
 }
 
-async fn measure_claims(store: &Store, ordering: Ordering, runs: usize) -> Result<Vec<ClaimRun>> {
+pub(super) async fn measure_claims(
+    store: &Store,
+    ordering: Ordering,
+    runs: usize,
+) -> Result<Vec<ClaimRun>> {
     let mut out = Vec::new();
     for _ in 0..runs {
         crate::plans::take();
@@ -90,17 +94,17 @@ fn plan_body(plan: &str) -> String {
         .join("\n")
 }
 
-fn query_text(plan: &str) -> Option<String> {
+pub(super) fn query_text(plan: &str) -> Option<String> {
     plan.lines()
         .find_map(|l| l.strip_prefix("Query Text:"))
         .map(|q| q.trim().to_owned())
 }
 
-struct Explained {
-    times_ms: Vec<f64>,
+pub(super) struct Explained {
+    pub(super) times_ms: Vec<f64>,
     /// Shared buffers hit + read by the whole statement (the root node), per run: unlike the
     /// time, this does not depend on what else the machine is doing.
-    pages: Vec<u64>,
+    pub(super) pages: Vec<u64>,
     plan: String,
 }
 
@@ -121,7 +125,7 @@ fn root_pages(lines: &[String]) -> Option<u64> {
 }
 
 /// Runs `EXPLAIN (ANALYZE, BUFFERS) <stmt>` `runs` times, each in a transaction rolled back.
-async fn explain(pg: &Client, stmt: &str, runs: usize) -> Result<Explained> {
+pub(super) async fn explain(pg: &Client, stmt: &str, runs: usize) -> Result<Explained> {
     let mut times_ms = Vec::new();
     let mut pages = Vec::new();
     let mut plan = String::new();

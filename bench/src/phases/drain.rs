@@ -1,13 +1,13 @@
 //! The relay process draining a backlog: ordering none/aggregate × RabbitMQ/Kafka.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use serde_json::json;
 
 use super::{cpu_per_100k, cpu_text, rate, scrape};
 use crate::Ctx;
-use crate::util::{CpuSample, Relay, fill, verify_sent, wait_drained};
+use crate::util::{CpuSample, Relay, fill, wait_drained};
 
 /// `ordering` none/aggregate × RabbitMQ/Kafka, each on a fresh table of N rows.
 pub async fn relay_runs(ctx: &mut Ctx) -> Result<()> {
@@ -76,17 +76,7 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
     let usage = cpu.usage();
     let rss = relay.peak_rss_kib();
     let metrics = scrape(metrics_port).await;
-    let stopped = relay.stop(Duration::from_secs(45)).await;
-    ctx.check(sentinel).await?;
-    waited?;
-    let status = stopped?;
-    if !status.success() {
-        bail!(
-            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
-            relay.tail(20)
-        );
-    }
-    verify_sent(&ctx.pg, &table, ctx.rows).await?;
+    super::stop_drained(ctx, &mut relay, sentinel, waited, &table).await?;
     let mut duplicates = serde_json::Value::Null;
     if let Some(q) = &queue {
         let queued = ctx.rabbit().await?.queue_len(q).await? as usize;
@@ -136,7 +126,7 @@ async fn relay_run(ctx: &mut Ctx, broker: &str, ordering: &str) -> Result<()> {
         &key,
         json!({
             "rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "peak_rss_mib": rss_mib,
-            "queue_surplus": duplicates, "cpu": usage, "extra_env": ctx.extra_env,
+            "queue_surplus": duplicates, "cpu": usage, "extra_env": crate::masked_env(&ctx.extra_env),
             "relay_metrics": metrics,
         }),
     );

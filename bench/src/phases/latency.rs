@@ -1,20 +1,16 @@
 //! Commit → consumer receive at a steady insert rate, with and without NOTIFY.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context as _, Result, bail};
-use futures::StreamExt;
-use lapin::options::BasicConsumeOptions;
-use lapin::types::FieldTable;
-use lapin::{Connection, ConnectionProperties};
+use anyhow::{Result, bail};
 use serde_json::json;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
 use super::{cpu_text, scrape};
 use crate::Ctx;
+use crate::flow::{Consumer, Flow};
 use crate::util::{CpuSample, Relay, payload, percentile, pg_connect};
 
 /// Commit → consumer receive, RabbitMQ, ordering aggregate, with and without NOTIFY.
@@ -33,12 +29,6 @@ pub async fn latency(ctx: &mut Ctx) -> Result<()> {
     super::all_ok(errors)
 }
 
-type Receipts = Arc<Mutex<HashMap<String, Instant>>>;
-
-fn receipts_has(r: &Receipts, id: &str) -> bool {
-    r.lock().unwrap_or_else(|p| p.into_inner()).contains_key(id)
-}
-
 async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     let tag = if notify { "lat_notify" } else { "lat_poll" };
     let key = if notify {
@@ -51,37 +41,9 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     const AGGREGATES: u64 = 100;
     let sentinel = ctx.sentinel().await;
 
-    // The consumer: records the first receipt of each message id.
-    let conn = Connection::connect(&ctx.args.amqp_url, ConnectionProperties::default())
-        .await
-        .context("cannot connect to RabbitMQ")?;
-    let ch = conn.create_channel().await?;
-    let mut consumer = ch
-        .basic_consume(
-            name.as_str().into(),
-            "outbox-bench".into(),
-            BasicConsumeOptions {
-                no_ack: true,
-                ..BasicConsumeOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await?;
-    let receipts: Receipts = Arc::default();
-    let sink = Arc::clone(&receipts);
-    let mut consumer_task = tokio::task::JoinSet::new();
-    consumer_task.spawn(async move {
-        while let Some(delivery) = consumer.next().await {
-            let Ok(d) = delivery else { break };
-            let at = Instant::now();
-            if let Some(id) = d.properties.message_id() {
-                sink.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .entry(id.as_str().to_owned())
-                    .or_insert(at);
-            }
-        }
-    });
+    // The consumer: pairs each message with its row's commit.
+    let flow = Flow::new();
+    let consumer = Consumer::rabbitmq(&ctx.args.amqp_url, &name, Arc::clone(&flow)).await?;
 
     let mut env = ctx.relay_env(&table);
     env.push(("RELAY_RELAY__ORDERING".into(), "aggregate".into()));
@@ -104,17 +66,7 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         .query_one(&insert_sql, &[&"warmup", &payload(0, AGGREGATES)])
         .await?
         .try_get(0)?;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !receipts_has(&receipts, &id.to_string()) {
-        relay.check_alive()?;
-        if Instant::now() > deadline {
-            bail!(
-                "the warm-up message did not arrive within 30 s; relay log:\n{}",
-                relay.tail(20)
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    flow.warm_up(&[id], &mut relay).await?;
 
     let rate_per_s = ctx.lat_rate.max(1);
     let total = (u64::from(rate_per_s) * ctx.lat_secs).max(1);
@@ -134,10 +86,15 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     for (k, client) in clients.into_iter().enumerate() {
         let sql = insert_sql.clone();
         tasks.spawn(insert_worker(
-            client, sql, k as u64, workers, total, start, period, AGGREGATES,
+            client,
+            sql,
+            (k as u64, workers, total),
+            (start, period),
+            AGGREGATES,
+            Arc::clone(&flow),
         ));
     }
-    let mut commits: Vec<(Uuid, Instant, Duration)> = Vec::with_capacity(total as usize);
+    let mut commits: Vec<(Instant, Duration)> = Vec::with_capacity(total as usize);
     let mut worker_errors = Vec::new();
     let mut done_workers = 0;
     while done_workers < workers {
@@ -162,30 +119,20 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     }
     let insert_window = commits
         .iter()
-        .map(|(_, at, _)| *at)
+        .map(|(at, _)| *at)
         .max()
         .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()));
-    let max_sched_lag = commits.iter().map(|c| c.2).max().unwrap_or_default();
+    let max_sched_lag = commits.iter().map(|c| c.1).max().unwrap_or_default();
 
     // Wait for every message (30 s after the last commit at most).
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let ids: Vec<String> = commits.iter().map(|(id, _, _)| id.to_string()).collect();
-    loop {
-        let missing = {
-            let r = receipts.lock().unwrap_or_else(|p| p.into_inner());
-            ids.iter().filter(|id| !r.contains_key(*id)).count()
-        };
-        if missing == 0 || Instant::now() > deadline {
-            if missing > 0 {
-                ctx.report.note(format!(
-                    "{key}: {missing} of {} messages not received within 30 s",
-                    ids.len()
-                ));
-            }
-            break;
-        }
-        relay.check_alive()?;
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    let missing = flow
+        .wait_delivered(Duration::from_secs(30), || relay.check_alive())
+        .await?;
+    if missing > 0 {
+        ctx.report.note(format!(
+            "{key}: {missing} of {} messages not received within 30 s",
+            commits.len()
+        ));
     }
     let usage = cpu.usage();
     let rss = relay.peak_rss_kib();
@@ -198,22 +145,16 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
             relay.tail(20)
         );
     }
-    consumer_task.abort_all();
-    let _ = conn.close(200, "done".into()).await;
+    consumer.stop().await;
     if let Some(k) = rss {
         ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
     }
 
-    let mut lat: Vec<f64> = {
-        let r = receipts.lock().unwrap_or_else(|p| p.into_inner());
-        commits
-            .iter()
-            .filter_map(|(id, at, _)| {
-                r.get(&id.to_string())
-                    .map(|recv| recv.saturating_duration_since(*at).as_secs_f64() * 1000.0)
-            })
-            .collect()
-    };
+    let mut lat: Vec<f64> = flow
+        .take_delivered()
+        .iter()
+        .map(|d| f64::from(d.latency_ms))
+        .collect();
     lat.sort_by(f64::total_cmp);
     if lat.is_empty() {
         bail!("no message received");
@@ -266,18 +207,16 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
 }
 
 /// Inserts rows `k, k+workers, …` below `total`, each at `start + i·period`, one row per
-/// transaction; returns (id, commit instant, how late the insert started).
-#[allow(clippy::too_many_arguments)]
+/// transaction, reporting each commit to `flow`; returns (commit instant, how late the insert
+/// started) of each.
 async fn insert_worker(
     client: Client,
     sql: String,
-    k: u64,
-    workers: u64,
-    total: u64,
-    start: tokio::time::Instant,
-    period: Duration,
+    (k, workers, total): (u64, u64, u64),
+    (start, period): (tokio::time::Instant, Duration),
     aggregates: u64,
-) -> Result<Vec<(Uuid, Instant, Duration)>> {
+    flow: Arc<Flow>,
+) -> Result<Vec<(Instant, Duration)>> {
     let stmt = client.prepare(&sql).await?;
     let mut out = Vec::with_capacity((total / workers.max(1) + 1) as usize);
     let mut i = k;
@@ -288,7 +227,9 @@ async fn insert_worker(
         let agg = crate::util::aggregate_id(i, aggregates);
         let body = payload(i + 1, aggregates);
         let id: Uuid = client.query_one(&stmt, &[&agg, &body]).await?.try_get(0)?;
-        out.push((id, Instant::now(), late));
+        let at = Instant::now();
+        flow.committed(&[id], at);
+        out.push((at, late));
         i += workers;
     }
     Ok(out)

@@ -10,6 +10,7 @@ mod insert;
 mod latency;
 mod naive;
 mod outboxes;
+mod steady;
 
 pub use broker::broker_ceiling;
 pub use claim::claim;
@@ -19,6 +20,7 @@ pub use insert::insert_cost;
 pub use latency::latency;
 pub use naive::naive;
 pub use outboxes::outboxes;
+pub use steady::{SteadyArgs, steady};
 
 use std::time::Duration;
 
@@ -26,6 +28,29 @@ use anyhow::{Result, bail};
 use serde_json::json;
 
 use crate::util::CpuUsage;
+
+/// Stops a relay process that drained `table` and checks the run: the services survived it
+/// (`sentinel`), the drain finished (`waited`), the relay exited cleanly on SIGTERM, and every
+/// row is sent.
+async fn stop_drained(
+    ctx: &mut crate::Ctx,
+    relay: &mut crate::util::Relay,
+    sentinel: crate::Sentinel,
+    waited: Result<()>,
+    table: &str,
+) -> Result<()> {
+    let stopped = relay.stop(Duration::from_secs(45)).await;
+    ctx.check(sentinel).await?;
+    waited?;
+    let status = stopped?;
+    if !status.success() {
+        bail!(
+            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+            relay.tail(20)
+        );
+    }
+    crate::util::verify_sent(&ctx.pg, table, ctx.rows).await
+}
 
 /// `Ok` when no case failed, else every case's error.
 fn all_ok(errors: Vec<String>) -> Result<()> {

@@ -4,12 +4,12 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use serde_json::json;
 
 use super::{cpu_text, rate};
 use crate::Ctx;
-use crate::util::{CpuSample, Relay, fill, verify_sent, wait_drained};
+use crate::util::{CpuSample, Relay, fill, wait_drained};
 
 /// Outboxes in the crowded case: one busy, the rest idle.
 const OUTBOXES: usize = 20;
@@ -31,7 +31,7 @@ pub async fn outboxes(ctx: &mut Ctx) -> Result<()> {
         crowded.idle_cores * 100.0,
         crowded.peak_rss_mib,
     ));
-    let phase = "9 several outboxes";
+    let phase = "10 several outboxes";
     ctx.report.figure(
         phase,
         "outboxes_busy_alone_msgs_per_s",
@@ -112,7 +112,10 @@ async fn drain(ctx: &mut Ctx, exchange: &str, n: usize) -> Result<Drained> {
     env.push(("RELAY_CONFIG".into(), path.to_string_lossy().into_owned()));
     env.push(("RELAY_RELAY__ORDERING".into(), "none".into()));
     env.push(("RELAY_PUBLISHER__KIND".into(), "rabbitmq".into()));
-    env.push(("RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(), exchange.into()));
+    env.push((
+        "RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(),
+        exchange.into(),
+    ));
     env.extend(ctx.extra_env.iter().cloned());
 
     let key = format!("outboxes_{n}");
@@ -128,17 +131,7 @@ async fn drain(ctx: &mut Ctx, exchange: &str, n: usize) -> Result<Drained> {
     tokio::time::sleep(IDLE_WATCH).await;
     let usage = cpu.usage();
     let peak_rss_mib = relay.peak_rss_kib().unwrap_or(0) as f64 / 1024.0;
-    let stopped = relay.stop(Duration::from_secs(45)).await;
-    ctx.check(sentinel).await?;
-    waited?;
-    let status = stopped?;
-    if !status.success() {
-        bail!(
-            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
-            relay.tail(20)
-        );
-    }
-    verify_sent(&ctx.pg, &busy, ctx.rows).await?;
+    super::stop_drained(ctx, &mut relay, sentinel, waited, &busy).await?;
     let idle_cores = usage.cores.get("relay").copied().unwrap_or(0.0);
     ctx.progress(format!(
         "outboxes: {n} outbox(es): {:.0} msgs/s in {elapsed:.2?}; idle {}",
