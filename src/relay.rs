@@ -597,6 +597,7 @@ impl<'a> Dispatch<'a> {
         if found {
             // Idle polls are not claims: recording them would bury the batch sizes in zeros.
             relay.metrics.claimed(rows.len());
+            relay.lane.found_work();
             let mut permit = permit;
             if !full {
                 // Give back the part of the window the claim did not use.

@@ -3,15 +3,20 @@
 //!
 //! Every outbox's claim loop takes its permits from one [`Window`] through its own [`Lane`].
 //! An outbox alone may use the whole window, so one busy outbox among idle ones drains as
-//! fast as it would alone. As soon as another outbox asks for room, each outbox that holds or
-//! wants permits is capped at an equal share, and the permits that come back go first to the
-//! lane holding the fewest: a burst in one outbox never makes another wait for more than the
-//! messages already in flight.
+//! fast as it would alone (idle outboxes polling do not count). As soon as another outbox asks
+//! for room, has messages in flight or found rows in the last second, each such outbox is capped
+//! at an equal share, and the permits that come back go first to the lane holding the fewest: a
+//! burst in one outbox neither takes the permits another needs nor keeps the broker's queue full
+//! ahead of its messages.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
+
+/// How long a lane that found rows counts as active.
+const RECENT: Duration = Duration::from_secs(1);
 
 /// The shared window; cheap to clone.
 #[derive(Debug, Clone)]
@@ -29,6 +34,8 @@ struct Shared {
 struct State {
     available: usize,
     held: Vec<usize>,
+    /// When each lane last found rows to publish ([`Lane::found_work`]).
+    busy_at: Vec<Option<Instant>>,
     queue: VecDeque<Waiter>,
 }
 
@@ -51,6 +58,7 @@ impl Window {
                 state: Mutex::new(State {
                     available: total.max(1),
                     held: Vec::new(),
+                    busy_at: Vec::new(),
                     queue: VecDeque::new(),
                 }),
             }),
@@ -66,6 +74,7 @@ impl Window {
     pub fn lane(&self) -> Lane {
         let mut state = self.shared.lock();
         state.held.push(0);
+        state.busy_at.push(None);
         Lane {
             shared: Arc::clone(&self.shared),
             index: state.held.len() - 1,
@@ -80,16 +89,19 @@ impl Shared {
 }
 
 impl State {
-    /// Lanes holding or waiting for permits.
-    fn active(&self) -> usize {
-        let mut active = vec![false; self.held.len()];
-        for (i, &h) in self.held.iter().enumerate() {
-            active[i] = h > 0;
-        }
+    /// Which lanes are active: holding or waiting for permits, or publishing lately.
+    fn active(&self) -> Vec<bool> {
+        let now = Instant::now();
+        let mut active: Vec<bool> = self
+            .held
+            .iter()
+            .zip(&self.busy_at)
+            .map(|(&h, b)| h > 0 || b.is_some_and(|t| now.duration_since(t) < RECENT))
+            .collect();
         for w in &self.queue {
             active[w.lane] = true;
         }
-        active.iter().filter(|a| **a).count().max(1)
+        active
     }
 
     /// Grants queued requests, fewest-held lane first, while permits are available.
@@ -103,12 +115,15 @@ impl State {
                 let w = &self.queue[pos];
                 (w.lane, w.min, w.max, w.exclusive)
             };
-            // The fair share binds only while another lane is asking too.
-            let contended = self.queue.iter().any(|w| w.lane != lane);
-            let cap = if exclusive || !contended {
+            // The fair share binds only while another lane is asking too, or has been
+            // publishing lately: then each active lane keeps at most an equal share in flight,
+            // so that a burst does not fill the broker's queue ahead of the others' messages.
+            let active = self.active();
+            let others = active.iter().enumerate().any(|(i, a)| *a && i != lane);
+            let cap = if exclusive || !others {
                 total
             } else {
-                (total / self.active()).max(1)
+                (total / active.iter().filter(|a| **a).count().max(1)).max(1)
             };
             // The whole window means nothing in flight anywhere, this lane's own batches
             // included.
@@ -185,6 +200,12 @@ impl Lane {
             lane: self.index,
             n,
         })
+    }
+
+    /// This lane's claim found rows: for [`RECENT`] it counts as active, and the other lanes
+    /// are held to their fair share.
+    pub fn found_work(&self) {
+        self.shared.lock().busy_at[self.index] = Some(Instant::now());
     }
 
     /// Permits this lane holds now.
@@ -290,9 +311,12 @@ mod tests {
         let q = soon(&mut quiet1).await.flatten().unwrap();
         assert_eq!(q.num_permits(), 2);
         assert_eq!(busy.held(), 8);
-        // Nobody else asks now: the busy lane takes what comes back.
+        // The quiet lane still has 2 in flight: the busy one stays at its share (5 of 10).
         drop(all.split(3));
-        assert_eq!(soon(&mut busy2).await.flatten().unwrap().num_permits(), 3);
+        assert!(soon(&mut busy2).await.is_none());
+        // Once the quiet lane is done, the busy one takes what comes back.
+        drop(q);
+        assert_eq!(soon(&mut busy2).await.flatten().unwrap().num_permits(), 5);
     }
 
     #[tokio::test]
@@ -310,9 +334,31 @@ mod tests {
         let qp = soon(&mut q).await.flatten().unwrap();
         assert_eq!(qp.num_permits(), 1);
         let bp = soon(&mut b).await.flatten().unwrap();
-        assert_eq!(bp.num_permits(), 5, "alone in the queue again: no cap");
+        assert_eq!(
+            bp.num_permits(),
+            1,
+            "4 held + 1 = its share of 5 while the quiet lane has one in flight"
+        );
         drop((qp, bp, held));
         assert_eq!(busy.held() + quiet.held(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_lane_that_published_lately_holds_the_busy_one_to_its_share() {
+        let w = Window::new(10);
+        let (busy, quiet) = (w.lane(), w.lane());
+        quiet.found_work();
+        let p = soon(busy.acquire(1, 10)).await.flatten().unwrap();
+        assert_eq!(
+            p.num_permits(),
+            5,
+            "an equal share while the quiet lane is active"
+        );
+        let alone = Window::new(10);
+        let only = alone.lane();
+        let _idle = alone.lane();
+        only.found_work();
+        assert_eq!(only.acquire(1, 10).await.unwrap().num_permits(), 10);
     }
 
     #[tokio::test]
