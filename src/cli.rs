@@ -55,19 +55,13 @@ impl Target<'_> {
 
 /// The selected outboxes with their stores (pools connect lazily: nothing is contacted here).
 fn targets<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<Target<'a>>> {
-    let mut pools: Vec<(&str, Store)> = Vec::new();
-    let mut out = Vec::new();
-    for outbox in select(config, only)? {
-        let store = match pools.iter().find(|(url, _)| *url == outbox.database.url) {
-            Some((_, pool)) => pool.for_table(&outbox.database.table),
-            None => {
-                let store = Store::new(&outbox.database, &config.relay.instance_id)?;
-                pools.push((&outbox.database.url, store.clone()));
-                store
-            }
-        };
-        out.push(Target { outbox, store });
-    }
+    let selected = select(config, only)?;
+    let stores = Store::for_outboxes(selected.iter().copied(), &config.relay.instance_id)?;
+    let out: Vec<Target<'a>> = selected
+        .into_iter()
+        .zip(stores)
+        .map(|(outbox, store)| Target { outbox, store })
+        .collect();
     Ok(out)
 }
 

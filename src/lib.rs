@@ -199,17 +199,9 @@ pub async fn run_with(
     };
     let window = window::Window::new(config.relay.max_in_flight);
     // One pool per database: outboxes in the same database share it.
-    let mut pools: Vec<(&str, Store)> = Vec::new();
+    let stores = Store::for_outboxes(&config.outboxes, &config.relay.instance_id)?;
     let mut outboxes = Vec::with_capacity(config.outboxes.len());
-    for o in &config.outboxes {
-        let store = match pools.iter().find(|(url, _)| *url == o.database.url) {
-            Some((_, pool)) => pool.for_table(&o.database.table),
-            None => {
-                let store = Store::new(&o.database, &config.relay.instance_id)?;
-                pools.push((&o.database.url, store.clone()));
-                store
-            }
-        };
+    for (o, store) in config.outboxes.iter().zip(stores) {
         outboxes.push(Outbox {
             config: o.clone(),
             store,

@@ -56,6 +56,27 @@ impl Store {
         Ok(Self::with_pool(pool, &cfg.table, instance_id))
     }
 
+    /// One store per outbox, in order; outboxes in the same database share one pool.
+    pub fn for_outboxes<'a>(
+        outboxes: impl IntoIterator<Item = &'a crate::config::OutboxConfig>,
+        instance_id: &str,
+    ) -> Result<Vec<Self>> {
+        let mut pools: Vec<(&str, Store)> = Vec::new();
+        let mut out = Vec::new();
+        for o in outboxes {
+            let store = match pools.iter().find(|(url, _)| *url == o.database.url) {
+                Some((_, pool)) => pool.for_table(&o.database.table),
+                None => {
+                    let store = Self::new(&o.database, instance_id)?;
+                    pools.push((&o.database.url, store.clone()));
+                    store
+                }
+            };
+            out.push(store);
+        }
+        Ok(out)
+    }
+
     /// Another table in the same database, sharing this store's pool (several outboxes in
     /// one database use one pool).
     pub fn for_table(&self, table: &TableName) -> Self {
