@@ -11,7 +11,9 @@
 //!   the transports.
 //! - [`relay`]: the claim loop — claim → publish → settle; knows no SQL and no broker. One
 //!   round is a sequence of named steps (reconnect, window, watermark, suspect, claim, wait).
-//! - [`outbox`]: one outbox table's claim loop and background tasks, started together.
+//! - [`outbox`]: one outbox: its table's start-up, claim loop and background tasks; a relay
+//!   runs one per `[[outboxes]]` entry (or one for `database.table`).
+//! - [`window`]: the in-flight window the outboxes share fairly.
 //! - [`tasks`]: background services beside the loop, one file each: [`tasks::listen`] (NOTIFY
 //!   wake-up), [`tasks::lease`] (renew + reclaim), [`tasks::backlog`] (gauges),
 //!   [`tasks::cleanup`] (retention), [`tasks::vacuum`]; on one named-task tracker.
@@ -25,12 +27,14 @@
 //! - [`retry`]: the backoff policy of rejected messages (pure).
 //! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
 //! - [`template`]: routing-key / topic templates.
-//! - [`telemetry`]: metric names, `record_*` functions, the `/metrics` + health server.
+//! - [`telemetry`]: metric names, each outbox's labelled metrics ([`telemetry::OutboxMetrics`]),
+//!   the `/metrics` + health server.
 //! - [`redact`]: masking passwords before anything is logged.
 //! - [`tail`]: the development consumer behind `outbox-relay tail`.
 //!
-//! Start-up ([`run`]) is here: the metrics server, the schema (migrating when configured,
-//! waiting out database outages), the publisher, then one [`outbox::Outbox`].
+//! Start-up ([`run`]) is here: the metrics server, the shared publisher, one pool per database,
+//! then one [`outbox::Outbox`] per configured outbox, each preparing its own table (migrating
+//! when configured, waiting out its database's outages).
 //!
 //! Around this crate (a Cargo workspace): the binary in `src/main.rs` + `src/cli.rs`, the
 //! integration tests in `tests/`, the shared test kit in `testkit/` (`outbox-testkit`: the binary
