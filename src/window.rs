@@ -202,7 +202,7 @@ impl Lane {
         })
     }
 
-    /// This lane's claim found rows: for [`RECENT`] it counts as active, and the other lanes
+    /// This lane's claim found rows: for a second (`RECENT`) it counts as active, and the other lanes
     /// are held to their fair share.
     pub fn found_work(&self) {
         self.shared.lock().busy_at[self.index] = Some(Instant::now());
