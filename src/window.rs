@@ -3,11 +3,12 @@
 //!
 //! Every outbox's claim loop takes its permits from one [`Window`] through its own [`Lane`].
 //! An outbox alone may use the whole window, so one busy outbox among idle ones drains as
-//! fast as it would alone (idle outboxes polling do not count). As soon as another outbox asks
-//! for room, has messages in flight or found rows in the last second, each such outbox is capped
-//! at an equal share, and the permits that come back go first to the lane holding the fewest: a
-//! burst in one outbox neither takes the permits another needs nor keeps the broker's queue full
-//! ahead of its messages.
+//! fast as it would alone: an idle outbox's poll holds a few permits for the length of its
+//! claim, but does not make it count. As soon as another outbox found rows in the last second,
+//! each such outbox is capped at an equal share, and the permits that come back go first to the
+//! lane holding the fewest (a quiet outbox's poll waits behind no burst): a burst in one outbox
+//! neither takes the permits another needs nor keeps the broker's queue full ahead of its
+//! messages.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,6 +28,8 @@ pub struct Window {
 #[derive(Debug)]
 struct Shared {
     total: usize,
+    /// How long a lane that found rows counts as active ([`RECENT`]).
+    recent: Duration,
     state: Mutex<State>,
 }
 
@@ -52,9 +55,14 @@ struct Waiter {
 impl Window {
     /// A window of `total` permits (at least 1).
     pub fn new(total: usize) -> Self {
+        Self::with_recent(total, RECENT)
+    }
+
+    fn with_recent(total: usize, recent: Duration) -> Self {
         Self {
             shared: Arc::new(Shared {
                 total: total.max(1),
+                recent,
                 state: Mutex::new(State {
                     available: total.max(1),
                     held: Vec::new(),
@@ -89,23 +97,19 @@ impl Shared {
 }
 
 impl State {
-    /// Which lanes are active: holding or waiting for permits, or publishing lately.
-    fn active(&self) -> Vec<bool> {
+    /// Which lanes are active: those whose claims found rows lately. Holding or asking for
+    /// permits is not enough: every idle outbox's poll does both for the length of an empty
+    /// claim, and counting those would keep halving a busy outbox's share for nothing.
+    fn active(&self, recent: Duration) -> Vec<bool> {
         let now = Instant::now();
-        let mut active: Vec<bool> = self
-            .held
+        self.busy_at
             .iter()
-            .zip(&self.busy_at)
-            .map(|(&h, b)| h > 0 || b.is_some_and(|t| now.duration_since(t) < RECENT))
-            .collect();
-        for w in &self.queue {
-            active[w.lane] = true;
-        }
-        active
+            .map(|b| b.is_some_and(|t| now.duration_since(t) < recent))
+            .collect()
     }
 
     /// Grants queued requests, fewest-held lane first, while permits are available.
-    fn dispatch(&mut self, total: usize) {
+    fn dispatch(&mut self, total: usize, recent: Duration) {
         while !self.queue.is_empty() && self.available > 0 {
             let Some(pos) = (0..self.queue.len()).min_by_key(|&i| self.held[self.queue[i].lane])
             else {
@@ -115,15 +119,19 @@ impl State {
                 let w = &self.queue[pos];
                 (w.lane, w.min, w.max, w.exclusive)
             };
-            // The fair share binds only while another lane is asking too, or has been
-            // publishing lately: then each active lane keeps at most an equal share in flight,
-            // so that a burst does not fill the broker's queue ahead of the others' messages.
-            let active = self.active();
-            let others = active.iter().enumerate().any(|(i, a)| *a && i != lane);
-            let cap = if exclusive || !others {
+            // The fair share binds only while another lane has been publishing lately: then
+            // each active lane, and this one, keeps at most an equal share in flight, so that a
+            // burst does not fill the broker's queue ahead of the others' messages.
+            let active = self.active(recent);
+            let others = active
+                .iter()
+                .enumerate()
+                .filter(|&(i, a)| *a && i != lane)
+                .count();
+            let cap = if exclusive || others == 0 {
                 total
             } else {
-                (total / active.iter().filter(|a| **a).count().max(1)).max(1)
+                (total / (others + 1)).max(1)
             };
             // The whole window means nothing in flight anywhere, this lane's own batches
             // included.
@@ -184,7 +192,7 @@ impl Lane {
                 exclusive,
                 tx,
             });
-            state.dispatch(self.shared.total);
+            state.dispatch(self.shared.total, self.shared.recent);
         }
         // Dropping this future drops `rx`: a later grant then fails to send and is not taken;
         // the queue entry is removed below so that it does not hold permits back meanwhile.
@@ -230,7 +238,7 @@ impl Drop for Cancel<'_> {
         state
             .queue
             .retain(|w| !(w.lane == self.lane && w.tx.is_closed()));
-        state.dispatch(self.shared.total);
+        state.dispatch(self.shared.total, self.shared.recent);
     }
 }
 
@@ -270,7 +278,7 @@ impl Drop for Permit {
         let mut state = self.shared.lock();
         state.available += self.n;
         state.held[self.lane] -= self.n;
-        state.dispatch(self.shared.total);
+        state.dispatch(self.shared.total, self.shared.recent);
     }
 }
 
@@ -298,9 +306,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_waiting_lane_gets_the_next_permits_and_caps_the_busy_one() {
-        let w = Window::new(10);
+        let recent = Duration::from_millis(300);
+        let w = Window::with_recent(10, recent);
         let (busy, quiet) = (w.lane(), w.lane());
         let mut all = busy.acquire(1, 10).await.unwrap();
+        busy.found_work();
         // The busy lane asks again first, then the quiet one.
         let mut busy2 = Box::pin(busy.acquire(1, 10));
         assert!(soon(&mut busy2).await.is_none());
@@ -311,12 +321,41 @@ mod tests {
         let q = soon(&mut quiet1).await.flatten().unwrap();
         assert_eq!(q.num_permits(), 2);
         assert_eq!(busy.held(), 8);
-        // The quiet lane still has 2 in flight: the busy one stays at its share (5 of 10).
+        // The quiet lane's claim found rows: the busy one stays at its share (5 of 10).
+        quiet.found_work();
         drop(all.split(3));
         assert!(soon(&mut busy2).await.is_none());
-        // Once the quiet lane is done, the busy one takes what comes back.
         drop(q);
-        assert_eq!(soon(&mut busy2).await.flatten().unwrap().num_permits(), 5);
+        assert!(
+            soon(&mut busy2).await.is_none(),
+            "the quiet lane published lately"
+        );
+        // A while later the quiet lane no longer counts: the busy one takes what comes back.
+        tokio::time::sleep(recent).await;
+        drop(all.split(1));
+        assert_eq!(soon(&mut busy2).await.flatten().unwrap().num_permits(), 6);
+    }
+
+    #[tokio::test]
+    async fn an_idle_lanes_poll_does_not_cap_the_busy_one() {
+        let w = Window::new(10);
+        let (busy, idle) = (w.lane(), w.lane());
+        busy.found_work();
+        // An idle lane's poll holds permits for the length of its (empty) claim...
+        let poll = soon(idle.acquire(1, 3)).await.flatten().unwrap();
+        assert_eq!(poll.num_permits(), 3);
+        // ...and the busy lane may still fill the rest of the window.
+        let b = soon(busy.acquire(1, 10)).await.flatten().unwrap();
+        assert_eq!(b.num_permits(), 7);
+        drop(poll);
+        assert_eq!(
+            soon(busy.acquire(1, 10))
+                .await
+                .flatten()
+                .unwrap()
+                .num_permits(),
+            3
+        );
     }
 
     #[tokio::test]
@@ -324,6 +363,8 @@ mod tests {
         let w = Window::new(10);
         let (busy, quiet) = (w.lane(), w.lane());
         let mut held = busy.acquire(1, 10).await.unwrap();
+        busy.found_work();
+        quiet.found_work();
         let q = quiet.acquire(1, 1);
         let b = busy.acquire(1, 10);
         let (mut q, mut b) = (Box::pin(q), Box::pin(b));
@@ -337,7 +378,7 @@ mod tests {
         assert_eq!(
             bp.num_permits(),
             1,
-            "4 held + 1 = its share of 5 while the quiet lane has one in flight"
+            "4 held + 1 = its share of 5 while the quiet lane is active"
         );
         drop((qp, bp, held));
         assert_eq!(busy.held() + quiet.held(), 0);
