@@ -33,8 +33,23 @@ use crate::wakeup::{Idle, Waiter};
 use crate::watermark::Watermark;
 use crate::window::{Lane, Permit};
 
-/// How often to look for rows reclaimed from a dead relay when there were none last time.
-const SUSPECT_CHECK_PERIOD: Duration = Duration::from_secs(1);
+/// How often to look for rows reclaimed from a dead relay when there were none last time: a
+/// quarter of `relay.lease_timeout` (such a row waited that long already), between 1 and 5 s.
+/// An idle relay's polls are mostly these checks and empty claims; with many outboxes they add
+/// up.
+fn suspect_check_period(lease_timeout: Duration) -> Duration {
+    (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
+}
+
+/// How long after its last rows a relay with the wake-up keeps polling on a short, doubling
+/// delay before it publishes that it waits. A steady writer's next row comes within this, so
+/// the relay that keeps up with it is never marked waiting, and the application's commits pay
+/// no NOTIFY (each would take PostgreSQL's commit-wide notify lock).
+const LINGER: Duration = Duration::from_millis(500);
+/// The first delay between polls while lingering: a few commits at a moderate rate.
+const LINGER_FIRST_STEP: Duration = Duration::from_millis(2);
+/// The longest delay between polls while lingering.
+const LINGER_LAST_STEP: Duration = Duration::from_millis(50);
 
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
@@ -362,6 +377,9 @@ struct Dispatch<'a> {
     // Whether the broker was connected when last looked at: a drop from true is a lost
     // connection, counted once however many rows (none, when idle) were in flight.
     broker_up: bool,
+    // When a claim last found rows, and the next delay while lingering (see `LINGER`).
+    last_found: Option<Instant>,
+    linger_step: Duration,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -395,6 +413,8 @@ impl<'a> Dispatch<'a> {
             backlog: false,
             refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
             broker_up: false,
+            last_found: None,
+            linger_step: LINGER_FIRST_STEP,
         }
     }
 
@@ -516,7 +536,8 @@ impl<'a> Dispatch<'a> {
     /// A row reclaimed from a relay that died goes out alone: if it is what killed that relay,
     /// only its own attempts are spent. Waits until nothing else is in flight (takes the whole
     /// window), claims it, and keeps the window until it is settled, so no other row shares
-    /// its fate. Looked for on every round while there are some, otherwise once a second.
+    /// its fate. Looked for on every round while there are some, otherwise every
+    /// `suspect_check_period`.
     /// Gives `permit` back for the ordinary claim when there is no suspect; `None` when the
     /// round is over.
     async fn isolate_suspect(&mut self, mark: i64, permit: Permit) -> Step<Option<Permit>> {
@@ -525,7 +546,8 @@ impl<'a> Dispatch<'a> {
         }
         match self.relay.store.suspects_waiting(mark).await {
             Ok(false) => {
-                self.next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+                self.next_suspect_check =
+                    Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
                 return Ok(Some(permit));
             }
             Ok(true) => drop(permit),
@@ -544,7 +566,8 @@ impl<'a> Dispatch<'a> {
             Ok(None) => {
                 // Another relay took it meanwhile.
                 drop(window);
-                self.next_suspect_check = Instant::now() + SUSPECT_CHECK_PERIOD;
+                self.next_suspect_check =
+                    Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
             }
             Err(e) => {
                 drop(window);
@@ -598,6 +621,8 @@ impl<'a> Dispatch<'a> {
             // Idle polls are not claims: recording them would bury the batch sizes in zeros.
             relay.metrics.claimed(rows.len());
             relay.lane.found_work();
+            self.last_found = Some(Instant::now());
+            self.linger_step = LINGER_FIRST_STEP;
             let mut permit = permit;
             if !full {
                 // Give back the part of the window the claim did not use.
@@ -615,7 +640,7 @@ impl<'a> Dispatch<'a> {
 
     /// When nothing more is ready, waits for a NOTIFY, a finished batch, or the poll
     /// (jittered; short while the ordering guard holds rows back). An idle relay with a
-    /// waiter first publishes that it waits.
+    /// waiter first lingers (`LINGER`), then publishes that it waits.
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
         if claimed.full {
             return Ok(());
@@ -626,7 +651,13 @@ impl<'a> Dispatch<'a> {
         } else {
             poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
         };
+        let lingering = self.last_found.is_some_and(|t| t.elapsed() < LINGER);
         let poll = match self.waiter.as_mut() {
+            Some(_) if claimed.idle && lingering => {
+                let step = self.linger_step.min(poll);
+                self.linger_step = (step * 2).min(LINGER_LAST_STEP);
+                step
+            }
             // Also while the ordering guard holds rows back: the commit of the writer it
             // waits for must wake the relay.
             Some(w) if claimed.idle => match w.idle(poll).await {

@@ -1,5 +1,6 @@
 //! The wake-up of schema version 3, against the real binary, PostgreSQL and RabbitMQ: an idle
-//! relay is woken within milliseconds, a busy one costs the application no NOTIFY, a row that
+//! relay is woken within milliseconds, a busy one costs the application no NOTIFY, nor does
+//! one that keeps up with a steady writer (it lingers before it waits), a row that
 //! commits while the relay goes idle is not left for the poll, a relay that dies while waiting
 //! stops costing NOTIFYs, and a version-1 table is upgraded in place with rows pending and in
 //! flight.
@@ -118,9 +119,11 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() 
     // One row at a time into the idle relay: each commit notifies once and wakes it (the
     // latency target itself is measured alone in tests/latency.rs).
     let mut slowest = Duration::ZERO;
-    for i in 0..30 {
-        // Let the relay settle the previous row and go idle again.
-        tokio::time::sleep(Duration::from_millis(30)).await;
+    for i in 0..15 {
+        // Let the relay settle the previous row, linger (half a second after its last rows)
+        // and record that it waits again.
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        wait_for_waiter(&table, "wake-idle").await;
         let id = insert_rows(&db, &table.name, &[row(i)]).await[0].id;
         let committed = Instant::now();
         let got = rabbit.wait_for_delivery(id, Duration::from_secs(30)).await;
@@ -128,13 +131,13 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() 
     }
     let idle_notifies = counter.get();
     eprintln!(
-        "30 one-row transactions into an idle relay: {idle_notifies} NOTIFYs, slowest received {slowest:?} after commit"
+        "15 one-row transactions into an idle relay: {idle_notifies} NOTIFYs, slowest received {slowest:?} after commit"
     );
     assert!(
         slowest < Duration::from_secs(2),
         "a row waited {slowest:?}: the relay was not woken"
     );
-    assert!(idle_notifies >= 27, "only {idle_notifies} NOTIFYs");
+    assert!(idle_notifies >= 14, "only {idle_notifies} NOTIFYs");
 
     // Busy: a backlog keeps the relay claiming full batches while the application commits
     // one row per transaction; the relay has no waiting record, so they do not notify.
@@ -171,6 +174,45 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() 
         "{busy_notifies} NOTIFYs for {busy_commits} commits beside a busy relay"
     );
     table.wait_all_sent(Duration::from_secs(60)).await;
+    finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_keeping_up_with_a_steady_writer_lingers_and_costs_no_notify() {
+    let (table, rabbit) = table_and_exchange("wake_linger").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "wake-linger")
+        .set("relay.poll_interval", "10s")
+        .spawn();
+    wait_for_waiter(&table, "wake-linger").await;
+    let counter = NotifyCounter::start(&table.name).await;
+    let db = pg_connect().await;
+    // A writer committing a row every 20 ms, well under the relay's rate: after the first row
+    // wakes it, the relay catches up after every row and goes idle, but lingers (polling on a
+    // short delay) instead of recording that it waits, so the later commits do not notify.
+    let mut sent = Vec::new();
+    for i in 0..100 {
+        let id = insert_rows(&db, &table.name, &[row(i)]).await[0].id;
+        sent.push((id, Instant::now()));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let notifies = counter.get();
+    // Without a NOTIFY the rows were found by the lingering polls, not the 10 s poll.
+    let mut slowest = Duration::ZERO;
+    for (id, committed) in sent {
+        let got = rabbit.wait_for_delivery(id, Duration::from_secs(20)).await;
+        slowest = slowest.max(got.received_at.saturating_duration_since(committed));
+    }
+    eprintln!(
+        "100 rows 20 ms apart beside a relay with a 10 s poll: {notifies} NOTIFYs, slowest received {slowest:?} after commit"
+    );
+    assert!(
+        notifies <= 5,
+        "{notifies} NOTIFYs for 100 commits: the relay kept marking itself waiting"
+    );
+    assert!(
+        slowest < Duration::from_secs(2),
+        "a row waited {slowest:?}: the relay neither lingered nor was woken"
+    );
     finish(relay, table, rabbit).await;
 }
 
