@@ -14,8 +14,9 @@
 //!    that are not an object, names and routing keys over AMQP's 255 bytes, a `bytea` payload of
 //!    arbitrary bytes, a message over RabbitMQ's `max_message_size`, Kafka topics that cannot
 //!    exist, and a 10,000-row aggregate ahead of 50 small ones.
-//! 5. A row that crashes the relay (the debug-only crash switch) under a supervisor that
-//!    restarts it: dead-lettered after `retry.max_attempts` crash cycles, its batch-mates sent.
+//! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
+//!    tests' dev-dependency turns on) under a supervisor that restarts it: dead-lettered after
+//!    `retry.max_attempts` crash cycles, its batch-mates sent.
 //! 6. Secrets on failure paths (`check`, `status`, `dead-letters list`, `run` logs in text and
 //!    JSON), PostgreSQL TLS with `sslmode=require`, the metrics server on loopback by default.
 //!
@@ -1506,8 +1507,8 @@ struct CrashLoop {
 
 const CRASH_MAX_ATTEMPTS: usize = 3;
 
-/// A row that aborts the relay every time it is about to be published (the debug-only crash
-/// switch), 41 other rows claimed in the same first batch, and a supervisor that restarts the
+/// A row that aborts the relay every time it is about to be published (the crash switch of the
+/// `fault-injection` feature), 41 other rows claimed in the same first batch, and a supervisor that restarts the
 /// relay (lease 1 s) each time it dies, until the crasher is dead-lettered and nothing else is
 /// left to publish. Asserts what must always hold; returns the rest for the caller to judge.
 async fn crash_loop(label: &str) -> CrashLoop {
@@ -1688,13 +1689,8 @@ async fn crash_loop(label: &str) -> CrashLoop {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_cycles() {
-    // The crash switch (OUTBOX_RELAY_TEST_CRASH_HEADER) exists in debug builds only.
-    if !cfg!(debug_assertions) {
-        println!(
-            "FAULT-SUMMARY fault=crash-loop skipped: release builds have no crash switch (run the short form)"
-        );
-        return;
-    }
+    // The crash switch (OUTBOX_RELAY_TEST_CRASH_HEADER) is behind the cargo feature
+    // `fault-injection`, on in every test build (debug or release) through the dev-dependency.
     let _shared = SERVICES.read().await;
     let run = crash_loop("f_crash").await;
     let attempts: BTreeMap<i32, usize> = run.others.iter().fold(BTreeMap::new(), |mut m, f| {
@@ -1722,9 +1718,6 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
 /// them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashing_row_spends_at_most_one_attempt_of_its_batch_mates() {
-    if !cfg!(debug_assertions) {
-        return;
-    }
     let _shared = SERVICES.read().await;
     let run = crash_loop("f_crash_mates").await;
     let over: Vec<(Uuid, i32, bool)> = run
