@@ -13,8 +13,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::kafka::{
-    Collector, KAFKA, Placed, Record, create_topic, delete_topic, high_watermarks, kafka_relay,
-    topic_name,
+    Collector, KAFKA, Placed, Record, create_topic, delete_topic, kafka_relay, topic_name,
 };
 use common::{
     Delivered, NewRow, RabbitFixture, RelayBuilder, RowState, TestTable, analyse, assert_none,
@@ -272,8 +271,7 @@ async fn ten_thousand_rows_arrive_keyed_ordered_per_key_with_the_contract_envelo
     table.wait_all_sent(LONG).await;
     let sent_in = started.elapsed();
     for t in &topics {
-        let high = high_watermarks(KAFKA, t).await;
-        consumer.wait_caught_up(t, &high, LONG).await;
+        consumer.wait_caught_up(KAFKA, t, LONG).await;
     }
     let received_in = started.elapsed();
     assert!(

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use common::kafka::{Collector, KAFKA, create_topic, high_watermarks, kafka_relay, topic_name};
+use common::kafka::{Collector, KAFKA, create_topic, kafka_relay, topic_name};
 use common::{
     AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, drop_both,
     table_and_exchange, wait_until,
@@ -413,8 +413,7 @@ async fn kafka_records_verify_independently_and_tampering_fails() {
         .collect();
     table.wait_all_sent(WAIT).await;
     for t in &topics {
-        let high = high_watermarks(KAFKA, t).await;
-        consumer.wait_caught_up(t, &high, WAIT).await;
+        consumer.wait_caught_up(KAFKA, t, WAIT).await;
     }
     let records = consumer.stop().await;
     let stderr = relay.stderr();
