@@ -890,11 +890,7 @@ async fn migrate_and_auto_migrate_recreate_a_dropped_table() {
     table.db.batch_execute(&drop).await.unwrap();
     let out = cli(&table.name).output(&["migrate"], WAIT).await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("applied schema versions [1"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("applied schema versions [1");
     assert!(table_exists(&table.db, &table.name).await);
     let again = cli(&table.name).output(&["migrate"], WAIT).await;
     assert!(again.stdout.contains("is up to date"), "{}", again.stdout);
@@ -1006,11 +1002,7 @@ async fn dead_letters_list_retry_and_discard() {
     // retry --id: back to pending, attempts reset, available now, last_error kept.
     let out = dl(&["retry", "--id", &f1.to_string()]).await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("1 dead letter(s) set back to pending"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("1 dead letter(s) set back to pending");
     assert_eq!(
         row_state(&table, f1).await,
         Some(("pending".into(), 0, Some("nack: boom 1".into()), true))
@@ -1019,11 +1011,7 @@ async fn dead_letters_list_retry_and_discard() {
     // discard --id: gone.
     let out = dl(&["discard", "--id", &f2.to_string()]).await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("1 dead letter(s) discarded"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("1 dead letter(s) discarded");
     assert_eq!(row_state(&table, f2).await, None);
 
     // Ids that are not dead letters: a non-zero exit naming them, nothing changed.
@@ -1055,11 +1043,7 @@ async fn dead_letters_list_retry_and_discard() {
     // retry --all: every remaining dead letter.
     let out = dl(&["retry", "--all"]).await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("2 dead letter(s) set back to pending"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("2 dead letter(s) set back to pending");
     for (id, n) in [(f3, 3), (f4, 4)] {
         assert_eq!(
             row_state(&table, id).await,

@@ -486,11 +486,7 @@ async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
         .output(&["check"], WAIT)
         .await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("signing: on (key id k-check"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("signing: on (key id k-check");
     assert!(!out.stdout.contains(KEY_A) && !out.stderr.contains(KEY_A));
 
     for (key, needle) in [
