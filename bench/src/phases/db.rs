@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
 use outbox_relay::PublisherFactory;
-use outbox_relay::config::TableName;
+use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::message::OutboxMessage;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
@@ -57,7 +57,7 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     let bytes = avg_payload_bytes(&ctx.pg, &table).await?;
     ctx.report
         .detail("payload_bytes_as_sent", json!(bytes.round()));
-    let config = ctx.config(&table, |raw| raw.relay.ordering = "none".into())?;
+    let config = ctx.config(&table, |raw| raw.relay.ordering = Ordering::None)?;
     let batch = config.relay.batch_size;
     let token = CancellationToken::new();
     let _stop_on_drop = token.clone().drop_guard();
