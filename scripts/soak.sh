@@ -8,8 +8,8 @@
 #
 # Starts the services first (scripts/services.sh), runs the tests one at a time in a release
 # build, keeps the whole output in target/soak-<time>.log and prints the FAULT-SUMMARY lines at
-# the end. The crash-loop test needs the debug-only crash switch and is skipped in release; the
-# short form (`cargo test --test faults`) runs it.
+# the end. The crash-loop test's crash switch is the cargo feature `fault-injection`, which the
+# tests' dev-dependency turns on in release builds too.
 #
 # It stops and restarts RabbitMQ and PostgreSQL on this machine: do not run it while anything
 # else uses them.

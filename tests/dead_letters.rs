@@ -13,17 +13,50 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use common::kafka::{
-    Collector, KAFKA, Record, create_topic, delete_topic, high_watermarks, id_counts, kafka_relay,
+    Collector, KAFKA, Record, assert_each_once, create_topic, finish_topics, kafka_relay,
     topic_name,
 };
 use common::{
-    NewRow, RabbitFixture, RelayBuilder, RowState, TempDir, TestTable, finish, spawn_paced_writer,
-    wait_until,
+    NewRow, RabbitFixture, RelayBuilder, RelayProcess, RowState, TempDir, TestTable, finish,
+    spawn_paced_writer, wait_until,
 };
 use serde_json::json;
+use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
+
+/// The 200 good rows of `writer` (written while the bad rows were retried): waits until they
+/// are sent, and asserts that some had been sent while a bad row was in backoff
+/// (`sent_while_retrying`, the `sent` count seen then). Returns their ids.
+async fn good_rows_flowed(
+    table: &TestTable,
+    writer: JoinHandle<Vec<Uuid>>,
+    sent_while_retrying: i64,
+) -> Vec<Uuid> {
+    let good = writer.await.unwrap();
+    assert_eq!(good.len(), 200);
+    table
+        .wait_for_counts(LONG, "the 200 good rows are sent", |c| c["sent"] == 200)
+        .await;
+    assert!(
+        sent_while_retrying > 0,
+        "good rows must flow while the bad rows are in backoff"
+    );
+    good
+}
+
+/// The 200 good rows sent, the `failed` bad rows dead-lettered (and logged so), nothing else
+/// left.
+async fn assert_settled(table: &TestTable, relay: &RelayProcess, failed: i64) {
+    let c = table.status_counts().await;
+    assert_eq!(
+        (c["sent"], c["failed"], c["pending"], c["processing"]),
+        (200, failed, 0, 0)
+    );
+    let logged = relay.log_count("dead-lettered");
+    assert!(logged >= failed as usize, "{}", relay.stderr());
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
@@ -48,11 +81,10 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
         .await;
 
     let bad = table
-        .insert(&[
-            NewRow::new("ok", Some("bad-1"), "x", json!({"bad": true})).destination("nowhere")
-        ])
-        .await[0]
-        .id;
+        .insert_one(
+            NewRow::new("ok", Some("bad-1"), "x", json!({"bad": true})).destination("nowhere"),
+        )
+        .await;
     // 200 routable rows (routing key ok.x) inserted while the bad row is being retried.
     let writer = spawn_paced_writer(
         &table.name,
@@ -172,15 +204,7 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
         );
     }
 
-    let good = writer.await.unwrap();
-    assert_eq!(good.len(), 200);
-    table
-        .wait_for_counts(LONG, "the 200 routable rows are sent", |c| c["sent"] == 200)
-        .await;
-    assert!(
-        sent_while_retrying > 0,
-        "routable rows must flow while the bad row is in backoff"
-    );
+    let good = good_rows_flowed(&table, writer, sent_while_retrying).await;
     rabbit.barrier().await;
     // Every routable row exactly once, and nothing else (the bad row would be foreign).
     let good_rows: Vec<RowState> = table.rows_by_id(&good).await.into_values().collect();
@@ -188,17 +212,7 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
         .analyse(&good_rows)
         .ignoring_order()
         .assert_exactly_once("routable rows");
-    let counts = table.status_counts().await;
-    assert_eq!(
-        (
-            counts["sent"],
-            counts["failed"],
-            counts["pending"],
-            counts["processing"]
-        ),
-        (200, 1, 0, 0)
-    );
-    assert!(relay.log_count("dead-lettered") >= 1, "{}", relay.stderr());
+    assert_settled(&table, &relay, 1).await;
 
     finish(relay, table, rabbit).await;
 }
@@ -288,35 +302,17 @@ async fn rows_for_a_missing_topic_dead_letter_while_the_others_are_sent() {
         "ghost rows should be seen waiting for a retry: {attempts_seen:?}"
     );
 
-    let good = writer.await.unwrap();
-    assert_eq!(good.len(), 200);
-    table
-        .wait_for_counts(LONG, "the 200 good rows are sent", |c| c["sent"] == 200)
-        .await;
-    assert!(
-        sent_while_retrying > 0,
-        "good rows must flow while the ghost rows are in backoff"
+    let good = good_rows_flowed(&table, writer, sent_while_retrying).await;
+    consumer.wait_caught_up(KAFKA, &topic, LONG).await;
+    let records = consumer.stop().await;
+    assert_each_once(
+        "the real topic holds exactly the good rows",
+        &records,
+        &good,
     );
-    let high = high_watermarks(KAFKA, &topic).await;
-    consumer.wait_caught_up(&topic, &high, LONG).await;
-    let counts = id_counts(&consumer.stop().await);
-    let good_set: HashSet<Uuid> = good.iter().copied().collect();
-    assert_eq!(
-        counts.keys().copied().collect::<HashSet<_>>(),
-        good_set,
-        "the real topic holds exactly the good rows"
-    );
-    assert!(counts.values().all(|n| *n == 1), "duplicates: {counts:?}");
-    let c = table.status_counts().await;
-    assert_eq!(
-        (c["sent"], c["failed"], c["pending"], c["processing"]),
-        (200, 3, 0, 0)
-    );
-    assert!(relay.log_count("dead-lettered") >= 3, "{}", relay.stderr());
+    assert_settled(&table, &relay, 3).await;
 
-    relay.stop().await;
-    delete_topic(&topic).await;
-    table.drop_table().await;
+    finish_topics(relay, table, &[&topic]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -345,23 +341,21 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
     // A 2 MB JSON string (librdkafka's message.max.bytes is 1 MB), then a later row of the
     // same aggregate, which the dead letter must hold back (contract §3).
     let big = table
-        .insert(&[NewRow::new(
+        .insert_one(NewRow::new(
             "blob",
             Some("big-1"),
             "huge",
             json!({"blob": "x".repeat(2_000_000)}),
-        )])
-        .await[0]
-        .id;
+        ))
+        .await;
     let held = table
-        .insert(&[NewRow::new(
+        .insert_one(NewRow::new(
             "blob",
             Some("big-1"),
             "after-huge",
             json!({"held": true}),
-        )])
-        .await[0]
-        .id;
+        ))
+        .await;
     let middle: Vec<NewRow> = (0..50).map(|i| small("middle", i)).collect();
     ids.extend(table.insert(&middle).await.into_iter().map(|r| r.id));
 
@@ -378,13 +372,9 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
     let after: Vec<NewRow> = (0..100).map(|i| small("after", i)).collect();
     ids.extend(table.insert(&after).await.into_iter().map(|r| r.id));
     table.wait_count("status = 'sent'", 200, LONG).await;
-    let high = high_watermarks(KAFKA, &topic).await;
-    consumer.wait_caught_up(&topic, &high, LONG).await;
+    consumer.wait_caught_up(KAFKA, &topic, LONG).await;
     assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
-    let counts = id_counts(&consumer.stop().await);
-    let want: HashSet<Uuid> = ids.iter().copied().collect();
-    assert_eq!(counts.keys().copied().collect::<HashSet<_>>(), want);
-    assert!(counts.values().all(|n| *n == 1), "duplicates: {counts:?}");
+    assert_each_once("the topic", &consumer.stop().await, &ids);
 
     // The row behind the dead letter waits, untouched, for an operator.
     let h = table.row(held).await;
@@ -400,9 +390,7 @@ async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
     );
     assert!(relay.log_count("dead-lettered") >= 1, "{}", relay.stderr());
 
-    relay.stop().await;
-    delete_topic(&topic).await;
-    table.drop_table().await;
+    finish_topics(relay, table, &[&topic]).await;
 }
 
 /// `ordering = "aggregate"` sends an aggregate's claimed run to the producer without waiting
@@ -454,12 +442,14 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
             .collect()
     };
 
+    // The rows after the bad one delivered so far.
+    let ahead = || -> Vec<String> {
+        let delivered = delivered_ids(&consumer.records()).into_iter();
+        delivered.filter(|id| after_bad.contains(id)).collect()
+    };
     // Through both attempts of the bad record, nothing after it arrives.
     let dead = wait_until(LONG, "the mid-run record is dead-lettered", async || {
-        let ahead: Vec<String> = delivered_ids(&consumer.records())
-            .into_iter()
-            .filter(|id| after_bad.contains(id))
-            .collect();
+        let ahead = ahead();
         assert!(
             ahead.is_empty(),
             "delivered ahead of the failing record: {ahead:?}"
@@ -493,12 +483,8 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
     for r in held.values() {
         assert_eq!((r.status.as_str(), r.attempts), ("pending", 0), "{r:?}");
     }
-    let high = high_watermarks(KAFKA, &topic).await;
-    consumer.wait_caught_up(&topic, &high, LONG).await;
-    let ahead: Vec<String> = delivered_ids(&consumer.records())
-        .into_iter()
-        .filter(|id| after_bad.contains(id))
-        .collect();
+    consumer.wait_caught_up(KAFKA, &topic, LONG).await;
+    let ahead = ahead();
     assert!(
         ahead.is_empty(),
         "delivered ahead of the dead letter: {ahead:?}"
@@ -510,8 +496,7 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
         .await;
     assert!(out.status.success(), "{}", out.stderr);
     table.wait_all_sent(LONG).await;
-    let high = high_watermarks(KAFKA, &topic).await;
-    consumer.wait_caught_up(&topic, &high, LONG).await;
+    consumer.wait_caught_up(KAFKA, &topic, LONG).await;
     assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
     let records = consumer.stop().await;
     let got = delivered_ids(&records);
@@ -539,7 +524,5 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
         .await;
     assert_eq!(spent, 0, "rows other than the failing one spent attempts");
 
-    relay.stop().await;
-    delete_topic(&topic).await;
-    table.drop_table().await;
+    finish_topics(relay, table, &[&topic]).await;
 }

@@ -368,11 +368,7 @@ async fn migrate_upgrades_a_version_1_table_in_place_with_rows_pending_and_in_fl
     };
     let out = cli().output(&["migrate"], WAIT).await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("applied schema versions [2"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("applied schema versions [2");
     let out = cli().output(&["migrate"], WAIT).await;
     assert!(out.stdout.contains("is up to date"), "{}", out.stdout);
     // The file itself is idempotent, as users may apply it from their own migrations.

@@ -14,8 +14,9 @@
 //!    that are not an object, names and routing keys over AMQP's 255 bytes, a `bytea` payload of
 //!    arbitrary bytes, a message over RabbitMQ's `max_message_size`, Kafka topics that cannot
 //!    exist, and a 10,000-row aggregate ahead of 50 small ones.
-//! 5. A row that crashes the relay (the debug-only crash switch) under a supervisor that
-//!    restarts it: dead-lettered after `retry.max_attempts` crash cycles, its batch-mates sent.
+//! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
+//!    tests' dev-dependency turns on) under a supervisor that restarts it: dead-lettered after
+//!    `retry.max_attempts` crash cycles, its batch-mates sent.
 //! 6. Secrets on failure paths (`check`, `status`, `dead-letters list`, `run` logs in text and
 //!    JSON), PostgreSQL TLS with `sslmode=require`, the metrics server on loopback by default.
 //!
@@ -54,7 +55,9 @@ use common::{
 use lapin::{Connection, ConnectionProperties};
 use serde_json::{Value, json};
 use tokio::sync::RwLock;
+use tokio::task::JoinHandle;
 use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// Read by every test, written by the tests that stop or restart a shared service.
@@ -164,6 +167,19 @@ async fn wait_for_more_logs(relay: &RelayProcess, needle: &str, before: usize, t
     relay.wait_for_log(needle, before + 1, timeout).await;
 }
 
+/// The steady writer of a fault test ([`spawn_steady_writer`]): its stop token and its task.
+type Writer = (CancellationToken, JoinHandle<usize>);
+
+/// Lets `writer` run one more second, stops it and waits until every row of `table` is sent;
+/// returns how many rows the writer knows it inserted.
+async fn stop_and_drain(table: &TestTable, (stop, writer): Writer) -> usize {
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    stop.cancel();
+    let written = writer.await.unwrap();
+    table.wait_all_sent(LONG).await;
+    written
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. SIGKILL of replicas under load
 
@@ -185,7 +201,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     // Incarnations have their own instance ids, so `locked_by` names exactly one process.
     let mut slots: Vec<Option<RelayProcess>> = vec![Some(spawn("k0a")), Some(spawn("k0b"))];
 
-    let (stop, writer) = spawn_steady_writer(&table.name, "k", 40, 40);
+    let writer = spawn_steady_writer(&table.name, "k", 40, 40);
     let mut killed: Vec<String> = Vec::new();
     let mut held_at_death = Vec::new();
     for k in 0..kills {
@@ -217,10 +233,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
         killed.push(label);
         slots[slot] = Some(spawn(&format!("k{}{}", k + 1, ["a", "b"][slot])));
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.cancel();
-    let written = writer.await.unwrap();
-    table.wait_all_sent(LONG).await;
+    let written = stop_and_drain(&table, writer).await;
     rabbit.barrier().await;
 
     let rows = table.rows().await;
@@ -302,16 +315,48 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
 // ---------------------------------------------------------------------------------------------
 // 2. Broker and database outages
 
-/// Asserts, every 100 ms for `outage`, that no row was dead-lettered or left with a spent
-/// attempt (`pending` with attempts > 0) while the fault lasts.
+/// Rows dead-lettered or left with a spent attempt (`pending` with attempts > 0).
+const SPENT: &str = "status = 'failed' OR (status = 'pending' AND attempts > 0)";
+
+/// Asserts, every 100 ms for `outage`, that no row is [`SPENT`] while the fault lasts.
 async fn assert_nothing_spent_for(table: &TestTable, outage: Duration, relay: &RelayProcess) {
     let start = Instant::now();
     while start.elapsed() < outage {
-        let spent = table
-            .count_where("status = 'failed' OR (status = 'pending' AND attempts > 0)")
-            .await;
+        let spent = table.count_where(SPENT).await;
         assert_eq!(spent, 0, "the outage spent attempts:\n{}", relay.stderr());
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A service outage as the relay logs it: the line it logs on losing the service (`down`) and
+/// the one on having it back (`up`), each with its count before the fault.
+struct Outage<'a> {
+    relay: &'a RelayProcess,
+    down: (&'static str, usize),
+    up: (&'static str, usize),
+}
+
+impl<'a> Outage<'a> {
+    /// Counts `down` and `up` in `relay`'s log: call before the fault.
+    fn before(relay: &'a RelayProcess, down: &'static str, up: &'static str) -> Self {
+        let (downs, ups) = (relay.log_count(down), relay.log_count(up));
+        Self {
+            relay,
+            down: (down, downs),
+            up: (up, ups),
+        }
+    }
+
+    /// The fault is in: the relay logs `down` once more within `notice`, then spends no
+    /// attempt of `table` for `outage`.
+    async fn ride_out(&self, table: &TestTable, notice: Duration, outage: Duration) {
+        wait_for_more_logs(self.relay, self.down.0, self.down.1, notice).await;
+        assert_nothing_spent_for(table, outage, self.relay).await;
+    }
+
+    /// The fault is healed: the relay logs `up` once more.
+    async fn back(&self) {
+        wait_for_more_logs(self.relay, self.up.0, self.up.1, LONG).await;
     }
 }
 
@@ -343,10 +388,9 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         .set("relay.lease_timeout", "120s")
         .set("retry.base_delay", "100ms")
         .spawn();
-    let (stop, writer) = spawn_steady_writer(&table.name, "rc", 13, 20);
+    let writer = spawn_steady_writer(&table.name, "rc", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
-    let unavailable = relay.log_count("broker unavailable");
-    let connected = relay.log_count("connected to the broker");
+    let outage_log = Outage::before(&relay, "broker unavailable", "connected to the broker");
     // Cut with publishes in flight: hold the broker's answers back for a moment so that
     // some rows are claimed and unconfirmed when the connection drops.
     proxy.stall();
@@ -371,14 +415,9 @@ async fn rabbitmq_connection_cut(ordering: &str) {
     .await;
     proxy.cut();
     let cut_at = table.db_now().await;
-    wait_for_more_logs(
-        &relay,
-        "broker unavailable",
-        unavailable,
-        Duration::from_secs(10),
-    )
-    .await;
-    assert_nothing_spent_for(&table, outage, &relay).await;
+    outage_log
+        .ride_out(&table, Duration::from_secs(10), outage)
+        .await;
     // The outage was real: nothing inserted after the cut (plus slack for statements in
     // flight) was confirmed through the cut proxy.
     let after_cut = format!(
@@ -402,11 +441,9 @@ async fn rabbitmq_connection_cut(ordering: &str) {
         "rows should have piled up during the outage"
     );
     proxy.heal();
-    wait_for_more_logs(&relay, "connected to the broker", connected, LONG).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.cancel();
-    assert!(writer.await.unwrap() > 0, "the writer inserted nothing");
-    table.wait_all_sent(LONG).await;
+    outage_log.back().await;
+    let written = stop_and_drain(&table, writer).await;
+    assert!(written > 0, "the writer inserted nothing");
     rabbit.barrier().await;
 
     let rows = table.rows().await;
@@ -527,25 +564,19 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     .set("relay.lease_timeout", "120s")
     .set("retry.base_delay", "100ms")
     .spawn();
-    let (stop, writer) = spawn_steady_writer(&table.name, "rr", 13, 20);
+    let writer = spawn_steady_writer(&table.name, "rr", 13, 20);
     for r in 0..restarts {
         let since = queue.ids().len();
         let what = "300 more messages before the restart";
         wait_for_count(LONG, what, since + 300, || queue.ids().len()).await;
-        let unavailable = relay.log_count("broker unavailable");
-        let connected = relay.log_count("connected to the broker");
+        let outage_log = Outage::before(&relay, "broker unavailable", "connected to the broker");
         let consumer_connects = queue.connects.load(std::sync::atomic::Ordering::SeqCst);
         let down = RabbitDown::stop().await;
-        wait_for_more_logs(
-            &relay,
-            "broker unavailable",
-            unavailable,
-            Duration::from_secs(10),
-        )
-        .await;
-        assert_nothing_spent_for(&table, down_for, &relay).await;
+        outage_log
+            .ride_out(&table, Duration::from_secs(10), down_for)
+            .await;
         down.start().await;
-        wait_for_more_logs(&relay, "connected to the broker", connected, LONG).await;
+        outage_log.back().await;
         wait_for_count(
             Duration::from_secs(60),
             "the test consumer reconnects",
@@ -555,10 +586,7 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         .await;
         eprintln!("restart {} of {restarts} done", r + 1);
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.cancel();
-    writer.await.unwrap();
-    table.wait_all_sent(LONG).await;
+    stop_and_drain(&table, writer).await;
     let rows = table.rows().await;
     let ids: Vec<Uuid> = rows.iter().map(|f| f.id).collect();
     queue.wait_for(&ids, LONG).await;
@@ -598,20 +626,18 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
         )
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let (stop, writer) = spawn_steady_writer(&table.name, "pc", 13, 20);
+    let writer = spawn_steady_writer(&table.name, "pc", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
-    let unavailable = relay.log_count("database unavailable");
-    let restored = relay.log_count("database connection restored");
-    proxy.cut();
-    let cut_at = table.db_now().await;
-    wait_for_more_logs(
+    let outage_log = Outage::before(
         &relay,
         "database unavailable",
-        unavailable,
-        Duration::from_secs(15),
-    )
-    .await;
-    assert_nothing_spent_for(&table, outage, &relay).await;
+        "database connection restored",
+    );
+    proxy.cut();
+    let cut_at = table.db_now().await;
+    outage_log
+        .ride_out(&table, Duration::from_secs(15), outage)
+        .await;
     // The outage was real: the relay wrote nothing to the database meanwhile (1 s of slack for
     // statements in flight at the cut).
     let during = table
@@ -622,11 +648,8 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
         .await;
     assert_eq!(during, 0, "rows marked sent through a cut proxy");
     proxy.heal();
-    wait_for_more_logs(&relay, "database connection restored", restored, LONG).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.cancel();
-    writer.await.unwrap();
-    table.wait_all_sent(LONG).await;
+    outage_log.back().await;
+    stop_and_drain(&table, writer).await;
     rabbit.barrier().await;
 
     let rows = table.rows().await;
@@ -676,9 +699,8 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         .set("relay.lease_timeout", "2s")
         .spawn();
     let warm = table
-        .insert(&[NewRow::new("lease", None, "warm", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("lease", None, "warm", json!({})))
+        .await;
     rabbit.wait_for_ids(&[warm], Duration::from_secs(30)).await;
 
     // A batch in flight: the broker answers nothing until healed.
@@ -749,15 +771,13 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
         .set("relay.lease_timeout", "2s")
         .spawn();
     let warm = table
-        .insert(&[NewRow::new("orphan", Some("warm"), "warm", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("orphan", Some("warm"), "warm", json!({})))
+        .await;
     rabbit.wait_for_ids(&[warm], Duration::from_secs(30)).await;
     proxy.stall();
     let busy = table
-        .insert(&[NewRow::new("busy", Some("busy"), "busy", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("busy", Some("busy"), "busy", json!({})))
+        .await;
     let busy_claimed_at = wait_until(
         Duration::from_secs(30),
         "the relay holds the busy row",
@@ -885,7 +905,7 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-restart"))
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let (stop, writer) = spawn_steady_writer(&table.name, "pr", 13, 20);
+    let writer = spawn_steady_writer(&table.name, "pr", 13, 20);
     let pg = PgRestart;
     let mut took = Vec::new();
     for _ in 0..restarts {
@@ -906,22 +926,16 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         // inserted after the restart goes out.
         wait_for_more_logs(&relay, "LISTEN connection lost", listen_lost, LONG).await;
         let marker = table
-            .insert(&[NewRow::new("pr", None, "after-restart", json!({}))])
-            .await[0]
-            .id;
+            .insert_one(NewRow::new("pr", None, "after-restart", json!({})))
+            .await;
         rabbit.wait_for_ids(&[marker], LONG).await;
         assert_eq!(
-            table
-                .count_where("status = 'failed' OR (status = 'pending' AND attempts > 0)")
-                .await,
+            table.count_where(SPENT).await,
             0,
             "the restart spent attempts"
         );
     }
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    stop.cancel();
-    writer.await.unwrap();
-    table.wait_all_sent(LONG).await;
+    stop_and_drain(&table, writer).await;
     rabbit.barrier().await;
 
     let rows = table.rows().await;
@@ -1094,9 +1108,8 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
     // The relay is alive and still publishing.
     assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
     let late = table
-        .insert(&[NewRow::new("normal", Some("n-0"), "late", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("normal", Some("n-0"), "late", json!({})))
+        .await;
     rabbit.wait_for_ids(&[late], Duration::from_secs(30)).await;
     rabbit.barrier().await;
 
@@ -1222,9 +1235,8 @@ async fn header_numbers_keep_their_exact_json_text() {
     let _shared = SERVICES.read().await;
     let (table, rabbit) = table_and_exchange("f_bignum").await;
     let id = table
-        .insert(&[NewRow::new("n", Some("n"), "e", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("n", Some("n"), "e", json!({})))
+        .await;
     // Written as SQL text: a serde_json::Value would round them before they reach the table.
     table
         .db
@@ -1432,9 +1444,8 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
     let (table, rabbit) = table_and_exchange("f_oversize").await;
     let huge = insert_huge(&table, "huge", OVER_MAX_MESSAGE_SIZE).await;
     let follower = table
-        .insert(&[NewRow::new("o", Some("huge"), "follower", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("o", Some("huge"), "follower", json!({})))
+        .await;
     let others: Vec<NewRow> = NewRow::numbered(100, "o", Some(("a-", 10)), "e");
     table.insert(&others).await;
     let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "oversize"))
@@ -1506,8 +1517,8 @@ struct CrashLoop {
 
 const CRASH_MAX_ATTEMPTS: usize = 3;
 
-/// A row that aborts the relay every time it is about to be published (the debug-only crash
-/// switch), 41 other rows claimed in the same first batch, and a supervisor that restarts the
+/// A row that aborts the relay every time it is about to be published (the crash switch of the
+/// `fault-injection` feature), 41 other rows claimed in the same first batch, and a supervisor that restarts the
 /// relay (lease 1 s) each time it dies, until the crasher is dead-lettered and nothing else is
 /// left to publish. Asserts what must always hold; returns the rest for the caller to judge.
 async fn crash_loop(label: &str) -> CrashLoop {
@@ -1688,13 +1699,8 @@ async fn crash_loop(label: &str) -> CrashLoop {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_cycles() {
-    // The crash switch (OUTBOX_RELAY_TEST_CRASH_HEADER) exists in debug builds only.
-    if !cfg!(debug_assertions) {
-        println!(
-            "FAULT-SUMMARY fault=crash-loop skipped: release builds have no crash switch (run the short form)"
-        );
-        return;
-    }
+    // The crash switch (OUTBOX_RELAY_TEST_CRASH_HEADER) is behind the cargo feature
+    // `fault-injection`, on in every test build (debug or release) through the dev-dependency.
     let _shared = SERVICES.read().await;
     let run = crash_loop("f_crash").await;
     let attempts: BTreeMap<i32, usize> = run.others.iter().fold(BTreeMap::new(), |mut m, f| {
@@ -1722,9 +1728,6 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
 /// them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crashing_row_spends_at_most_one_attempt_of_its_batch_mates() {
-    if !cfg!(debug_assertions) {
-        return;
-    }
     let _shared = SERVICES.read().await;
     let run = crash_loop("f_crash_mates").await;
     let over: Vec<(Uuid, i32, bool)> = run

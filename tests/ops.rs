@@ -91,17 +91,20 @@ struct StateRow {
     last_error: Option<&'static str>,
 }
 
+/// A row of `aggregate_type`/`aggregate_id` in `status`, created `created_secs_ago`, ready
+/// (available since 1 s), sent 1 s ago when `sent`.
 fn state_row(
     aggregate_type: &'static str,
     aggregate_id: Option<&'static str>,
     status: &'static str,
+    created_secs_ago: f64,
 ) -> StateRow {
     StateRow {
         aggregate_type,
         aggregate_id,
         status,
         attempts: 0,
-        created_secs_ago: 1.0,
+        created_secs_ago,
         available_in_secs: -1.0,
         sent_secs_ago: (status == "sent").then_some(1.0),
         last_error: None,
@@ -109,10 +112,6 @@ fn state_row(
 }
 
 impl StateRow {
-    fn created(mut self, secs_ago: f64) -> Self {
-        self.created_secs_ago = secs_ago;
-        self
-    }
     fn available_in(mut self, secs: f64) -> Self {
         self.available_in_secs = secs;
         self
@@ -259,10 +258,10 @@ async fn wait_for_sample(
     port: u16,
     name: &str,
     labels: &[(&str, &str)],
-    what: &str,
     ok: impl Fn(f64) -> bool,
 ) -> f64 {
-    wait_until(WAIT, what, async || {
+    let what = format!("{name}{labels:?} is as the test wants");
+    wait_until(WAIT, &what, async || {
         let text = scrape(port).await?;
         match sample(&text, name, labels) {
             Some(v) if ok(v) => Ok(v),
@@ -310,7 +309,6 @@ async fn metrics_expose_every_contract_name_after_publishing() {
         port,
         names::PUBLISHED,
         &[("aggregate_type", "order")],
-        "5 order messages are counted",
         |v| v == 5.0,
     )
     .await;
@@ -318,7 +316,6 @@ async fn metrics_expose_every_contract_name_after_publishing() {
         port,
         names::PUBLISHED,
         &[("aggregate_type", "invoice")],
-        "2 invoice messages are counted",
         |v| v == 2.0,
     )
     .await;
@@ -446,31 +443,13 @@ async fn readyz_and_backlog_gauges_follow_a_broker_outage() {
         .iter()
         .map(|r| r.id)
         .collect();
-    wait_for_sample(
-        port,
-        names::PENDING,
-        &[("state", "ready")],
-        "the 4 rows inserted during the outage show as ready",
-        |v| v == 4.0,
-    )
-    .await;
-    wait_for_sample(
-        port,
-        names::OLDEST_READY_AGE,
-        &[],
-        "the rows inserted during the outage count as late",
-        |v| v > 0.0,
-    )
-    .await;
+    // Wait until the 4 rows inserted during the outage show as ready.
+    wait_for_sample(port, names::PENDING, &[("state", "ready")], |v| v == 4.0).await;
+    // Wait until the rows inserted during the outage count as late.
+    wait_for_sample(port, names::OLDEST_READY_AGE, &[], |v| v > 0.0).await;
     let age1 = sample(&scrape(port).await.unwrap(), names::OLDEST_PENDING_AGE, &[]).unwrap();
-    let age2 = wait_for_sample(
-        port,
-        names::OLDEST_PENDING_AGE,
-        &[],
-        "the lag grows while the broker is unreachable",
-        |v| v >= age1 + 1.0,
-    )
-    .await;
+    // Wait until the lag grows while the broker is unreachable.
+    let age2 = wait_for_sample(port, names::OLDEST_PENDING_AGE, &[], |v| v >= age1 + 1.0).await;
     assert!(age2 > 1.0, "lag {age2}");
     let text = scrape(port).await.unwrap();
     assert_eq!(
@@ -519,14 +498,7 @@ async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
     let (table, rabbit, proxy, port, relay) = relay_behind_proxy("ops_broker_gauge").await;
     let connection = [("kind", "connection")];
 
-    wait_for_sample(
-        port,
-        names::BROKER_CONNECTED,
-        &[],
-        "the broker gauge says connected",
-        |v| v == 1.0,
-    )
-    .await;
+    wait_for_sample(port, names::BROKER_CONNECTED, &[], |v| v == 1.0).await;
     let text = scrape(port).await.unwrap();
     assert_eq!(
         sample(&text, names::PUBLISH_FAILURES, &connection),
@@ -535,36 +507,16 @@ async fn an_idle_broker_cut_counts_connection_failures_and_flips_the_gauge() {
 
     // Nothing in flight (no row at all): the cut is seen on the connection alone.
     proxy.cut();
-    wait_for_sample(
-        port,
-        names::BROKER_CONNECTED,
-        &[],
-        "the broker gauge drops to 0",
-        |v| v == 0.0,
-    )
-    .await;
+    wait_for_sample(port, names::BROKER_CONNECTED, &[], |v| v == 0.0).await;
     relay
         .wait_for_log("broker unavailable; not claiming rows", 2, WAIT)
         .await;
-    let during = wait_for_sample(
-        port,
-        names::PUBLISH_FAILURES,
-        &connection,
-        "the lost connection and the failed reconnects are counted",
-        |v| v >= 3.0,
-    )
-    .await;
+    // Wait until the lost connection and the failed reconnects are counted.
+    let during = wait_for_sample(port, names::PUBLISH_FAILURES, &connection, |v| v >= 3.0).await;
     assert!(during >= 3.0, "{during}");
 
     proxy.heal();
-    wait_for_sample(
-        port,
-        names::BROKER_CONNECTED,
-        &[],
-        "the broker gauge is back at 1",
-        |v| v == 1.0,
-    )
-    .await;
+    wait_for_sample(port, names::BROKER_CONNECTED, &[], |v| v == 1.0).await;
     // Exactly one lost connection plus one count per failed reconnect the relay logged.
     let text = scrape(port).await.unwrap();
     let failed_reconnects = relay.log_count("broker unavailable; not claiming rows");
@@ -591,17 +543,13 @@ async fn lag_gauges_tell_rows_ready_now_from_rows_in_backoff() {
         &table,
         &[
             // In flight for 500 s: the oldest unsent row.
-            state_row("order", Some("o1"), "processing").created(500.0),
+            state_row("order", Some("o1"), "processing", 500.0),
             // Waiting out a backoff for another 300 s: not late, but the oldest waiting.
-            state_row("order", Some("o2"), "pending")
-                .created(200.0)
-                .available_in(300.0),
+            state_row("order", Some("o2"), "pending", 200.0).available_in(300.0),
             // Its backoff ended 30 s ago: ready for 30 s (not 100).
-            state_row("order", Some("o3"), "pending")
-                .created(100.0)
-                .available_in(-30.0),
+            state_row("order", Some("o3"), "pending", 100.0).available_in(-30.0),
             // Ready since its insert 10 s ago.
-            state_row("invoice", None, "pending").created(10.0),
+            state_row("invoice", None, "pending", 10.0),
         ],
     )
     .await;
@@ -676,7 +624,8 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
 
 // ---- status -----------------------------------------------------------------------------------
 
-const STATUS_KEYS: [&str; 9] = [
+/// The integer counts of `status --json` (contract §6), in the human table's column order.
+const COUNT_KEYS: [&str; 8] = [
     "pending",
     "ready",
     "waiting",
@@ -684,14 +633,14 @@ const STATUS_KEYS: [&str; 9] = [
     "sent",
     "failed",
     "expired",
-    "oldest_pending_age_seconds",
     "blocked_aggregates",
 ];
 
 /// The integer counts of a `status --json` object, plus its oldest age; checks its keys.
 fn counts(v: &Value, top: bool) -> (BTreeMap<String, i64>, f64) {
     let obj = v.as_object().expect("a JSON object");
-    let mut want: BTreeSet<&str> = STATUS_KEYS.into_iter().collect();
+    let mut want: BTreeSet<&str> = COUNT_KEYS.into_iter().collect();
+    want.insert("oldest_pending_age_seconds");
     if top {
         want.insert("by_aggregate_type");
         // Always present (one outbox here, named after the table): one shape for scripts.
@@ -699,9 +648,8 @@ fn counts(v: &Value, top: bool) -> (BTreeMap<String, i64>, f64) {
     }
     let have: BTreeSet<&str> = obj.keys().map(String::as_str).collect();
     assert_eq!(have, want, "status --json keys (contract §6)");
-    let ints = STATUS_KEYS
+    let ints = COUNT_KEYS
         .iter()
-        .filter(|k| **k != "oldest_pending_age_seconds")
         .map(|k| ((*k).to_owned(), obj[*k].as_i64().expect("an integer count")))
         .collect();
     (
@@ -713,11 +661,7 @@ fn counts(v: &Value, top: bool) -> (BTreeMap<String, i64>, f64) {
 }
 
 fn expect(pairs: &[(&str, i64)]) -> BTreeMap<String, i64> {
-    let mut m: BTreeMap<String, i64> = STATUS_KEYS
-        .iter()
-        .filter(|k| **k != "oldest_pending_age_seconds")
-        .map(|k| ((*k).to_owned(), 0))
-        .collect();
+    let mut m: BTreeMap<String, i64> = COUNT_KEYS.iter().map(|k| ((*k).to_owned(), 0)).collect();
     for (k, v) in pairs {
         m.insert((*k).to_owned(), *v);
     }
@@ -741,42 +685,28 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
         &table,
         &[
             // order: 2 ready, 1 waiting, 1 processing, 3 sent, 2 failed that block o-6 and o-7.
-            state_row("order", Some("o-1"), "pending").created(100.0),
-            state_row("order", Some("o-2"), "pending").created(10.0),
-            state_row("order", Some("o-3"), "pending")
+            state_row("order", Some("o-1"), "pending", 100.0),
+            state_row("order", Some("o-2"), "pending", 10.0),
+            state_row("order", Some("o-3"), "pending", 1.0)
                 .available_in(3600.0)
                 .failed_after(2, "nack"),
-            state_row("order", Some("o-4"), "processing").created(50.0),
-            state_row("order", Some("o-5"), "sent")
-                .created(7200.0)
-                .sent(3600.0),
-            state_row("order", Some("o-5"), "sent")
-                .created(7200.0)
-                .sent(3600.0),
-            state_row("order", None, "sent").created(7200.0),
-            state_row("order", Some("o-6"), "failed")
-                .created(7200.0)
-                .failed_after(12, "nack"),
+            state_row("order", Some("o-4"), "processing", 50.0),
+            state_row("order", Some("o-5"), "sent", 7200.0).sent(3600.0),
+            state_row("order", Some("o-5"), "sent", 7200.0).sent(3600.0),
+            state_row("order", None, "sent", 7200.0),
+            state_row("order", Some("o-6"), "failed", 7200.0).failed_after(12, "nack"),
             // An expired row holds nothing back: o-7's failed row after it blocks o-7.
-            state_row("order", Some("o-7"), "expired").created(7200.0),
-            state_row("order", Some("o-7"), "failed")
-                .created(7200.0)
-                .failed_after(12, "nack"),
+            state_row("order", Some("o-7"), "expired", 7200.0),
+            state_row("order", Some("o-7"), "failed", 7200.0).failed_after(12, "nack"),
             // invoice: i-1 blocked by its failed row; i-2's failed row sits behind a pending
             // one (not blocked); a failed row without aggregate id blocks nothing.
-            state_row("invoice", Some("i-1"), "failed")
-                .created(7200.0)
-                .failed_after(12, "unroutable"),
-            state_row("invoice", Some("i-2"), "pending").created(30.0),
-            state_row("invoice", Some("i-2"), "failed")
-                .created(30.0)
-                .failed_after(12, "unroutable"),
-            state_row("invoice", None, "sent"),
-            state_row("invoice", None, "failed")
-                .created(7200.0)
-                .failed_after(12, "too large"),
+            state_row("invoice", Some("i-1"), "failed", 7200.0).failed_after(12, "unroutable"),
+            state_row("invoice", Some("i-2"), "pending", 30.0),
+            state_row("invoice", Some("i-2"), "failed", 30.0).failed_after(12, "unroutable"),
+            state_row("invoice", None, "sent", 1.0),
+            state_row("invoice", None, "failed", 7200.0).failed_after(12, "too large"),
             // The empty aggregate type.
-            state_row("", None, "pending").created(5.0),
+            state_row("", None, "pending", 5.0),
         ],
     )
     .await;
@@ -864,23 +794,9 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
     assert!(out.status.success(), "{}", out.stderr);
     let mut lines = out.stdout.lines();
     let header: Vec<&str> = lines.next().expect("a header").split_whitespace().collect();
-    assert_eq!(
-        header,
-        [
-            "AGGREGATE",
-            "TYPE",
-            "PENDING",
-            "READY",
-            "WAITING",
-            "PROCESSING",
-            "SENT",
-            "FAILED",
-            "EXPIRED",
-            "BLOCKED",
-            "OLDEST",
-            "(s)"
-        ]
-    );
+    let want =
+        "AGGREGATE TYPE PENDING READY WAITING PROCESSING SENT FAILED EXPIRED BLOCKED OLDEST (s)";
+    assert_eq!(header, want.split(' ').collect::<Vec<_>>());
     let table_rows: BTreeMap<String, Vec<String>> = lines
         .map(|l| {
             let mut cells = l.split_whitespace().map(str::to_owned);
@@ -888,19 +804,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
         })
         .collect();
     let human = |c: &BTreeMap<String, i64>| -> Vec<String> {
-        [
-            "pending",
-            "ready",
-            "waiting",
-            "processing",
-            "sent",
-            "failed",
-            "expired",
-            "blocked_aggregates",
-        ]
-        .iter()
-        .map(|k| c[*k].to_string())
-        .collect()
+        COUNT_KEYS.iter().map(|k| c[*k].to_string()).collect()
     };
     for (name, c) in [
         ("order", &order),
@@ -986,11 +890,7 @@ async fn migrate_and_auto_migrate_recreate_a_dropped_table() {
     table.db.batch_execute(&drop).await.unwrap();
     let out = cli(&table.name).output(&["migrate"], WAIT).await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("applied schema versions [1"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("applied schema versions [1");
     assert!(table_exists(&table.db, &table.name).await);
     let again = cli(&table.name).output(&["migrate"], WAIT).await;
     assert!(again.stdout.contains("is up to date"), "{}", again.stdout);
@@ -1021,11 +921,11 @@ async fn dead_letters_list_retry_and_discard() {
     let ids = insert_states(
         &table,
         &[
-            state_row("order", Some("o-1"), "failed").failed_after(12, "nack: boom 1"),
-            state_row("order", Some("o-2"), "failed").failed_after(12, "nack: boom 2"),
-            state_row("invoice", Some("i-1"), "failed").failed_after(12, "nack: boom 3"),
-            state_row("invoice", None, "failed").failed_after(12, "nack: boom 4"),
-            state_row("order", Some("o-3"), "pending"),
+            state_row("order", Some("o-1"), "failed", 1.0).failed_after(12, "nack: boom 1"),
+            state_row("order", Some("o-2"), "failed", 1.0).failed_after(12, "nack: boom 2"),
+            state_row("invoice", Some("i-1"), "failed", 1.0).failed_after(12, "nack: boom 3"),
+            state_row("invoice", None, "failed", 1.0).failed_after(12, "nack: boom 4"),
+            state_row("order", Some("o-3"), "pending", 1.0),
         ],
     )
     .await;
@@ -1102,11 +1002,7 @@ async fn dead_letters_list_retry_and_discard() {
     // retry --id: back to pending, attempts reset, available now, last_error kept.
     let out = dl(&["retry", "--id", &f1.to_string()]).await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("1 dead letter(s) set back to pending"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("1 dead letter(s) set back to pending");
     assert_eq!(
         row_state(&table, f1).await,
         Some(("pending".into(), 0, Some("nack: boom 1".into()), true))
@@ -1115,11 +1011,7 @@ async fn dead_letters_list_retry_and_discard() {
     // discard --id: gone.
     let out = dl(&["discard", "--id", &f2.to_string()]).await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("1 dead letter(s) discarded"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("1 dead letter(s) discarded");
     assert_eq!(row_state(&table, f2).await, None);
 
     // Ids that are not dead letters: a non-zero exit naming them, nothing changed.
@@ -1151,11 +1043,7 @@ async fn dead_letters_list_retry_and_discard() {
     // retry --all: every remaining dead letter.
     let out = dl(&["retry", "--all"]).await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("2 dead letter(s) set back to pending"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("2 dead letter(s) set back to pending");
     for (id, n) in [(f3, 3), (f4, 4)] {
         assert_eq!(
             row_state(&table, id).await,
@@ -1180,26 +1068,18 @@ async fn retention_deletes_old_sent_rows_and_nothing_else() {
     let old_sent = insert_states(
         &table,
         &[
-            state_row("order", Some("o-1"), "sent")
-                .created(7200.0)
-                .sent(3600.0),
-            state_row("order", Some("o-2"), "sent")
-                .created(7200.0)
-                .sent(3600.0),
-            state_row("order", None, "sent").created(7200.0).sent(60.0),
+            state_row("order", Some("o-1"), "sent", 7200.0).sent(3600.0),
+            state_row("order", Some("o-2"), "sent", 7200.0).sent(3600.0),
+            state_row("order", None, "sent", 7200.0).sent(60.0),
         ],
     )
     .await;
     let kept = insert_states(
         &table,
         &[
-            state_row("order", Some("o-3"), "failed")
-                .created(7200.0)
-                .failed_after(12, "nack"),
+            state_row("order", Some("o-3"), "failed", 7200.0).failed_after(12, "nack"),
             // In backoff for an hour: the relay leaves it alone.
-            state_row("order", Some("o-4"), "pending")
-                .created(7200.0)
-                .available_in(3600.0),
+            state_row("order", Some("o-4"), "pending", 7200.0).available_in(3600.0),
         ],
     )
     .await;
@@ -1216,9 +1096,8 @@ async fn retention_deletes_old_sent_rows_and_nothing_else() {
 
     // A fresh row is published, stays `sent` for about the retention, then goes too.
     let fresh = table
-        .insert(&[NewRow::new("order", Some("o-5"), "created", json!({}))])
-        .await[0]
-        .id;
+        .insert_one(NewRow::new("order", Some("o-5"), "created", json!({})))
+        .await;
     let mut oldest_seen_sent: Option<f64> = None;
     let sql = format!(
         "SELECT status, extract(epoch FROM now() - sent_at)::float8 FROM {} WHERE id = $1",
@@ -1272,7 +1151,7 @@ async fn retention_zero_deletes_rows_on_confirm() {
     let rabbit = RabbitFixture::new("ops_retention0", "#", "barrier.ops").await;
     let failed = insert_states(
         &table,
-        &[state_row("order", Some("o-1"), "failed").failed_after(12, "nack")],
+        &[state_row("order", Some("o-1"), "failed", 1.0).failed_after(12, "nack")],
     )
     .await[0];
     let relay = relay(&table, &rabbit, None)
@@ -1434,13 +1313,9 @@ async fn prometheus_scrapes_the_relay_and_evaluates_the_shipped_rules() {
     insert_states(
         &table,
         &[
-            state_row("order", Some("o-1"), "pending")
-                .created(1000.0)
-                .available_in(3600.0),
-            state_row("order", Some("o-9"), "failed").failed_after(12, "nack"),
-            state_row("order", Some("o-9"), "pending")
-                .created(1000.0)
-                .available_in(-1000.0),
+            state_row("order", Some("o-1"), "pending", 1000.0).available_in(3600.0),
+            state_row("order", Some("o-9"), "failed", 1.0).failed_after(12, "nack"),
+            state_row("order", Some("o-9"), "pending", 1000.0).available_in(-1000.0),
         ],
     )
     .await;

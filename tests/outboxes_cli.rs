@@ -259,11 +259,7 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
         .run(&["dead-letters", "retry", "--id", &fb1.to_string()])
         .await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("1 dead letter(s) set back to pending"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("1 dead letter(s) set back to pending");
     assert_eq!(status_of(b, fb1).await.as_deref(), Some("pending"));
     for (t, id) in [(a, fa1), (a, fa2), (b, fb2)] {
         assert_eq!(status_of(t, id).await.as_deref(), Some("failed"));
@@ -305,11 +301,7 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
         .run(&["dead-letters", "discard", "--all", "--outbox", "alpha"])
         .await;
     assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout.contains("2 dead letter(s) discarded"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("2 dead letter(s) discarded");
     assert_eq!(status_of(a, fa1).await, None);
     assert_eq!(status_of(a, fa2).await, None);
     assert_eq!(status_of(b, fb2).await.as_deref(), Some("failed"));
@@ -392,11 +384,7 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
     // check: one database line per outbox (alpha's table is missing: exit 1, saying so).
     let out = p.run(&["check"]).await;
     assert_eq!(out.status.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
-    assert!(
-        out.stdout.contains("2 outboxes: alpha, beta"),
-        "{}",
-        out.stdout
-    );
+    out.assert_stdout_has("2 outboxes: alpha, beta");
     assert!(
         out.stdout
             .lines()

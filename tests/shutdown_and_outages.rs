@@ -17,8 +17,7 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use common::kafka::{
-    Collector, Placed, Tansu, create_topic, free_port, high_watermarks, id_counts, kafka_relay,
-    topic_name,
+    Collector, Placed, Tansu, create_topic, free_port, id_counts, kafka_relay, topic_name,
 };
 use common::{
     NewRow, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir, TestTable,
@@ -448,8 +447,7 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let high = high_watermarks(&brokers, &topic).await;
-    new_consumer.wait_caught_up(&topic, &high, LONG).await;
+    new_consumer.wait_caught_up(&brokers, &topic, LONG).await;
     let new_records = new_consumer.stop().await;
 
     let rows: HashMap<Uuid, RowState> = table.rows().await.into_iter().map(|r| (r.id, r)).collect();

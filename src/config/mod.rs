@@ -149,7 +149,7 @@ impl Default for RawConfig {
                 poll_interval: dur("1s"),
                 notify: true,
                 lease_timeout: dur("60s"),
-                ordering: "aggregate".into(),
+                ordering: Ordering::Aggregate,
                 source: None,
                 shutdown_timeout: dur("30s"),
             },
@@ -160,7 +160,7 @@ impl Default for RawConfig {
                 jitter: 0.2,
             },
             publisher: RawPublisher {
-                kind: "rabbitmq".into(),
+                kind: PublisherKind::RabbitMq,
                 rabbitmq: RawRabbitMq {
                     url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
                     exchange: "outbox".into(),
@@ -298,13 +298,21 @@ fn describe_figment_error(e: figment::Error) -> String {
         .join("; ")
 }
 
-/// The message of a value outside a serde enum's closed set, as it read when the key was
-/// parsed by hand (`None` for other keys: figment's own message names the choices).
+/// The keys whose values form a closed set read as a serde enum.
+const CLOSED_SETS: [&str; 3] = [
+    "relay.ordering",
+    "publisher.kind",
+    "publisher.rabbitmq.exchange_type",
+];
+
+/// The message of a value outside a serde enum's closed set, naming the key and every choice as
+/// [`choose`] does (`None` for other keys: figment's own message names the choices).
 fn closed_set_error(key: &str, value: &str, expected: &[&str]) -> Option<String> {
-    (key == "publisher.rabbitmq.exchange_type").then(|| {
+    CLOSED_SETS.contains(&key).then(|| {
+        let names: Vec<String> = expected.iter().map(|n| format!("{n:?}")).collect();
         format!(
             "invalid value for {key}: {value:?} is not one of {}",
-            expected.join(", ")
+            names.join(", ")
         )
     })
 }

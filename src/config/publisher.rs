@@ -6,12 +6,13 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, HumanDuration, choose, positive};
+use super::{ConfigError, HumanDuration, positive};
 use crate::redact::redact_url;
 use crate::template::Template;
 
 /// `publisher.kind`: which broker to publish to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PublisherKind {
     /// RabbitMQ via lapin (the default).
     RabbitMq,
@@ -19,15 +20,6 @@ pub enum PublisherKind {
     Kafka,
     /// CloudEvents JSON lines on standard output (development).
     Stdout,
-}
-
-impl PublisherKind {
-    /// Every kind, as written in `publisher.kind`.
-    pub const ALL: [(&'static str, Self); 3] = [
-        ("rabbitmq", Self::RabbitMq),
-        ("kafka", Self::Kafka),
-        ("stdout", Self::Stdout),
-    ];
 }
 
 /// `publisher.rabbitmq.exchange_type`: the AMQP exchange types the relay declares.
@@ -127,7 +119,7 @@ pub struct RawKafka {
 #[serde(deny_unknown_fields)]
 pub struct RawPublisher {
     /// `rabbitmq` (default), `kafka` or `stdout` (JSON lines, for development).
-    pub kind: String,
+    pub kind: PublisherKind,
     /// RabbitMQ settings.
     pub rabbitmq: RawRabbitMq,
     /// Kafka settings.
@@ -206,61 +198,58 @@ impl RawPublisher {
     /// Checks the section of the chosen transport (the others are ignored).
     pub(super) fn validate(self) -> Result<PublisherConfig, ConfigError> {
         let p = self;
-        Ok(
-            match choose("publisher.kind", &p.kind, &PublisherKind::ALL)? {
-                PublisherKind::RabbitMq => {
-                    let q = p.rabbitmq;
-                    if !(q.url.starts_with("amqp://") || q.url.starts_with("amqps://")) {
-                        return Err(ConfigError::invalid(
-                            "publisher.rabbitmq.url",
-                            format!("{} must start with amqp:// or amqps://", redact_url(&q.url)),
-                        ));
-                    }
-                    if q.exchange.len() > 255 {
-                        return Err(ConfigError::invalid(
-                            "publisher.rabbitmq.exchange",
-                            "is longer than 255 bytes",
-                        ));
-                    }
-                    positive("publisher.rabbitmq.confirm_timeout", q.confirm_timeout)?;
-                    let declare_queue = validate_dev_queue(&q)?;
-                    let routing_key = Template::parse(&q.routing_key).map_err(|e| {
-                        ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string())
-                    })?;
-                    PublisherConfig::RabbitMq(RabbitMqConfig {
-                        url: q.url,
-                        exchange: q.exchange,
-                        exchange_type: q.exchange_type.as_str().to_owned(),
-                        declare_exchange: q.declare_exchange,
-                        routing_key,
-                        confirm_timeout: q.confirm_timeout.0,
-                        declare_queue,
-                        queue_binding: q.queue_binding,
-                        cloudevents_prefix: q.cloudevents_prefix,
-                    })
+        Ok(match p.kind {
+            PublisherKind::RabbitMq => {
+                let q = p.rabbitmq;
+                if !(q.url.starts_with("amqp://") || q.url.starts_with("amqps://")) {
+                    return Err(ConfigError::invalid(
+                        "publisher.rabbitmq.url",
+                        format!("{} must start with amqp:// or amqps://", redact_url(&q.url)),
+                    ));
                 }
-                PublisherKind::Kafka => {
-                    let k = p.kafka;
-                    if k.brokers.trim().is_empty() {
-                        return Err(ConfigError::invalid(
-                            "publisher.kafka.brokers",
-                            "must not be empty",
-                        ));
-                    }
-                    positive("publisher.kafka.message_timeout", k.message_timeout)?;
-                    let topic = Template::parse(&k.topic).map_err(|e| {
-                        ConfigError::invalid("publisher.kafka.topic", e.to_string())
-                    })?;
-                    PublisherConfig::Kafka(KafkaConfig {
-                        brokers: k.brokers,
-                        topic,
-                        message_timeout: k.message_timeout.0,
-                        properties: k.properties,
-                    })
+                if q.exchange.len() > 255 {
+                    return Err(ConfigError::invalid(
+                        "publisher.rabbitmq.exchange",
+                        "is longer than 255 bytes",
+                    ));
                 }
-                PublisherKind::Stdout => PublisherConfig::Stdout,
-            },
-        )
+                positive("publisher.rabbitmq.confirm_timeout", q.confirm_timeout)?;
+                let declare_queue = validate_dev_queue(&q)?;
+                let routing_key = Template::parse(&q.routing_key).map_err(|e| {
+                    ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string())
+                })?;
+                PublisherConfig::RabbitMq(RabbitMqConfig {
+                    url: q.url,
+                    exchange: q.exchange,
+                    exchange_type: q.exchange_type.as_str().to_owned(),
+                    declare_exchange: q.declare_exchange,
+                    routing_key,
+                    confirm_timeout: q.confirm_timeout.0,
+                    declare_queue,
+                    queue_binding: q.queue_binding,
+                    cloudevents_prefix: q.cloudevents_prefix,
+                })
+            }
+            PublisherKind::Kafka => {
+                let k = p.kafka;
+                if k.brokers.trim().is_empty() {
+                    return Err(ConfigError::invalid(
+                        "publisher.kafka.brokers",
+                        "must not be empty",
+                    ));
+                }
+                positive("publisher.kafka.message_timeout", k.message_timeout)?;
+                let topic = Template::parse(&k.topic)
+                    .map_err(|e| ConfigError::invalid("publisher.kafka.topic", e.to_string()))?;
+                PublisherConfig::Kafka(KafkaConfig {
+                    brokers: k.brokers,
+                    topic,
+                    message_timeout: k.message_timeout.0,
+                    properties: k.properties,
+                })
+            }
+            PublisherKind::Stdout => PublisherConfig::Stdout,
+        })
     }
 }
 
@@ -418,7 +407,7 @@ mod tests {
         );
         rejects(
             "[publisher.rabbitmq]\nexchange_type = \"x-delayed\"\n",
-            "invalid value for publisher.rabbitmq.exchange_type: \"x-delayed\" is not one of direct, topic, fanout, headers",
+            "invalid value for publisher.rabbitmq.exchange_type: \"x-delayed\" is not one of \"direct\", \"topic\", \"fanout\", \"headers\"",
         );
         let c = load_str("[publisher.rabbitmq]\nexchange_type = \"fanout\"\n", &[]).unwrap();
         let PublisherConfig::RabbitMq(q) = c.publisher else {

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, HumanDuration, TableName, choose, positive};
+use super::{ConfigError, HumanDuration, TableName, positive};
 
 /// `[relay]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -23,15 +23,16 @@ pub struct RawRelay {
     /// Age after which another relay may reclaim a `processing` row (default 60s).
     pub lease_timeout: HumanDuration,
     /// `aggregate` (default) or `none`.
-    pub ordering: String,
+    pub ordering: Ordering,
     /// CloudEvents `source` (default `/outbox/<database>/<table>`).
     pub source: Option<String>,
     /// How long SIGTERM waits for in-flight messages (default 30s).
     pub shutdown_timeout: HumanDuration,
 }
 
-/// How rows of one aggregate are ordered on the broker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How rows of one aggregate are ordered on the broker (`relay.ordering`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Ordering {
     /// Per `(aggregate_type, aggregate_id)`, in `seq` order, one confirmed before the next.
     Aggregate,
@@ -97,11 +98,6 @@ impl RawRelay {
         }
         positive("relay.poll_interval", r.poll_interval)?;
         positive("relay.lease_timeout", r.lease_timeout)?;
-        let ordering = choose(
-            "relay.ordering",
-            &r.ordering,
-            &[("aggregate", Ordering::Aggregate), ("none", Ordering::None)],
-        )?;
         let source = match r.source {
             Some(s) if s.trim().is_empty() => {
                 return Err(ConfigError::invalid("relay.source", "must not be empty"));
@@ -121,7 +117,7 @@ impl RawRelay {
             poll_interval: r.poll_interval.0,
             notify: r.notify,
             lease_timeout: r.lease_timeout.0,
-            ordering,
+            ordering: r.ordering,
             source,
             shutdown_timeout: r.shutdown_timeout.0,
         })

@@ -13,7 +13,7 @@
 //! all of them are complete none of their returns can still be queued — and a message is
 //! `Rejected` exactly when a return carrying its `message_id` was seen. The proof runs in CI:
 //! `returned_messages_share_multiple_acks_and_are_charged_by_message_id` in
-//! `tests/relay_rabbitmq.rs`.
+//! `tests/delivery.rs`.
 //!
 //! When the broker closes a channel (e.g. a message above its `max_message_size`), which of
 //! the messages unconfirmed on it caused that is unknown: each is published again on its own,

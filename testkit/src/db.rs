@@ -482,6 +482,11 @@ impl TestTable {
         self.insert(rows).await.into_iter().map(|r| r.id).collect()
     }
 
+    /// Inserts one row; its id.
+    pub async fn insert_one(&self, row: NewRow) -> Uuid {
+        self.insert(&[row]).await[0].id
+    }
+
     /// Turns the `payload` column into `bytea` (do it before the relay starts: it detects the
     /// column type once, at start).
     pub async fn make_payload_bytea(&self) {

@@ -2,7 +2,7 @@
 //! consumer, and a TLS-terminating front for Kafka SSL tests (tansu 0.6 parses `--cert/--key`
 //! but serves plaintext only, so TLS is added in front of it, as a load balancer would).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -22,7 +22,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 pub use crate::free_port;
-use crate::{RelayBuilder, TestTable, hex8, wait_until};
+use crate::{RelayBuilder, RelayProcess, TestTable, hex8, wait_until};
 
 /// The shared broker.
 pub const KAFKA: &str = "127.0.0.1:9092";
@@ -300,9 +300,10 @@ impl Collector {
         self.records.lock().unwrap().clone()
     }
 
-    /// Waits until the consumer has read every record below `high` (per partition of `topic`):
-    /// everything the broker held when `high` was taken has then been received.
-    pub async fn wait_caught_up(&self, topic: &str, high: &[i64], timeout: Duration) {
+    /// Takes the high watermarks of `topic` on `broker` and waits until the consumer has read
+    /// every record below them: everything the broker held at that moment has been received.
+    pub async fn wait_caught_up(&self, broker: &str, topic: &str, timeout: Duration) {
+        let high = &high_watermarks(broker, topic).await;
         wait_until(
             timeout,
             &format!("the test consumer reads {topic} up to {high:?}"),
@@ -363,6 +364,32 @@ pub fn id_counts(records: &[Record]) -> HashMap<Uuid, usize> {
         *out.entry(id).or_insert(0) += 1;
     }
     out
+}
+
+/// Asserts that `records` carry each of `want` exactly once and no other row (`what` names
+/// them in the failure).
+pub fn assert_each_once(what: &str, records: &[Record], want: &[Uuid]) {
+    let counts = id_counts(records);
+    let want: HashSet<Uuid> = want.iter().copied().collect();
+    assert_eq!(
+        counts.keys().copied().collect::<HashSet<_>>(),
+        want,
+        "{what}"
+    );
+    assert!(
+        counts.values().all(|n| *n == 1),
+        "{what}: duplicates: {counts:?}"
+    );
+}
+
+/// Stops `relay` (asserting a clean exit, see [`RelayProcess::stop`]), deletes `topics` and
+/// drops `table`: the end of most Kafka tests.
+pub async fn finish_topics(relay: RelayProcess, table: TestTable, topics: &[&str]) {
+    relay.stop().await;
+    for t in topics {
+        delete_topic(t).await;
+    }
+    table.drop_table().await;
 }
 
 /// A private tansu broker with memory storage, killed when dropped.

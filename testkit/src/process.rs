@@ -86,6 +86,13 @@ pub struct CmdOutput {
     pub stderr: String,
 }
 
+impl CmdOutput {
+    /// Asserts that stdout contains `needle` (the failure shows stdout).
+    pub fn assert_stdout_has(&self, needle: &str) {
+        assert!(self.stdout.contains(needle), "{}", self.stdout);
+    }
+}
+
 impl RelayBuilder {
     /// No configuration at all besides plain logs.
     pub fn bare(label: &str) -> Self {

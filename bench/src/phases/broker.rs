@@ -6,6 +6,7 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
+use outbox_relay::config::{Ordering, PublisherKind};
 use outbox_relay::message::{OutboxMessage, PayloadKind};
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{Outcome, Publisher};
@@ -164,14 +165,14 @@ async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]
         ),
     };
     let cfg = ctx.config("bench_unused", |raw| {
-        raw.relay.ordering = "none".into();
+        raw.relay.ordering = Ordering::None;
         match broker {
             Broker::RabbitMq => {
-                raw.publisher.kind = "rabbitmq".into();
+                raw.publisher.kind = PublisherKind::RabbitMq;
                 raw.publisher.rabbitmq.exchange = target.clone();
             }
             Broker::Kafka => {
-                raw.publisher.kind = "kafka".into();
+                raw.publisher.kind = PublisherKind::Kafka;
                 raw.publisher.kafka.topic = target.clone();
             }
         }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, anyhow, bail};
 use async_trait::async_trait;
 use outbox_relay::PublisherFactory;
-use outbox_relay::config::TableName;
+use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::message::OutboxMessage;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
@@ -19,7 +19,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{cpu_per_100k, cpu_text, rate};
 use crate::Ctx;
-use crate::util::{CpuSample, avg_payload_bytes, fill, verify_sent, wait_drained};
+use crate::util::{CpuSample, CpuUsage, avg_payload_bytes, fill, verify_sent, wait_drained};
 
 /// A publisher that confirms everything at once: the relay's database path alone.
 struct NoopPublisher;
@@ -57,7 +57,7 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     let bytes = avg_payload_bytes(&ctx.pg, &table).await?;
     ctx.report
         .detail("payload_bytes_as_sent", json!(bytes.round()));
-    let config = ctx.config(&table, |raw| raw.relay.ordering = "none".into())?;
+    let config = ctx.config(&table, |raw| raw.relay.ordering = Ordering::None)?;
     let batch = config.relay.batch_size;
     let token = CancellationToken::new();
     let _stop_on_drop = token.clone().drop_guard();
@@ -88,20 +88,9 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     }
     ctx.check(sentinel).await?;
     waited?;
-    verify_sent(&ctx.pg, &table, ctx.rows).await?;
-
-    let r = rate(ctx.rows, elapsed);
-    ctx.progress(format!(
-        "db: {r:.0} rows/s in {elapsed:.2?}; {}",
-        cpu_text(&usage)
-    ));
-    ctx.report.figure(
-        "1 db ceiling",
-        "db_ceiling_rows_per_s",
-        &format!("claim+settle, no-op publisher, batch {batch}, ordering none"),
-        r,
-        "rows/s",
-    );
+    let label = format!("claim+settle, no-op publisher, batch {batch}, ordering none");
+    let drained = (elapsed, &usage);
+    drained_figure(ctx, &table, "db:", drained, "db_ceiling_rows_per_s", &label).await?;
     // The relay loop runs inside the bench process here.
     if let Some(cpu) = cpu_per_100k(&usage, "bench", elapsed, ctx.rows) {
         ctx.report.figure(
@@ -117,6 +106,27 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
     );
     pgbench_ceiling(ctx, batch).await
+}
+
+/// Checks that every row of `table` was sent, then reports the rate of a drain that took
+/// `elapsed` and used `usage`: a progress line (`what` ahead of the rate) and the figure `key`
+/// (labelled `label`, in rows/s) of the database ceiling.
+async fn drained_figure(
+    ctx: &mut Ctx,
+    table: &str,
+    what: &str,
+    (elapsed, usage): (Duration, &CpuUsage),
+    key: &str,
+    label: &str,
+) -> Result<()> {
+    verify_sent(&ctx.pg, table, ctx.rows).await?;
+    let r = rate(ctx.rows, elapsed);
+    ctx.progress(format!(
+        "{what} {r:.0} rows/s in {elapsed:.2?}; {}",
+        cpu_text(usage)
+    ));
+    ctx.report.figure("1 db ceiling", key, label, r, "rows/s");
+    Ok(())
 }
 
 /// pgbench clients replaying the relay's hot path.
@@ -177,21 +187,19 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize) -> Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    verify_sent(&ctx.pg, &table, ctx.rows).await?;
-    let r = rate(ctx.rows, elapsed);
-    ctx.progress(format!(
-        "db: pgbench {r:.0} rows/s in {elapsed:.2?}; {}",
-        cpu_text(&usage)
-    ));
-    ctx.report.figure(
-        "1 db ceiling",
-        "pgbench_claim_mark_rows_per_s",
-        &format!(
-            "pgbench: the relay's claim (batch {batch}) + mark sent, {PGBENCH_CLIENTS} clients"
-        ),
-        r,
-        "rows/s",
+    let label = format!(
+        "pgbench: the relay's claim (batch {batch}) + mark sent, {PGBENCH_CLIENTS} clients"
     );
+    let drained = (elapsed, &usage);
+    drained_figure(
+        ctx,
+        &table,
+        "db: pgbench",
+        drained,
+        "pgbench_claim_mark_rows_per_s",
+        &label,
+    )
+    .await?;
     ctx.report.detail(
         "pgbench_claim_mark",
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage,
