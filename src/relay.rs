@@ -26,7 +26,7 @@ use crate::message::OutboxMessage;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
-use crate::store::{Expired, Failure, Store, StoreError};
+use crate::store::{Expired, ExpirySweep, Failure, Store, StoreError};
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
@@ -50,6 +50,12 @@ const LINGER: Duration = Duration::from_millis(500);
 const LINGER_FIRST_STEP: Duration = Duration::from_millis(2);
 /// The longest delay between polls while lingering.
 const LINGER_LAST_STEP: Duration = Duration::from_millis(50);
+
+/// How often a claim also sweeps expired rows (`expires_at` passed). Claims never take such
+/// rows, so the sweep only marks them (and, with ordering `aggregate`, lets the rest of their
+/// aggregate go): a relay claiming every few milliseconds, or twenty idle outboxes polling,
+/// need not run it every time.
+const EXPIRY_SWEEP_EVERY: Duration = Duration::from_secs(2);
 
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
@@ -380,6 +386,8 @@ struct Dispatch<'a> {
     // When a claim last found rows, and the next delay while lingering (see `LINGER`).
     last_found: Option<Instant>,
     linger_step: Duration,
+    // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
+    next_sweep: Instant,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -415,6 +423,7 @@ impl<'a> Dispatch<'a> {
             broker_up: false,
             last_found: None,
             linger_step: LINGER_FIRST_STEP,
+            next_sweep: Instant::now(),
         }
     }
 
@@ -577,8 +586,9 @@ impl<'a> Dispatch<'a> {
         Ok(None)
     }
 
-    /// Expires overdue rows and claims up to the window taken, then publishes the batch in a
-    /// task of its own, giving back the part of the window it did not use.
+    /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`) and claims up to the window taken,
+    /// then publishes the batch in a task of its own, giving back the part of the window it
+    /// did not use.
     async fn claim(&mut self, mark: i64, permit: Permit) -> Step<Claimed> {
         let relay = self.relay;
         let settings = &relay.settings;
@@ -587,17 +597,24 @@ impl<'a> Dispatch<'a> {
         }
         let limit = permit.num_permits();
         let held_nothing = relay.held.is_empty();
+        let now = Instant::now();
+        let sweep = if now < self.next_sweep {
+            ExpirySweep::Skip
+        } else if settings.delete_on_confirm {
+            ExpirySweep::Delete
+        } else {
+            ExpirySweep::Mark
+        };
         let claimed = relay
             .store
-            .claim_and_expire(
-                settings.relay.ordering,
-                limit,
-                mark,
-                settings.delete_on_confirm,
-            )
+            .claim_and_expire(settings.relay.ordering, limit, mark, sweep)
             .await;
         let rows = match claimed {
             Ok(claim) => {
+                if sweep != ExpirySweep::Skip && claim.expired.len() < limit {
+                    // A full sweep may have left more: sweep again next round.
+                    self.next_sweep = now + EXPIRY_SWEEP_EVERY;
+                }
                 record_expired(&relay.metrics, &claim.expired);
                 claim.rows
             }

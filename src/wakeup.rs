@@ -125,7 +125,10 @@ impl Waiter {
             return Idle::Sleep(jittered_poll);
         }
         let alive = |at: Instant| now.duration_since(at) < self.lifetime;
-        let fresh = |at: Instant| now.duration_since(at) < self.lifetime / 3;
+        // Renewed once half its life is gone: a poll (jittered up to 1.1 × the interval) later
+        // it still has 0.4 × the interval + 1 s to live (and a record that lapsed costs at
+        // most one poll's delay: it is published again).
+        let fresh = |at: Instant| now.duration_since(at) < self.lifetime / 2;
         match self.state {
             State::Armed { pid: p, at } if p == pid && fresh(at) => Idle::Sleep(jittered_poll),
             State::Armed { pid: p, at } if p == pid && alive(at) => {
@@ -207,8 +210,14 @@ mod tests {
     #[test]
     fn lifetime_outlives_renewal() {
         let poll = Duration::from_secs(1);
-        // Renewed after a third of it: at least two polls of margin.
-        assert!(lifetime(poll) / 3 < lifetime(poll) - poll * 2);
+        // Renewed after half of it: a late (jittered) poll still finds it alive, by a second.
+        for poll in [poll, Duration::from_millis(200), Duration::from_secs(30)] {
+            let renewed_by = lifetime(poll) / 2 + poll.mul_f64(1.1);
+            assert!(
+                renewed_by + Duration::from_secs(1) <= lifetime(poll),
+                "{poll:?}"
+            );
+        }
         assert_eq!(
             lifetime(Duration::from_millis(200)),
             Duration::from_millis(2600)

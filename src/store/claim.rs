@@ -54,6 +54,19 @@ pub struct Expired {
     pub aggregate_type: String,
 }
 
+/// What a claim round does with pending rows past their `expires_at`. Claims never take such
+/// rows; the sweep is what marks (or deletes) them and counts them, and with ordering
+/// `aggregate` what stops them holding back the rest of their aggregate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpirySweep {
+    /// No sweep this round (one ran moments ago).
+    Skip,
+    /// Mark them `expired`.
+    Mark,
+    /// Delete them (retention 0).
+    Delete,
+}
+
 /// What one claim round did: rows to publish, and rows that expired instead.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Claim {
@@ -334,13 +347,13 @@ impl Store {
         watermark: i64,
     ) -> Result<Vec<OutboxMessage>> {
         Ok(self
-            .claim_and_expire(ordering, limit, watermark, false)
+            .claim_and_expire(ordering, limit, watermark, ExpirySweep::Mark)
             .await?
             .rows)
     }
 
-    /// Expires pending rows past their deadline (up to `limit`; deleted instead when
-    /// `delete_expired`, retention 0), then claims up to `limit` ready rows. With
+    /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
+    /// up to `limit` ready rows. With
     /// [`Ordering::Aggregate`], only rows at or below `watermark` (for rows with an aggregate
     /// id) whose earlier open rows all come along.
     ///
@@ -353,37 +366,35 @@ impl Store {
         ordering: Ordering,
         limit: usize,
         watermark: i64,
-        delete_expired: bool,
+        sweep: ExpirySweep,
     ) -> Result<Claim> {
         let client = self.client().await?;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let expire = client
-            .prepare_cached(if delete_expired {
-                &self.q.claim.expire_delete
-            } else {
-                &self.q.claim.expire
-            })
-            .await?;
+        let expire = match sweep {
+            ExpirySweep::Skip => None,
+            ExpirySweep::Mark => Some(client.prepare_cached(&self.q.claim.expire).await?),
+            ExpirySweep::Delete => Some(client.prepare_cached(&self.q.claim.expire_delete).await?),
+        };
         let expire_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
+        let expire = async {
+            match &expire {
+                Some(stmt) => client.query(stmt, &expire_params).await,
+                None => Ok(Vec::new()),
+            }
+        };
         let (expired, rows) = match ordering {
             Ordering::None => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_none).await?;
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
                     [&limit, &self.instance_id];
-                tokio::join!(
-                    client.query(&expire, &expire_params),
-                    client.query(&stmt, &params)
-                )
+                tokio::join!(expire, client.query(&stmt, &params))
             }
             Ordering::Aggregate => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
                 let scan = limit.saturating_mul(4).max(1000);
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
                     [&limit, &self.instance_id, &watermark, &scan];
-                tokio::join!(
-                    client.query(&expire, &expire_params),
-                    client.query(&stmt, &params)
-                )
+                tokio::join!(expire, client.query(&stmt, &params))
             }
         };
         let expired = expired?

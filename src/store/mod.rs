@@ -19,7 +19,9 @@ mod operator;
 pub mod schema;
 mod waiting;
 
-pub use claim::{Claim, Expired, FailOutcome, Failure, HotPathSql, WriterSnapshot, hot_path_sql};
+pub use claim::{
+    Claim, Expired, ExpirySweep, FailOutcome, Failure, HotPathSql, WriterSnapshot, hot_path_sql,
+};
 pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
 pub use maintenance::TableHealth;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
