@@ -72,7 +72,9 @@ async fn measure_idle(table: &TestTable, rabbit: &RabbitFixture, tries: usize) -
     let db = pg_connect().await;
     let mut lat = Vec::with_capacity(tries);
     for i in 0..tries {
-        tokio::time::sleep(Duration::from_millis(30)).await;
+        // Idle: past the relay's linger (200 ms after its last rows), so it waits for a
+        // NOTIFY rather than polling on a short delay.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let row = NewRow::new("latency", Some("idle"), "tick", json!({ "i": i }));
         let id = insert_rows(&db, &table.name, &[row]).await[0].id;
         let committed = Instant::now();

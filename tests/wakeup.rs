@@ -120,9 +120,9 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_busy_one_costs_no_notify() 
     // latency target itself is measured alone in tests/latency.rs).
     let mut slowest = Duration::ZERO;
     for i in 0..15 {
-        // Let the relay settle the previous row, linger (half a second after its last rows)
-        // and record that it waits again.
-        tokio::time::sleep(Duration::from_millis(600)).await;
+        // Let the relay settle the previous row, linger (200 ms after its last rows) and
+        // record that it waits again.
+        tokio::time::sleep(Duration::from_millis(300)).await;
         wait_for_waiter(&table, "wake-idle").await;
         let id = insert_rows(&db, &table.name, &[row(i)]).await[0].id;
         let committed = Instant::now();
