@@ -560,7 +560,8 @@ impl CpuSample {
                 *other.entry(name).or_default() += used;
             }
         }
-        let round = |v: f64| (v * 100.0).round() / 100.0;
+        // Four decimals: an idle relay uses well under 0.01 of a core.
+        let round = |v: f64| (v * 10_000.0).round() / 10_000.0;
         for v in cores.values_mut() {
             *v = round(*v);
         }
