@@ -52,11 +52,14 @@ const LINGER_FIRST_STEP: Duration = Duration::from_millis(2);
 /// The longest delay between polls while lingering.
 const LINGER_LAST_STEP: Duration = Duration::from_millis(10);
 
-/// How often a claim also sweeps expired rows (`expires_at` passed). Claims never take such
-/// rows, so the sweep only marks them (and, with ordering `aggregate`, lets the rest of their
-/// aggregate go): a relay claiming every few milliseconds, or twenty idle outboxes polling,
-/// need not run it every time.
+/// How often a claim also sweeps expired rows (`expires_at` passed) while rows flow. Claims
+/// never take such rows, so the sweep only marks them (and, with ordering `aggregate`, lets
+/// the rest of their aggregate go): a relay claiming every few milliseconds, or twenty idle
+/// outboxes polling, need not run it every time.
 const EXPIRY_SWEEP_EVERY: Duration = Duration::from_secs(2);
+/// How often the sweep runs while the outbox is idle (its last claim found nothing and
+/// nothing was in flight).
+const EXPIRY_SWEEP_IDLE: Duration = Duration::from_secs(5);
 
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
@@ -587,7 +590,7 @@ impl<'a> Dispatch<'a> {
         Ok(None)
     }
 
-    /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`) and claims up to the window taken,
+    /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`, or `EXPIRY_SWEEP_IDLE`) and claims up to the window taken,
     /// then publishes the batch in a task of its own, giving back the part of the window it
     /// did not use.
     async fn claim(&mut self, mark: i64, permit: Permit) -> Step<Claimed> {
@@ -614,7 +617,13 @@ impl<'a> Dispatch<'a> {
             Ok(claim) => {
                 if sweep != ExpirySweep::Skip && claim.expired.len() < limit {
                     // A full sweep may have left more: sweep again next round.
-                    self.next_sweep = now + EXPIRY_SWEEP_EVERY;
+                    let flowing = !claim.rows.is_empty() || !held_nothing;
+                    self.next_sweep = now
+                        + if flowing {
+                            EXPIRY_SWEEP_EVERY
+                        } else {
+                            EXPIRY_SWEEP_IDLE
+                        };
                 }
                 record_expired(&relay.metrics, &claim.expired);
                 claim.rows

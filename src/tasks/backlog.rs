@@ -11,17 +11,22 @@ use crate::telemetry::OutboxMetrics;
 
 /// How often the gauges are refreshed.
 const EVERY: Duration = Duration::from_secs(5);
+/// Every how many refreshes the records of dead relays are deleted (30 s).
+const CLEAN_WAITERS_EVERY: u32 = 6;
 
 /// Refreshes the backlog gauges every 5 s (`EVERY`), and deletes the waiting records of relays
-/// that died (`clean_waiters`: the table has the wake-up of schema version 3).
+/// that died every 30 s (`clean_waiters`: the table has the wake-up of schema version 3).
 pub async fn backlog_loop(
     store: Store,
     metrics: OutboxMetrics,
     clean_waiters: bool,
     shutdown: CancellationToken,
 ) {
+    let mut round = 0u32;
     loop {
-        if clean_waiters {
+        // At start, then every 30 s: a dead relay's record stops costing NOTIFYs on its own
+        // once its `alive_until` passes; deleting it only tidies up.
+        if clean_waiters && round.is_multiple_of(CLEAN_WAITERS_EVERY) {
             match store.clean_waiters().await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(
@@ -38,6 +43,7 @@ pub async fn backlog_loop(
             }
             Err(e) => tracing::warn!(error = %e, "backlog gauges not refreshed"),
         }
+        round = round.wrapping_add(1);
         tokio::select! {
             () = tokio::time::sleep(EVERY) => {}
             () = shutdown.cancelled() => return,
