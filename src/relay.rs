@@ -41,17 +41,6 @@ fn suspect_check_period(lease_timeout: Duration) -> Duration {
     (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
 }
 
-/// How long after its last rows a relay with the wake-up keeps polling on a short, doubling
-/// delay before it publishes that it waits. A steady writer's next row comes within this, so
-/// the relay that keeps up with it is never marked waiting, and the application's commits pay
-/// no NOTIFY (each would take PostgreSQL's commit-wide notify lock). About 20 empty claims
-/// per linger; a row that comes meanwhile waits at most `LINGER_LAST_STEP` for its claim.
-const LINGER: Duration = Duration::from_millis(200);
-/// The first delay between polls while lingering: a few commits at a moderate rate.
-const LINGER_FIRST_STEP: Duration = Duration::from_millis(2);
-/// The longest delay between polls while lingering.
-const LINGER_LAST_STEP: Duration = Duration::from_millis(10);
-
 /// How often a claim also sweeps expired rows (`expires_at` passed) while rows flow. Claims
 /// never take such rows, so the sweep only marks them (and, with ordering `aggregate`, lets
 /// the rest of their aggregate go): a relay claiming every few milliseconds, or twenty idle
@@ -387,9 +376,6 @@ struct Dispatch<'a> {
     // Whether the broker was connected when last looked at: a drop from true is a lost
     // connection, counted once however many rows (none, when idle) were in flight.
     broker_up: bool,
-    // When a claim last found rows, and the next delay while lingering (see `LINGER`).
-    last_found: Option<Instant>,
-    linger_step: Duration,
     // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
     next_sweep: Instant,
 }
@@ -425,8 +411,6 @@ impl<'a> Dispatch<'a> {
             backlog: false,
             refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
             broker_up: false,
-            last_found: None,
-            linger_step: LINGER_FIRST_STEP,
             next_sweep: Instant::now(),
         }
     }
@@ -559,8 +543,7 @@ impl<'a> Dispatch<'a> {
         }
         match self.relay.store.suspects_waiting(mark).await {
             Ok(false) => {
-                self.next_suspect_check =
-                    Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
+                self.suspects_checked();
                 return Ok(Some(permit));
             }
             Ok(true) => drop(permit),
@@ -579,8 +562,7 @@ impl<'a> Dispatch<'a> {
             Ok(None) => {
                 // Another relay took it meanwhile.
                 drop(window);
-                self.next_suspect_check =
-                    Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
+                self.suspects_checked();
             }
             Err(e) => {
                 drop(window);
@@ -588,6 +570,12 @@ impl<'a> Dispatch<'a> {
             }
         }
         Ok(None)
+    }
+
+    /// No suspect waits: look again after `suspect_check_period`.
+    fn suspects_checked(&mut self) {
+        self.next_suspect_check =
+            Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
     }
 
     /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`, or `EXPIRY_SWEEP_IDLE`) and claims up to the window taken,
@@ -613,20 +601,13 @@ impl<'a> Dispatch<'a> {
             .store
             .claim_and_expire(settings.relay.ordering, limit, mark, sweep)
             .await;
-        let rows = match claimed {
+        // `swept_all`: a sweep ran and was not full (a full one may have left more: then sweep
+        // again next round).
+        let (rows, swept_all) = match claimed {
             Ok(claim) => {
-                if sweep != ExpirySweep::Skip && claim.expired.len() < limit {
-                    // A full sweep may have left more: sweep again next round.
-                    let flowing = !claim.rows.is_empty() || !held_nothing;
-                    self.next_sweep = now
-                        + if flowing {
-                            EXPIRY_SWEEP_EVERY
-                        } else {
-                            EXPIRY_SWEEP_IDLE
-                        };
-                }
                 record_expired(&relay.metrics, &claim.expired);
-                claim.rows
+                let swept_all = sweep != ExpirySweep::Skip && claim.expired.len() < limit;
+                (claim.rows, swept_all)
             }
             Err(e) => {
                 drop(permit);
@@ -643,13 +624,19 @@ impl<'a> Dispatch<'a> {
         // claim ran may not be in its snapshot, and its settle wakes the loop anyway): the
         // relay is idle.
         let idle = rows.is_empty() && held_nothing;
+        if swept_all {
+            self.next_sweep = now
+                + if idle {
+                    EXPIRY_SWEEP_IDLE
+                } else {
+                    EXPIRY_SWEEP_EVERY
+                };
+        }
         let found = !rows.is_empty();
         if found {
             // Idle polls are not claims: recording them would bury the batch sizes in zeros.
             relay.metrics.claimed(rows.len());
             relay.lane.found_work();
-            self.last_found = Some(Instant::now());
-            self.linger_step = LINGER_FIRST_STEP;
             let mut permit = permit;
             if !full {
                 // Give back the part of the window the claim did not use.
@@ -660,14 +647,14 @@ impl<'a> Dispatch<'a> {
             relay.launch(rows, permit, self.hard_stop, self.batches);
         }
         if let Some(w) = self.waiter.as_mut().filter(|_| found) {
-            w.busy().await;
+            w.found_rows().await;
         }
         Ok(Claimed { full, idle })
     }
 
     /// When nothing more is ready, waits for a NOTIFY, a finished batch, or the poll
     /// (jittered; short while the ordering guard holds rows back). An idle relay with a
-    /// waiter first lingers (`LINGER`), then publishes that it waits.
+    /// waiter first lingers, then publishes that it waits (see [`Waiter::idle`]).
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
         if claimed.full {
             return Ok(());
@@ -678,13 +665,7 @@ impl<'a> Dispatch<'a> {
         } else {
             poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
         };
-        let lingering = self.last_found.is_some_and(|t| t.elapsed() < LINGER);
         let poll = match self.waiter.as_mut() {
-            Some(_) if claimed.idle && lingering => {
-                let step = self.linger_step.min(poll);
-                self.linger_step = (step * 2).min(LINGER_LAST_STEP);
-                step
-            }
             // Also while the ordering guard holds rows back: the commit of the writer it
             // waits for must wake the relay.
             Some(w) if claimed.idle => match w.idle(poll).await {

@@ -1,7 +1,9 @@
 //! The relay's side of the wake-up (schema version 3): an idle relay records in
 //! `<table>_waiters` that it waits, and the insert trigger NOTIFYs only while such a record is
 //! alive, once per transaction. A busy relay has no record, so the application's commits pay no
-//! NOTIFY (PostgreSQL serialises the commits of notifying transactions).
+//! NOTIFY (PostgreSQL serialises the commits of notifying transactions). Nor does one that
+//! found rows less than `LINGER` ago: it keeps claiming on a short delay instead, so a relay
+//! keeping up with a steady writer never publishes its record.
 //!
 //! The race between the relay's last empty claim and its sleep is closed in two steps: the
 //! relay first publishes its record, then checks that no transaction which might have passed its
@@ -31,6 +33,17 @@ const FIRST_RECHECK: Duration = Duration::from_millis(2);
 /// Longest delay between rechecks. A transaction in READ COMMITTED that is still in its body
 /// will see the record at commit and notify; rechecks only catch the rare one that cannot.
 const LAST_RECHECK: Duration = Duration::from_millis(250);
+
+/// How long after its last rows the relay keeps claiming on a short, doubling delay before it
+/// publishes its record. A steady writer's next row comes within this, so the relay that keeps
+/// up with it is never marked waiting, and the application's commits pay no NOTIFY (each would
+/// take PostgreSQL's commit-wide notify lock). About 20 empty claims per linger; a row that
+/// comes meanwhile waits at most `LINGER_LAST_STEP` for its claim.
+const LINGER: Duration = Duration::from_millis(200);
+/// The first delay between claims while lingering: a few commits at a moderate rate.
+const LINGER_FIRST_STEP: Duration = Duration::from_millis(2);
+/// The longest delay between claims while lingering.
+const LINGER_LAST_STEP: Duration = Duration::from_millis(10);
 
 /// What the loop should do after an empty claim with nothing in flight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +81,10 @@ pub struct Waiter {
     // costing NOTIFYs within seconds, while a live one renews it every few polls.
     lifetime: Duration,
     state: State,
+    /// When a claim last found rows ([`Waiter::found_rows`]), and the next delay while
+    /// lingering.
+    last_busy: Option<Instant>,
+    linger_step: Duration,
 }
 
 impl Waiter {
@@ -80,6 +97,8 @@ impl Waiter {
             poll,
             lifetime: lifetime(poll),
             state: State::Busy,
+            last_busy: None,
+            linger_step: LINGER_FIRST_STEP,
         }
     }
 
@@ -101,7 +120,15 @@ impl Waiter {
         }
     }
 
-    /// The claim found rows: drop the record so that inserts stop notifying.
+    /// The claim found rows: drop the record ([`Waiter::busy`]), and linger after the last
+    /// rows before publishing it again.
+    pub async fn found_rows(&mut self) {
+        self.last_busy = Some(Instant::now());
+        self.linger_step = LINGER_FIRST_STEP;
+        self.busy().await;
+    }
+
+    /// Drops the record so that inserts stop notifying.
     pub async fn busy(&mut self) {
         if self.state == State::Busy {
             return;
@@ -114,11 +141,20 @@ impl Waiter {
         }
     }
 
-    /// The claim found nothing and nothing is in flight: publish or renew the record, and say
-    /// whether to claim again or how long to sleep. `jittered_poll` is the normal idle wait.
+    /// The claim found nothing and nothing is in flight: within `LINGER` of the last rows,
+    /// sleep a short step; otherwise publish or renew the record. Says whether to claim again
+    /// or how long to sleep. `jittered_poll` is the normal idle wait.
     pub async fn idle(&mut self, jittered_poll: Duration) -> Idle {
-        let pid = self.listener.load(Ordering::Acquire);
         let now = Instant::now();
+        if self
+            .last_busy
+            .is_some_and(|t| now.duration_since(t) < LINGER)
+        {
+            let step = self.linger_step.min(jittered_poll);
+            self.linger_step = (step * 2).min(LINGER_LAST_STEP);
+            return Idle::Sleep(step);
+        }
+        let pid = self.listener.load(Ordering::Acquire);
         if pid == 0 {
             // Not listening: a record would only make inserts notify for nothing.
             self.busy().await;
