@@ -654,7 +654,9 @@ impl<'a> Dispatch<'a> {
 
     /// When nothing more is ready, waits for a NOTIFY, a finished batch, or the poll
     /// (jittered; short while the ordering guard holds rows back). An idle relay with a
-    /// waiter first lingers, then publishes that it waits (see [`Waiter::idle`]).
+    /// waiter first lingers, then publishes that it waits (see [`Waiter::idle`]); while rows
+    /// flow it claims again on a short step even with batches in flight
+    /// ([`Waiter::in_flight`]).
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
         if claimed.full {
             return Ok(());
@@ -672,7 +674,9 @@ impl<'a> Dispatch<'a> {
                 Idle::Recheck => return Ok(()),
                 Idle::Sleep(d) => d,
             },
-            _ => poll,
+            // Rows flow: claim again soon rather than after this batch's confirms.
+            Some(w) => w.in_flight(poll),
+            None => poll,
         };
         tokio::select! {
             () = self.relay.wake.notified() => {}
