@@ -137,6 +137,9 @@ pub struct Backlog {
 #[derive(Debug, Clone)]
 pub struct OutboxMetrics {
     outbox: metrics::SharedString,
+    // Rows claimed since start (clones share it): the background tasks read it to tell an
+    // outbox with traffic from an idle one.
+    claimed: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl OutboxMetrics {
@@ -145,6 +148,7 @@ impl OutboxMetrics {
     pub fn new(name: &str) -> Self {
         let m = Self {
             outbox: metrics::SharedString::from(name.to_owned()),
+            claimed: std::sync::Arc::default(),
         };
         let o = m.label();
         metrics::counter!(names::PUBLISH_FAILURES, "outbox" => o.clone(), "kind" => "message")
@@ -208,7 +212,14 @@ impl OutboxMetrics {
 
     /// A claim returned `n` rows.
     pub fn claimed(&self, n: usize) {
+        self.claimed
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         metrics::histogram!(names::CLAIM_BATCH_SIZE, "outbox" => self.label()).record(n as f64);
+    }
+
+    /// Rows this outbox's loop has claimed since start.
+    pub fn rows_claimed(&self) -> u64 {
+        self.claimed.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The ordering guard's current hold-back.

@@ -1,21 +1,25 @@
 //! The backlog gauges (`outbox_pending_messages`, ages, dead letters, blocked aggregates),
-//! refreshed every few seconds, and the removal of waiting records left by relays that died
-//! (which would otherwise make every insert NOTIFY for nothing).
+//! refreshed every few seconds while the outbox has rows (every 30 s while it is empty and
+//! idle), and the removal of waiting records left by relays that died (which would otherwise
+//! make every insert NOTIFY for nothing).
 
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::Pace;
 use crate::store::Store;
 use crate::telemetry::OutboxMetrics;
 
-/// How often the gauges are refreshed.
+/// How often the gauges are refreshed while the outbox has rows pending or claimed.
 const EVERY: Duration = Duration::from_secs(5);
-/// Every how many refreshes the records of dead relays are deleted (30 s).
+/// Every how many rounds the records of dead relays are deleted (30 s).
 const CLEAN_WAITERS_EVERY: u32 = 6;
 
-/// Refreshes the backlog gauges every 5 s (`EVERY`), and deletes the waiting records of relays
-/// that died every 30 s (`clean_waiters`: the table has the wake-up of schema version 3).
+/// Refreshes the backlog gauges every 5 s (`EVERY`) while rows are pending or were claimed
+/// since the last refresh, else every [`super::IDLE_EVERY`] (an empty, idle outbox's gauges do
+/// not change until rows come); deletes the waiting records of relays that died every 30 s
+/// (`clean_waiters`: the table has the wake-up of schema version 3).
 pub async fn backlog_loop(
     store: Store,
     metrics: OutboxMetrics,
@@ -23,6 +27,9 @@ pub async fn backlog_loop(
     shutdown: CancellationToken,
 ) {
     let mut round = 0u32;
+    let mut pace = Pace::new(metrics.clone());
+    // Whether the last refresh found rows pending (or failed): keep refreshing every round.
+    let mut watching = true;
     loop {
         // At start, then every 30 s: a dead relay's record stops costing NOTIFYs on its own
         // once its `alive_until` passes; deleting it only tidies up.
@@ -36,12 +43,21 @@ pub async fn backlog_loop(
                 Err(e) => tracing::debug!(error = %e, "stale waiting records not cleaned"),
             }
         }
-        match store.backlog().await {
-            Ok(b) => metrics.backlog(&b),
-            Err(e) if e.is_connection() => {
-                tracing::debug!(error = %e, "backlog gauges not refreshed")
+        if pace.due(watching, std::time::Instant::now()) {
+            match store.backlog().await {
+                Ok(b) => {
+                    metrics.backlog(&b);
+                    watching = b.ready > 0 || b.waiting > 0;
+                }
+                Err(e) if e.is_connection() => {
+                    watching = true;
+                    tracing::debug!(error = %e, "backlog gauges not refreshed");
+                }
+                Err(e) => {
+                    watching = true;
+                    tracing::warn!(error = %e, "backlog gauges not refreshed");
+                }
             }
-            Err(e) => tracing::warn!(error = %e, "backlog gauges not refreshed"),
         }
         round = round.wrapping_add(1);
         tokio::select! {

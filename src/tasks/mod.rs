@@ -7,7 +7,8 @@
 //! - [`vacuum`]: vacuuming the table when autovacuum does not keep up.
 //!
 //! They run under names on one [`Tasks`] tracker; at shutdown [`Tasks::stop`] cancels them,
-//! waits up to a deadline and names the ones that did not stop.
+//! waits up to a deadline and names the ones that did not stop. The backlog and vacuum checks
+//! slow down while their outbox is idle ([`Pace`]).
 
 pub mod backlog;
 pub mod cleanup;
@@ -17,10 +18,54 @@ pub mod vacuum;
 
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use crate::telemetry::OutboxMetrics;
+
+/// How often a periodic check runs while its outbox is idle (no rows claimed since the last
+/// run, nothing found that needs watching): with twenty idle outboxes, checks every few
+/// seconds are most of what an idle relay does.
+pub const IDLE_EVERY: Duration = Duration::from_secs(30);
+
+/// Paces a check that runs every few seconds while its outbox has traffic and every
+/// [`IDLE_EVERY`] while it is idle. Ask [`Pace::due`] on each tick.
+#[derive(Debug)]
+pub struct Pace {
+    metrics: OutboxMetrics,
+    claimed: u64,
+    last: Option<Instant>,
+}
+
+impl Pace {
+    /// A pace whose first [`Pace::due`] is true.
+    pub fn new(metrics: OutboxMetrics) -> Self {
+        Self {
+            claimed: metrics.rows_claimed(),
+            metrics,
+            last: None,
+        }
+    }
+
+    /// Whether the check should run now: the first time, when rows were claimed since the
+    /// last run, when `watching` (the last run found something worth following closely), or
+    /// when `IDLE_EVERY` has passed. A `true` counts as a run.
+    pub fn due(&mut self, watching: bool, now: Instant) -> bool {
+        let claimed = self.metrics.rows_claimed();
+        let due = watching
+            || claimed != self.claimed
+            || self
+                .last
+                .is_none_or(|t| now.duration_since(t) >= IDLE_EVERY);
+        if due {
+            self.claimed = claimed;
+            self.last = Some(now);
+        }
+        due
+    }
+}
 
 /// Named background tasks sharing one cancellation token (clones share them too).
 #[derive(Debug, Default, Clone)]
@@ -116,6 +161,27 @@ mod tests {
         assert_eq!(
             tasks.stop(Duration::from_millis(50)).await,
             vec!["stubborn"]
+        );
+    }
+
+    #[test]
+    fn a_pace_runs_on_traffic_or_when_watching_else_every_idle_period() {
+        let metrics = OutboxMetrics::new("pace_test");
+        let mut pace = Pace::new(metrics.clone());
+        let t0 = Instant::now();
+        assert!(pace.due(false, t0), "the first check runs");
+        assert!(!pace.due(false, t0 + Duration::from_secs(5)), "idle");
+        assert!(pace.due(true, t0 + Duration::from_secs(10)), "watching");
+        metrics.claimed(3);
+        assert!(
+            pace.due(false, t0 + Duration::from_secs(15)),
+            "rows claimed"
+        );
+        assert!(!pace.due(false, t0 + Duration::from_secs(20)), "idle again");
+        assert!(!pace.due(false, t0 + Duration::from_secs(44)));
+        assert!(
+            pace.due(false, t0 + Duration::from_secs(45)),
+            "IDLE_EVERY passed"
         );
     }
 

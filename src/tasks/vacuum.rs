@@ -6,12 +6,15 @@
 //! table and its indexes grow without bound and every claim walks more dead entries. This task
 //! reads the table's statistics every few seconds and runs a plain `VACUUM` itself when dead
 //! tuples pile up and autovacuum is off, or on but far behind. Plain `VACUUM` takes a SHARE
-//! UPDATE EXCLUSIVE lock: inserts, claims and settles go on meanwhile.
+//! UPDATE EXCLUSIVE lock: inserts, claims and settles go on meanwhile. While the outbox is
+//! idle (no rows claimed since the last check) it reads them every 30 s instead: only the
+//! retention clean-up makes dead tuples then.
 
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
+use super::Pace;
 use crate::store::{Store, TableHealth};
 use crate::telemetry::OutboxMetrics;
 
@@ -43,8 +46,9 @@ pub fn should_vacuum(h: &TableHealth) -> Option<&'static str> {
     }
 }
 
-/// Reads the table's health every 5 s (`CHECK_EVERY`, publishing the dead-tuple gauge) and
-/// vacuums it when [`should_vacuum`] says so, until `shutdown`.
+/// Reads the table's health every 5 s (`CHECK_EVERY`, publishing the dead-tuple gauge) while
+/// rows are claimed, every [`super::IDLE_EVERY`] while the outbox is idle, and vacuums it when
+/// [`should_vacuum`] says so, until `shutdown`.
 pub async fn vacuum_loop(
     store: Store,
     metrics: OutboxMetrics,
@@ -56,7 +60,14 @@ pub async fn vacuum_loop(
     // Dead tuples the last vacuum could not remove (a long transaction or a replication slot
     // still needs them): they do not count again, or every check would vacuum in vain.
     let mut unremovable = 0i64;
+    let mut pace = Pace::new(metrics.clone());
     loop {
+        if !pace.due(false, Instant::now()) {
+            tokio::select! {
+                () = tokio::time::sleep(CHECK_EVERY) => continue,
+                () = shutdown.cancelled() => return,
+            }
+        }
         match store.table_health(table_oid).await {
             Ok(h) => {
                 metrics.dead_tuples(h.dead_tuples);
