@@ -34,11 +34,11 @@ use crate::watermark::Watermark;
 use crate::window::{Lane, Permit};
 
 /// How often to look for rows reclaimed from a dead relay when there were none last time: a
-/// quarter of `relay.lease_timeout` (such a row waited that long already), between 1 and 5 s.
-/// An idle relay's polls are mostly these checks and empty claims; with many outboxes they add
-/// up.
+/// quarter of `relay.lease_timeout` (such a row waited that long already), between 1 and 15 s
+/// (15 s with the default 60 s lease). An idle relay's polls are mostly these checks and empty
+/// claims; with many outboxes they add up.
 fn suspect_check_period(lease_timeout: Duration) -> Duration {
-    (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(5))
+    (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15))
 }
 
 /// How often a claim also sweeps expired rows (`expires_at` passed) while rows flow. Claims
@@ -49,6 +49,14 @@ const EXPIRY_SWEEP_EVERY: Duration = Duration::from_secs(2);
 /// How often the sweep runs while the outbox is idle (its last claim found nothing and
 /// nothing was in flight).
 const EXPIRY_SWEEP_IDLE: Duration = Duration::from_secs(5);
+
+/// With `ordering = "aggregate"`, how long a relay whose waiting record is armed may claim
+/// on its poll with the watermark it last observed instead of reading the sequence and the
+/// table's writers again (two statements per poll). A row committed since then by a READ
+/// COMMITTED writer NOTIFYs and wakes the loop, which then observes; the rows an idle poll is
+/// for (retries coming due, reclaimed rows) are older than that watermark. What is left, an
+/// insert that missed the NOTIFY (see [`crate::wakeup`]), waits at most this long.
+const OBSERVE_IDLE_EVERY: Duration = Duration::from_secs(5);
 
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
@@ -378,6 +386,10 @@ struct Dispatch<'a> {
     broker_up: bool,
     // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
     next_sweep: Instant,
+    // Whether this round was started by the poll timer (not a NOTIFY, a settle or a recheck),
+    // and when the watermark was last observed (see `OBSERVE_IDLE_EVERY`).
+    polled: bool,
+    observed: Option<Instant>,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -412,6 +424,8 @@ impl<'a> Dispatch<'a> {
             refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
             broker_up: false,
             next_sweep: Instant::now(),
+            polled: false,
+            observed: None,
         }
     }
 
@@ -498,6 +512,16 @@ impl<'a> Dispatch<'a> {
         if self.relay.settings.relay.ordering != Ordering::Aggregate {
             return Ok((i64::MAX, permit));
         }
+        let now = Instant::now();
+        if self.polled
+            && !self.watermark.holding()
+            && self.waiter.as_ref().is_some_and(Waiter::armed)
+            && self
+                .observed
+                .is_some_and(|t| now.duration_since(t) < OBSERVE_IDLE_EVERY)
+        {
+            return Ok((self.watermark.released(), permit));
+        }
         let (last, writers) = match self
             .relay
             .store
@@ -510,7 +534,7 @@ impl<'a> Dispatch<'a> {
                 return Err(self.database_down(&e).await);
             }
         };
-        let now = Instant::now();
+        self.observed = Some(now);
         let mark = self.watermark.observe(last, &writers.writers, now);
         let lag = self.watermark.lag(now);
         self.relay.metrics.watermark_lag(lag);
@@ -658,6 +682,7 @@ impl<'a> Dispatch<'a> {
     /// flow it claims again on a short step even with batches in flight
     /// ([`Waiter::in_flight`]).
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
+        self.polled = false;
         if claimed.full {
             return Ok(());
         }
@@ -680,7 +705,7 @@ impl<'a> Dispatch<'a> {
         };
         tokio::select! {
             () = self.relay.wake.notified() => {}
-            () = tokio::time::sleep(poll) => {}
+            () = tokio::time::sleep(poll) => self.polled = true,
             () = self.shutdown.cancelled() => {}
         }
         Ok(())

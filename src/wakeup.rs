@@ -11,7 +11,8 @@
 //! such a transaction runs, the relay rechecks on a doubling delay (2 ms up to 250 ms)
 //! instead of sleeping the whole poll interval. Only an application transaction in
 //! REPEATABLE READ or SERIALIZABLE that took its snapshot before the record but inserted after
-//! the check can still go unnoticed; `relay.poll_interval` bounds that wait.
+//! the check can still go unnoticed; `relay.poll_interval` bounds that wait (with ordering
+//! `aggregate`, 5 s: an armed relay's polls reuse the last watermark that long).
 //!
 //! A relay that dies while waiting leaves its record behind: the trigger ignores records past
 //! their `alive_until` (renewed while the relay waits), and live relays delete records whose
@@ -130,6 +131,12 @@ impl Waiter {
         self.last_busy = Some(Instant::now());
         self.linger_step = LINGER_FIRST_STEP;
         self.busy().await;
+    }
+
+    /// Whether the record is published and verified: every insert committed from now on by a
+    /// READ COMMITTED transaction NOTIFYs this relay.
+    pub fn armed(&self) -> bool {
+        matches!(self.state, State::Armed { .. })
     }
 
     /// Drops the record so that inserts stop notifying.
