@@ -656,10 +656,11 @@ impl<'a> Dispatch<'a> {
                     EXPIRY_SWEEP_EVERY
                 };
         }
-        let found = !rows.is_empty();
+        let claimed_rows = rows.len();
+        let found = claimed_rows > 0;
         if found {
             // Idle polls are not claims: recording them would bury the batch sizes in zeros.
-            relay.metrics.claimed(rows.len());
+            relay.metrics.claimed(claimed_rows);
             relay.lane.found_work();
             let mut permit = permit;
             if !full {
@@ -671,7 +672,7 @@ impl<'a> Dispatch<'a> {
             relay.launch(rows, permit, self.hard_stop, self.batches);
         }
         if let Some(w) = self.waiter.as_mut().filter(|_| found) {
-            w.found_rows().await;
+            w.found_rows(claimed_rows).await;
         }
         Ok(Claimed { full, idle })
     }
@@ -679,8 +680,8 @@ impl<'a> Dispatch<'a> {
     /// When nothing more is ready, waits for a NOTIFY, a finished batch, or the poll
     /// (jittered; short while the ordering guard holds rows back). An idle relay with a
     /// waiter first lingers, then publishes that it waits (see [`Waiter::idle`]); while rows
-    /// flow it claims again on a short step even with batches in flight
-    /// ([`Waiter::in_flight`]).
+    /// flow it claims again on a fixed short step even with batches in flight
+    /// ([`Waiter::flowing`]).
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
         self.polled = false;
         if claimed.full {
@@ -699,8 +700,15 @@ impl<'a> Dispatch<'a> {
                 Idle::Recheck => return Ok(()),
                 Idle::Sleep(d) => d,
             },
-            // Rows flow: claim again soon rather than after this batch's confirms.
-            Some(w) => w.in_flight(poll),
+            // Rows flow: claim again on a fixed short step rather than after this batch's
+            // confirms, and not at every settle either (that would multiply the claims).
+            Some(w) => match w.flowing() {
+                Some(step) => {
+                    sleep_or_cancel(step.min(poll), self.shutdown).await;
+                    return Ok(());
+                }
+                None => poll,
+            },
             None => poll,
         };
         tokio::select! {
