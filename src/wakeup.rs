@@ -144,10 +144,10 @@ impl Waiter {
         self.busy().await;
     }
 
-    /// Whether the record is published and verified: every insert committed from now on by a
-    /// READ COMMITTED transaction NOTIFYs this relay.
+    /// Whether the record is published and verified, under the LISTEN session still open:
+    /// every insert committed from now on by a READ COMMITTED transaction NOTIFYs this relay.
     pub fn armed(&self) -> bool {
-        matches!(self.state, State::Armed { .. })
+        matches!(self.state, State::Armed { pid, .. } if pid == self.listener.load(Ordering::Acquire))
     }
 
     /// Drops the record so that inserts stop notifying.
