@@ -36,7 +36,9 @@ use crate::window::{Lane, Permit};
 /// How often to look for rows reclaimed from a dead relay when there were none last time: a
 /// quarter of `relay.lease_timeout` (such a row waited that long already), between 1 and 15 s
 /// (15 s with the default 60 s lease). An idle relay's polls are mostly these checks and empty
-/// claims; with many outboxes they add up.
+/// claims; with many outboxes they add up. Rows this relay's own lease task reclaims are
+/// looked for at once ([`Held::take_reclaimed`]); the period is for those another relay
+/// reclaimed and did not publish.
 fn suspect_check_period(lease_timeout: Duration) -> Duration {
     (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15))
 }
@@ -55,7 +57,7 @@ const EXPIRY_SWEEP_IDLE: Duration = Duration::from_secs(5);
 /// table's writers again (two statements per poll). A row committed since then by a READ
 /// COMMITTED writer NOTIFYs and wakes the loop, which then observes; the rows an idle poll is
 /// for (retries coming due, reclaimed rows) are older than that watermark. What is left, an
-/// insert that missed the NOTIFY (see [`crate::wakeup`]), waits at most this long.
+/// insert that missed the NOTIFY (see [`crate::wakeup`]), waits about this long plus one poll.
 const OBSERVE_IDLE_EVERY: Duration = Duration::from_secs(5);
 
 /// What the loop needs besides the store and the publisher.
@@ -396,6 +398,8 @@ struct Dispatch<'a> {
 struct Claimed {
     /// The batch filled its limit: more rows are ready, claim again at once.
     full: bool,
+    /// The claim brought rows.
+    found: bool,
     /// Nothing was claimed and nothing was held: the relay is idle.
     idle: bool,
 }
@@ -513,7 +517,8 @@ impl<'a> Dispatch<'a> {
             return Ok((i64::MAX, permit));
         }
         let now = Instant::now();
-        if self.polled
+        let polled = std::mem::take(&mut self.polled);
+        if polled
             && !self.watermark.holding()
             && self.waiter.as_ref().is_some_and(Waiter::armed)
             && self
@@ -562,7 +567,9 @@ impl<'a> Dispatch<'a> {
     /// Gives `permit` back for the ordinary claim when there is no suspect; `None` when the
     /// round is over.
     async fn isolate_suspect(&mut self, mark: i64, permit: Permit) -> Step<Option<Permit>> {
-        if Instant::now() < self.next_suspect_check {
+        // The lease task just reclaimed rows: look now, not at the next periodic check.
+        let reclaimed = self.relay.held.take_reclaimed();
+        if Instant::now() < self.next_suspect_check && !reclaimed {
             return Ok(Some(permit));
         }
         match self.relay.store.suspects_waiting(mark).await {
@@ -570,7 +577,12 @@ impl<'a> Dispatch<'a> {
                 self.suspects_checked();
                 return Ok(Some(permit));
             }
-            Ok(true) => drop(permit),
+            Ok(true) => {
+                // Keep looking on every round until none is left (this check may have been
+                // made early, on the lease task's note).
+                self.next_suspect_check = Instant::now();
+                drop(permit);
+            }
             Err(e) => {
                 drop(permit);
                 return Err(self.database_down(&e).await);
@@ -674,7 +686,7 @@ impl<'a> Dispatch<'a> {
         if let Some(w) = self.waiter.as_mut().filter(|_| found) {
             w.found_rows(claimed_rows).await;
         }
-        Ok(Claimed { full, idle })
+        Ok(Claimed { full, found, idle })
     }
 
     /// When nothing more is ready, waits for a NOTIFY, a finished batch, or the poll
@@ -701,12 +713,15 @@ impl<'a> Dispatch<'a> {
                 Idle::Sleep(d) => d,
             },
             // Rows flow: claim again on a fixed short step rather than after this batch's
-            // confirms, and not at every settle either (that would multiply the claims).
+            // confirms. After a claim that found rows, settles do not cut the step short (that
+            // would multiply the claims); after one that found none (every ready aggregate in
+            // flight, say) a settle may free the next rows, so it does.
             Some(w) => match w.flowing() {
-                Some(step) => {
+                Some(step) if claimed.found => {
                     sleep_or_cancel(step.min(poll), self.shutdown).await;
                     return Ok(());
                 }
+                Some(step) => step.min(poll),
                 None => poll,
             },
             None => poll,

@@ -12,7 +12,8 @@
 //! instead of sleeping the whole poll interval. Only an application transaction in
 //! REPEATABLE READ or SERIALIZABLE that took its snapshot before the record but inserted after
 //! the check can still go unnoticed; `relay.poll_interval` bounds that wait (with ordering
-//! `aggregate`, 5 s: an armed relay's polls reuse the last watermark that long).
+//! `aggregate`, about 5 s plus one poll: an armed relay's polls reuse the last watermark for
+//! up to 5 s).
 //!
 //! A relay that dies while waiting leaves its record behind: the trigger ignores records past
 //! their `alive_until` (renewed while the relay waits), and live relays delete records whose
@@ -144,10 +145,12 @@ impl Waiter {
         self.busy().await;
     }
 
-    /// Whether the record is published and verified, under the LISTEN session still open:
-    /// every insert committed from now on by a READ COMMITTED transaction NOTIFYs this relay.
+    /// Whether the record is published, verified and alive, under the LISTEN session still
+    /// open: every insert committed from now on by a READ COMMITTED transaction NOTIFYs this
+    /// relay.
     pub fn armed(&self) -> bool {
-        matches!(self.state, State::Armed { pid, .. } if pid == self.listener.load(Ordering::Acquire))
+        matches!(self.state, State::Armed { pid, at }
+            if pid == self.listener.load(Ordering::Acquire) && at.elapsed() < self.lifetime)
     }
 
     /// Drops the record so that inserts stop notifying.
@@ -279,6 +282,34 @@ pub fn lifetime(poll: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::{DatabaseConfig, TableName};
+
+    /// A waiter whose store never connects (nothing here reaches the database).
+    fn waiter() -> Waiter {
+        let cfg = DatabaseConfig {
+            url: "postgres://u@127.0.0.1:1/none".into(),
+            pool_size: 1,
+            table: TableName::parse("t").unwrap_or_else(|e| panic!("{e}")),
+            auto_migrate: false,
+        };
+        let store = Store::new(&cfg, "test").unwrap_or_else(|e| panic!("{e}"));
+        Waiter::new(store, ListenerPid::default(), 1, Duration::from_secs(1))
+    }
+
+    #[tokio::test]
+    async fn flowing_steps_follow_the_last_claim_and_end_with_the_linger() {
+        let mut w = waiter();
+        assert_eq!(w.flowing(), None, "no rows yet");
+        w.found_rows(3).await;
+        assert_eq!(w.flowing(), Some(FLOWING_STEP));
+        w.found_rows(FLOWING_MANY).await;
+        assert_eq!(w.flowing(), Some(FLOWING_STEP_MANY));
+        w.found_rows(1).await;
+        assert_eq!(w.flowing(), Some(FLOWING_STEP), "the last claim decides");
+        w.last_busy = Instant::now().checked_sub(LINGER);
+        assert_eq!(w.flowing(), None, "the linger is over");
+        assert!(!w.armed(), "never published");
+    }
 
     #[test]
     fn lifetime_outlives_renewal() {

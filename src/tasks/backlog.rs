@@ -16,8 +16,8 @@ const EVERY: Duration = Duration::from_secs(5);
 /// Every how many rounds the records of dead relays are deleted (30 s).
 const CLEAN_WAITERS_EVERY: u32 = 6;
 
-/// Refreshes the backlog gauges every 5 s (`EVERY`) while rows are pending or were claimed
-/// since the last refresh, else every [`super::IDLE_EVERY`] (an empty, idle outbox's gauges do
+/// Refreshes the backlog gauges every 5 s (`EVERY`) while rows are pending or dead-lettered or
+/// were claimed since the last refresh, else every [`super::IDLE_EVERY`] (an empty, idle outbox's gauges do
 /// not change until rows come); deletes the waiting records of relays that died every 30 s
 /// (`clean_waiters`: the table has the wake-up of schema version 3).
 pub async fn backlog_loop(
@@ -28,7 +28,8 @@ pub async fn backlog_loop(
 ) {
     let mut round = 0u32;
     let mut pace = Pace::new(metrics.clone());
-    // Whether the last refresh found rows pending (or failed): keep refreshing every round.
+    // Whether the last refresh found rows pending or dead-lettered (or did not succeed): keep
+    // refreshing every round.
     let mut watching = true;
     loop {
         // At start, then every 30 s: a dead relay's record stops costing NOTIFYs on its own
@@ -47,7 +48,7 @@ pub async fn backlog_loop(
             match store.backlog().await {
                 Ok(b) => {
                     metrics.backlog(&b);
-                    watching = b.ready > 0 || b.waiting > 0;
+                    watching = b.ready > 0 || b.waiting > 0 || b.failed > 0;
                 }
                 Err(e) if e.is_connection() => {
                     watching = true;

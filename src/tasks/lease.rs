@@ -6,6 +6,7 @@
 //! (at least once), never silently kept.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -20,9 +21,16 @@ use crate::telemetry::OutboxMetrics;
 /// The ids this relay has claimed and not yet settled: the only rows whose leases it renews.
 /// A row it lost track of (a claim whose answer never arrived, an outcome it gave up
 /// recording) is not renewed, so its lease runs out and another relay (or this one) reclaims it.
-/// Clones share the set.
+/// It also carries the lease task's note that it reclaimed rows, so the loop looks for them at
+/// once. Clones share both.
 #[derive(Debug, Clone, Default)]
-pub struct Held(Arc<Mutex<HashSet<Uuid>>>);
+pub struct Held(Arc<Shared>);
+
+#[derive(Debug, Default)]
+struct Shared {
+    ids: Mutex<HashSet<Uuid>>,
+    reclaimed: AtomicBool,
+}
 
 impl Held {
     /// Starts renewing the leases of `ids`.
@@ -48,10 +56,21 @@ impl Held {
         self.lock().iter().copied().collect()
     }
 
+    /// The lease task returned rows of a stopped relay to `pending`.
+    pub fn note_reclaimed(&self) {
+        self.0.reclaimed.store(true, Ordering::Release);
+    }
+
+    /// Whether rows were reclaimed since the last call (the loop then looks for them now
+    /// rather than at its next periodic check).
+    pub fn take_reclaimed(&self) -> bool {
+        self.0.reclaimed.swap(false, Ordering::AcqRel)
+    }
+
     // A panic while the set was locked leaves it consistent (every operation is one call on
     // the set), so a poisoned lock is used as is.
     fn lock(&self) -> MutexGuard<'_, HashSet<Uuid>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        self.0.ids.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -85,6 +104,9 @@ pub async fn lease_loop(
                     "reclaimed rows whose relay stopped while holding them"
                 );
                 metrics.dead_lettered(dead);
+                if reclaimed > 0 {
+                    held.note_reclaimed();
+                }
                 wake.notify_one();
             }
             Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),
@@ -111,5 +133,14 @@ mod tests {
         assert_eq!(held.ids(), vec![b]);
         held.release(&[b, a]);
         assert!(held.is_empty());
+    }
+
+    #[test]
+    fn a_reclaim_note_is_taken_once() {
+        let held = Held::default();
+        assert!(!held.take_reclaimed());
+        held.clone().note_reclaimed();
+        assert!(held.take_reclaimed());
+        assert!(!held.take_reclaimed());
     }
 }

@@ -368,7 +368,8 @@ impl RunResult {
     }
 
     /// The first sample after the start (after the first interval) at or after the retention
-    /// window has filled, and the last.
+    /// window has filled (the first interval when it does not fill within the run), and the
+    /// last.
     fn first_and_end(&self) -> Option<(&Health, &Health)> {
         match self.health.as_slice() {
             [_, rest @ ..] if rest.len() >= 2 => {
@@ -955,19 +956,19 @@ fn report_run(ctx: &mut Ctx, r: &RunResult) {
         let claim = ratio(end.claim_ms, first.claim_ms);
         figures.push((
             "size_growth",
-            "table+index size, end / once retention filled",
+            "table+index size, end / once retention filled (else 1st interval)",
             size,
             "×",
         ));
         figures.push((
             "dead_growth",
-            "dead tuples, end / once retention filled",
+            "dead tuples, end / once retention filled (else 1st interval)",
             dead,
             "×",
         ));
         figures.push((
             "claim_growth",
-            "claim time, end / once retention filled",
+            "claim time, end / once retention filled (else 1st interval)",
             claim,
             "×",
         ));
@@ -1081,10 +1082,12 @@ fn report_summary(ctx: &mut Ctx, runs: &[RunResult]) {
     }
     let a = ctx.args.steady.clone();
     text.push_str(&format!(
-        "(c = application commit, cc = commit → consume, lag = oldest ready row, 1st = after the \
-         first {:?}, claim = the relay's claim in a rolled-back transaction, cpu = relay CPU s per \
-         100k msgs; retention {})\n",
+        "(c = application commit, cc = commit → consume, lag = oldest ready row, 1st = the first \
+         sample (every {:?}) once the retention window filled, {:.0} s in, or the first if it \
+         never does; claim = the relay's claim in a rolled-back transaction, cpu = relay CPU s \
+         per 100k msgs; retention {})\n",
         a.steady_sample_every,
+        filled_after_s(a.steady_retention.as_deref()),
         a.steady_retention.as_deref().unwrap_or("relay default")
     ));
     ctx.report.section("steady state, side by side", &text);
