@@ -242,7 +242,9 @@ async fn sigterm_under_load_exits_zero_and_leaves_nothing_processing() {
 
 /// Starts a relay whose broker connection goes through `proxy`, proves it is publishing with a
 /// few warm-up rows, then black-holes the proxy and inserts `n` rows; returns their ids once
-/// the relay holds them all in `processing`.
+/// the relay holds them all in `processing`. The warm-up publishes on every channel the
+/// publisher opens (it opens them on first use, round-robin), so that behind the black hole
+/// the rows wait for confirms, not for a channel to open.
 async fn hold_rows_behind_a_black_hole(
     table: &TestTable,
     rabbit: &RabbitFixture,
@@ -251,7 +253,12 @@ async fn hold_rows_behind_a_black_hole(
     n: usize,
 ) -> Vec<Uuid> {
     let warm = table
-        .insert_ids(&NewRow::numbered(3, "warm", None, "w"))
+        .insert_ids(&NewRow::numbered(
+            2 * outbox_relay::publish::rabbitmq::CHANNELS,
+            "warm",
+            None,
+            "w",
+        ))
         .await;
     rabbit.wait_for_ids(&warm, Duration::from_secs(30)).await;
     proxy.stall();
