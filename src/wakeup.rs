@@ -48,8 +48,9 @@ const LINGER_FIRST_STEP: Duration = Duration::from_millis(2);
 const LINGER_LAST_STEP: Duration = Duration::from_millis(10);
 /// The delay between claims while rows flow and batches are in flight: a row committed
 /// meanwhile waits at most this for its claim instead of a whole publish → confirm → settle
-/// cycle. Settled batches do not cut it short, so a relay keeping up with a steady writer
-/// claims at most 200 times a second, however many batches it settles.
+/// cycle. After a claim that found rows, settled batches do not cut it short, so a relay
+/// keeping up with a steady writer claims at most 200 times a second, however many batches it
+/// settles.
 const FLOWING_STEP: Duration = Duration::from_millis(5);
 /// The step once a claim brings `FLOWING_MANY` rows or more: at such rates a claim every
 /// 10 ms still waits only a few ms per row, and half the claims cost the database (and the
@@ -168,8 +169,8 @@ impl Waiter {
 
     /// After a claim while batches are in flight: within `LINGER` of the last rows, the fixed
     /// step to sleep before claiming again (`FLOWING_STEP`, or `FLOWING_STEP_MANY` when the
-    /// last claim brought many rows; the loop ignores settled batches meanwhile); `None`
-    /// otherwise (wait for a settled batch or the poll).
+    /// last claim brought many rows; after a claim that found rows the loop ignores settled
+    /// batches meanwhile); `None` otherwise (wait for a settled batch or the poll).
     pub fn flowing(&self) -> Option<Duration> {
         let step = if self.last_found >= FLOWING_MANY {
             FLOWING_STEP_MANY

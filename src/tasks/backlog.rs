@@ -11,15 +11,16 @@ use super::Pace;
 use crate::store::Store;
 use crate::telemetry::OutboxMetrics;
 
-/// How often the gauges are refreshed while the outbox has rows pending or claimed.
+/// How often the gauges are refreshed while the outbox has rows pending, dead-lettered or
+/// claimed.
 const EVERY: Duration = Duration::from_secs(5);
 /// Every how many rounds the records of dead relays are deleted (30 s).
 const CLEAN_WAITERS_EVERY: u32 = 6;
 
 /// Refreshes the backlog gauges every 5 s (`EVERY`) while rows are pending or dead-lettered or
-/// were claimed since the last refresh, else every [`super::IDLE_EVERY`] (an empty, idle outbox's gauges do
-/// not change until rows come); deletes the waiting records of relays that died every 30 s
-/// (`clean_waiters`: the table has the wake-up of schema version 3).
+/// were claimed since the last refresh, else every [`super::IDLE_EVERY`] (an empty, idle
+/// outbox's gauges do not change until rows come); deletes the waiting records of relays that
+/// died every 30 s (`clean_waiters`: the table has the wake-up of schema version 3).
 pub async fn backlog_loop(
     store: Store,
     metrics: OutboxMetrics,
