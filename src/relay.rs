@@ -614,9 +614,9 @@ impl<'a> Dispatch<'a> {
             Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
     }
 
-    /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`, or `EXPIRY_SWEEP_IDLE`) and claims up to the window taken,
-    /// then publishes the batch in a task of its own, giving back the part of the window it
-    /// did not use.
+    /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`, or `EXPIRY_SWEEP_IDLE`) and claims up
+    /// to the window taken, then publishes the batch in a task of its own, giving back the part
+    /// of the window it did not use.
     async fn claim(&mut self, mark: i64, permit: Permit) -> Step<Claimed> {
         let relay = self.relay;
         let settings = &relay.settings;

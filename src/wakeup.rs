@@ -95,8 +95,7 @@ pub struct Waiter {
     // costing NOTIFYs within seconds, while a live one renews it every few polls.
     lifetime: Duration,
     state: State,
-    /// When a claim last found rows ([`Waiter::found_rows`]), and the next delay while
-    /// lingering.
+    // When a claim last found rows (`found_rows`), and the next delay while lingering.
     last_busy: Option<Instant>,
     linger_step: Duration,
     // How many rows the last claim that found any brought (for `flowing`).

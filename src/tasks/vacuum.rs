@@ -62,60 +62,58 @@ pub async fn vacuum_loop(
     let mut unremovable = 0i64;
     let mut pace = Pace::new(metrics.clone());
     loop {
-        if !pace.due(false, Instant::now()) {
-            tokio::select! {
-                () = tokio::time::sleep(CHECK_EVERY) => continue,
-                () = shutdown.cancelled() => return,
-            }
-        }
-        match store.table_health(table_oid).await {
-            Ok(h) => {
-                metrics.dead_tuples(h.dead_tuples);
-                if told_autovacuum != Some(h.autovacuum) {
-                    told_autovacuum = Some(h.autovacuum);
-                    tracing::info!(
-                        table = %store.table(),
-                        autovacuum = h.autovacuum,
-                        "the relay vacuums the table itself when {} dead tuples pile up{}",
-                        DEAD_TUPLES,
-                        if h.autovacuum { " beyond what autovacuum keeps up with" } else { " (autovacuum is off for it)" }
-                    );
-                }
-                if !h.may_vacuum && !told_owner {
-                    told_owner = true;
-                    tracing::warn!(
-                        table = %store.table(),
-                        "the relay's database user does not own the table, so it cannot vacuum it; make sure autovacuum runs on it"
-                    );
-                }
-                unremovable = unremovable.min(h.dead_tuples);
-                let mut fresh = h;
-                fresh.dead_tuples -= unremovable;
-                if let Some(reason) = should_vacuum(&fresh) {
-                    let started = Instant::now();
-                    match store.vacuum().await {
-                        Ok(()) => {
-                            metrics.vacuumed();
-                            let after = store.table_health(table_oid).await.ok();
-                            unremovable = after.map_or(0, |a| a.dead_tuples);
-                            tracing::info!(
-                                table = %store.table(),
-                                reason,
-                                dead_tuples_before = h.dead_tuples,
-                                dead_tuples_after = after.map(|a| a.dead_tuples),
-                                bytes = after.map(|a| a.total_bytes),
-                                took_ms = started.elapsed().as_millis() as u64,
-                                "vacuumed the outbox table"
-                            );
+        if pace.due(false, Instant::now()) {
+            match store.table_health(table_oid).await {
+                Ok(h) => {
+                    metrics.dead_tuples(h.dead_tuples);
+                    if told_autovacuum != Some(h.autovacuum) {
+                        told_autovacuum = Some(h.autovacuum);
+                        tracing::info!(
+                            table = %store.table(),
+                            autovacuum = h.autovacuum,
+                            "the relay vacuums the table itself when {} dead tuples pile up{}",
+                            DEAD_TUPLES,
+                            if h.autovacuum { " beyond what autovacuum keeps up with" } else { " (autovacuum is off for it)" }
+                        );
+                    }
+                    if !h.may_vacuum && !told_owner {
+                        told_owner = true;
+                        tracing::warn!(
+                            table = %store.table(),
+                            "the relay's database user does not own the table, so it cannot vacuum it; make sure autovacuum runs on it"
+                        );
+                    }
+                    unremovable = unremovable.min(h.dead_tuples);
+                    let mut fresh = h;
+                    fresh.dead_tuples -= unremovable;
+                    if let Some(reason) = should_vacuum(&fresh) {
+                        let started = Instant::now();
+                        match store.vacuum().await {
+                            Ok(()) => {
+                                metrics.vacuumed();
+                                let after = store.table_health(table_oid).await.ok();
+                                unremovable = after.map_or(0, |a| a.dead_tuples);
+                                tracing::info!(
+                                    table = %store.table(),
+                                    reason,
+                                    dead_tuples_before = h.dead_tuples,
+                                    dead_tuples_after = after.map(|a| a.dead_tuples),
+                                    bytes = after.map(|a| a.total_bytes),
+                                    took_ms = started.elapsed().as_millis() as u64,
+                                    "vacuumed the outbox table"
+                                );
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "vacuum of the outbox table failed")
+                            }
                         }
-                        Err(e) => tracing::warn!(error = %e, "vacuum of the outbox table failed"),
                     }
                 }
+                Err(e) if e.is_connection() => {
+                    tracing::debug!(error = %e, "table statistics not read");
+                }
+                Err(e) => tracing::warn!(error = %e, "table statistics not read"),
             }
-            Err(e) if e.is_connection() => {
-                tracing::debug!(error = %e, "table statistics not read");
-            }
-            Err(e) => tracing::warn!(error = %e, "table statistics not read"),
         }
         tokio::select! {
             () = tokio::time::sleep(CHECK_EVERY) => {}

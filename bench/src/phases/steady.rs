@@ -391,9 +391,9 @@ impl RunResult {
 const CLEANUP_INTERVAL_S: f64 = 60.0;
 
 /// When the table's retained rows stop growing: retention plus one clean-up interval (rows are
-/// kept between `retention` and `retention + cleanup.interval`). 0 with retention `0s`, and with
-/// the relay's default (24 h) 0: such a retention never fills within a run, and growth is
-/// measured from the first interval.
+/// kept between `retention` and `retention + cleanup.interval`). 0 with retention `0s` and with
+/// no `--steady-retention` (the relay's 24 h never fills within a run; nor does any retention
+/// longer than the run, for which `RunResult::first_and_end` falls back to the first interval).
 fn filled_after_s(retention: Option<&str>) -> f64 {
     match retention.map(humantime::parse_duration) {
         Some(Ok(d)) if d.is_zero() => 0.0,
