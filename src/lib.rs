@@ -105,7 +105,7 @@ pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
             Arc::new(publish::rabbitmq::RabbitMqPublisher::new(c.clone()))
         }
         PublisherConfig::Kafka(c) => {
-            // librdkafka's linger is one setting for the producer: ordered if any outbox is.
+            // One producer serves every outbox: pipelined (ordered) if any outbox is.
             let ordering = if config
                 .outboxes
                 .iter()

@@ -6,9 +6,10 @@
 //!   outcome could not be recorded stays `processing` and is reclaimed after the lease.
 //! - A broker outage never spends an attempt: connection-level outcomes hand rows back.
 //! - Per-aggregate order (`ordering = "aggregate"`): a claimed run of one aggregate goes to the
-//!   publisher as one run ([`Publisher::publish_run`]): one message at a time, each after the
-//!   previous was confirmed (both transports keep that default); when one fails, the rest of
-//!   its run is handed back without spending an attempt.
+//!   publisher as one run ([`Publisher::publish_run`]): RabbitMQ sends one message at a time,
+//!   each after the previous was confirmed; Kafka pipelines the run to its idempotent producer
+//!   (see [`crate::publish::kafka`]); when one fails, the rest of its run is handed back
+//!   without spending an attempt.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -1,10 +1,11 @@
 //! What happens to claimed rows when a relay or its broker goes away (contract §2): SIGTERM under
 //! load and with a hung broker (drain, hand back, exit 0 within `shutdown_timeout`), a SIGKILLed
 //! relay's rows reclaimed after the lease, unanswered publishes timed out and handed back
-//! without spending an attempt, and a Kafka broker killed and restarted mid-stream. The
-//! injected faults that need exclusive use of a shared service are in `faults.rs`.
+//! without spending an attempt, a Kafka broker killed and restarted mid-stream, and ordered
+//! Kafka runs behind a broker that stops answering. The injected faults that need exclusive
+//! use of a shared service are in `faults.rs`.
 //!
-//! The restart test runs a private tansu behind the harness's TCP proxy; the shared broker
+//! The Kafka outage tests run a private tansu behind the harness's TCP proxy; the shared broker
 //! (127.0.0.1:9092) does not auto-create topics, so every Kafka test creates its own.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
@@ -20,7 +21,7 @@ use common::kafka::{
     Collector, Placed, Tansu, create_topic, free_port, id_counts, kafka_relay, topic_name,
 };
 use common::{
-    NewRow, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir, TestTable,
+    NewRow, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, RowState, TempDir, TestTable, analyse,
     assert_none, drop_both, finish, spawn_paced_writer, table_and_exchange, wait_for_count,
     wait_until,
 };
@@ -585,6 +586,92 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
 
     relay.stop().await;
     second.kill().await;
+    drop(proxy);
+    table.drop_table().await;
+}
+
+/// With `ordering = "aggregate"` an aggregate's run goes to the producer without waiting for
+/// each delivery report, and librdkafka has no message timeout: the relay enforces
+/// `message_timeout` itself. A broker that stops answering (a black hole, longer than that)
+/// in the middle of ordered runs: every held row is handed back unspent and the producer is
+/// replaced; once the broker answers again every row arrives, and per aggregate the first
+/// arrivals are in `seq` order (a record timed out in librdkafka would have let the records
+/// queued behind it through ahead of it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_kafka_runs_behind_a_black_hole_are_handed_back_and_arrive_in_order() {
+    let table = TestTable::new("kafka_hole").await;
+    let dir = TempDir::new("kafka-hole");
+    let port = free_port();
+    let proxy = Proxy::start(&format!("127.0.0.1:{port}")).await;
+    let advertised = proxy.addr();
+    let brokers = advertised.to_string();
+    let tansu = Tansu::start(port, advertised, &dir.path().join("tansu.log")).await;
+    let topic = topic_name("hole");
+    create_topic(&tansu.direct(), &topic).await;
+    let relay = kafka_relay(&table, &brokers, &topic, "kafka-hole")
+        .set("relay.ordering", "aggregate")
+        .set("publisher.kafka.message_timeout", "2s")
+        .set("relay.lease_timeout", "60s")
+        .set("retry.max_attempts", "2")
+        .spawn();
+    let warm = table
+        .insert_ids(&NewRow::numbered(5, "warm", Some(("w-", 5)), "w"))
+        .await;
+    table
+        .wait_count("status = 'sent'", warm.len() as i64, LONG)
+        .await;
+
+    proxy.stall();
+    // Five aggregates, runs of 40: one claim holds them all.
+    let ids = table
+        .insert_ids(&NewRow::numbered(200, "hole", Some(("h-", 5)), "e"))
+        .await;
+    // message_timeout passes: handed back, attempts refunded, nothing dead-lettered.
+    wait_until(
+        Duration::from_secs(30),
+        "the held runs are handed back",
+        async || {
+            let n = relay.log_count("no delivery report within");
+            if n > 0 { Ok(n) } else { Err(relay.stderr()) }
+        },
+    )
+    .await;
+    let refunded = "status = 'pending' AND attempts = 0 AND locked_by IS NULL";
+    table
+        .wait_count(refunded, ids.len() as i64, Duration::from_secs(15))
+        .await;
+    assert_eq!(table.count_where("status = 'failed'").await, 0);
+
+    proxy.heal();
+    table.wait_all_sent(LONG).await;
+    let consumer = Collector::start(&brokers, &[&topic]);
+    consumer.wait_caught_up(&brokers, &topic, LONG).await;
+    let records = consumer.stop().await;
+    let rows = table.rows().await;
+    let arrivals: Vec<String> = records
+        .iter()
+        .filter_map(|r| r.id().map(|id| id.to_string()))
+        .collect();
+    let analysis = analyse(&rows, arrivals.iter().map(String::as_str));
+    analysis.assert_complete("ordered kafka behind a black hole");
+    assert_eq!(
+        table.count_where("status <> 'sent' OR attempts <> 1").await,
+        0,
+        "every row sent on its first counted attempt"
+    );
+    assert!(
+        relay.log_count("replacing the Kafka producer") >= 1,
+        "{}",
+        relay.stderr()
+    );
+    println!(
+        "ordered kafka black hole: {} records for {} rows ({} duplicates)",
+        records.len(),
+        rows.len(),
+        analysis.duplicates
+    );
+    relay.stop().await;
+    tansu.kill().await;
     drop(proxy);
     table.drop_table().await;
 }

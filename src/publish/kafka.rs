@@ -1,15 +1,22 @@
 //! Kafka transport (rdkafka with its bundled librdkafka): an idempotent producer with
-//! `acks=all`, records keyed by aggregate id, many records in flight (one at a time per
-//! aggregate: `publish_run` keeps the trait's sequential default, see below). Delivery reports
-//! are classified into message-level and connection-level outcomes.
+//! `acks=all`, records keyed by aggregate id, many records in flight. Delivery reports are
+//! classified into message-level and connection-level outcomes.
 //!
-//! Why an aggregate's run is not pipelined: librdkafka's `enable.gapless.guarantee` does not
-//! cover records that fail on `message.timeout.ms` (its documentation: the producer then bumps
-//! its epoch and sends what was queued behind, leaving a gap). During a broker stall record n
-//! would time out (connection-level, handed back) while n+1, queued a moment later, is
-//! delivered once the broker is back: n+1 ahead of n. Until that is closed (e.g. no librdkafka
-//! timeout, a relay-side deadline and a purge before replacing the producer), each record of a
-//! run waits for the previous one's delivery report.
+//! With `relay.ordering = "aggregate"` an aggregate's claimed run goes to the producer without
+//! waiting for each delivery report (`publish_run`): one key, so one partition, and the
+//! idempotent producer keeps the records of a partition in order across its retries. Two gaps
+//! could still let record n+1 be delivered while n is handed back, and both are closed:
+//! - A record that fails for good at the broker: `enable.gapless.guarantee` turns it into a
+//!   fatal producer error instead of letting what was queued behind it through. The records
+//!   after it come back as connection-level (handed back), and the producer is replaced.
+//! - A record that times out: the gapless guarantee does not cover `message.timeout.ms`
+//!   (librdkafka then bumps the producer's epoch and sends what was queued behind). So an
+//!   ordered producer has no librdkafka timeout (`message.timeout.ms = 0`, infinite); the
+//!   relay enforces `publisher.kafka.message_timeout` itself, and a record without a report by
+//!   then marks the producer for replacement. The replaced producer is dropped, which purges
+//!   what it still holds, so it cannot deliver a handed-back record's successors later. What
+//!   it had already sent was sent in order; the relay publishes the handed-back rows again,
+//!   in order (a duplicate at worst, never a reorder of first arrivals).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -112,6 +119,10 @@ fn hint(code: Option<RDKafkaErrorCode>, reason: &str) -> &'static str {
 /// librdkafka `linger.ms` with `relay.ordering = "aggregate"`, unless the properties set it.
 pub const ORDERED_LINGER_MS: &str = "1";
 
+/// librdkafka properties an ordered producer sets itself (module docs), whatever
+/// `publisher.kafka.properties` says: the message timeout and its alias.
+const ORDERED_OVERRIDES: &[&str] = &["message.timeout.ms", "delivery.timeout.ms"];
+
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
@@ -123,6 +134,9 @@ pub struct KafkaPublisher {
     /// timed out): the next connect() replaces it.
     replace: AtomicBool,
     connecting: tokio::sync::Mutex<()>,
+    /// Some outbox has `ordering = "aggregate"`: runs are pipelined, librdkafka has no
+    /// message timeout and the relay enforces `message_timeout` (see the module docs).
+    ordered: bool,
 }
 
 /// Property names whose values must never be logged.
@@ -145,27 +159,43 @@ impl KafkaPublisher {
             last_error: Arc::new(Mutex::new(None)),
             replace: AtomicBool::new(false),
             connecting: tokio::sync::Mutex::new(()),
+            ordered: false,
         }
     }
 
-    /// [`KafkaPublisher::new`] tuned for the relay's `ordering`: with `aggregate`, librdkafka
-    /// lingers [`ORDERED_LINGER_MS`] unless the properties set `linger.ms` (or its alias).
+    /// [`KafkaPublisher::new`] tuned for the relay's `ordering`. With `aggregate`: runs are
+    /// pipelined with the gapless guarantee and a relay-side `message_timeout` (module docs),
+    /// and librdkafka lingers [`ORDERED_LINGER_MS`] unless the properties set `linger.ms` (or
+    /// its alias).
     pub fn for_ordering(mut cfg: KafkaConfig, ordering: RelayOrdering) -> Self {
-        if ordering == RelayOrdering::Aggregate
+        let ordered = ordering == RelayOrdering::Aggregate;
+        if ordered
             && !cfg.properties.contains_key("linger.ms")
             && !cfg.properties.contains_key("queue.buffering.max.ms")
         {
-            // An aggregate's next record waits for the previous one's delivery report, so
-            // librdkafka's 5 ms batching delay is paid once per record of a chain (bench,
-            // 20 aggregates: 2.4k msgs/s at 5 ms, 4.8k at 1 ms).
+            // An aggregate's next run waits for the previous run's delivery reports, so
+            // librdkafka's 5 ms batching delay is paid once per run.
             cfg.properties
                 .insert("linger.ms".to_owned(), ORDERED_LINGER_MS.to_owned());
         }
-        Self::new(cfg)
+        if ordered {
+            for key in ORDERED_OVERRIDES {
+                if cfg.properties.remove(*key).is_some() {
+                    tracing::warn!(
+                        "publisher.kafka.properties.{key} is ignored with relay.ordering = \"aggregate\": the relay sets it (records are pipelined per aggregate; the relay enforces publisher.kafka.message_timeout itself)"
+                    );
+                }
+            }
+        }
+        Self {
+            ordered,
+            ..Self::new(cfg)
+        }
     }
 
-    /// The librdkafka configuration: our required settings, then the user's properties.
-    pub fn client_config(cfg: &KafkaConfig) -> ClientConfig {
+    /// The librdkafka configuration: our required settings, then the user's properties, then
+    /// (with `ordered`) what pipelined runs need.
+    pub fn client_config(cfg: &KafkaConfig, ordered: bool) -> ClientConfig {
         let mut c = ClientConfig::new();
         c.set("bootstrap.servers", &cfg.brokers)
             .set("enable.idempotence", "true")
@@ -186,6 +216,12 @@ impl KafkaPublisher {
             );
         for (k, v) in &cfg.properties {
             c.set(k, v);
+        }
+        if ordered {
+            // No librdkafka timeout (0 = infinite): a timed-out record would leave a gap the
+            // gapless guarantee does not cover. `message_timeout` is the relay's own deadline.
+            c.set("message.timeout.ms", "0")
+                .set("enable.gapless.guarantee", "true");
         }
         c
     }
@@ -232,6 +268,48 @@ impl KafkaPublisher {
                 Err((err, _)) => return Err(self.failed(&err)),
             }
         }
+    }
+
+    /// Waits for a record's delivery report. An ordered producer has no librdkafka timeout:
+    /// here the relay enforces `message_timeout` from when the record was queued. With an
+    /// ordered producer every connection-level outcome (no report in time, a fatal error)
+    /// marks the producer for replacement, which purges the records queued behind.
+    async fn report(&self, delivery: DeliveryFuture, queued: Instant) -> Outcome {
+        if !self.ordered {
+            return self.delivered(delivery.await);
+        }
+        let deadline = tokio::time::Instant::from_std(queued + self.cfg.message_timeout);
+        let outcome = match tokio::time::timeout_at(deadline, delivery).await {
+            Ok(report) => self.delivered(report),
+            Err(_) => Outcome::Unavailable(format!(
+                "no delivery report within {} (publisher.kafka.message_timeout)",
+                humantime::format_duration(self.cfg.message_timeout)
+            )),
+        };
+        if matches!(outcome, Outcome::Unavailable(_)) {
+            self.replace.store(true, Ordering::Relaxed);
+            self.up.store(false, Ordering::Relaxed);
+        }
+        outcome
+    }
+
+    /// Publishes a run in order, one record after the previous one's report (an unordered
+    /// producer: librdkafka's own timeout could let a later record through).
+    async fn publish_one_by_one(
+        &self,
+        run: &[OutboxMessage],
+        env: &EnvelopeConfig,
+    ) -> Vec<Outcome> {
+        let mut outcomes = Vec::with_capacity(run.len());
+        for msg in run {
+            let outcome = self.publish(msg, env).await;
+            let stop = outcome != Outcome::Confirmed;
+            outcomes.push(outcome);
+            if stop {
+                break;
+            }
+        }
+        outcomes
     }
 
     /// The outcome of a delivery report.
@@ -392,11 +470,19 @@ impl Publisher for KafkaPublisher {
                     up: Arc::clone(&self.up),
                     last_error: Arc::clone(&self.last_error),
                 };
-                let p: FutureProducer<Context> = Self::client_config(&self.cfg)
+                let p: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
                     .create_with_context(ctx)
                     .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
-                let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-                *guard = Some(p.clone());
+                let old = {
+                    let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
+                    guard.replace(p.clone())
+                };
+                if let Some(old) = old {
+                    // Dropping the last handle purges what it still holds (so it cannot
+                    // deliver a handed-back record's successors later) and waits up to
+                    // 500 ms: off the async threads.
+                    drop(tokio::task::spawn_blocking(move || drop(old)));
+                }
                 p
             }
         };
@@ -440,10 +526,63 @@ impl Publisher for KafkaPublisher {
     }
 
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
+        let queued = Instant::now();
         match self.enqueue(msg, env).await {
-            Ok(delivery) => self.delivered(delivery.await),
+            Ok(delivery) => self.report(delivery, queued).await,
             Err(outcome) => outcome,
         }
+    }
+
+    /// With an ordered producer, queues each stretch of the run that goes to one topic (one
+    /// key, so one partition) without waiting for reports, then reads the reports in order
+    /// (see the module docs for why nothing after a failed record is delivered ahead of it).
+    /// A record the producer refuses outright (too large, bad topic) ends the run there.
+    /// Stretches for different topics go one after the other. After a record that failed,
+    /// the later reports are still read so that one confirmed anyway is recorded as sent
+    /// (the relay logs it as a broken promise) rather than published twice.
+    async fn publish_run(&self, run: &[OutboxMessage], env: &EnvelopeConfig) -> Vec<Outcome> {
+        if !self.ordered {
+            return self.publish_one_by_one(run, env).await;
+        }
+        let mut outcomes = Vec::with_capacity(run.len());
+        let stretches = run.chunk_by(|a, b| {
+            envelope::destination(a, &env.route) == envelope::destination(b, &env.route)
+        });
+        for stretch in stretches {
+            let mut deliveries = Vec::with_capacity(stretch.len());
+            let mut refused = None;
+            for msg in stretch {
+                let queued = Instant::now();
+                match self.enqueue(msg, env).await {
+                    Ok(delivery) => deliveries.push((delivery, queued)),
+                    Err(outcome) => {
+                        refused = Some(outcome);
+                        break;
+                    }
+                }
+            }
+            for (delivery, queued) in deliveries {
+                let outcome = self.report(delivery, queued).await;
+                let replaced = matches!(outcome, Outcome::Unavailable(_));
+                outcomes.push(outcome);
+                if replaced {
+                    // The producer is being replaced: what it still holds is purged.
+                    break;
+                }
+            }
+            outcomes.extend(refused);
+            if let Some(first) = outcomes.iter().position(|o| *o != Outcome::Confirmed) {
+                // Past the first failure only a confirmed answer matters: keep up to the last.
+                let last = outcomes
+                    .iter()
+                    .rposition(|o| *o == Outcome::Confirmed)
+                    .filter(|&i| i > first)
+                    .unwrap_or(first);
+                outcomes.truncate(last + 1);
+                return outcomes;
+            }
+        }
+        outcomes
     }
 
     async fn close(&self) {
@@ -550,8 +689,13 @@ mod tests {
 
     #[test]
     fn the_producer_keeps_order_through_a_failed_record() {
-        let c = KafkaPublisher::client_config(&config(&[]));
+        let c = KafkaPublisher::client_config(&config(&[("message.timeout.ms", "5")]), true);
         assert_eq!(c.get("enable.idempotence"), Some("true"));
+        assert_eq!(c.get("enable.gapless.guarantee"), Some("true"));
+        assert_eq!(c.get("message.timeout.ms"), Some("0"));
+        let unordered = KafkaPublisher::client_config(&config(&[]), false);
+        assert_eq!(unordered.get("message.timeout.ms"), Some("5000"));
+        assert_eq!(unordered.get("enable.gapless.guarantee"), None);
     }
 
     #[test]
