@@ -4,6 +4,7 @@
 //! relay loop never spells a metric name. Labels stay low-cardinality: never a row id, an
 //! aggregate id or a rendered routing key.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -134,21 +135,38 @@ pub struct Backlog {
 }
 
 /// One outbox's metrics: every per-table metric carries its `outbox` label (contract §7).
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct OutboxMetrics {
     outbox: metrics::SharedString,
     // Rows claimed since start (clones share it): the background tasks read it to tell an
     // outbox with traffic from an idle one.
     claimed: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    // The per-message metrics, registered once: looking a metric up by name and labels on
+    // every confirm allocated its key each time.
+    publish_duration: metrics::Histogram,
+    end_to_end: metrics::Histogram,
+    published: std::sync::Arc<std::sync::Mutex<HashMap<String, metrics::Counter>>>,
+}
+
+impl std::fmt::Debug for OutboxMetrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxMetrics")
+            .field("outbox", &self.outbox)
+            .finish_non_exhaustive()
+    }
 }
 
 impl OutboxMetrics {
     /// The metrics of the outbox named `name`, registered so that `/metrics` lists its
     /// counters from the start.
     pub fn new(name: &str) -> Self {
+        let outbox = metrics::SharedString::from(name.to_owned());
         let m = Self {
-            outbox: metrics::SharedString::from(name.to_owned()),
+            publish_duration: metrics::histogram!(names::PUBLISH_DURATION, "outbox" => outbox.clone()),
+            end_to_end: metrics::histogram!(names::END_TO_END_LATENCY, "outbox" => outbox.clone()),
+            outbox,
             claimed: std::sync::Arc::default(),
+            published: std::sync::Arc::default(),
         };
         let o = m.label();
         metrics::counter!(names::PUBLISH_FAILURES, "outbox" => o.clone(), "kind" => "message")
@@ -178,11 +196,20 @@ impl OutboxMetrics {
 
     /// A message was confirmed by the broker.
     pub fn published(&self, aggregate_type: &str, publish: Duration, end_to_end: Duration) {
-        metrics::counter!(names::PUBLISHED, "outbox" => self.label(), "aggregate_type" => aggregate_type.to_owned()).increment(1);
-        metrics::histogram!(names::PUBLISH_DURATION, "outbox" => self.label())
-            .record(publish.as_secs_f64());
-        metrics::histogram!(names::END_TO_END_LATENCY, "outbox" => self.label())
-            .record(end_to_end.as_secs_f64());
+        {
+            let mut counters = self.published.lock().unwrap_or_else(|p| p.into_inner());
+            match counters.get(aggregate_type) {
+                Some(c) => c.increment(1),
+                None => {
+                    let c = metrics::counter!(names::PUBLISHED, "outbox" => self.label(), "aggregate_type" => aggregate_type.to_owned());
+                    c.increment(1);
+                    // Bounded like the label itself: aggregate types are a closed, small set.
+                    counters.insert(aggregate_type.to_owned(), c);
+                }
+            }
+        }
+        self.publish_duration.record(publish.as_secs_f64());
+        self.end_to_end.record(end_to_end.as_secs_f64());
     }
 
     /// A publish failed; `connection` says whether it was connection-level.

@@ -758,17 +758,28 @@ impl Publisher for RabbitMqPublisher {
             Err(reason) => return Outcome::Rejected(reason),
         };
         let id = msg.id.to_string();
+        // The properties move into the first attempt; they are built again only in the rare
+        // case that needs them twice (a closed channel): cloning them for every message cost
+        // a dozen allocations.
+        let mut first = Some(props);
+        let again = || {
+            self.properties(msg, env, routing_key.as_str())
+                .map_err(Outcome::Rejected)
+        };
         let waiting = async {
             // A lane found closed was closed after we picked it: pick again (each is reopened
             // once).
             for _ in 0..=CHANNELS {
                 let lane = self.lane(&live).await?;
                 let channel = lane.channel.clone();
-                let (exchange, key, payload, props) = (
+                let props = match first.take() {
+                    Some(props) => props,
+                    None => again()?,
+                };
+                let (exchange, key, payload) = (
                     ShortString::from(self.cfg.exchange.clone()),
                     routing_key.clone(),
                     msg.payload.clone(),
-                    props.clone(),
                 );
                 let confirming: Confirming = Box::pin(async move {
                     channel
@@ -794,7 +805,10 @@ impl Publisher for RabbitMqPublisher {
             }
             Ok(Ok(Settled::ChannelClosed(reason))) => {
                 tracing::warn!(id = %msg.id, reason = %reason, "the broker closed a channel with this message unconfirmed on it; publishing it again on its own");
-                self.publish_alone(&live, msg, routing_key, props).await
+                match again() {
+                    Ok(props) => self.publish_alone(&live, msg, routing_key, props).await,
+                    Err(outcome) => outcome,
+                }
             }
             Ok(Err(outcome)) => outcome,
             Err(_) => {
