@@ -91,8 +91,8 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
     }
     ctx.cleanup().await;
 
-    // The broker itself: raw lapin, one confirm-mode channel, ≤1000 unconfirmed (what the
-    // broker can take, whatever the relay's publisher design).
+    // The broker itself: raw lapin, one confirm-mode channel, ≤1000 unconfirmed, persistent
+    // and mandatory (what the broker can take, whatever the relay's publisher design).
     let raw = async {
         let name = ctx.new_binding("brkraw").await?;
         ctx.progress(format!(
@@ -116,7 +116,7 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
         ctx.report.figure(
             "2 broker ceiling",
             "rabbitmq_raw_ceiling_msgs_per_s",
-            "raw lapin, one channel, persistent + confirms, ≤1000 unconfirmed",
+            "raw lapin, one channel, persistent + mandatory + confirms, ≤1000 unconfirmed",
             r,
             "msgs/s",
         );
@@ -248,7 +248,12 @@ async fn raw_lapin(
             .basic_publish(
                 exchange.into(),
                 "order.OrderPlaced".into(),
-                BasicPublishOptions::default(),
+                // `mandatory`, as the relay publishes: the broker checks that each message is
+                // routed to a queue.
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
                 &m.payload,
                 props,
             )
