@@ -140,12 +140,19 @@ impl State {
             } else {
                 cap.saturating_sub(self.held[lane])
             };
+            // What the lane asked for at least, capped by what its share lets it have: half
+            // of it while others are active (so that it still pipelines), all of it alone. Not
+            // by its room now: a lane with a backlog asks for a refill so as not to claim on
+            // every permit that comes back, and granting whatever room its own batches had
+            // just freed gave it claims of 1-50 rows.
             let need = if exclusive {
                 total
+            } else if others == 0 {
+                min.min(cap).max(1)
             } else {
-                min.min(room).max(1)
+                min.min((cap / 2).max(1)).max(1)
             };
-            if self.available < need || room == 0 {
+            if self.available < need || room < need {
                 // The neediest lane waits for more permits to come back; keep them for it.
                 return;
             }
@@ -169,8 +176,9 @@ pub struct Lane {
 }
 
 impl Lane {
-    /// Waits for at least `min` permits (fewer if this lane's fair share is smaller) and takes
-    /// up to `max`. `None` only if the window is gone.
+    /// Waits until this lane can take at least `min` permits (capped by its fair share: the
+    /// whole window while no other lane is active, half an equal share otherwise) and takes up
+    /// to `max`. `None` only if the window is gone.
     pub async fn acquire(&self, min: usize, max: usize) -> Option<Permit> {
         self.request(min.max(1), max.max(min).max(1), false).await
     }
@@ -427,6 +435,30 @@ mod tests {
         drop(p);
         assert_eq!(b.held(), 0);
         assert_eq!(a.acquire(2, 2).await.unwrap().num_permits(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_refill_waits_for_its_minimum_rather_than_taking_each_permit_back() {
+        let w = Window::new(10);
+        let a = w.lane();
+        let mut batches = a.acquire(1, 10).await.unwrap();
+        // A backlog asks for a refill of 5: permits coming back one by one are not enough.
+        let mut refill = Box::pin(a.acquire(5, 5));
+        drop(batches.split(1));
+        assert!(soon(&mut refill).await.is_none(), "1 free: keep waiting");
+        drop(batches.split(3));
+        assert!(soon(&mut refill).await.is_none(), "4 free: keep waiting");
+        drop(batches.split(1));
+        assert_eq!(soon(&mut refill).await.flatten().unwrap().num_permits(), 5);
+        // While another lane is active (a share of 5), half the share is enough to go on.
+        let b = w.lane();
+        b.found_work();
+        assert_eq!(a.held(), 5);
+        let mut half = Box::pin(a.acquire(5, 5));
+        drop(batches.split(1));
+        assert!(soon(&mut half).await.is_none(), "room for 1: keep waiting");
+        drop(batches.split(1));
+        assert_eq!(soon(&mut half).await.flatten().unwrap().num_permits(), 2);
     }
 
     #[tokio::test]
