@@ -361,19 +361,51 @@ async fn sigterm_with_a_hung_broker_hands_rows_back_and_exits_within_shutdown_ti
     drop_both(table, rabbit).await;
 }
 
+/// A private tansu whose every connection (bootstrap and the advertised leader address) goes
+/// through a proxy the test controls, with a topic created on it.
+struct ProxiedTansu {
+    /// Holds the broker's log.
+    dir: TempDir,
+    port: u16,
+    proxy: Proxy,
+    /// The proxy's address, as the relay and consumers are given it.
+    brokers: String,
+    tansu: Tansu,
+    topic: String,
+}
+
+impl ProxiedTansu {
+    async fn start(label: &str) -> Self {
+        let dir = TempDir::new(&format!("kafka-{label}"));
+        let port = free_port();
+        let proxy = Proxy::start(&format!("127.0.0.1:{port}")).await;
+        let brokers = proxy.addr().to_string();
+        let tansu = Tansu::start(port, proxy.addr(), &dir.path().join("tansu.log")).await;
+        let topic = topic_name(label);
+        create_topic(&tansu.direct(), &topic).await;
+        Self {
+            dir,
+            port,
+            proxy,
+            brokers,
+            tansu,
+            topic,
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     let table = TestTable::new("kafka_restart").await;
-    let dir = TempDir::new("kafka-restart");
-    // Every connection (bootstrap and the advertised leader address) goes through the proxy.
-    let port = free_port();
-    let proxy = Proxy::start(&format!("127.0.0.1:{port}")).await;
-    let advertised = proxy.addr();
-    let brokers = advertised.to_string();
-    let log = dir.path().join("tansu.log");
-    let first = Tansu::start(port, advertised, &log).await;
-    let topic = topic_name("restart");
-    create_topic(&first.direct(), &topic).await;
+    let ProxiedTansu {
+        dir,
+        port,
+        proxy,
+        brokers,
+        tansu: first,
+        topic,
+    } = ProxiedTansu::start("restart").await;
+    let (advertised, log) = (proxy.addr(), dir.path().join("tansu.log"));
 
     let relay = kafka_relay(&table, &brokers, &topic, "kafka-restart")
         .set("relay.lease_timeout", "60s")
@@ -600,14 +632,14 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_kafka_runs_behind_a_black_hole_are_handed_back_and_arrive_in_order() {
     let table = TestTable::new("kafka_hole").await;
-    let dir = TempDir::new("kafka-hole");
-    let port = free_port();
-    let proxy = Proxy::start(&format!("127.0.0.1:{port}")).await;
-    let advertised = proxy.addr();
-    let brokers = advertised.to_string();
-    let tansu = Tansu::start(port, advertised, &dir.path().join("tansu.log")).await;
-    let topic = topic_name("hole");
-    create_topic(&tansu.direct(), &topic).await;
+    let ProxiedTansu {
+        dir: _dir,
+        proxy,
+        brokers,
+        tansu,
+        topic,
+        ..
+    } = ProxiedTansu::start("hole").await;
     let relay = kafka_relay(&table, &brokers, &topic, "kafka-hole")
         .set("relay.ordering", "aggregate")
         .set("publisher.kafka.message_timeout", "2s")

@@ -293,25 +293,6 @@ impl KafkaPublisher {
         outcome
     }
 
-    /// Publishes a run in order, one record after the previous one's report (an unordered
-    /// producer: librdkafka's own timeout could let a later record through).
-    async fn publish_one_by_one(
-        &self,
-        run: &[OutboxMessage],
-        env: &EnvelopeConfig,
-    ) -> Vec<Outcome> {
-        let mut outcomes = Vec::with_capacity(run.len());
-        for msg in run {
-            let outcome = self.publish(msg, env).await;
-            let stop = outcome != Outcome::Confirmed;
-            outcomes.push(outcome);
-            if stop {
-                break;
-            }
-        }
-        outcomes
-    }
-
     /// The outcome of a delivery report.
     fn delivered(&self, report: Result<OwnedDeliveryResult, Canceled>) -> Outcome {
         match report {
@@ -542,7 +523,8 @@ impl Publisher for KafkaPublisher {
     /// (the relay logs it as a broken promise) rather than published twice.
     async fn publish_run(&self, run: &[OutboxMessage], env: &EnvelopeConfig) -> Vec<Outcome> {
         if !self.ordered {
-            return self.publish_one_by_one(run, env).await;
+            // librdkafka's own timeout could let a later record through: one at a time.
+            return super::one_at_a_time(self, run, env).await;
         }
         let mut outcomes = Vec::with_capacity(run.len());
         let stretches = run.chunk_by(|a, b| {

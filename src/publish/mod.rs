@@ -61,18 +61,28 @@ pub trait Publisher: Send + Sync + 'static {
     /// broker's answers to messages sent meanwhile, for the caller to hand back. This default
     /// publishes one message at a time, each after the previous was confirmed.
     async fn publish_run(&self, run: &[OutboxMessage], envelope: &EnvelopeConfig) -> Vec<Outcome> {
-        let mut outcomes = Vec::with_capacity(run.len());
-        for msg in run {
-            let outcome = self.publish(msg, envelope).await;
-            let stop = outcome != Outcome::Confirmed;
-            outcomes.push(outcome);
-            if stop {
-                break;
-            }
-        }
-        outcomes
+        one_at_a_time(self, run, envelope).await
     }
 
     /// Closes the connection cleanly (best effort).
     async fn close(&self);
+}
+
+/// Publishes `run` one message at a time, each after the previous was confirmed, stopping at
+/// the first that is not (the default [`Publisher::publish_run`]).
+pub async fn one_at_a_time<P: Publisher + ?Sized>(
+    publisher: &P,
+    run: &[OutboxMessage],
+    envelope: &EnvelopeConfig,
+) -> Vec<Outcome> {
+    let mut outcomes = Vec::with_capacity(run.len());
+    for msg in run {
+        let outcome = publisher.publish(msg, envelope).await;
+        let stop = outcome != Outcome::Confirmed;
+        outcomes.push(outcome);
+        if stop {
+            break;
+        }
+    }
+    outcomes
 }
