@@ -548,8 +548,9 @@ impl Publisher for KafkaPublisher {
                 let replaced = matches!(outcome, Outcome::Unavailable(_));
                 outcomes.push(outcome);
                 if replaced {
-                    // The producer is being replaced: what it still holds is purged.
-                    break;
+                    // The producer is being replaced: what it still holds is purged, and the
+                    // caller hands back the rest of the run.
+                    return outcomes;
                 }
             }
             outcomes.extend(refused);
