@@ -288,7 +288,7 @@ fn validate_dev_queue(q: &RawRabbitMq) -> Result<Option<String>, ConfigError> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{err, load_str, rejects};
+    use super::super::tests::{err_has, load_str, rejects};
     use super::*;
 
     #[test]
@@ -300,10 +300,10 @@ mod tests {
 
     #[test]
     fn unknown_placeholder_is_rejected() {
-        let e = err("[publisher.rabbitmq]\nrouting_key = \"{tenant}.x\"\n");
-        assert!(
-            e.contains("publisher.rabbitmq.routing_key") && e.contains("tenant"),
-            "{e}"
+        err_has(
+            "[publisher.rabbitmq]\nrouting_key = \"{tenant}.x\"\n",
+            &["publisher.rabbitmq.routing_key", "tenant"],
+            &[],
         );
     }
 
@@ -319,25 +319,27 @@ mod tests {
         };
         assert_eq!(q.declare_queue.as_deref(), Some("outbox.dev"));
         assert_eq!(q.queue_binding, "order.#");
-        let e = err("[publisher.rabbitmq]\ndeclare_queue = \"amq.mine\"\n");
-        assert!(
-            e.contains("publisher.rabbitmq.declare_queue") && e.contains("reserves"),
-            "{e}"
+        let queue = "publisher.rabbitmq.declare_queue";
+        let rabbit = |toml: &str| format!("[publisher.rabbitmq]\n{toml}\n");
+        err_has(
+            &rabbit("declare_queue = \"amq.mine\""),
+            &[queue, "reserves"],
+            &[],
         );
-        let e = err("[publisher.rabbitmq]\nexchange = \"\"\ndeclare_queue = \"q\"\n");
-        assert!(
-            e.contains("publisher.rabbitmq.declare_queue") && e.contains("default exchange"),
-            "{e}"
-        );
+        let default_exchange = rabbit("exchange = \"\"\ndeclare_queue = \"q\"");
+        err_has(&default_exchange, &[queue, "default exchange"], &[]);
         let long = "x".repeat(256);
-        let e = err(&format!(
-            "[publisher.rabbitmq]\ndeclare_queue = \"{long}\"\n"
-        ));
-        assert!(e.contains("publisher.rabbitmq.declare_queue"), "{e}");
-        let e = err(&format!(
-            "[publisher.rabbitmq]\nqueue_binding = \"{long}\"\n"
-        ));
-        assert!(e.contains("publisher.rabbitmq.queue_binding"), "{e}");
+        err_has(
+            &rabbit(&format!("declare_queue = \"{long}\"")),
+            &[queue],
+            &[],
+        );
+        let binding = format!("queue_binding = \"{long}\"");
+        err_has(
+            &rabbit(&binding),
+            &["publisher.rabbitmq.queue_binding"],
+            &[],
+        );
     }
 
     #[test]
@@ -358,13 +360,15 @@ mod tests {
             assert_eq!(q.cloudevents_prefix, want);
             assert_eq!(want.as_str(), written);
         }
-        let e = err("[publisher.rabbitmq]\ncloudevents_prefix = \"ce_\"\n");
-        assert!(
-            e.contains("publisher.rabbitmq.cloudevents_prefix")
-                && e.contains("ce_")
-                && e.contains("cloudEvents:")
-                && e.contains("ce-"),
-            "{e}"
+        err_has(
+            "[publisher.rabbitmq]\ncloudevents_prefix = \"ce_\"\n",
+            &[
+                "publisher.rabbitmq.cloudevents_prefix",
+                "ce_",
+                "cloudEvents:",
+                "ce-",
+            ],
+            &[],
         );
     }
 
@@ -392,10 +396,10 @@ mod tests {
             &format!("{kafka}message_timeout = \"0s\"\n"),
             "invalid value for publisher.kafka.message_timeout: must be greater than zero",
         );
-        let e = err(&format!("{kafka}topic = \"{{nope}}\"\n"));
-        assert!(
-            e.contains("invalid value for publisher.kafka.topic") && e.contains("nope"),
-            "{e}"
+        err_has(
+            &format!("{kafka}topic = \"{{nope}}\"\n"),
+            &["invalid value for publisher.kafka.topic", "nope"],
+            &[],
         );
     }
 

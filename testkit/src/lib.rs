@@ -11,6 +11,7 @@
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
 //!   front;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
+//! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
 //!
 //! The kit does not depend on the `outbox-relay` library: it talks to the binary, the database
@@ -23,6 +24,7 @@
 
 pub mod check;
 pub mod db;
+pub mod http;
 pub mod kafka;
 pub mod process;
 pub mod proxy;
@@ -32,6 +34,7 @@ use std::time::{Duration, Instant};
 
 pub use check::*;
 pub use db::*;
+pub use http::*;
 pub use process::*;
 pub use proxy::*;
 pub use rabbit::*;
