@@ -20,44 +20,29 @@
 
 mod common;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::collections::{BTreeMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use common::{NewRow, PG_URL, TestTable, hex8, pg_connect, slug, wait_until};
+use common::{Inserted, NewRow, PG_URL, TestTable, hex8, pg_connect, slug, wait_until};
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use outbox_relay::config::{Config, RawConfig};
-use outbox_relay::message::OutboxMessage;
-use outbox_relay::publish::envelope::EnvelopeConfig;
-use outbox_relay::publish::{ConnectError, Outcome, Publisher};
-use outbox_relay::store::Store;
-use outbox_relay::{PublisherFactory, RunError, run_with};
+use outbox_relay::publish::{ConnectError, Outcome, Publisher, envelope::EnvelopeConfig};
+use outbox_relay::{PublisherFactory, RunError, message::OutboxMessage, run_with, store::Store};
 use serde_json::json;
-use tokio::sync::Semaphore;
-use tokio::task::JoinHandle;
+use tokio::{sync::Semaphore, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 /// How long any single wait may take before the test fails (the scenarios take well under 2 s).
 const WAIT: Duration = Duration::from_secs(15);
 
-// ---------------------------------------------------------------------------------------------
 // The fake broker.
 
-/// What the fake answers for one publish, and when.
-#[derive(Debug, Clone)]
-struct Step {
-    /// Wait for a permit of the fake's gate (the test opens it) before answering.
-    gated: bool,
-    /// Then wait this long (a broker's latency).
-    latency: Duration,
-    answer: Answer,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Answer {
     Confirm,
     Reject,
@@ -65,28 +50,12 @@ enum Answer {
     Disconnect,
 }
 
-impl Step {
-    fn confirm() -> Self {
-        Self {
-            gated: false,
-            latency: Duration::ZERO,
-            answer: Answer::Confirm,
-        }
-    }
-    fn answer(answer: Answer) -> Self {
-        Self {
-            answer,
-            ..Self::confirm()
-        }
-    }
-    fn gated(mut self) -> Self {
-        self.gated = true;
-        self
-    }
-    fn after(mut self, latency: Duration) -> Self {
-        self.latency = latency;
-        self
-    }
+/// What the fake answers for one publish, and after how long (a broker's latency).
+type Step = (Answer, Duration);
+
+/// `answer` at once if `cond`, else a confirm.
+fn answer_if(cond: bool, answer: Answer) -> Step {
+    (if cond { answer } else { Answer::Confirm }, Duration::ZERO)
 }
 
 /// Decides the step for a message, given how many times that row was published before.
@@ -95,38 +64,26 @@ type Script = Box<dyn Fn(&OutboxMessage, usize) -> Step + Send + Sync>;
 /// One publish as the fake saw it.
 #[derive(Debug, Clone)]
 struct Publish {
-    id: Uuid,
-    seq: i64,
-    aggregate_id: Option<String>,
-    /// `attempts` as claimed (including this one).
-    attempts: i32,
-    /// `None` while in flight, or when the loop gave up waiting (shutdown).
-    outcome: Option<Answer>,
+    /// The message as claimed (`attempts` includes this one).
+    msg: OutboxMessage,
+    /// When the fake was asked.
     started: Instant,
+    /// When it answered: `None` while in flight, and for good for a publish the loop dropped
+    /// unanswered (shutdown's hard stop).
     ended: Option<Instant>,
+    /// What it answered (`None` as `ended`).
+    outcome: Option<Answer>,
 }
 
-/// Start and end of publishes, in the order they happened (`usize` indexes `publishes`).
-#[derive(Debug, Clone, Copy)]
-enum Event {
-    Start(usize),
-    End(usize),
-}
-
-#[derive(Default)]
-struct Log {
-    publishes: Vec<Publish>,
-    events: Vec<Event>,
-}
-
-/// A scripted [`Publisher`]: answers per the script, records every publish, counts what is in
-/// flight (and the most ever in flight), and has a connection the script can break and a
-/// broker the test can take down (`connect` then fails).
+/// A scripted [`Publisher`]: answers per the script, records every publish (in the order they
+/// started), counts what is in flight, i.e. unanswered (and the most ever in flight), and has
+/// a connection the script can break and a broker the test can take down (`connect` fails).
 struct FakeBroker {
     script: Script,
-    /// Gated publishes wait here for a permit; it starts closed.
+    /// Each publish first takes a permit: none for a gated broker until the test adds them,
+    /// else as good as unlimited.
     gate: Semaphore,
-    log: Mutex<Log>,
+    log: Mutex<Vec<Publish>>,
     connected: AtomicBool,
     /// Whether `connect` succeeds.
     reachable: AtomicBool,
@@ -136,76 +93,47 @@ struct FakeBroker {
 }
 
 impl FakeBroker {
+    /// A broker that answers each publish as soon as its script says.
     fn new(script: impl Fn(&OutboxMessage, usize) -> Step + Send + Sync + 'static) -> Arc<Self> {
+        Self::with_permits(Semaphore::MAX_PERMITS, script)
+    }
+
+    /// A broker that holds every publish until the test adds permits to its gate.
+    fn gated(script: impl Fn(&OutboxMessage, usize) -> Step + Send + Sync + 'static) -> Arc<Self> {
+        Self::with_permits(0, script)
+    }
+
+    fn with_permits(
+        permits: usize,
+        script: impl Fn(&OutboxMessage, usize) -> Step + Send + Sync + 'static,
+    ) -> Arc<Self> {
         Arc::new(Self {
             script: Box::new(script),
-            gate: Semaphore::new(0),
-            log: Mutex::new(Log::default()),
+            gate: Semaphore::new(permits),
+            log: Mutex::default(),
             connected: AtomicBool::new(false),
             reachable: AtomicBool::new(true),
-            connects: AtomicUsize::new(0),
-            in_flight: AtomicUsize::new(0),
-            high_water: AtomicUsize::new(0),
+            connects: AtomicUsize::default(),
+            in_flight: AtomicUsize::default(),
+            high_water: AtomicUsize::default(),
         })
     }
 
-    /// The factory `run_with` takes.
-    fn factory(self: &Arc<Self>) -> PublisherFactory {
-        let me = Arc::clone(self);
-        Box::new(move || me as Arc<dyn Publisher>)
-    }
-
     fn publishes(&self) -> Vec<Publish> {
-        self.log.lock().unwrap().publishes.clone()
-    }
-
-    fn events(&self) -> (Vec<Publish>, Vec<Event>) {
-        let log = self.log.lock().unwrap();
-        (log.publishes.clone(), log.events.clone())
-    }
-
-    fn started(&self) -> usize {
-        self.log.lock().unwrap().publishes.len()
+        self.log.lock().unwrap().clone()
     }
 
     fn confirmed(&self) -> Vec<Uuid> {
-        self.publishes()
-            .iter()
-            .filter(|p| p.outcome == Some(Answer::Confirm))
-            .map(|p| p.id)
-            .collect()
+        let log = self.log.lock().unwrap();
+        let confirmed = log.iter().filter(|p| p.outcome == Some(Answer::Confirm));
+        confirmed.map(|p| p.msg.id).collect()
     }
 
     /// The publishes of one aggregate in the order they started.
     fn of_aggregate(&self, aggregate_id: &str) -> Vec<Publish> {
-        self.publishes()
-            .into_iter()
-            .filter(|p| p.aggregate_id.as_deref() == Some(aggregate_id))
-            .collect()
-    }
-
-    fn record_end(&self, index: usize, outcome: Option<Answer>) {
-        let mut log = self.log.lock().unwrap();
-        let p = &mut log.publishes[index];
-        if p.ended.is_some() {
-            return;
-        }
-        p.ended = Some(Instant::now());
-        p.outcome = outcome;
-        log.events.push(Event::End(index));
-        self.in_flight.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-/// Ends a publish that the loop dropped before it was answered (shutdown's hard stop).
-struct InFlight<'a> {
-    broker: &'a FakeBroker,
-    index: usize,
-}
-
-impl Drop for InFlight<'_> {
-    fn drop(&mut self) {
-        self.broker.record_end(self.index, None);
+        let mut all = self.publishes();
+        all.retain(|p| p.msg.aggregate_id.as_deref() == Some(aggregate_id));
+        all
     }
 }
 
@@ -220,73 +148,59 @@ impl Publisher for FakeBroker {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        self.connects.fetch_add(1, Ordering::SeqCst);
-        if self.reachable.load(Ordering::SeqCst) {
-            self.connected.store(true, Ordering::SeqCst);
-            Ok(())
-        } else {
-            Err(ConnectError("fake broker is down".into()))
-        }
+        self.connects.fetch_add(1, SeqCst);
+        let up = self.reachable.load(SeqCst);
+        self.connected.store(up, SeqCst);
+        up.then_some(())
+            .ok_or_else(|| ConnectError("fake broker is down".into()))
     }
 
     fn is_connected(&self) -> bool {
-        self.connected.load(Ordering::SeqCst)
+        self.connected.load(SeqCst)
     }
 
     async fn publish(&self, msg: &OutboxMessage, _envelope: &EnvelopeConfig) -> Outcome {
-        let (index, step) = {
+        let (index, (answer, latency)) = {
             let mut log = self.log.lock().unwrap();
-            let before = log.publishes.iter().filter(|p| p.id == msg.id).count();
-            let index = log.publishes.len();
-            log.publishes.push(Publish {
-                id: msg.id,
-                seq: msg.seq,
-                aggregate_id: msg.aggregate_id.clone(),
-                attempts: msg.attempts,
-                outcome: None,
+            let before = log.iter().filter(|p| p.msg.id == msg.id).count();
+            log.push(Publish {
+                msg: msg.clone(),
                 started: Instant::now(),
                 ended: None,
+                outcome: None,
             });
-            log.events.push(Event::Start(index));
-            let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
-            self.high_water.fetch_max(now, Ordering::SeqCst);
-            (index, (self.script)(msg, before))
+            let now = self.in_flight.fetch_add(1, SeqCst) + 1;
+            self.high_water.fetch_max(now, SeqCst);
+            (log.len() - 1, (self.script)(msg, before))
         };
-        let guard = InFlight {
-            broker: self,
-            index,
-        };
-        if step.gated {
-            self.gate.acquire().await.unwrap().forget();
+        self.gate.acquire().await.unwrap().forget();
+        if !latency.is_zero() {
+            tokio::time::sleep(latency).await;
         }
-        if !step.latency.is_zero() {
-            tokio::time::sleep(step.latency).await;
+        if answer == Answer::Disconnect {
+            self.connected.store(false, SeqCst);
         }
-        let outcome = match step.answer {
+        let p = &mut self.log.lock().unwrap()[index];
+        (p.ended, p.outcome) = (Some(Instant::now()), Some(answer));
+        self.in_flight.fetch_sub(1, SeqCst);
+        match answer {
             Answer::Confirm => Outcome::Confirmed,
             Answer::Reject => Outcome::Rejected("fake broker refused the message".into()),
-            Answer::Disconnect => {
-                self.connected.store(false, Ordering::SeqCst);
-                Outcome::Unavailable("fake broker connection lost".into())
-            }
-        };
-        self.record_end(index, Some(step.answer));
-        drop(guard); // a no-op now: the publish has ended
-        outcome
+            Answer::Disconnect => Outcome::Unavailable("fake broker connection lost".into()),
+        }
     }
 
     async fn close(&self) {
-        self.connected.store(false, Ordering::SeqCst);
+        self.connected.store(false, SeqCst);
     }
 }
 
-// ---------------------------------------------------------------------------------------------
 // The relay under test.
 
-/// A fresh outbox table created by the library's own migration, and the configuration the
-/// relay runs with, built through `RawConfig::validate` like a user's. `overrides` is TOML
-/// merged over the test's base settings.
-async fn setup(test: &str, overrides: &str) -> (TestTable, Config) {
+/// A fresh outbox table created by the library's own migration, holding `rows`, and the
+/// configuration the relay runs with, built through `RawConfig::validate` like a user's.
+/// `overrides` is TOML merged over the test's base settings.
+async fn setup(test: &str, overrides: &str, rows: &[NewRow]) -> (TestTable, Config, Vec<Inserted>) {
     let name = format!("it_{}_{}", slug(test, 24), hex8());
     let base = format!(
         // Four connections are plenty for a few dozen rows, and spare the shared server.
@@ -303,52 +217,48 @@ async fn setup(test: &str, overrides: &str) -> (TestTable, Config) {
     assert_eq!(config.metrics_listen, None, "tests serve no metrics");
     let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
     assert!(!store.migrate().await.unwrap().is_empty());
-    let table = TestTable {
-        name,
-        db: pg_connect().await,
-    };
-    (table, config)
+    let db = pg_connect().await;
+    let table = TestTable { name, db };
+    let inserted = table.insert(rows).await;
+    (table, config, inserted)
 }
 
-struct Running {
-    shutdown: CancellationToken,
-    handle: JoinHandle<Result<(), RunError>>,
-}
+/// The running relay: its shutdown token and its task.
+type Running = (CancellationToken, JoinHandle<Result<(), RunError>>);
 
 fn start(config: Config, broker: &Arc<FakeBroker>) -> Running {
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn(run_with(config, Some(broker.factory()), shutdown.clone()));
-    Running { shutdown, handle }
+    let (shutdown, broker) = (CancellationToken::new(), Arc::clone(broker));
+    let factory: PublisherFactory = Box::new(move || broker as Arc<dyn Publisher>);
+    let run = run_with(config, Some(factory), shutdown.clone());
+    (shutdown, tokio::spawn(run))
 }
 
-impl Running {
-    /// Cancels the token and waits for `run_with` to return.
-    async fn stop(self) {
-        self.shutdown.cancel();
-        tokio::time::timeout(WAIT, self.handle)
-            .await
-            .expect("run_with returns after shutdown")
-            .expect("run_with did not panic")
-            .expect("run_with ends without error");
-    }
+/// Cancels the token (if not yet) and waits for `run_with` to return.
+async fn stop((shutdown, handle): Running) {
+    shutdown.cancel();
+    tokio::time::timeout(WAIT, handle)
+        .await
+        .expect("run_with returns after shutdown")
+        .expect("run_with did not panic")
+        .expect("run_with ends without error");
 }
 
-fn row(aggregate: Option<&str>, event: &str) -> NewRow {
-    NewRow::new("loop", aggregate, event, json!({ "event": event }))
+/// One row per key, in aggregate `key` ("": none).
+fn rows(keys: &[&str]) -> Vec<NewRow> {
+    let row = |k: &&str| NewRow::new("loop", Some(*k).filter(|k| !k.is_empty()), "e", json!({}));
+    keys.iter().map(row).collect()
 }
 
-async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
-    wait_until(WAIT, what, async || {
-        if check() {
-            Ok(())
-        } else {
-            Err("not yet".into())
-        }
-    })
+async fn wait_for(what: &str, check: impl Fn() -> bool) {
+    let not_yet = || Err("not yet".to_owned());
+    wait_until(
+        WAIT,
+        what,
+        async || if check() { Ok(()) } else { not_yet() },
+    )
     .await;
 }
 
-// ---------------------------------------------------------------------------------------------
 // Scenarios.
 
 /// An aggregate's run a, b, c is claimed together; the broker rejects b once. c must not go
@@ -357,48 +267,32 @@ async fn wait_for(what: &str, mut check: impl FnMut() -> bool) {
 #[tokio::test]
 async fn rejection_hands_back_the_rest_of_the_chain() {
     let backoff = Duration::from_millis(300);
-    let (table, config) = setup(
-        "loop_chain_rejection",
-        "[retry]\nbase_delay = \"300ms\"\njitter = 0.0\n",
-    )
-    .await;
-    let rows = table
-        .insert(&[
-            row(Some("A"), "a"),
-            row(Some("B"), "x"),
-            row(Some("A"), "b"),
-            row(Some("A"), "c"),
-            row(Some("B"), "y"),
-        ])
-        .await;
-    let (a, x, b, c, y) = (rows[0], rows[1], rows[2], rows[3], rows[4]);
-    let broker = FakeBroker::new(move |m, before| {
-        if m.id == b.id && before == 0 {
-            Step::answer(Answer::Reject)
-        } else {
-            Step::confirm()
-        }
-    });
+    let new = rows(&["A", "B", "A", "A", "B"]);
+    let settings = "[retry]\nbase_delay = \"300ms\"\njitter = 0.0\n";
+    let (table, config, inserted) = setup("loop_chain_rejection", settings, &new).await;
+    let [a, x, b, c, y]: [Inserted; 5] = inserted.try_into().unwrap();
+    let broker = FakeBroker::new(move |m, n| answer_if(m.id == b.id && n == 0, Answer::Reject));
     let relay = start(config, &broker);
     table.wait_all_sent(WAIT).await;
-    relay.stop().await;
+    stop(relay).await;
 
-    let chain = broker.of_aggregate("A");
-    let seen: Vec<(Uuid, i32, Option<Answer>)> = chain
-        .iter()
-        .map(|p| (p.id, p.attempts, p.outcome.clone()))
-        .collect();
+    let seen = |aggregate| -> Vec<(Uuid, i32, Option<Answer>)> {
+        let all = broker.of_aggregate(aggregate).into_iter();
+        all.map(|p| (p.msg.id, p.msg.attempts, p.outcome)).collect()
+    };
+    let confirmed = Some(Answer::Confirm);
     assert_eq!(
-        seen,
+        seen("A"),
         vec![
-            (a.id, 1, Some(Answer::Confirm)),
+            (a.id, 1, confirmed),
             (b.id, 1, Some(Answer::Reject)),
-            (b.id, 2, Some(Answer::Confirm)),
-            (c.id, 1, Some(Answer::Confirm)),
+            (b.id, 2, confirmed),
+            (c.id, 1, confirmed),
         ],
         "aggregate A: a, b (rejected), then b again and c, each claimed attempt as shown \
          (c published with attempts 1: the rejection of b did not spend c's)"
     );
+    let chain = broker.of_aggregate("A");
     let rejected_at = chain[1].ended.unwrap();
     assert!(
         chain[2].started >= rejected_at + backoff,
@@ -409,20 +303,16 @@ async fn rejection_hands_back_the_rest_of_the_chain() {
         chain[3].started >= chain[2].ended.unwrap(),
         "c started before b was confirmed"
     );
-    let other: Vec<(Uuid, i32)> = broker
-        .of_aggregate("B")
-        .iter()
-        .map(|p| (p.id, p.attempts))
-        .collect();
-    assert_eq!(other, vec![(x.id, 1), (y.id, 1)], "aggregate B: once each");
+    let other = vec![(x.id, 1, confirmed), (y.id, 1, confirmed)];
+    assert_eq!(seen("B"), other, "aggregate B: once each");
 
-    let state = table.rows_by_id(&[a.id, b.id, c.id]).await;
+    let state = table.rows_by_id(&[b.id, c.id]).await;
+    let (b_row, c_row) = (&state[&b.id], &state[&c.id]);
     assert_eq!(
-        state[&b.id].attempts, 2,
-        "b spent one attempt on the rejection"
+        (b_row.attempts, c_row.attempts, b_row.last_error.as_deref()),
+        (2, 1, None),
+        "b spent one attempt on the rejection, c none on it; sent rows carry no error"
     );
-    assert_eq!(state[&c.id].attempts, 1, "c spent none on b's rejection");
-    assert_eq!(state[&b.id].last_error, None, "sent rows carry no error");
     table.drop_table().await;
 }
 
@@ -432,104 +322,62 @@ async fn rejection_hands_back_the_rest_of_the_chain() {
 /// other row spends an attempt on its account.
 #[tokio::test]
 async fn reclaimed_rows_go_out_one_at_a_time() {
-    let (table, config) = setup(
-        "loop_suspects",
-        "[relay]\nbatch_size = 8\nmax_in_flight = 8\n",
-    )
-    .await;
-    let dead: Vec<_> = table
-        .insert(&[
-            row(Some("P"), "poison"),
-            row(Some("S1"), "s"),
-            row(Some("S2"), "s"),
-            row(None, "s"),
-        ])
-        .await;
-    let fresh: Vec<_> = table
-        .insert(&[
-            row(Some("N1"), "n"),
-            row(Some("N2"), "n"),
-            row(None, "n"),
-            row(None, "n"),
-        ])
-        .await;
-    let dead_ids: Vec<Uuid> = dead.iter().map(|r| r.id).collect();
-    table
-        .db
-        .execute(
-            &format!(
-                "UPDATE {} SET status = 'processing', attempts = 1, locked_by = 'dead-relay', \
-                 locked_at = now() - interval '1 hour' WHERE id = ANY($1)",
-                table.name
-            ),
-            &[&dead_ids],
-        )
-        .await
-        .unwrap();
-    let poison = dead[0].id;
+    // Four rows a dead relay left (the poison row first), then four fresh ones.
+    let new = rows(&["P", "S1", "S2", "", "N1", "N2", "", ""]);
+    let settings = "[relay]\nbatch_size = 8\nmax_in_flight = 8\n";
+    let (table, config, inserted) = setup("loop_suspects", settings, &new).await;
+    let dead_ids: Vec<Uuid> = inserted[..4].iter().map(|r| r.id).collect();
+    let sql = format!(
+        "UPDATE {} SET status = 'processing', attempts = 1, locked_by = 'dead-relay', \
+         locked_at = now() - interval '1 hour' WHERE id = ANY($1)",
+        table.name
+    );
+    table.db.execute(&sql, &[&dead_ids]).await.unwrap();
+    let poison = inserted[0].id;
     let broker = FakeBroker::new(move |m, before| {
         if m.id == poison && before == 0 {
             // Long enough for anything the loop would run beside it to start meanwhile.
-            Step::answer(Answer::Disconnect).after(Duration::from_millis(300))
+            (Answer::Disconnect, Duration::from_millis(300))
         } else {
-            Step::confirm().after(Duration::from_millis(20))
+            (Answer::Confirm, Duration::from_millis(20))
         }
     });
     let relay = start(config, &broker);
     table.wait_all_sent(WAIT).await;
-    relay.stop().await;
+    stop(relay).await;
 
-    let (publishes, events) = broker.events();
-    let reclaimed: HashSet<Uuid> = dead_ids.iter().copied().collect();
-    let mut in_flight: Vec<usize> = Vec::new();
-    for e in &events {
-        match *e {
-            Event::Start(i) => {
-                let shared = in_flight
-                    .iter()
-                    .any(|&j| reclaimed.contains(&publishes[j].id))
-                    || (reclaimed.contains(&publishes[i].id) && !in_flight.is_empty());
-                assert!(
-                    !shared,
-                    "seq {} started while seq {:?} were in flight: a reclaimed row shared the window",
-                    publishes[i].seq,
-                    in_flight
-                        .iter()
-                        .map(|&j| publishes[j].seq)
-                        .collect::<Vec<_>>()
-                );
-                in_flight.push(i);
-            }
-            Event::End(i) => in_flight.retain(|&j| j != i),
+    // Publishes are logged in the order they started, so a later one overlaps an earlier one
+    // if it started before that one ended (both stamped under the log's lock).
+    let publishes = broker.publishes();
+    for (i, p) in publishes.iter().enumerate() {
+        for q in &publishes[i + 1..] {
+            let reclaimed = dead_ids.contains(&p.msg.id) || dead_ids.contains(&q.msg.id);
+            assert!(
+                !reclaimed || p.ended.is_some_and(|ended| q.started >= ended),
+                "seq {} started while seq {} was in flight: a reclaimed row shared the window",
+                q.msg.seq,
+                p.msg.seq
+            );
         }
     }
 
-    let attempts_seen = |id: Uuid| -> Vec<i32> {
-        publishes
-            .iter()
-            .filter(|p| p.id == id)
-            .map(|p| p.attempts)
-            .collect()
-    };
+    // Per row, by seq: the attempts it was published with, and the attempts stored.
+    let mut seen: BTreeMap<i64, (Vec<i32>, i32)> = BTreeMap::new();
+    for p in &publishes {
+        seen.entry(p.msg.seq).or_default().0.push(p.msg.attempts);
+    }
+    for r in table.rows().await {
+        seen.entry(r.seq).or_default().1 = r.attempts;
+    }
+    let want: [&[i32]; 8] = [&[2, 2], &[2], &[2], &[2], &[1], &[1], &[1], &[1]];
+    // Stored: the attempts of the row's first publish (a refunded attempt is not stored).
+    let want = want.map(|w| (w.to_vec(), w[0]));
+    let expected: BTreeMap<_, _> = inserted.iter().map(|r| r.seq).zip(want).collect();
     assert_eq!(
-        attempts_seen(poison),
-        vec![2, 2],
-        "the poison row: reclaimed with the dead relay's attempt, refunded after the lost connection"
+        seen, expected,
+        "the poison row published twice with the dead relay's attempt plus one (the lost \
+         connection refunded it), the other reclaimed rows once with 2, fresh rows once with 1"
     );
-    for r in &dead[1..] {
-        assert_eq!(attempts_seen(r.id), vec![2], "reclaimed row seq {}", r.seq);
-    }
-    for r in &fresh {
-        assert_eq!(attempts_seen(r.id), vec![1], "fresh row seq {}", r.seq);
-    }
-    let state = table.rows().await;
-    let attempts: BTreeMap<i64, i32> = state.iter().map(|r| (r.seq, r.attempts)).collect();
-    let expected: BTreeMap<i64, i32> = dead
-        .iter()
-        .map(|r| (r.seq, 2))
-        .chain(fresh.iter().map(|r| (r.seq, 1)))
-        .collect();
-    assert_eq!(attempts, expected, "attempts by seq");
     table.drop_table().await;
 }
 
@@ -537,45 +385,38 @@ async fn reclaimed_rows_go_out_one_at_a_time() {
 /// hang the loop claims nothing more, and as answers return it claims again.
 #[tokio::test]
 async fn in_flight_window_bounds_concurrent_publishes() {
-    let (table, config) = setup(
-        "loop_window",
-        "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n",
-    )
-    .await;
-    let rows: Vec<NewRow> = (0..24).map(|i| row(None, &format!("e{i}"))).collect();
-    table.insert(&rows).await;
-    let broker = FakeBroker::new(|_, _| Step::confirm().gated());
+    let settings = "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n";
+    let rows = NewRow::numbered(24, "loop", None, "e");
+    let (table, config, _) = setup("loop_window", settings, &rows).await;
+    let broker = FakeBroker::gated(|_, _| (Answer::Confirm, Duration::ZERO));
     let relay = start(config, &broker);
 
     let window_full = || {
-        let most = broker.high_water.load(Ordering::SeqCst);
+        let most = broker.high_water.load(SeqCst);
         assert!(
             most <= 4,
             "{most} publishes outstanding at once, beyond max_in_flight 4"
         );
-        broker.in_flight.load(Ordering::SeqCst) == 4
+        broker.in_flight.load(SeqCst) == 4
     };
     wait_for("4 publishes are waiting for the broker", window_full).await;
     // The window is full: nothing beyond it is claimed (a claim marks rows processing first).
     assert_eq!(table.count_where("status = 'processing'").await, 4);
-    assert_eq!(broker.started(), 4);
+    assert_eq!(broker.publishes().len(), 4);
 
     // Two answers free half the window (the refill a backlog waits for): two more go out.
     broker.gate.add_permits(2);
     wait_for("the loop refills the two returned permits", || {
-        window_full() && broker.started() == 6
+        window_full() && broker.publishes().len() == 6
     })
     .await;
 
     broker.gate.add_permits(1000);
     table.wait_all_sent(WAIT).await;
-    relay.stop().await;
-    assert_eq!(broker.started(), 24, "each row published once");
-    assert_eq!(
-        broker.high_water.load(Ordering::SeqCst),
-        4,
-        "most publishes outstanding at once"
-    );
+    stop(relay).await;
+    assert_eq!(broker.publishes().len(), 24, "each row published once");
+    let most = broker.high_water.load(SeqCst);
+    assert_eq!(most, 4, "most publishes outstanding at once");
     table.drop_table().await;
 }
 
@@ -586,33 +427,24 @@ async fn in_flight_window_bounds_concurrent_publishes() {
 #[tokio::test]
 async fn shutdown_drains_then_hands_back() {
     let timeout = Duration::from_millis(1500);
-    let (table, config) = setup(
-        "loop_shutdown",
-        "[relay]\nordering = \"none\"\nbatch_size = 6\nmax_in_flight = 6\n\
-         shutdown_timeout = \"1500ms\"\n",
-    )
-    .await;
-    let rows: Vec<NewRow> = (0..8).map(|i| row(None, &format!("e{i}"))).collect();
-    let inserted = table.insert(&rows).await;
-    let broker = FakeBroker::new(|_, _| Step::confirm().gated());
+    let settings = "[relay]\nordering = \"none\"\nbatch_size = 6\nmax_in_flight = 6\n\
+                    shutdown_timeout = \"1500ms\"\n";
+    let rows = NewRow::numbered(8, "loop", None, "e");
+    let (table, config, inserted) = setup("loop_shutdown", settings, &rows).await;
+    let broker = FakeBroker::gated(|_, _| (Answer::Confirm, Duration::ZERO));
     let relay = start(config, &broker);
     wait_for("6 publishes are waiting for the broker", || {
-        broker.in_flight.load(Ordering::SeqCst) == 6
+        broker.in_flight.load(SeqCst) == 6
     })
     .await;
 
     let asked = Instant::now();
-    relay.shutdown.cancel();
+    let (shutdown, _) = &relay;
+    shutdown.cancel();
     broker.gate.add_permits(3);
-    wait_for("3 publishes are confirmed during the drain", || {
-        broker.confirmed().len() == 3
-    })
-    .await;
-    tokio::time::timeout(WAIT, relay.handle)
-        .await
-        .expect("run_with returns")
-        .unwrap()
-        .unwrap();
+    let drained = || broker.confirmed().len() == 3;
+    wait_for("3 publishes are confirmed during the drain", drained).await;
+    stop(relay).await;
     let took = asked.elapsed();
     assert!(
         took < timeout,
@@ -624,30 +456,22 @@ async fn shutdown_drains_then_hands_back() {
     let publishes = broker.publishes();
     assert_eq!(publishes.len(), 6, "no publish started after shutdown");
     let confirmed: HashSet<Uuid> = broker.confirmed().into_iter().collect();
-    let published: HashSet<Uuid> = publishes.iter().map(|p| p.id).collect();
+    let published: HashSet<Uuid> = publishes.iter().map(|p| p.msg.id).collect();
     for r in table.rows().await {
+        let (state, seq) = ((r.status.as_str(), r.attempts), r.seq);
         if confirmed.contains(&r.id) {
-            assert_eq!(
-                (r.status.as_str(), r.attempts),
-                ("sent", 1),
-                "seq {}",
-                r.seq
-            );
+            assert_eq!(state, ("sent", 1), "seq {seq}");
         } else {
             assert_eq!(
-                (r.status.as_str(), r.attempts, r.locked_by.as_deref()),
-                ("pending", 0, None),
-                "seq {} (published: {})",
-                r.seq,
+                (state, r.locked_by.as_deref()),
+                (("pending", 0), None),
+                "seq {seq} (published: {})",
                 published.contains(&r.id)
             );
         }
     }
-    let never: Vec<i64> = inserted
-        .iter()
-        .filter(|r| !published.contains(&r.id))
-        .map(|r| r.seq)
-        .collect();
+    let never = inserted.iter().filter(|r| !published.contains(&r.id));
+    let never: Vec<i64> = never.map(|r| r.seq).collect();
     assert_eq!(
         never.len(),
         2,
@@ -662,73 +486,50 @@ async fn shutdown_drains_then_hands_back() {
 /// sent, in order per aggregate, once the connection holds.
 #[tokio::test]
 async fn connection_failures_never_spend_attempts() {
-    let (table, config) = setup(
-        "loop_connection_refunds",
-        "[retry]\nmax_attempts = 2\nbase_delay = \"50ms\"\n",
-    )
-    .await;
-    let inserted = table
-        .insert(&[
-            row(Some("A"), "a1"),
-            row(Some("A"), "a2"),
-            row(Some("A"), "a3"),
-            row(Some("B"), "b1"),
-            row(Some("B"), "b2"),
-            row(None, "n1"),
-        ])
-        .await;
     const DROPS: usize = 3;
-    let broker = FakeBroker::new(|_, before| {
-        if before < DROPS {
-            Step::answer(Answer::Disconnect)
-        } else {
-            Step::confirm()
-        }
-    });
-    broker.reachable.store(false, Ordering::SeqCst);
+    let new = rows(&["A", "A", "A", "B", "B", ""]);
+    let settings = "[retry]\nmax_attempts = 2\nbase_delay = \"50ms\"\n";
+    let (table, config, inserted) = setup("loop_connection_refunds", settings, &new).await;
+    let broker = FakeBroker::new(|_, n| answer_if(n < DROPS, Answer::Disconnect));
+    broker.reachable.store(false, SeqCst);
     let relay = start(config, &broker);
 
-    wait_for("the loop tried to connect twice", || {
-        broker.connects.load(Ordering::SeqCst) >= 2
-    })
-    .await;
+    let connects = || broker.connects.load(SeqCst);
+    wait_for("the loop tried to connect twice", || connects() >= 2).await;
     let counts = table.status_counts().await;
     assert_eq!(
         counts["pending"], 6,
         "nothing claimed without a broker: {counts:?}"
     );
     assert_eq!(table.count_where("attempts > 0").await, 0);
-    assert_eq!(broker.started(), 0);
+    assert_eq!(broker.publishes().len(), 0);
 
-    broker.reachable.store(true, Ordering::SeqCst);
+    broker.reachable.store(true, SeqCst);
     table.wait_all_sent(WAIT).await;
-    relay.stop().await;
+    stop(relay).await;
 
-    let publishes = broker.publishes();
-    let mut per_row: HashMap<Uuid, Vec<Option<Answer>>> = HashMap::new();
-    for p in &publishes {
-        assert_eq!(
-            p.attempts, 1,
-            "seq {} was published with attempts {}: a lost connection spent an attempt",
-            p.seq, p.attempts
-        );
-        per_row.entry(p.id).or_default().push(p.outcome.clone());
+    // (attempts as claimed, answer) of each publish, by seq.
+    let mut seen: BTreeMap<i64, Vec<(i32, Option<Answer>)>> = BTreeMap::new();
+    for p in broker.publishes() {
+        seen.entry(p.msg.seq)
+            .or_default()
+            .push((p.msg.attempts, p.outcome));
     }
-    let mut expected = vec![Some(Answer::Disconnect); DROPS];
-    expected.push(Some(Answer::Confirm));
-    for r in &inserted {
-        assert_eq!(per_row[&r.id], expected, "seq {}", r.seq);
-    }
+    let mut each = vec![(1, Some(Answer::Disconnect)); DROPS];
+    each.push((1, Some(Answer::Confirm)));
+    let expected = inserted.iter().map(|r| (r.seq, each.clone())).collect();
+    assert_eq!(
+        seen, expected,
+        "each row: {DROPS} lost connections, then confirmed, all with attempts 1 (more would \
+         mean a lost connection spent an attempt)"
+    );
     for aggregate in ["A", "B"] {
-        let firsts: Vec<i64> = broker
-            .of_aggregate(aggregate)
-            .iter()
-            .filter(|p| p.outcome == Some(Answer::Confirm))
-            .map(|p| p.seq)
-            .collect();
+        let mut confirmed = broker.of_aggregate(aggregate);
+        confirmed.retain(|p| p.outcome == Some(Answer::Confirm));
+        let seqs: Vec<i64> = confirmed.iter().map(|p| p.msg.seq).collect();
         assert!(
-            firsts.windows(2).all(|w| w[0] < w[1]),
-            "aggregate {aggregate} confirmed out of seq order: {firsts:?}"
+            seqs.is_sorted_by(|x, y| x < y),
+            "aggregate {aggregate} confirmed out of seq order: {seqs:?}"
         );
     }
     let counts = table.status_counts().await;
