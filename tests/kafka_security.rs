@@ -14,7 +14,7 @@
 
 mod common;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -22,14 +22,19 @@ use common::kafka::{
     Collector, Tansu, TlsFront, consumer_config, create_topic_with, free_port, kafka_relay,
     topic_name, write_unrelated_ca,
 };
-use common::{NewRow, RelayBuilder, TempDir, TestTable, wait_until};
+use common::{NewRow, RelayBuilder, TempDir, TestTable, wait_for_count};
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
+/// How long `check` may take.
+const CHECK: Duration = Duration::from_secs(60);
 /// Never printed by the relay: every test greps its output for it.
 const PASSWORD: &str = "kafka-s3cret-Pa55word";
 
-/// A private tansu reachable only through a TLS front; with `--authentication` if asked.
+/// Client properties (`[publisher.kafka.properties]`, a consumer's or admin's configuration).
+type Props = BTreeMap<&'static str, String>;
+
+/// A private tansu reachable only through a TLS front.
 struct SecuredBroker {
     front: TlsFront,
     _tansu: Tansu,
@@ -37,26 +42,14 @@ struct SecuredBroker {
 }
 
 impl SecuredBroker {
-    async fn start(label: &str, authentication: bool) -> Self {
+    /// With `extra` broker arguments (`--authentication`).
+    async fn start(label: &str, extra: &[&str]) -> Self {
         let dir = TempDir::new(label);
         let port = free_port();
         let front = TlsFront::start(port, dir.path()).await;
-        let tansu = Tansu::start_with(
-            port,
-            front.addr(),
-            &dir.path().join("tansu.log"),
-            if authentication {
-                &["--authentication"]
-            } else {
-                &[]
-            },
-        )
-        .await;
-        Self {
-            front,
-            _tansu: tansu,
-            dir,
-        }
+        let log = dir.path().join("tansu.log");
+        let _tansu = Tansu::start_with(port, front.addr(), &log, extra).await;
+        Self { front, _tansu, dir }
     }
 
     fn brokers(&self) -> String {
@@ -64,15 +57,24 @@ impl SecuredBroker {
     }
 
     /// What a client needs to get in: TLS, trusting the front's CA.
-    fn client_props(&self) -> Vec<(&'static str, String)> {
-        vec![
+    fn client_props(&self) -> Props {
+        let ca = path_str(&self.front.ca_pem);
+        let tls = [
             ("security.protocol", "SSL".to_owned()),
-            ("ssl.ca.location", path_str(&self.front.ca_pem)),
-        ]
+            ("ssl.ca.location", ca),
+        ];
+        Props::from(tls)
+    }
+
+    /// Creates `topic` through the front, as a client with [`SecuredBroker::client_props`].
+    async fn create_topic(&self, topic: &str) {
+        let props = self.client_props();
+        let props: Vec<(&str, &str)> = props.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        create_topic_with(&self.brokers(), &props, topic).await;
     }
 
     /// Writes a relay.toml holding `props` as `[publisher.kafka.properties]`.
-    fn config_file(&self, name: &str, props: &[(&str, String)]) -> String {
+    fn config_file(&self, name: &str, props: &Props) -> String {
         let mut toml = String::from("[publisher.kafka.properties]\n");
         for (k, v) in props {
             toml.push_str(&format!("{k:?} = {v:?}\n"));
@@ -85,46 +87,31 @@ fn path_str(p: &Path) -> String {
     p.to_str().expect("UTF-8 temp path").to_owned()
 }
 
-fn borrowed<'a>(props: &'a [(&'static str, String)]) -> Vec<(&'a str, &'a str)> {
-    props.iter().map(|(k, v)| (*k, v.as_str())).collect()
-}
-
-/// `props` with `key` set to `value` (replaced or added).
-fn with(
-    props: &[(&'static str, String)],
-    key: &'static str,
-    value: &str,
-) -> Vec<(&'static str, String)> {
-    let mut out: Vec<_> = props.iter().filter(|(k, _)| *k != key).cloned().collect();
-    out.push((key, value.to_owned()));
-    out
-}
-
 fn rows(n: usize) -> Vec<NewRow> {
     NewRow::numbered(n, "sec", Some(("k-", 7)), "sec.event")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_tls_every_row_arrives_in_order_per_key() {
-    let broker = SecuredBroker::start("kafka-tls", false).await;
-    let props = broker.client_props();
+    let broker = SecuredBroker::start("kafka-tls", &[]).await;
+    let (brokers, props) = (broker.brokers(), broker.client_props());
     let topic = topic_name("tls");
-    create_topic_with(&broker.brokers(), &borrowed(&props), &topic).await;
+    broker.create_topic(&topic).await;
     let table = TestTable::new("k_tls").await;
     let inserted = table.insert(&rows(300)).await;
     let config = broker.config_file("relay.toml", &props);
 
-    let check = kafka_relay(&table, &broker.brokers(), &topic, "kafka-sec-check")
-        .output(&["--config", &config, "check"], Duration::from_secs(60))
+    let check = kafka_relay(&table, &brokers, &topic, "kafka-sec-check")
+        .output(&["--config", &config, "check"], CHECK)
         .await;
     assert!(check.status.success(), "check failed: {check:?}");
+    let said = &check.stdout;
     assert!(
-        check.stdout.contains("broker: ok") && check.stdout.contains("security.protocol=SSL"),
-        "check should report the broker and its TLS setting: {}",
-        check.stdout
+        said.contains("broker: ok") && said.contains("security.protocol=SSL"),
+        "check should report the broker and its TLS setting: {said}"
     );
 
-    let relay = kafka_relay(&table, &broker.brokers(), &topic, "kafka-tls")
+    let relay = kafka_relay(&table, &brokers, &topic, "kafka-tls")
         .set("relay.ordering", "aggregate")
         .spawn_with(&["--config", &config, "run"]);
     table.wait_all_sent(LONG).await;
@@ -133,50 +120,33 @@ async fn over_tls_every_row_arrives_in_order_per_key() {
         "the relay's connections did not go through the TLS front"
     );
 
-    // Read everything back through the same TLS + SASL path.
-    let mut consumer_cfg = consumer_config(&broker.brokers());
+    // Read everything back through the same TLS path.
+    let mut consumer_cfg = consumer_config(&brokers);
     for (k, v) in &props {
         consumer_cfg.set(*k, v);
     }
     let consumer = Collector::start_with(&consumer_cfg, &[topic.as_str()]);
     let want: HashSet<Uuid> = inserted.iter().map(|r| r.id).collect();
-    wait_until(LONG, "every row read back over TLS", async || {
+    let read = || {
         let got: HashSet<Uuid> = consumer.records().iter().filter_map(|r| r.id()).collect();
-        if want.is_subset(&got) {
-            Ok(())
-        } else {
-            Err(format!("{} of {} ids read", got.len(), want.len()))
-        }
-    })
-    .await;
+        want.intersection(&got).count()
+    };
+    wait_for_count(LONG, "every row read back over TLS", want.len(), read).await;
     let records = consumer.stop().await;
-    // Per key, the records sit in one partition in the rows' insertion order.
-    let seq: HashMap<Uuid, usize> = inserted
-        .iter()
-        .enumerate()
-        .map(|(i, r)| (r.id, i))
-        .collect();
-    let mut by_key: HashMap<(String, i32), Vec<(i64, usize)>> = HashMap::new();
+    // Per key, the records sit in one partition in the rows' insertion (`seq`) order.
+    let seq: HashMap<Uuid, i64> = inserted.iter().map(|r| (r.id, r.seq)).collect();
+    let mut by_key: HashMap<(String, i32), Vec<(i64, i64)>> = HashMap::new();
     for r in &records {
-        let id = r.id().expect("ce_id");
-        by_key
-            .entry((r.key.clone().expect("keyed record"), r.partition))
-            .or_default()
-            .push((r.offset, seq[&id]));
+        let key = (r.key.clone().expect("keyed record"), r.partition);
+        let row = seq[&r.id().expect("ce_id")];
+        by_key.entry(key).or_default().push((r.offset, row));
     }
-    assert_eq!(
-        by_key.len(),
-        7,
-        "7 aggregates, each in one partition: {:?}",
-        by_key.keys()
-    );
+    let keys: Vec<_> = by_key.keys().collect();
+    assert_eq!(keys.len(), 7, "7 aggregates, one partition each: {keys:?}");
     for (key, mut v) in by_key {
         v.sort_unstable();
-        let order: Vec<usize> = v.iter().map(|(_, s)| *s).collect();
-        assert!(
-            order.windows(2).all(|w| w[0] <= w[1]),
-            "{key:?} out of order: {order:?}"
-        );
+        let order: Vec<i64> = v.iter().map(|(_, s)| *s).collect();
+        assert!(order.is_sorted(), "{key:?} out of order: {order:?}");
     }
     let counts = table.status_counts().await;
     assert_eq!(counts.get("sent"), Some(&300), "{counts:?}");
@@ -188,16 +158,14 @@ async fn over_tls_every_row_arrives_in_order_per_key() {
 /// Starts `run` with `config`, lets it try for a while, and returns its output once it is
 /// stopped; asserts the relay stayed up and left every row untouched.
 async fn refused_run(table: &TestTable, relay: RelayBuilder, config: &str) -> String {
-    let watch = Duration::from_secs(6);
     let mut relay = relay.spawn_with(&["--config", config, "run"]);
     let started = Instant::now();
-    while started.elapsed() < watch {
+    while started.elapsed() < Duration::from_secs(6) {
         assert!(relay.is_running(), "the relay exited:\n{}", relay.stderr());
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let untouched = table
-        .count_where("status = 'pending' AND attempts = 0 AND last_error IS NULL")
-        .await;
+    let pending = "status = 'pending' AND attempts = 0 AND last_error IS NULL";
+    let untouched = table.count_where(pending).await;
     let total = table.count_where("true").await;
     let output = format!("{}\n{}", relay.stdout(), relay.stderr());
     relay.stop().await;
@@ -212,35 +180,30 @@ async fn refused_run(table: &TestTable, relay: RelayBuilder, config: &str) -> St
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_secured_broker_refusing_the_relay_spends_no_attempt_and_says_what_to_fix() {
-    let tls = SecuredBroker::start("kafka-refused-tls", false).await;
-    let auth = SecuredBroker::start("kafka-refused-auth", true).await;
+    let tls = SecuredBroker::start("kafka-refused-tls", &[]).await;
+    let auth = SecuredBroker::start("kafka-refused-auth", &["--authentication"]).await;
     let good = tls.client_props();
     let topic = topic_name("refused");
-    create_topic_with(&tls.brokers(), &borrowed(&good), &topic).await;
+    tls.create_topic(&topic).await;
     let table = TestTable::new("k_refused").await;
     let inserted = table.insert(&rows(50)).await;
     let relay = |broker: &SecuredBroker, label: &str| {
         kafka_relay(&table, &broker.brokers(), &topic, label).set("retry.max_attempts", "1")
     };
     let check = async |broker: &SecuredBroker, label: &str, config: &str| {
-        let out = relay(broker, label)
-            .output(&["--config", config, "check"], Duration::from_secs(60))
-            .await;
+        let args = ["--config", config, "check"];
+        let out = relay(broker, label).output(&args, CHECK).await;
         assert_eq!(out.status.code(), Some(1), "{label}: {out:?}");
-        assert!(
-            out.stdout.contains("broker: FAILED"),
-            "{label}: {}",
-            out.stdout
-        );
-        out.stdout
+        let said = out.stdout;
+        assert!(said.contains("broker: FAILED"), "{label}: {said}");
+        said
     };
 
     // 1. The broker's certificate is not signed by the CA the relay trusts.
-    let untrusted = write_unrelated_ca(tls.dir.path());
-    let wrong_ca = tls.config_file(
-        "wrong-ca.toml",
-        &with(&good, "ssl.ca.location", &path_str(&untrusted)),
-    );
+    let untrusted = path_str(&write_unrelated_ca(tls.dir.path()));
+    let mut wrong_ca = good.clone();
+    wrong_ca.insert("ssl.ca.location", untrusted);
+    let wrong_ca = tls.config_file("wrong-ca.toml", &wrong_ca);
     let failed_before = tls.front.handshakes_failed();
     let said = check(&tls, "kafka-wrong-ca-check", &wrong_ca).await;
     assert!(
@@ -264,29 +227,21 @@ async fn a_secured_broker_refusing_the_relay_spends_no_attempt_and_says_what_to_
 
     // 3. SCRAM for a user the broker does not know: a real SCRAM exchange, refused (and proof
     //    that SCRAM is compiled in: without OpenSSL librdkafka rejects the setting outright).
-    let scram_props = [
-        auth.client_props(),
-        vec![
-            ("security.protocol", "SASL_SSL".to_owned()),
-            ("sasl.mechanism", "SCRAM-SHA-512".to_owned()),
-            ("sasl.username", "nobody".to_owned()),
-            ("sasl.password", PASSWORD.to_owned()),
-        ],
-    ]
-    .concat();
-    let scram_props = with(&scram_props, "security.protocol", "SASL_SSL");
-    let scram = auth.config_file("scram.toml", &scram_props);
+    let mut scram = auth.client_props();
+    scram.extend([
+        ("security.protocol", "SASL_SSL".to_owned()),
+        ("sasl.mechanism", "SCRAM-SHA-512".to_owned()),
+        ("sasl.username", "nobody".to_owned()),
+        ("sasl.password", PASSWORD.to_owned()),
+    ]);
+    let scram = auth.config_file("scram.toml", &scram);
     let said = check(&auth, "kafka-scram-check", &scram).await;
     assert!(
         said.contains("SASL failed") && said.contains("sasl.password"),
         "check should blame SASL and name the sasl.* settings: {said}"
     );
-    let output = refused_run(
-        &table,
-        relay(&auth, "kafka-scram").env("RUST_LOG", "debug"),
-        &scram,
-    )
-    .await;
+    let relay_scram = relay(&auth, "kafka-scram").env("RUST_LOG", "debug");
+    let output = refused_run(&table, relay_scram, &scram).await;
     assert!(
         !output.contains(PASSWORD) && !said.contains(PASSWORD),
         "the SASL password appeared in the relay's output"
@@ -296,13 +251,16 @@ async fn a_secured_broker_refusing_the_relay_spends_no_attempt_and_says_what_to_
     let fixed = tls.config_file("fixed.toml", &good);
     let relay = relay(&tls, "kafka-fixed").spawn_with(&["--config", &fixed, "run"]);
     table.wait_all_sent(LONG).await;
-    let states = table
-        .rows_by_id(&inserted.iter().map(|r| r.id).collect::<Vec<_>>())
-        .await;
+    let ids: Vec<Uuid> = inserted.iter().map(|r| r.id).collect();
+    let attempts: Vec<i32> = table
+        .rows_by_id(&ids)
+        .await
+        .values()
+        .map(|r| r.attempts)
+        .collect();
     assert!(
-        states.values().all(|r| r.attempts == 1),
-        "refusals must not have spent attempts: {:?}",
-        states.values().map(|r| r.attempts).collect::<Vec<_>>()
+        attempts.iter().all(|a| *a == 1),
+        "refusals must not have spent attempts: {attempts:?}"
     );
     relay.stop().await;
     table.drop_table().await;

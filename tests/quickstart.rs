@@ -16,13 +16,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{ExitStatus, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::{pg_connect, wait_until};
-use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
+use common::{TempDir, free_port, pg_connect, wait_until};
 use tokio::process::{Child, Command};
+use tokio_postgres::error::SqlState;
 
 /// `cargo run` may have to build the binary first (the tests built it with their own features).
 const BUILD_WAIT: Duration = Duration::from_secs(900);
@@ -32,10 +31,8 @@ const WAIT: Duration = Duration::from_secs(60);
 /// comments and blank lines dropped, a command continued over lines (trailing `\` or an open
 /// quote) kept whole.
 fn quickstart_commands(readme: &str) -> Vec<String> {
-    let start = readme
-        .find("\n## Quickstart")
-        .expect("README has a ## Quickstart section");
-    let section = &readme[start + 1..];
+    let start = readme.find("\n## Quickstart");
+    let section = &readme[start.expect("README has a ## Quickstart section") + 1..];
     let section = &section[..section[3..].find("\n## ").map_or(section.len(), |i| i + 3)];
     let mut commands = Vec::new();
     let mut in_sh = false;
@@ -91,17 +88,21 @@ fn runs_until_stopped(cmd: &str) -> bool {
     cmd.contains("-- run") || (cmd.contains("-- tail") && !cmd.contains("--count"))
 }
 
+fn readme() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+        .expect("read README.md")
+}
+
 #[test]
 fn the_quickstart_is_a_relay_an_insert_and_a_tail() {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
-        .expect("read README.md");
+    let readme = readme();
     let commands = quickstart_commands(&readme);
     assert_eq!(commands.len(), 3, "{commands:#?}");
     assert_eq!(commands[0], "cargo run -- run");
+    let insert = &commands[1];
     assert!(
-        commands[1].starts_with("psql ") && commands[1].contains("INSERT INTO outbox_messages"),
-        "{}",
-        commands[1]
+        insert.starts_with("psql ") && insert.contains("INSERT INTO outbox_messages"),
+        "{insert}"
     );
     assert_eq!(commands[2], "cargo run -- tail");
     assert!(
@@ -119,39 +120,26 @@ fn commands_span_lines_while_quoted_or_continued() {
     );
 }
 
-/// A command started in its own process group, its output collected line by line.
+/// A command started in its own process group, its stdout and stderr going to files.
 struct Background {
     command: String,
     child: Child,
-    stdout: Arc<Mutex<Vec<String>>>,
-    stderr: Arc<Mutex<Vec<String>>>,
+    output: TempDir,
 }
 
-fn collect(r: impl AsyncRead + Unpin + Send + 'static, sink: Arc<Mutex<Vec<String>>>, tag: String) {
-    tokio::spawn(async move {
-        let mut lines = BufReader::new(r).lines();
-        while let Ok(Some(line)) = lines.next_line().await {
-            eprintln!("[{tag}] {line}");
-            sink.lock().unwrap().push(line);
-        }
-    });
-}
-
+/// `bash -c command` from the repository root; its stdout and stderr are left to the caller
+/// (`.output()` pipes them, a [`Background`] sends them to files).
 fn shell(command: &str, metrics_port: u16) -> Command {
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
         .arg(command)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
     // As a new user would run it: no RELAY_* settings from the test's environment.
-    for (k, _) in std::env::vars() {
-        if k.starts_with("RELAY_") {
-            cmd.env_remove(k);
-        }
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("RELAY_")) {
+        cmd.env_remove(k);
     }
     cmd.env("RELAY_METRICS__LISTEN", format!("127.0.0.1:{metrics_port}"));
     cmd
@@ -159,110 +147,100 @@ fn shell(command: &str, metrics_port: u16) -> Command {
 
 impl Background {
     fn start(command: &str, metrics_port: u16) -> Self {
-        let mut child = shell(command, metrics_port)
+        let output = TempDir::new("quickstart");
+        let file = |name| std::fs::File::create(output.path().join(name)).expect("output file");
+        let child = shell(command, metrics_port)
+            .stdout(file("stdout"))
+            .stderr(file("stderr"))
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {command:?}: {e}"));
-        let (stdout, stderr) = (Arc::default(), Arc::default());
-        let tag: String = command.chars().take(24).collect();
-        collect(
-            child.stdout.take().unwrap(),
-            Arc::clone(&stdout),
-            format!("{tag} out"),
-        );
-        collect(
-            child.stderr.take().unwrap(),
-            Arc::clone(&stderr),
-            format!("{tag} err"),
-        );
+        let command = command.to_owned();
         Self {
-            command: command.to_owned(),
+            command,
             child,
-            stdout,
-            stderr,
+            output,
         }
     }
 
-    fn stdout(&self) -> String {
-        self.stdout.lock().unwrap().join("\n")
-    }
-
-    fn stderr(&self) -> String {
-        self.stderr.lock().unwrap().join("\n")
+    /// What it printed so far on `stream` (`stdout`, `stderr`).
+    fn printed(&self, stream: &str) -> String {
+        let bytes = std::fs::read(self.output.path().join(stream));
+        String::from_utf8_lossy(&bytes.expect("read the command's output file")).into_owned()
     }
 
     async fn wait_for_stderr(&mut self, needle: &str, timeout: Duration) {
         let what = format!("{:?} logs {needle:?}", self.command);
-        let (stderr, command) = (Arc::clone(&self.stderr), self.command.clone());
-        let child = &mut self.child;
         wait_until(timeout, &what, async || {
-            if stderr.lock().unwrap().iter().any(|l| l.contains(needle)) {
+            let stderr = self.printed("stderr");
+            if stderr.contains(needle) {
                 return Ok(());
             }
-            match child.try_wait() {
-                Ok(Some(status)) => panic!(
-                    "{command:?} exited with {status}:\n{}",
-                    stderr.lock().unwrap().join("\n")
-                ),
-                _ => Err("not yet".to_owned()),
+            match self.child.try_wait() {
+                Ok(Some(status)) => panic!("{:?} exited with {status}:\n{stderr}", self.command),
+                _ => Err(format!("stderr so far:\n{stderr}")),
             }
         })
         .await;
     }
 
-    /// SIGTERM to its process group; its exit status.
-    async fn stop(mut self) -> (ExitStatus, String) {
+    /// SIGTERM to its process group; asserts that it exits 0.
+    async fn stop(mut self) {
         let pid = self.child.id().expect("still running");
         let status = std::process::Command::new("kill")
             .args(["-TERM", "--", &format!("-{pid}")])
             .status()
             .expect("run kill");
         assert!(status.success(), "kill -TERM -{pid} failed");
+        let command = &self.command;
         let status = tokio::time::timeout(WAIT, self.child.wait())
             .await
-            .unwrap_or_else(|_| panic!("{:?} did not stop after SIGTERM", self.command))
+            .unwrap_or_else(|_| panic!("{command:?} did not stop after SIGTERM"))
             .expect("wait");
-        (status, self.stderr())
+        let stderr = self.printed("stderr");
+        let why = format!("{command:?} exited with {status} after SIGTERM:\n{stderr}");
+        assert!(status.success(), "{why}");
     }
 }
 
-/// A message block of `tail`'s output: from `message N:` to the next one.
+impl Drop for Background {
+    /// After a failure, shows what the command printed.
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let (out, err) = (self.printed("stdout"), self.printed("stderr"));
+            eprintln!("--- {:?} ---\n{out}\n--- stderr ---\n{err}", self.command);
+        }
+    }
+}
+
+/// The complete message blocks of `tail`'s output: each from a `message N:` line through the
+/// newline that ends its `  body: …` line (`tail` may write a block in two parts, so the last
+/// block can be half written).
 fn tail_blocks(out: &str) -> Vec<String> {
     let mut blocks: Vec<String> = Vec::new();
-    for line in out.lines() {
+    for line in out.split_inclusive('\n') {
         if line.starts_with("message ") {
             blocks.push(String::new());
         }
         if let Some(b) = blocks.last_mut() {
             b.push_str(line);
-            b.push('\n');
         }
     }
+    blocks.retain(|b| b.contains("\n  body: ") && b.ends_with('\n'));
     blocks
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_quickstart_shows_the_event_arriving() {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
-        .expect("read README.md");
-    let commands = quickstart_commands(&readme);
-    let metrics_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    let commands = quickstart_commands(&readme());
+    let metrics_port = free_port();
     let db = pg_connect().await;
     // Rows of earlier runs have a lower seq than the one this run inserts.
-    let exists: bool = db
-        .query_one("SELECT to_regclass('outbox_messages') IS NOT NULL", &[])
-        .await
-        .unwrap()
-        .get(0);
-    let before: i64 = if exists {
-        db.query_one("SELECT coalesce(max(seq), 0) FROM outbox_messages", &[])
-            .await
-            .unwrap()
-            .get(0)
-    } else {
-        0
+    let max = db.query_one("SELECT coalesce(max(seq), 0) FROM outbox_messages", &[]);
+    let before: i64 = match max.await {
+        Ok(row) => row.get(0),
+        // No table yet: the quickstart's `run` creates it.
+        Err(e) if e.code() == Some(&SqlState::UNDEFINED_TABLE) => 0,
+        Err(e) => panic!("max(seq) of outbox_messages: {e}"),
     };
 
     let mut background: Vec<Background> = Vec::new();
@@ -292,24 +270,17 @@ async fn readme_quickstart_shows_the_event_arriving() {
         }
     }
 
-    let ours: Vec<String> = db
-        .query(
-            "SELECT id::text FROM outbox_messages WHERE seq > $1 \
-             AND aggregate_type = 'order' AND aggregate_id = '42' AND event_type = 'order.created'",
-            &[&before],
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|r| r.get(0))
-        .collect();
+    let sql = "SELECT id::text FROM outbox_messages WHERE seq > $1 AND aggregate_type = 'order' \
+               AND aggregate_id = '42' AND event_type = 'order.created'";
+    let rows = db.query(sql, &[&before]).await.unwrap();
+    let ours: Vec<String> = rows.iter().map(|r| r.get(0)).collect();
     assert!(!ours.is_empty(), "the quickstart's INSERT wrote no row");
     let tail = background.last().expect("tail runs in the background");
     let block = wait_until(WAIT, "tail prints the inserted event", async || {
-        tail_blocks(&tail.stdout())
+        tail_blocks(&tail.printed("stdout"))
             .into_iter()
             .find(|b| ours.iter().any(|id| b.contains(&format!("  id: {id}\n"))))
-            .ok_or_else(|| format!("tail printed:\n{}", tail.stdout()))
+            .ok_or_else(|| format!("tail printed:\n{}", tail.printed("stdout")))
     })
     .await;
     for want in [
@@ -324,11 +295,6 @@ async fn readme_quickstart_shows_the_event_arriving() {
     }
 
     while let Some(b) = background.pop() {
-        let command = b.command.clone();
-        let (status, stderr) = b.stop().await;
-        assert!(
-            status.success(),
-            "{command:?} exited with {status} after SIGTERM:\n{stderr}"
-        );
+        b.stop().await;
     }
 }

@@ -18,11 +18,12 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use common::kafka::{Collector, KAFKA, create_topic, kafka_relay, topic_name};
+use common::kafka::{Collector, KAFKA, Record, create_topic, kafka_relay, topic_name};
 use common::{
     AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, drop_both,
-    table_and_exchange, wait_until,
+    table_and_exchange, wait_for_count,
 };
+use lapin::Connection;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::{Value, json};
@@ -36,6 +37,9 @@ const KEY_B: [u8; 32] = [
     0x9c, 0x01, 0xfe, 0x42, 0x00, 0x7a, 0x13, 0xee, 0x5d, 0x88, 0x21, 0x0b, 0xc4, 0x6f, 0x99, 0x30,
     0x17, 0xa2, 0x4e, 0xd0, 0x3b, 0x66, 0xf1, 0x08, 0x2c, 0x95, 0x7e, 0xb3, 0x50, 0x0d, 0xca, 0x81,
 ];
+
+/// Key id → key, as a consumer knows them.
+type Keys<'a> = [(&'a str, &'a [u8])];
 
 fn repo() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -56,40 +60,37 @@ struct Received {
 }
 
 impl Received {
-    fn from_amqp(d: &Delivered) -> Self {
-        let h = d.headers();
-        let get = |k: &str| h.get(k).cloned().unwrap_or_default();
+    /// A message whose header `k` is `get(k)`, the CloudEvents attributes named
+    /// `<prefix><attribute>`. `content-type` is looked up without the prefix; on AMQP it is the
+    /// message property, which `from_amqp`'s `get` returns for that key.
+    fn new(get: impl Fn(&str) -> Option<String>, prefix: &str, route: &str, body: &[u8]) -> Self {
+        let ce = |k: &str| get(&format!("{prefix}{k}"));
         Self {
-            header: get("outbox-signature"),
-            id: get("cloudEvents:id"),
-            source: get("cloudEvents:source"),
-            event_type: get("cloudEvents:type"),
-            subject: h.get("cloudEvents:subject").cloned(),
-            route: d.routing_key.clone(),
-            time: get("cloudEvents:time"),
-            content_type: d
-                .properties
-                .content_type()
-                .as_ref()
-                .map(ToString::to_string)
-                .unwrap_or_default(),
-            body: d.body.clone(),
+            header: get("outbox-signature").unwrap_or_default(),
+            id: ce("id").unwrap_or_default(),
+            source: ce("source").unwrap_or_default(),
+            event_type: ce("type").unwrap_or_default(),
+            subject: ce("subject"),
+            route: route.to_owned(),
+            time: ce("time").unwrap_or_default(),
+            content_type: get("content-type").unwrap_or_default(),
+            body: body.to_vec(),
         }
     }
 
-    fn from_kafka(r: &common::kafka::Record) -> Self {
-        let get = |k: &str| r.header(k).unwrap_or_default().to_owned();
-        Self {
-            header: get("outbox-signature"),
-            id: get("ce_id"),
-            source: get("ce_source"),
-            event_type: get("ce_type"),
-            subject: r.header("ce_subject").map(str::to_owned),
-            route: r.topic.clone(),
-            time: get("ce_time"),
-            content_type: get("content-type"),
-            body: r.payload.clone(),
-        }
+    /// On AMQP `content-type` is the message property, not a header.
+    fn from_amqp(d: &Delivered) -> Self {
+        let (h, content_type) = (d.headers(), d.properties.content_type());
+        let get = |k: &str| match k {
+            "content-type" => content_type.as_ref().map(ToString::to_string),
+            _ => h.get(k).cloned(),
+        };
+        Self::new(get, "cloudEvents:", &d.routing_key, &d.body)
+    }
+
+    fn from_kafka(r: &Record) -> Self {
+        let get = |k: &str| r.header(k).map(str::to_owned);
+        Self::new(get, "ce_", &r.topic, &r.payload)
     }
 
     fn json(&self) -> Value {
@@ -102,11 +103,10 @@ impl Received {
 }
 
 /// Verdicts of `scripts/verify-signature.py` for `messages` under `keys`.
-fn python_verify(keys: &[(&str, &[u8])], messages: &[Received]) -> Vec<bool> {
-    let request = json!({
-        "keys": keys.iter().map(|(k, v)| ((*k).to_owned(), Value::from(STANDARD.encode(v)))).collect::<serde_json::Map<_, _>>(),
-        "messages": messages.iter().map(Received::json).collect::<Vec<_>>(),
-    });
+fn python_verify(keys: &Keys, messages: &[Received]) -> Vec<bool> {
+    let encoded = |(k, v): &(&str, &[u8])| ((*k).to_owned(), STANDARD.encode(v).into());
+    let keys: serde_json::Map<_, _> = keys.iter().map(encoded).collect();
+    let messages: Vec<Value> = messages.iter().map(Received::json).collect();
     let mut child = Command::new("python3")
         .arg(repo().join("scripts/verify-signature.py"))
         .stdin(Stdio::piped())
@@ -114,43 +114,36 @@ fn python_verify(keys: &[(&str, &[u8])], messages: &[Received]) -> Vec<bool> {
         .stderr(Stdio::piped())
         .spawn()
         .expect("python3 runs");
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(request.to_string().as_bytes())
-        .unwrap();
+    let request = json!({"keys": keys, "messages": messages}).to_string();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(request.as_bytes()).unwrap();
+    drop(stdin);
     let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "verify-signature.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "verify-signature.py failed: {stderr}");
     serde_json::from_slice(&out.stdout).expect("a JSON list of verdicts")
 }
 
 /// Verdicts of the RustCrypto verifier.
-fn rust_verify(keys: &[(&str, &[u8])], messages: &[Received]) -> Vec<bool> {
+fn rust_verify(keys: &Keys, messages: &[Received]) -> Vec<bool> {
     let keys: HashMap<&str, &[u8]> = keys.iter().copied().collect();
-    messages
-        .iter()
-        .map(|m| {
-            let attrs = [
-                m.id.as_str(),
-                m.source.as_str(),
-                m.event_type.as_str(),
-                m.subject.as_deref().unwrap_or(""),
-                m.route.as_str(),
-                m.time.as_str(),
-                m.content_type.as_str(),
-            ];
-            verify::verify(&m.header, &keys, attrs, &m.body)
-        })
-        .collect()
+    let verdict = |m: &Received| {
+        let attrs = [
+            m.id.as_str(),
+            m.source.as_str(),
+            m.event_type.as_str(),
+            m.subject.as_deref().unwrap_or(""),
+            m.route.as_str(),
+            m.time.as_str(),
+            m.content_type.as_str(),
+        ];
+        verify::verify(&m.header, &keys, attrs, &m.body)
+    };
+    messages.iter().map(verdict).collect()
 }
 
 /// Both verifiers agree, and say `want` for every message.
-fn assert_verdicts(what: &str, keys: &[(&str, &[u8])], messages: &[Received], want: bool) {
+fn assert_verdicts(what: &str, keys: &Keys, messages: &[Received], want: bool) {
     assert!(!messages.is_empty(), "{what}: no messages");
     let py = python_verify(keys, messages);
     let rs = rust_verify(keys, messages);
@@ -160,68 +153,37 @@ fn assert_verdicts(what: &str, keys: &[(&str, &[u8])], messages: &[Received], wa
     }
 }
 
-/// The same messages, each changed in one way a forger (or a broken consumer) would.
-fn tampered(messages: &[Received]) -> Vec<(&'static str, Vec<Received>)> {
-    let change = |f: &dyn Fn(&mut Received)| -> Vec<Received> {
-        messages
-            .iter()
-            .cloned()
-            .map(|mut m| {
-                f(&mut m);
-                m
-            })
-            .collect()
-    };
-    vec![
-        ("a body with one more byte", change(&|m| m.body.push(b' '))),
-        (
-            "a body with one byte changed",
-            change(&|m| m.body[0] ^= 0x01),
-        ),
-        (
-            "another routing key / topic",
-            change(&|m| m.route.push_str(".x")),
-        ),
-        ("another type", change(&|m| m.event_type.push('X'))),
-        (
-            "another subject",
-            change(&|m| m.subject = Some("someone-else".into())),
-        ),
-        (
-            "a signature moved to another id",
-            change(&|m| m.id = Uuid::new_v4().to_string()),
-        ),
-    ]
-}
+/// A change to a message a forger (or a broken consumer) would make.
+type Tampering = (&'static str, fn(&mut Received));
+
+const TAMPERINGS: [Tampering; 6] = [
+    ("a body with one more byte", |m| m.body.push(b' ')),
+    ("a body with one byte changed", |m| m.body[0] ^= 0x01),
+    ("another routing key / topic", |m| m.route.push_str(".x")),
+    ("another type", |m| m.event_type.push('X')),
+    ("another subject", |m| m.subject = Some("someone".into())),
+    ("a signature moved to another id", |m| {
+        m.id = Uuid::new_v4().to_string()
+    }),
+];
 
 /// Five rows tagged `tag`: two of one aggregate, one of another, one without aggregate id,
 /// one with a `destination` (`route`).
 fn rows(tag: &str, route: &str) -> Vec<NewRow> {
+    let o1 = Some("o-1");
     vec![
-        NewRow::new(
-            "order",
-            Some("o-1"),
-            "created",
-            json!({"tag": tag, "text": "é✓"}),
-        ),
-        NewRow::new("order", Some("o-1"), "paid", json!({"tag": tag, "n": 2})),
+        NewRow::new("order", o1, "created", json!({"tag": tag, "text": "é✓"})),
+        NewRow::new("order", o1, "paid", json!({"tag": tag, "n": 2})),
         NewRow::new("customer", Some("c-9"), "created", json!({"tag": tag})),
         NewRow::new("order", None, "audit", json!({"tag": tag, "no": "subject"})),
         NewRow::new("order", Some("o-2"), "special", json!({"tag": tag})).destination(route),
     ]
 }
 
-fn signed(
-    table: &TestTable,
-    rabbit: &RabbitFixture,
-    label: &str,
-    kid: &str,
-    key: &str,
-) -> RelayBuilder {
-    RelayBuilder::for_test(table, rabbit, label)
-        .set("relay.poll_interval", "200ms")
-        .set("signing.key_id", kid)
-        .set("signing.key", key)
+/// The relay for `table` and `rabbit`, signing with `key` under the id `kid`.
+fn signed(t: &TestTable, r: &RabbitFixture, label: &str, kid: &str, key: &str) -> RelayBuilder {
+    let relay = RelayBuilder::for_test(t, r, label).set("relay.poll_interval", "200ms");
+    relay.set("signing.key_id", kid).set("signing.key", key)
 }
 
 /// Where the signed messages go: the test's exchange, or the topics `<prefix>-order` and
@@ -289,16 +251,10 @@ impl Transport {
     /// Every message received, as a consumer reads it.
     fn received(&self) -> Vec<Received> {
         match self {
-            Self::RabbitMq(rabbit) => rabbit
-                .deliveries()
-                .iter()
-                .map(Received::from_amqp)
-                .collect(),
-            Self::Kafka { consumer, .. } => consumer
-                .records()
-                .iter()
-                .map(Received::from_kafka)
-                .collect(),
+            Self::RabbitMq(r) => r.deliveries().iter().map(Received::from_amqp).collect(),
+            Self::Kafka { consumer: c, .. } => {
+                c.records().iter().map(Received::from_kafka).collect()
+            }
         }
     }
 
@@ -321,34 +277,27 @@ async fn verify_across_a_key_rotation(test: &str, transport: Transport) {
     let key_b = format!("base64:{}", STANDARD.encode(KEY_B));
     let route = transport.custom_route();
 
-    // Key A (text, from the environment).
-    let relay = transport
-        .relay(&table, &format!("{test}-a"), "k-2026a", KEY_A)
-        .spawn();
-    let first = table.insert_ids(&rows("a", &route)).await;
-    transport.wait_for(&table, &first).await;
-    let stderr_a = relay.stderr();
-    relay.stop().await;
-
-    // Rotation: consumers already know key B; the relay switches to it.
-    let relay = transport
-        .relay(&table, &format!("{test}-b"), "k-2026b", &key_b)
-        .spawn();
-    let second = table.insert_ids(&rows("b", &route)).await;
-    transport.wait_for(&table, &second).await;
-    let logs = format!("{stderr_a}\n{}", relay.stderr());
-    relay.stop().await;
+    // Key A (text, from the environment), then the rotation: consumers already know key B; the
+    // relay switches to it.
+    let mut logs = String::new();
+    let mut batches = Vec::new();
+    for (tag, kid, key) in [("a", "k-2026a", KEY_A), ("b", "k-2026b", key_b.as_str())] {
+        let label = format!("{test}-{tag}");
+        let relay = transport.relay(&table, &label, kid, key).spawn();
+        let ids = table.insert_ids(&rows(tag, &route)).await;
+        transport.wait_for(&table, &ids).await;
+        logs = format!("{logs}\n{}", relay.stderr());
+        relay.stop().await;
+        batches.push(ids);
+    }
+    let (first, second) = (&batches[0], &batches[1]);
 
     let all = transport.received();
-    let (old, new): (Vec<Received>, Vec<Received>) = all
-        .iter()
-        .cloned()
-        .partition(|m| first.iter().any(|id| id.to_string() == m.id));
+    let of = |ids: &[Uuid], m: &Received| ids.iter().any(|id| id.to_string() == m.id);
+    let (old, new): (Vec<Received>, Vec<Received>) =
+        all.iter().cloned().partition(|m| of(first, m));
     assert_eq!((old.len(), new.len()), (5, 5), "{all:?}");
-    assert!(
-        new.iter()
-            .all(|m| second.iter().any(|id| id.to_string() == m.id))
-    );
+    assert!(new.iter().all(|m| of(second, m)));
     for m in &old {
         assert!(m.header.starts_with("v1;kid=k-2026a;sig="), "{m:?}");
     }
@@ -358,17 +307,19 @@ async fn verify_across_a_key_rotation(test: &str, transport: Transport) {
     assert!(all.iter().any(|m| m.subject.is_none()));
     assert!(all.iter().any(|m| m.route == route));
 
-    let both: [(&str, &[u8]); 2] = [("k-2026a", KEY_A.as_bytes()), ("k-2026b", &KEY_B)];
-    assert_verdicts("every message, both keys known", &both, &all, true);
+    let both: &Keys = &[("k-2026a", KEY_A.as_bytes()), ("k-2026b", &KEY_B)];
+    assert_verdicts("every message, both keys known", both, &all, true);
     // A consumer that was not given key B yet rejects the new messages: unknown key id.
-    let only_a: [(&str, &[u8]); 1] = [("k-2026a", KEY_A.as_bytes())];
-    assert_verdicts("old messages, key A only", &only_a, &old, true);
-    assert_verdicts("new messages, key A only", &only_a, &new, false);
+    let only_a: &Keys = &[("k-2026a", KEY_A.as_bytes())];
+    assert_verdicts("old messages, key A only", only_a, &old, true);
+    assert_verdicts("new messages, key A only", only_a, &new, false);
     // The right key id with the wrong key.
-    let wrong: [(&str, &[u8]); 2] = [("k-2026a", &KEY_B), ("k-2026b", KEY_A.as_bytes())];
-    assert_verdicts("swapped keys", &wrong, &all, false);
-    for (what, changed) in tampered(&all) {
-        assert_verdicts(what, &both, &changed, false);
+    let wrong: &Keys = &[("k-2026a", &KEY_B), ("k-2026b", KEY_A.as_bytes())];
+    assert_verdicts("swapped keys", wrong, &all, false);
+    for (what, change) in TAMPERINGS {
+        let mut changed = all.clone();
+        changed.iter_mut().for_each(change);
+        assert_verdicts(what, both, &changed, false);
     }
 
     // The key appears in no log line.
@@ -396,33 +347,28 @@ async fn a_retried_message_carries_the_same_signature() {
     // A second queue on the exchange that refuses every message (max length 0,
     // reject-publish): the broker nacks each publish although the first queue got a copy, so
     // the relay retries and the test consumer sees every attempt.
-    let conn = lapin::Connection::connect(AMQP_URL, lapin::ConnectionProperties::default())
+    let conn = Connection::connect(AMQP_URL, Default::default())
         .await
         .unwrap();
     let ch = conn.create_channel().await.unwrap();
     let refusing = format!("{}.refusing", rabbit.queue);
+    let (queue, exchange) = (refusing.as_str(), rabbit.exchange.as_str());
     let mut args = FieldTable::default();
     args.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
-    args.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString("reject-publish".into()),
-    );
-    ch.queue_declare(
-        refusing.as_str().into(),
-        QueueDeclareOptions {
-            auto_delete: true,
-            ..QueueDeclareOptions::default()
-        },
-        args,
-    )
-    .await
-    .unwrap();
+    let reject = AMQPValue::LongString("reject-publish".into());
+    args.insert("x-overflow".into(), reject);
+    let options = QueueDeclareOptions {
+        auto_delete: true,
+        ..Default::default()
+    };
+    ch.queue_declare(queue.into(), options, args).await.unwrap();
+    let bind = QueueBindOptions::default();
     ch.queue_bind(
-        refusing.as_str().into(),
-        rabbit.exchange.as_str().into(),
+        queue.into(),
+        exchange.into(),
         "order.#".into(),
-        QueueBindOptions::default(),
-        FieldTable::default(),
+        bind,
+        Default::default(),
     )
     .await
     .unwrap();
@@ -431,49 +377,32 @@ async fn a_retried_message_carries_the_same_signature() {
         .set("retry.base_delay", "100ms")
         .set("retry.max_delay", "200ms")
         .spawn();
-    let id = table
-        .insert_one(NewRow::new(
-            "order",
-            Some("r-1"),
-            "created",
-            json!({"r": 1}),
-        ))
-        .await;
-    wait_until(
-        WAIT,
-        "three attempts reach the consumer",
-        async || match rabbit.id_counts().get(&id.to_string()) {
-            Some(n) if *n >= 3 => Ok(()),
-            other => Err(format!("{other:?} copies")),
-        },
-    )
-    .await;
-    ch.queue_delete(refusing.as_str().into(), QueueDeleteOptions::default())
+    let row = NewRow::new("order", Some("r-1"), "created", json!({"r": 1}));
+    let id = table.insert_one(row).await;
+    let id_text = id.to_string();
+    let copies = || rabbit.id_counts().get(&id_text).copied().unwrap_or(0);
+    wait_for_count(WAIT, "three attempts reach the consumer", 3, copies).await;
+    ch.queue_delete(queue.into(), QueueDeleteOptions::default())
         .await
         .unwrap();
     let what = "the row is sent once nothing refuses it";
-    let row = table.wait_row(id, WAIT, what, |r| r.status == "sent").await;
+    let sent = table.wait_row(id, WAIT, what, |r| r.status == "sent").await;
     rabbit.barrier().await;
-    assert!(row.attempts >= 3, "{row:?}");
+    assert!(sent.attempts >= 3, "{sent:?}");
     let copies: Vec<Received> = rabbit
         .deliveries()
         .iter()
-        .filter(|d| d.message_id == id.to_string())
+        .filter(|d| d.message_id == id_text)
         .map(Received::from_amqp)
         .collect();
     assert!(copies.len() >= 3);
-    let first = &copies[0].header;
+    let headers: Vec<&String> = copies.iter().map(|c| &c.header).collect();
     assert!(
-        copies.iter().all(|c| &c.header == first),
-        "signatures differ between attempts: {:?}",
-        copies.iter().map(|c| &c.header).collect::<Vec<_>>()
+        headers.iter().all(|h| *h == headers[0]),
+        "signatures differ between attempts: {headers:?}"
     );
-    assert_verdicts(
-        "every attempt",
-        &[("k-retry", KEY_A.as_bytes())],
-        &copies,
-        true,
-    );
+    let keys: &Keys = &[("k-retry", KEY_A.as_bytes())];
+    assert_verdicts("every attempt", keys, &copies, true);
     relay.stop().await;
     let _ = conn.close(200, "done".into()).await;
     drop_both(table, rabbit).await;
@@ -493,19 +422,14 @@ async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
         ("too-short-secret-value", "at least 32"),
         ("base64:@@not-base64-secret-value@@@@@@@@@@@@", "base64"),
     ] {
-        let out = signed(&table, &rabbit, "signing-bad", "k", key)
-            .output(&["run"], WAIT)
-            .await;
-        assert_eq!(out.status.code(), Some(2), "{}", out.stderr);
+        let relay = signed(&table, &rabbit, "signing-bad", "k", key);
+        let out = relay.output(&["run"], WAIT).await;
+        let err = &out.stderr;
+        assert_eq!(out.status.code(), Some(2), "{err}");
+        assert!(err.contains("signing.key") && err.contains(needle), "{err}");
         assert!(
-            out.stderr.contains("signing.key") && out.stderr.contains(needle),
-            "{}",
-            out.stderr
-        );
-        assert!(
-            !out.stderr.contains("secret-value") && !out.stdout.contains("secret-value"),
-            "{}",
-            out.stderr
+            !err.contains("secret-value") && !out.stdout.contains("secret-value"),
+            "{err}"
         );
     }
     drop_both(table, rabbit).await;
@@ -513,7 +437,9 @@ async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
 
 #[test]
 fn the_readme_shows_the_verifiers_the_tests_use() {
-    let readme = std::fs::read_to_string(repo().join("README.md")).unwrap();
+    let read = |path: &str| std::fs::read_to_string(repo().join(path)).unwrap();
+    let readme = read("README.md");
+    // The part of `text` between its `README: begin <lang>` and `README: end <lang>` lines.
     let between = |text: &str, lang: &str| -> String {
         let begin = format!("README: begin {lang}\n");
         let start = text.find(&begin).expect("begin marker") + begin.len();
@@ -524,12 +450,11 @@ fn the_readme_shows_the_verifiers_the_tests_use() {
         let block = &text[start..start + end];
         block[..block.rfind('\n').unwrap_or(0)].to_owned()
     };
-    let python = std::fs::read_to_string(repo().join("scripts/verify-signature.py")).unwrap();
-    let rust = std::fs::read_to_string(repo().join("tests/signing/verify.rs")).unwrap();
-    for (lang, code) in [
-        ("python", between(&python, "python")),
-        ("rust", between(&rust, "rust")),
+    for (lang, path) in [
+        ("python", "scripts/verify-signature.py"),
+        ("rust", "tests/signing/verify.rs"),
     ] {
+        let code = between(&read(path), lang);
         assert!(
             readme.contains(&code),
             "README.md does not show the {lang} verifier exactly as tested:\n{code}"
