@@ -1,14 +1,14 @@
 //! Retries and dead letters (contract §2, §3), end to end: a row that cannot be delivered
-//! (unroutable on RabbitMQ; a missing topic, an oversize record, a record failing in the middle
-//! of an aggregate's run on Kafka) backs off on the configured schedule, is dead-lettered after
-//! `retry.max_attempts`, holds back the rest of its aggregate only, and never stops the rows of
-//! other aggregates.
+//! (unroutable on RabbitMQ; for a missing topic, or an oversize record, on Kafka) backs off on
+//! the configured schedule, is dead-lettered after `retry.max_attempts`, holds back the rest of
+//! its aggregate only (also when it fails in the middle of an aggregate's run), and never
+//! stops the relay or the rows of other aggregates.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -16,108 +16,145 @@ use common::kafka::{
     Collector, KAFKA, Record, assert_each_once, create_topic, finish_topics, kafka_relay,
     topic_name,
 };
-use common::{
-    NewRow, RabbitFixture, RelayBuilder, RelayProcess, RowState, TempDir, TestTable, finish,
-    spawn_paced_writer, wait_until,
-};
+use common::transport::{Sink, Transport};
+use common::{NewRow, RelayProcess, RowState, TempDir, TestTable, spawn_paced_writer};
 use serde_json::json;
-use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 const LONG: Duration = Duration::from_secs(120);
 
-/// The 200 good rows of `writer` (written while the bad rows were retried): waits until they
-/// are sent, and asserts that some had been sent while a bad row was in backoff
-/// (`sent_while_retrying`, the `sent` count seen then). Returns their ids.
-async fn good_rows_flowed(
-    table: &TestTable,
-    writer: JoinHandle<Vec<Uuid>>,
-    sent_while_retrying: i64,
-) -> Vec<Uuid> {
-    let good = writer.await.unwrap();
-    assert_eq!(good.len(), 200);
-    table
-        .wait_for_counts(LONG, "the 200 good rows are sent", |c| c["sent"] == 200)
-        .await;
-    assert!(
-        sent_while_retrying > 0,
-        "good rows must flow while the bad rows are in backoff"
-    );
-    good
-}
-
-/// The 200 good rows sent, the `failed` bad rows dead-lettered (and logged so), nothing else
-/// left.
-async fn assert_settled(table: &TestTable, relay: &RelayProcess, failed: i64) {
-    let c = table.status_counts().await;
-    assert_eq!(
-        (c["sent"], c["failed"], c["pending"], c["processing"]),
-        (200, failed, 0, 0)
-    );
-    let logged = relay.log_count("dead-lettered");
-    assert!(logged >= failed as usize, "{}", relay.stderr());
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
+    undeliverable_rows_back_off_and_dead_letter(Transport::RabbitMq).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
-    let table = TestTable::new("unroutable").await;
-    // Only `ok.#` reaches a queue: the row routed to `nowhere` is returned (mandatory).
-    let rabbit = RabbitFixture::new("unroutable", "ok.#", "ok.barrier").await;
-    let relay = RelayBuilder::for_test(&table, &rabbit, "unroutable")
-        .set("retry.base_delay", "100ms")
-        .set("retry.max_delay", "2s")
-        .set("retry.jitter", "0.0")
-        .set("retry.max_attempts", "4")
-        .set("relay.poll_interval", "50ms")
-        // One message in flight at a time: this test is about backoff and dead-lettering;
-        // returns under concurrent publishes are the subject of
-        // returned_messages_are_charged_to_the_right_row_under_concurrency.
-        .set("relay.batch_size", "1")
-        .set("relay.max_in_flight", "1")
-        .spawn();
+async fn rows_for_a_missing_topic_dead_letter_while_the_others_are_sent() {
+    undeliverable_rows_back_off_and_dead_letter(Transport::Kafka).await;
+}
+
+/// How the undeliverable rows fail on one broker, and the relay retrying them.
+struct Case {
+    relay: RelayProcess,
+    /// The directory of the relay's configuration file, if it has one.
+    _config: Option<TempDir>,
+    /// `retry.max_attempts`.
+    max_attempts: i32,
+    /// The bad rows' `destination`: a routing key nothing is bound to, or a topic the cluster
+    /// does not know.
+    nowhere: String,
+    /// How long the writer of the good rows waits between its transactions.
+    pace: Duration,
+    /// Whether a `last_error` names the cause.
+    names_cause: fn(&str) -> bool,
+    /// How long the bad rows may take to be dead-lettered.
+    within: Duration,
+}
+
+/// One observation of the watched row: its state when it first showed, with the test-clock
+/// times that bound when the change happened (same host clock as the database).
+struct Seen {
+    row: RowState,
+    /// When the query that first showed this state returned.
+    first_seen: DateTime<Utc>,
+    /// When the previous query (which still showed the earlier state) was sent.
+    prev_asked: DateTime<Utc>,
+}
+
+/// Three rows (two aggregates, one without) that cannot be delivered: unroutable on RabbitMQ
+/// (only `ok.#` reaches a queue: a row routed to `nowhere` is returned, mandatory), for a topic
+/// the cluster does not know on Kafka. They back off (base delay 100ms, jitter 0; on RabbitMQ
+/// checked against the schedule), are dead-lettered after `retry.max_attempts` naming the
+/// cause, and 200 good rows written meanwhile are sent while they wait, each exactly once.
+async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
+    let table = TestTable::new(&format!("undeliverable_{transport:?}")).await;
+    let instance = format!("undeliverable-{transport:?}");
+    // The good rows' aggregate type `ok`: routing key `ok.x`, or topic `<prefix>-ok`.
+    let sink = Sink::new(transport, &instance, "ok.#", &["ok"]).await;
+    let retrying = |max_attempts: i32, max_delay: &str| {
+        sink.relay(&table, &instance)
+            .set("relay.poll_interval", "50ms")
+            .set("retry.base_delay", "100ms")
+            .set("retry.max_delay", max_delay)
+            .set("retry.jitter", "0.0")
+            .set("retry.max_attempts", max_attempts.to_string())
+    };
+    let case = match transport {
+        Transport::RabbitMq => {
+            let max_attempts = 4;
+            // One message in flight at a time: this test is about backoff and dead-lettering;
+            // returns under concurrent publishes are the subject of
+            // returned_messages_are_charged_to_the_right_row_under_concurrency.
+            let relay = retrying(max_attempts, "2s")
+                .set("relay.batch_size", "1")
+                .set("relay.max_in_flight", "1");
+            Case {
+                relay: relay.spawn(),
+                _config: None,
+                max_attempts,
+                nowhere: "nowhere".to_owned(),
+                pace: Duration::from_millis(25),
+                names_cause: |e| e.contains("NO_ROUTE"),
+                within: Duration::from_secs(30),
+            }
+        }
+        Transport::Kafka => {
+            let max_attempts = 3;
+            // librdkafka waits topic.metadata.propagation.max.ms (30 s by default) before
+            // failing messages for a topic the cluster does not know: shortened to 1 s (a
+            // dotted key: config file), which each attempt still waits.
+            let dir = TempDir::new(&instance);
+            let config = dir.write(
+                "relay.toml",
+                "[publisher.kafka.properties]\n\"topic.metadata.propagation.max.ms\" = \"1000\"\n",
+            );
+            let relay = retrying(max_attempts, "1s").set("relay.ordering", "none");
+            Case {
+                relay: relay.spawn_with(&["--config", config.to_str().unwrap(), "run"]),
+                _config: Some(dir),
+                max_attempts,
+                nowhere: topic_name("missing"),
+                pace: Duration::from_millis(100),
+                names_cause: |e| e.to_ascii_lowercase().contains("unknown topic"),
+                // Each attempt waits topic.metadata.propagation.max.ms for the topic's metadata.
+                within: LONG,
+            }
+        }
+    };
     // Start the clock only once the relay is up (its start-up is not part of any delay).
+    let relay = &case.relay;
     relay
         .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
         .await;
 
-    let bad = table
-        .insert_one(
-            NewRow::new("ok", Some("bad-1"), "x", json!({"bad": true})).destination("nowhere"),
-        )
-        .await;
-    // 200 routable rows (routing key ok.x) inserted while the bad row is being retried.
-    let writer = spawn_paced_writer(
-        &table.name,
-        20,
-        10,
-        Duration::from_millis(25),
-        move |b, i| {
-            NewRow::new(
-                "ok",
-                Some(&format!("good-{}", i % 7)),
-                "x",
-                json!({"b": b, "i": i}),
-            )
-        },
-    );
+    let bad_rows: Vec<NewRow> = [Some("bad-1"), Some("bad-2"), None]
+        .into_iter()
+        .map(|a| NewRow::new("ghost", a, "lost", json!({"to": "nowhere"})))
+        .map(|row| row.destination(&case.nowhere))
+        .collect();
+    let bad = table.insert_ids(&bad_rows).await;
+    // 200 good rows inserted while the bad ones are being retried.
+    let writer = spawn_paced_writer(&table.name, 20, 10, case.pace, |b, i| {
+        let aggregate = format!("good-{}", i % 7);
+        NewRow::new("ok", Some(&aggregate), "x", json!({"b": b, "i": i}))
+    });
 
-    // Watch the bad row closely: one observation per distinct (attempts, status), with the
-    // test-clock times that bound when the change happened (same host clock as the database).
-    struct Seen {
-        row: RowState,
-        // When the query that first showed this state returned.
-        first_seen: DateTime<Utc>,
-        // When the previous query (which still showed the earlier state) was sent.
-        prev_asked: DateTime<Utc>,
-    }
+    // Watch the first bad row closely: one observation per distinct (attempts, status).
     let mut seen: Vec<Seen> = Vec::new();
+    // Attempts seen while a bad row was pending (waiting for a retry), of any of them.
+    let mut backoff_attempts = BTreeSet::new();
     let mut sent_while_retrying = 0;
     let started = Instant::now();
     let mut prev_asked = Utc::now();
-    let last = loop {
+    let dead = loop {
         let asked = Utc::now();
-        let r = table.row(bad).await;
+        let rows = table.rows_by_id(&bad).await;
         let answered = Utc::now();
+        let retrying = rows
+            .values()
+            .filter(|r| r.status == "pending" && r.attempts > 0);
+        backoff_attempts.extend(retrying.map(|r| r.attempts));
+        let r = &rows[&bad[0]];
         if r.status == "pending" && r.attempts > 0 {
             sent_while_retrying = table.count_where("status = 'sent'").await;
         }
@@ -131,64 +168,98 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
                 prev_asked,
             });
         }
-        if r.status == "failed" {
-            break r;
+        if rows.values().all(|r| r.status == "failed") {
+            break rows;
         }
         prev_asked = asked;
+        let states: Vec<_> = rows
+            .values()
+            .map(|r| (&r.status, r.attempts, &r.last_error))
+            .collect();
         assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "the unroutable row was not dead-lettered within 30s; observed {:?}\n{}",
+            started.elapsed() < case.within,
+            "the bad rows were not dead-lettered within {:?}; the first went through {:?}; \
+             now {states:?}\n{}",
+            case.within,
             seen.iter()
-                .map(|s| (s.row.attempts, s.row.status.clone()))
+                .map(|s| (s.row.attempts, &s.row.status))
                 .collect::<Vec<_>>(),
             relay.stderr()
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-
-    assert_eq!(last.attempts, 4, "dead-lettered after max_attempts");
-    assert!(last.locked_by.is_none());
-    let err = last.last_error.clone().unwrap_or_default();
-    assert!(
-        err.contains("NO_ROUTE"),
-        "last_error should name NO_ROUTE: {err:?}"
-    );
-
-    // Backoff: seen pending after attempts 1, 2, 3 (attempts rising), each with NO_ROUTE.
+    for r in dead.values() {
+        assert_eq!(r.attempts, case.max_attempts, "after max_attempts: {r:?}");
+        assert!(r.locked_by.is_none() && r.sent_at.is_none(), "{r:?}");
+        let err = r.last_error.as_deref().unwrap_or_default();
+        assert!(
+            (case.names_cause)(err),
+            "last_error names the cause: {err:?}"
+        );
+    }
     let pending: Vec<&Seen> = seen
         .iter()
         .filter(|s| s.row.status == "pending" && s.row.attempts > 0)
         .collect();
+    for s in &pending {
+        let err = s.row.last_error.as_deref().unwrap_or_default();
+        assert!((case.names_cause)(err), "{:?}", s.row);
+    }
+    match transport {
+        Transport::RabbitMq => assert_backoff_schedule(&pending, case.max_attempts),
+        // Each attempt takes a second or more (the missing topic's metadata): no bounds as
+        // tight as RabbitMQ's, but the rows are seen waiting for a retry.
+        Transport::Kafka => assert!(
+            backoff_attempts.contains(&1) || backoff_attempts.contains(&2),
+            "the bad rows should be seen waiting for a retry: {backoff_attempts:?}"
+        ),
+    }
+
+    // The good rows: sent (some while the first bad row was in backoff), each exactly once,
+    // nothing else delivered.
+    let good = writer.await.unwrap();
+    assert_eq!(good.len(), 200);
+    table
+        .wait_for_counts(LONG, "the 200 good rows are sent", |c| c["sent"] == 200)
+        .await;
+    assert!(
+        sent_while_retrying > 0,
+        "good rows must flow while the bad rows are in backoff"
+    );
+    sink.wait_received(LONG).await;
+    let good_rows: Vec<RowState> = table.rows_by_id(&good).await.into_values().collect();
+    let analysis = sink.analyse(&good_rows).ignoring_order();
+    analysis.assert_exactly_once("the good rows, and nothing else");
+    // The bad rows dead-lettered (and logged so), nothing else left.
+    let counts = table.status_counts().await;
+    let counts = ["sent", "failed", "pending", "processing"].map(|status| counts[status]);
+    assert_eq!(counts, [200, 3, 0, 0], "sent, failed, pending, processing");
+    assert!(relay.log_count("dead-lettered") >= 3, "{}", relay.stderr());
+    sink.finish(case.relay, table).await;
+}
+
+/// The watched row's backoff on RabbitMQ from its `pending` observations: seen after each
+/// attempt but the last (attempts rising), each delay on the schedule 100ms, 200ms, 400ms.
+fn assert_backoff_schedule(pending: &[&Seen], max_attempts: i32) {
     let attempts: Vec<i32> = pending.iter().map(|s| s.row.attempts).collect();
     assert_eq!(
         attempts,
-        vec![1, 2, 3],
+        (1..max_attempts).collect::<Vec<_>>(),
         "attempts seen while pending (backoff states)"
     );
-    for s in &pending {
-        assert!(
-            s.row
-                .last_error
-                .as_deref()
-                .unwrap_or_default()
-                .contains("NO_ROUTE"),
-            "{:?}",
-            s.row
-        );
-    }
     // available_at gaps: attempt k+1 is claimed only after available_at_k, then waits
     // delay_{k+1}, so gap_k >= delay_{k+1} = 200ms, 400ms.
     let ms = chrono::Duration::milliseconds;
     let av: Vec<DateTime<Utc>> = pending.iter().map(|s| s.row.available_at).collect();
-    let (g1, g2) = (av[1] - av[0], av[2] - av[1]);
-    println!("unroutable: available_at gaps {g1} then {g2}");
-    assert!(g1 >= ms(200), "gap after attempt 2: {g1}");
-    assert!(g2 >= ms(400), "gap after attempt 3: {g2}");
+    for (k, gap) in av.windows(2).map(|w| w[1] - w[0]).enumerate() {
+        println!("available_at gap {gap} after attempt {}", k + 2);
+        assert!(gap >= ms(200 << k), "gap after attempt {}: {gap}", k + 2);
+    }
     // Each delay (available_at minus the failure's time) is bounded from both sides by the
-    // observations; the schedule 100ms, 200ms, 400ms (jitter 0) must fit inside the bounds.
-    // Lower bound: the failure committed before the state was first seen. Upper bound: it
-    // happened after the previous query was sent (less 100ms for the statement's own run
-    // time), and after the previous available_at (no claim before it).
+    // observations; the schedule (jitter 0) must fit inside the bounds. Lower bound: the
+    // failure committed before the state was first seen. Upper bound: it happened after the
+    // previous query was sent (less 100ms for the statement's own run time), and after the
+    // previous available_at (no claim before it).
     for (k, s) in pending.iter().enumerate() {
         let nominal = ms(100 << k);
         let lower = s.row.available_at - s.first_seen;
@@ -203,202 +274,17 @@ async fn unroutable_row_backs_off_and_dead_letters_without_blocking_others() {
             k + 1
         );
     }
-
-    let good = good_rows_flowed(&table, writer, sent_while_retrying).await;
-    rabbit.barrier().await;
-    // Every routable row exactly once, and nothing else (the bad row would be foreign).
-    let good_rows: Vec<RowState> = table.rows_by_id(&good).await.into_values().collect();
-    rabbit
-        .analyse(&good_rows)
-        .ignoring_order()
-        .assert_exactly_once("routable rows");
-    assert_settled(&table, &relay, 1).await;
-
-    finish(relay, table, rabbit).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn rows_for_a_missing_topic_dead_letter_while_the_others_are_sent() {
-    let table = TestTable::new("kafka_missing_topic").await;
-    let topic = topic_name("good");
-    let missing = topic_name("missing");
-    create_topic(KAFKA, &topic).await;
-    let consumer = Collector::start(KAFKA, &[&topic]);
-
-    // librdkafka waits topic.metadata.propagation.max.ms (30 s by default) before failing
-    // messages for a topic the cluster does not know: shorten it (a dotted key: config file).
-    let dir = TempDir::new("kafka-missing-topic");
-    let config = dir.write(
-        "relay.toml",
-        "[publisher.kafka.properties]\n\"topic.metadata.propagation.max.ms\" = \"1000\"\n",
-    );
-    let relay = kafka_relay(&table, KAFKA, "{aggregate_type}", "kafka-missing-topic")
-        .set("relay.ordering", "none")
-        .set("relay.poll_interval", "50ms")
-        .set("retry.base_delay", "100ms")
-        .set("retry.max_delay", "1s")
-        .set("retry.jitter", "0.0")
-        .set("retry.max_attempts", "3")
-        .spawn_with(&["--config", config.to_str().unwrap(), "run"]);
-
-    let ghost_rows: Vec<NewRow> = ["ghost-1", "ghost-2"]
-        .iter()
-        .map(|a| Some(*a))
-        .chain([None])
-        .map(|a| NewRow::new("ghost", a, "lost", json!({"to": "nowhere"})).destination(&missing))
-        .collect();
-    let ghosts: Vec<Uuid> = table.insert_ids(&ghost_rows).await;
-
-    // 200 rows for the real topic (template {aggregate_type}) over ~2 s, while the ghosts retry.
-    let topic_for_writer = topic.clone();
-    let writer = spawn_paced_writer(
-        &table.name,
-        20,
-        10,
-        Duration::from_millis(100),
-        move |b, i| {
-            NewRow::new(
-                &topic_for_writer,
-                Some(&format!("good-{}", i % 7)),
-                "x",
-                json!({"b": b, "i": i}),
-            )
-        },
-    );
-
-    let mut sent_while_retrying = 0;
-    let mut attempts_seen = HashSet::new();
-    let dead = wait_until(LONG, "the ghost rows are failed", async || {
-        let rows = table.rows_by_id(&ghosts).await;
-        for r in rows.values() {
-            if r.status == "pending" && r.attempts > 0 {
-                attempts_seen.insert(r.attempts);
-                sent_while_retrying = table.count_where("status = 'sent'").await;
-            }
-        }
-        if rows.values().all(|r| r.status == "failed") {
-            Ok(rows)
-        } else {
-            Err(format!(
-                "{:?}",
-                rows.values()
-                    .map(|r| (r.status.clone(), r.attempts, r.last_error.clone()))
-                    .collect::<Vec<_>>()
-            ))
-        }
-    })
-    .await;
-    for r in dead.values() {
-        assert_eq!(r.attempts, 3, "dead-lettered after max_attempts: {r:?}");
-        assert!(r.locked_by.is_none() && r.sent_at.is_none(), "{r:?}");
-        let err = r.last_error.clone().unwrap_or_default();
-        assert!(
-            err.to_ascii_lowercase().contains("unknown topic"),
-            "last_error should name the unknown topic: {err:?}"
-        );
-    }
-    assert!(
-        attempts_seen.contains(&1) || attempts_seen.contains(&2),
-        "ghost rows should be seen waiting for a retry: {attempts_seen:?}"
-    );
-
-    let good = good_rows_flowed(&table, writer, sent_while_retrying).await;
-    consumer.wait_caught_up(KAFKA, &topic, LONG).await;
-    let records = consumer.stop().await;
-    assert_each_once(
-        "the real topic holds exactly the good rows",
-        &records,
-        &good,
-    );
-    assert_settled(&table, &relay, 3).await;
-
-    finish_topics(relay, table, &[&topic]).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_oversize_payload_dead_letters_without_stopping_the_relay() {
-    let table = TestTable::new("kafka_oversize").await;
-    let topic = topic_name("oversize");
-    create_topic(KAFKA, &topic).await;
-    let consumer = Collector::start(KAFKA, &[&topic]);
-    let mut relay = kafka_relay(&table, KAFKA, &topic, "kafka-oversize")
-        .set("relay.poll_interval", "50ms")
-        .set("retry.base_delay", "100ms")
-        .set("retry.jitter", "0.0")
-        .set("retry.max_attempts", "2")
-        .spawn();
-
-    let small = |tag: &str, i: usize| {
-        NewRow::new(
-            "blob",
-            Some(&format!("s-{}", i % 5)),
-            "small",
-            json!({"tag": tag, "i": i}),
-        )
-    };
-    let before: Vec<NewRow> = (0..50).map(|i| small("before", i)).collect();
-    let mut ids: Vec<Uuid> = table.insert_ids(&before).await;
-    // A 2 MB JSON string (librdkafka's message.max.bytes is 1 MB), then a later row of the
-    // same aggregate, which the dead letter must hold back (contract §3).
-    let big = table
-        .insert_one(NewRow::new(
-            "blob",
-            Some("big-1"),
-            "huge",
-            json!({"blob": "x".repeat(2_000_000)}),
-        ))
-        .await;
-    let held = table
-        .insert_one(NewRow::new(
-            "blob",
-            Some("big-1"),
-            "after-huge",
-            json!({"held": true}),
-        ))
-        .await;
-    let middle: Vec<NewRow> = (0..50).map(|i| small("middle", i)).collect();
-    ids.extend(table.insert(&middle).await.into_iter().map(|r| r.id));
-
-    let dead = table
-        .wait_row(big, LONG, "the oversize row is failed", |r| {
-            r.status == "failed"
-        })
-        .await;
-    assert_eq!(dead.attempts, 2, "{dead:?}");
-    let err = dead.last_error.clone().unwrap_or_default();
-    assert!(err.contains("MessageSizeTooLarge"), "last_error: {err:?}");
-
-    // The relay is still up and publishing rows inserted after the dead letter.
-    let after: Vec<NewRow> = (0..100).map(|i| small("after", i)).collect();
-    ids.extend(table.insert(&after).await.into_iter().map(|r| r.id));
-    table.wait_count("status = 'sent'", 200, LONG).await;
-    consumer.wait_caught_up(KAFKA, &topic, LONG).await;
-    assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
-    assert_each_once("the topic", &consumer.stop().await, &ids);
-
-    // The row behind the dead letter waits, untouched, for an operator.
-    let h = table.row(held).await;
-    assert_eq!((h.status.as_str(), h.attempts), ("pending", 0), "{h:?}");
-    assert_eq!(
-        table.status_counts().await,
-        BTreeMap::from([
-            ("failed".to_owned(), 1),
-            ("pending".to_owned(), 1),
-            ("processing".to_owned(), 0),
-            ("sent".to_owned(), 200),
-        ])
-    );
-    assert!(relay.log_count("dead-lettered") >= 1, "{}", relay.stderr());
-
-    finish_topics(relay, table, &[&topic]).await;
-}
-
-/// `ordering = "aggregate"` sends an aggregate's claimed run to the producer without waiting
-/// for each delivery report. A record in the middle of a run that fails for good (larger than
-/// the producer's `message.max.bytes`) must still stop its aggregate: the records before it
-/// are delivered, nothing after it is delivered ahead of it (through its backoff and its dead
-/// letter), no attempt of the later rows is spent, and once an operator discards the dead
-/// letter the rest goes out, in order, exactly once.
+/// `ordering = "aggregate"` (the default) sends an aggregate's claimed run to the producer
+/// without waiting for each delivery report. A record in the middle of a run that fails for
+/// good (a 2 MB JSON payload: larger than librdkafka's `message.max.bytes`, 1 MB) must still stop
+/// its aggregate: the records before it are delivered, nothing after it is delivered ahead of
+/// it (through its backoff and its dead letter), no attempt of the later rows is spent. The
+/// relay keeps publishing the rows of other aggregates inserted after the dead letter, and
+/// dead-letters another oversize record claimed among them, the first of its aggregate, holding
+/// back the row behind it. Once an operator discards both dead letters the rest goes out, in
+/// order, exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_order() {
     const RUN: usize = 20;
@@ -408,25 +294,16 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
     create_topic(KAFKA, &topic).await;
     let consumer = Collector::start(KAFKA, &[&topic]);
     // One statement, before the relay starts: its first claim holds both runs whole.
-    let mut rows = Vec::new();
-    for i in 0..RUN {
-        rows.push(if i == BAD {
-            NewRow::new(
-                "t",
-                Some("a"),
-                "huge",
-                json!({"blob": "x".repeat(2_000_000)}),
-            )
-        } else {
-            NewRow::new("t", Some("a"), "e", json!({"i": i}))
-        });
-        rows.push(NewRow::new("t", Some("b"), "e", json!({"i": i})));
-    }
+    let row = |agg, i| NewRow::new("t", Some(agg), "e", json!({ "i": i }));
+    let blob = json!({"blob": "x".repeat(2_000_000)});
+    let huge = |agg| NewRow::new("t", Some(agg), "huge", blob.clone());
+    let rows: Vec<NewRow> = (0..RUN)
+        .flat_map(|i| [if i == BAD { huge("a") } else { row("a", i) }, row("b", i)])
+        .collect();
     let inserted = table.insert(&rows).await;
     let a: Vec<Uuid> = inserted.iter().step_by(2).map(|r| r.id).collect();
     let b: Vec<Uuid> = inserted.iter().skip(1).step_by(2).map(|r| r.id).collect();
     let bad = a[BAD];
-    let after_bad: HashSet<String> = a[BAD + 1..].iter().map(ToString::to_string).collect();
     let mut relay = kafka_relay(&table, KAFKA, &topic, "kafka-mid-run")
         .set("relay.ordering", "aggregate")
         .set("relay.poll_interval", "50ms")
@@ -434,95 +311,98 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
         .set("retry.jitter", "0.0")
         .set("retry.max_attempts", "2")
         .spawn();
-    let delivered_ids = |records: &[Record]| -> Vec<String> {
-        records
-            .iter()
-            .filter(|r| r.topic == topic)
-            .filter_map(|r| r.id().map(|id| id.to_string()))
-            .collect()
+    let too_large = |dead: RowState| {
+        assert_eq!(dead.attempts, 2, "{dead:?}");
+        let err = dead.last_error.as_deref().unwrap_or_default();
+        assert!(err.contains("MessageSizeTooLarge"), "{dead:?}");
     };
 
     // The rows after the bad one delivered so far.
-    let ahead = || -> Vec<String> {
-        let delivered = delivered_ids(&consumer.records()).into_iter();
+    let ahead = || -> Vec<Uuid> {
+        let after_bad = &a[BAD + 1..];
+        let delivered = consumer.records().into_iter().filter_map(|r| r.id());
         delivered.filter(|id| after_bad.contains(id)).collect()
     };
     // Through both attempts of the bad record, nothing after it arrives.
-    let dead = wait_until(LONG, "the mid-run record is dead-lettered", async || {
-        let ahead = ahead();
-        assert!(
-            ahead.is_empty(),
-            "delivered ahead of the failing record: {ahead:?}"
-        );
-        let r = table.row(bad).await;
-        if r.status == "failed" {
-            Ok(r)
-        } else {
-            Err(format!(
-                "{} attempts {} {:?}",
-                r.status, r.attempts, r.last_error
-            ))
-        }
-    })
-    .await;
-    assert_eq!(dead.attempts, 2, "{dead:?}");
-    assert!(
-        dead.last_error
-            .as_deref()
-            .unwrap_or_default()
-            .contains("MessageSizeTooLarge"),
-        "{dead:?}"
-    );
+    let what = "the mid-run record is dead-lettered";
+    let dead = table
+        .wait_row(bad, LONG, what, |r| {
+            let ahead = ahead();
+            assert!(
+                ahead.is_empty(),
+                "delivered ahead of the failing record: {ahead:?}"
+            );
+            r.status == "failed"
+        })
+        .await;
+    too_large(dead);
     // The records before it and the other aggregate are sent.
     let before_and_b = i64::try_from(BAD + RUN).unwrap();
     table
         .wait_count("status = 'sent'", before_and_b, LONG)
         .await;
-    // The later rows of `a` wait untouched: handed back, no attempt spent.
-    let held = table.rows_by_id(&a[BAD + 1..]).await;
-    for r in held.values() {
-        assert_eq!((r.status.as_str(), r.attempts), ("pending", 0), "{r:?}");
-    }
+
+    // The relay is still up and publishing rows of other aggregates inserted after the dead
+    // letter, before and after an oversize record that is the first of its aggregate: that one
+    // is dead-lettered too, holding back the row behind it.
+    let small = |n| NewRow::numbered(n, "t", Some(("s-", 5)), "small");
+    let mut later = table.insert_ids(&small(50)).await;
+    let oversize = table.insert_one(huge("big")).await;
+    let behind = table.insert_one(row("big", 1)).await;
+    later.extend(table.insert_ids(&small(50)).await);
+    let what = "the oversize record is dead-lettered";
+    let failed = |r: &RowState| r.status == "failed";
+    too_large(table.wait_row(oversize, LONG, what, failed).await);
+    table
+        .wait_count("status = 'sent'", before_and_b + 100, LONG)
+        .await;
     consumer.wait_caught_up(KAFKA, &topic, LONG).await;
+    assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
     let ahead = ahead();
     assert!(
         ahead.is_empty(),
         "delivered ahead of the dead letter: {ahead:?}"
     );
+    // The rows behind the dead letters wait untouched for an operator: no attempt spent.
+    let held = table.rows_by_id(&[&a[BAD + 1..], &[behind]].concat()).await;
+    for r in held.values() {
+        assert_eq!((r.status.as_str(), r.attempts), ("pending", 0), "{r:?}");
+    }
+    let held = i64::try_from(held.len()).unwrap();
+    assert_eq!(
+        table.status_counts().await,
+        BTreeMap::from([
+            ("failed".to_owned(), 2),
+            ("pending".to_owned(), held),
+            ("processing".to_owned(), 0),
+            ("sent".to_owned(), before_and_b + 100),
+        ])
+    );
+    assert!(relay.log_count("dead-lettered") >= 2, "{}", relay.stderr());
 
-    // The operator discards the dead letter: the rest of the run follows, in order.
+    // The operator discards the dead letters: the rest follows, in order.
+    let ids = [bad, oversize].map(|id| id.to_string());
+    let discard = ["dead-letters", "discard", "--id", &ids[0], "--id", &ids[1]];
     let out = kafka_relay(&table, KAFKA, &topic, "kafka-mid-run-cli")
-        .output(&["dead-letters", "discard", "--id", &bad.to_string()], LONG)
+        .output(&discard, LONG)
         .await;
     assert!(out.status.success(), "{}", out.stderr);
     table.wait_all_sent(LONG).await;
     consumer.wait_caught_up(KAFKA, &topic, LONG).await;
     assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
     let records = consumer.stop().await;
-    let got = delivered_ids(&records);
-    let want_a: Vec<String> = a
-        .iter()
-        .filter(|id| **id != bad)
-        .map(ToString::to_string)
-        .collect();
-    let want_b: Vec<String> = b.iter().map(ToString::to_string).collect();
-    let of = |want: &[String]| -> Vec<String> {
-        got.iter().filter(|id| want.contains(id)).cloned().collect()
-    };
-    assert_eq!(
-        of(&want_a),
-        want_a,
-        "aggregate a: every row once, in seq order"
-    );
-    assert_eq!(
-        of(&want_b),
-        want_b,
-        "aggregate b: every row once, in seq order"
-    );
-    let spent = table
-        .count_where(&format!("id <> '{bad}' AND attempts <> 1"))
-        .await;
-    assert_eq!(spent, 0, "rows other than the failing one spent attempts");
+    let got: Vec<Uuid> = records.iter().filter_map(Record::id).collect();
+    for (name, rows) in [("a", &a), ("b", &b)] {
+        let want: Vec<&Uuid> = rows.iter().filter(|id| **id != bad).collect();
+        let of: Vec<&Uuid> = got.iter().filter(|id| want.contains(id)).collect();
+        assert_eq!(of, want, "aggregate {name}: every row once, in seq order");
+    }
+    let mut all = [a, b, later, vec![behind]].concat();
+    all.retain(|id| *id != bad);
+    assert_each_once("the topic", &records, &all);
+    let spent = format!("id NOT IN ('{bad}', '{oversize}') AND attempts <> 1");
+    let spent = table.count_where(&spent).await;
+    assert_eq!(spent, 0, "rows other than the failing ones spent attempts");
 
     finish_topics(relay, table, &[&topic]).await;
 }

@@ -8,11 +8,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::kafka::{Collector, KAFKA, create_topic, delete_topic, topic_name};
+use common::kafka::KAFKA;
 use common::rabbit::{Durability, declare_bound_queue};
+use common::transport::{Sink, Transport};
 use common::{
     AMQP_URL, NewRow, PG_URL, Proxy, RabbitFixture, RelayBuilder, RelayProcess, TempDir, TestTable,
-    wait_until,
+    finish, wait_until,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -53,127 +54,110 @@ fn rows(n: usize, aggregate_type: &str) -> Vec<NewRow> {
 
 #[tokio::test]
 async fn rabbitmq_relays_each_outbox_with_its_own_route_and_source() {
-    let (orders, billing) = (
-        TestTable::new("multi_rmq_orders").await,
-        TestTable::new("multi_rmq_billing").await,
-    );
-    let rabbit = RabbitFixture::new("multi_rmq", "#", "barrier").await;
-    let (relay, _dir) = spawn(
-        "multi-rmq",
-        &rabbit_publisher(&rabbit.exchange),
-        &[
-            entry("orders", &orders.name, ""),
-            entry(
-                "billing",
-                &billing.name,
-                "source = \"/billing\"\nrouting_key = \"billing.{event_type}\"\nordering = \"none\"",
-            ),
-        ],
-    );
-    let a = orders.insert_ids(&rows(30, "order")).await;
-    let b = billing.insert_ids(&rows(30, "invoice")).await;
-    rabbit
-        .wait_for_ids(&[a.clone(), b.clone()].concat(), WAIT)
-        .await;
-    orders.wait_all_sent(WAIT).await;
-    billing.wait_all_sent(WAIT).await;
-
-    let by_id: std::collections::HashMap<String, _> = rabbit
-        .deliveries()
-        .into_iter()
-        .map(|d| (d.message_id.clone(), d))
-        .collect();
-    for id in &a {
-        let d = &by_id[&id.to_string()];
-        assert_eq!(d.routing_key, "order.created", "the publisher's template");
-        assert_eq!(
-            d.headers().get("cloudEvents:source").map(String::as_str),
-            Some(orders.default_source().as_str())
-        );
-    }
-    for id in &b {
-        let d = &by_id[&id.to_string()];
-        assert_eq!(
-            d.routing_key, "billing.created",
-            "the outbox's own template"
-        );
-        assert_eq!(
-            d.headers().get("cloudEvents:source").map(String::as_str),
-            Some("/billing")
-        );
-    }
-    relay.stop().await;
-    rabbit.teardown().await;
-    orders.drop_table().await;
-    billing.drop_table().await;
+    each_outbox_with_its_own_route_and_source(Transport::RabbitMq).await;
 }
 
 #[tokio::test]
 async fn kafka_relays_each_outbox_to_its_own_topic() {
+    each_outbox_with_its_own_route_and_source(Transport::Kafka).await;
+}
+
+/// Two outboxes on one relay: `orders` with the publisher's route (routing key or topic
+/// template) and the default source; `billing` with a route and a source of its own (and an
+/// ordering, only accepted here). Every row arrives once, on its outbox's route with its
+/// outbox's source, and nothing else arrives.
+async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
     let (orders, billing) = (
-        TestTable::new("multi_kafka_orders").await,
-        TestTable::new("multi_kafka_billing").await,
+        TestTable::new("multi_orders").await,
+        TestTable::new("multi_billing").await,
     );
-    let (t_orders, t_billing) = (topic_name("multi_orders"), topic_name("multi_billing"));
-    create_topic(KAFKA, &t_orders).await;
-    create_topic(KAFKA, &t_billing).await;
-    let collector = Collector::start(KAFKA, &[&t_orders, &t_billing]);
-    let publisher = format!(
-        "[publisher]\nkind = \"kafka\"\n[publisher.kafka]\nbrokers = \"{KAFKA}\"\ntopic = \"{t_orders}\"\n"
-    );
+    let sink = Sink::new(transport, "multi", "#", &["order", "billing"]).await;
+    // The publisher's route (for `orders`), billing's own, and where each outbox's rows go.
+    let (publisher, billing_route, routes) = match &sink {
+        Sink::RabbitMq(rabbit) => (
+            rabbit_publisher(&rabbit.exchange),
+            "routing_key = \"billing.{event_type}\"".to_owned(),
+            ["order.created".to_owned(), "billing.created".to_owned()],
+        ),
+        Sink::Kafka { prefix, topics, .. } => (
+            format!(
+                "[publisher]\nkind = \"kafka\"\n[publisher.kafka]\nbrokers = \"{KAFKA}\"\n\
+                 topic = \"{prefix}-{{aggregate_type}}\"\n"
+            ),
+            format!("topic = \"{}\"", topics[1]),
+            [topics[0].clone(), topics[1].clone()],
+        ),
+    };
+    let billing_extra = format!("source = \"/billing\"\n{billing_route}\nordering = \"none\"");
     let (relay, _dir) = spawn(
-        "multi-kafka",
+        &format!("multi-{transport:?}"),
         &publisher,
         &[
             entry("orders", &orders.name, ""),
-            entry(
-                "billing",
-                &billing.name,
-                &format!("topic = \"{t_billing}\""),
-            ),
+            entry("billing", &billing.name, &billing_extra),
         ],
     );
-    let a = orders.insert_ids(&rows(20, "order")).await;
-    let b = billing.insert_ids(&rows(20, "invoice")).await;
+    let a = orders.insert_ids(&rows(30, "order")).await;
+    let b = billing.insert_ids(&rows(30, "invoice")).await;
     orders.wait_all_sent(WAIT).await;
     billing.wait_all_sent(WAIT).await;
-    wait_until(WAIT, "every record is read back", async || {
-        let n = collector.count();
-        if n >= 40 {
-            Ok(())
-        } else {
-            Err(format!("{n} of 40"))
+    sink.wait_received(WAIT).await;
+
+    // Each arrival as (id, route, source).
+    let mut arrived: Vec<(Uuid, String, Option<String>)> = match &sink {
+        Sink::RabbitMq(rabbit) => {
+            let deliveries = rabbit.deliveries().into_iter();
+            deliveries
+                .map(|d| {
+                    let source = d.headers().get("cloudEvents:source").cloned();
+                    (d.message_id.parse().unwrap(), d.routing_key, source)
+                })
+                .collect()
         }
-    })
-    .await;
-    let records = collector.stop().await;
-    for r in &records {
-        let id = r.id().expect("ce_id");
-        let want = if a.contains(&id) {
-            &t_orders
-        } else {
-            assert!(b.contains(&id), "unknown id {id}");
-            &t_billing
-        };
-        assert_eq!(&r.topic, want, "record {id}");
-        assert_eq!(r.key.as_deref().map(|k| k.starts_with('k')), Some(true));
-    }
-    relay.stop().await;
-    delete_topic(&t_orders).await;
-    delete_topic(&t_billing).await;
-    orders.drop_table().await;
+        Sink::Kafka { consumer, .. } => {
+            let records = consumer.records().into_iter();
+            records
+                .map(|r| {
+                    let key = r.key.as_deref();
+                    assert_eq!(key.map(|k| k.starts_with('k')), Some(true), "{r:?}");
+                    let source = r.header("ce_source").map(str::to_owned);
+                    (r.id().expect("ce_id"), r.topic, source)
+                })
+                .collect()
+        }
+    };
+    // Each row with its outbox's (route, source).
+    let with = |ids: &[Uuid], route: &str, source: &str| -> Vec<_> {
+        let pair = (route.to_owned(), Some(source.to_owned()));
+        ids.iter()
+            .map(|id| (*id, pair.0.clone(), pair.1.clone()))
+            .collect()
+    };
+    let orders_source = orders.default_source();
+    let mut want = [
+        with(&a, &routes[0], &orders_source),
+        with(&b, &routes[1], "/billing"),
+    ]
+    .concat();
+    arrived.sort();
+    want.sort();
+    assert_eq!(
+        arrived, want,
+        "every row once, on its outbox's route with its source, and no other"
+    );
+    sink.finish(relay, orders).await;
     billing.drop_table().await;
 }
 
-/// Waits until every row of `ids` in `table` is `sent`.
+/// Waits until every row of `ids` in `table` is `sent`; panics after `within` naming `what`.
 async fn wait_sent(table: &TestTable, ids: &[Uuid], within: Duration, what: &str) {
     wait_until(within, what, async || {
         let states = table.rows_by_id(ids).await;
-        let pending = states.values().filter(|r| r.status != "sent").count();
-        if pending == 0 && states.len() == ids.len() {
+        let unsent = states.values().filter(|r| r.status != "sent").count();
+        if unsent == 0 && states.len() == ids.len() {
             Ok(())
         } else {
-            Err(format!("{pending} of {} not sent", ids.len()))
+            Err(format!("{unsent} of {} not sent", ids.len()))
         }
     })
     .await;
@@ -205,27 +189,17 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
         up.insert_ids(&rows(5, "up")).await,
         behind.insert_ids(&rows(5, "behind")).await,
     ];
-    wait_sent(&up, &first[0], WAIT, "the first rows of `up` are sent").await;
-    wait_sent(
-        &behind,
-        &first[1],
-        WAIT,
-        "the first rows of `behind` are sent",
-    )
-    .await;
+    wait_sent(&up, &first[0], WAIT, "`up`'s first rows are sent").await;
+    wait_sent(&behind, &first[1], WAIT, "`behind`'s first rows are sent").await;
 
     proxy.cut();
     let stuck = behind.insert_ids(&rows(5, "behind")).await;
     let started = Instant::now();
     let fresh = up.insert_ids(&rows(5, "up")).await;
-    wait_sent(
-        &up,
-        &fresh,
-        Duration::from_secs(10),
-        "`up` goes on while `behind`'s database is down",
-    )
-    .await;
-    assert!(started.elapsed() < Duration::from_secs(10));
+    let ten = Duration::from_secs(10);
+    let what = "`up` goes on while `behind`'s database is down";
+    wait_sent(&up, &fresh, ten, what).await;
+    assert!(started.elapsed() < ten);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let states = behind.rows_by_id(&stuck).await;
     assert!(
@@ -235,13 +209,8 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
     relay.wait_for_log("database unavailable", 1, WAIT).await;
 
     proxy.heal();
-    wait_sent(
-        &behind,
-        &stuck,
-        WAIT,
-        "`behind` catches up once its database is back",
-    )
-    .await;
+    let what = "`behind` catches up once its database is back";
+    wait_sent(&behind, &stuck, WAIT, what).await;
     rabbit
         .wait_for_ids(&[fresh, stuck, first.concat()].concat(), WAIT)
         .await;
@@ -249,9 +218,7 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
         relay.is_running(),
         "the missing table does not stop the relay"
     );
-    relay.stop().await;
-    rabbit.teardown().await;
-    up.drop_table().await;
+    finish(relay, up, rabbit).await;
     behind.drop_table().await;
 }
 
@@ -269,26 +236,19 @@ async fn a_burst_in_one_outbox_does_not_starve_another() {
         .expect("connect");
     let channel = conn.create_channel().await.expect("channel");
     let sink = format!("{}.busy", rabbit.queue);
-    declare_bound_queue(
-        &channel,
-        &rabbit.exchange,
-        &sink,
-        Durability::Exclusive,
-        "busy.#",
-    )
-    .await
-    .expect("declare the busy queue");
+    let exclusive = Durability::Exclusive;
+    declare_bound_queue(&channel, &rabbit.exchange, &sink, exclusive, "busy.#")
+        .await
+        .expect("declare the busy queue");
     const BURST: i64 = 100_000;
+    let burst = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'bulk', 'a' || (i % 1000), 'created', jsonb_build_object('i', i) \
+         FROM generate_series(1, {BURST}) AS i",
+        busy.name
+    );
     busy.db
-        .execute(
-            &format!(
-                "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
-                 SELECT 'bulk', 'a' || (i % 1000), 'created', jsonb_build_object('i', i) \
-                 FROM generate_series(1, {BURST}) AS i",
-                busy.name
-            ),
-            &[],
-        )
+        .execute(&burst, &[])
         .await
         .expect("insert the burst");
 
@@ -300,23 +260,16 @@ async fn a_burst_in_one_outbox_does_not_starve_another() {
             entry("quiet", &quiet.name, "routing_key = \"quiet.{event_type}\""),
         ],
     );
-    wait_until(WAIT, "the busy outbox is draining", async || {
-        let sent = busy.count_where("status = 'sent'").await;
-        if sent >= 2_000 {
-            Ok(())
-        } else {
-            Err(format!("{sent} sent"))
-        }
-    })
-    .await;
+    busy.wait_for_counts(WAIT, "the busy outbox is draining", |c| c["sent"] >= 2_000)
+        .await;
 
     let mut latencies = Vec::new();
     for i in 0..21 {
         let inserted = Instant::now();
-        let id = quiet
-            .insert_ids(&[NewRow::new("q", Some("q"), "created", json!({ "i": i }))])
-            .await[0];
-        let d = rabbit.wait_for_delivery(id, WAIT).await;
+        let row = NewRow::new("q", Some("q"), "created", json!({ "i": i }));
+        let d = rabbit
+            .wait_for_delivery(quiet.insert_one(row).await, WAIT)
+            .await;
         latencies.push(d.received_at.duration_since(inserted));
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -334,9 +287,7 @@ async fn a_burst_in_one_outbox_does_not_starve_another() {
         p50 < Duration::from_millis(100),
         "a row in the quiet outbox took {p50:?} (p50) to arrive beside a burst of {BURST} in another"
     );
-    relay.stop().await;
+    finish(relay, busy, rabbit).await;
     let _ = conn.close(200, "done".into()).await;
-    rabbit.teardown().await;
-    busy.drop_table().await;
     quiet.drop_table().await;
 }

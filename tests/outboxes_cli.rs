@@ -15,9 +15,8 @@ use std::time::Duration;
 
 use common::{CmdOutput, PG_URL, RelayBuilder, TempDir, TestTable, hex8, pg_connect};
 use serde_json::Value;
+use tokio_postgres::types::ToSql;
 use uuid::Uuid;
-
-const WAIT: Duration = Duration::from_secs(60);
 
 /// Two outboxes in one database, and the file that configures them.
 struct Pair {
@@ -41,15 +40,13 @@ impl Pair {
                  [[outboxes]]\nname = \"beta\"\ntable = \"{b}\"\n"
             ),
         );
+        let table = async |name| TestTable {
+            name,
+            db: pg_connect().await,
+        };
         Self {
-            alpha: TestTable {
-                name: a,
-                db: pg_connect().await,
-            },
-            beta: TestTable {
-                name: b,
-                db: pg_connect().await,
-            },
+            alpha: table(a).await,
+            beta: table(b).await,
             _dir: dir,
             config,
         }
@@ -58,33 +55,44 @@ impl Pair {
     /// `outbox-relay --config <file> <args>`.
     async fn run(&self, args: &[&str]) -> CmdOutput {
         let config = self.config.to_str().unwrap();
-        let mut all = vec!["--config", config];
-        all.extend_from_slice(args);
+        let all = [&["--config", config][..], args].concat();
         RelayBuilder::bare("outboxes-cli")
             .set("database.url", PG_URL)
-            .output(&all, WAIT)
+            .output(&all, Duration::from_secs(60))
             .await
     }
 
-    async fn json(&self, args: &[&str]) -> Value {
+    /// [`Pair::run`], asserting success.
+    async fn ok(&self, args: &[&str]) -> CmdOutput {
         let out = self.run(args).await;
-        assert!(out.status.success(), "{args:?}: {}", out.stderr);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}\n{}",
+            out.stdout,
+            out.stderr
+        );
+        out
+    }
+
+    /// [`Pair::ok`], stdout parsed as JSON.
+    async fn json(&self, args: &[&str]) -> Value {
+        let out = self.ok(args).await;
         serde_json::from_str(&out.stdout)
             .unwrap_or_else(|e| panic!("{args:?}: {e}: {}", out.stdout))
     }
 
     async fn drop(self) {
         for t in [self.alpha, self.beta] {
-            let exists: bool =
-                t.db.query_one("SELECT to_regclass($1) IS NOT NULL", &[&t.name])
-                    .await
-                    .unwrap()
-                    .get(0);
-            if exists {
+            if exists(&t).await {
                 t.drop_table().await;
             }
         }
     }
+}
+
+async fn exists(t: &TestTable) -> bool {
+    let sql = "SELECT to_regclass($1) IS NOT NULL";
+    t.db.query_one(sql, &[&t.name]).await.unwrap().get(0)
 }
 
 /// Inserts a row in `status` (`failed` ones with 12 attempts and `last_error`), created
@@ -100,20 +108,17 @@ async fn row(t: &TestTable, aggregate_type: &str, status: &str, secs_ago: f64) -
            CASE WHEN $2 = 'sent' THEN now() END) RETURNING id",
         t.name
     );
-    t.db.query_one(&sql, &[&aggregate_type, &status, &secs_ago])
-        .await
-        .unwrap()
-        .get(0)
+    let args: [&(dyn ToSql + Sync); 3] = [&aggregate_type, &status, &secs_ago];
+    t.db.query_one(&sql, &args).await.unwrap().get(0)
 }
 
-async fn status_of(t: &TestTable, id: Uuid) -> Option<String> {
-    t.db.query_opt(
-        &format!("SELECT status FROM {} WHERE id = $1", t.name),
-        &[&id],
-    )
-    .await
-    .unwrap()
-    .map(|r| r.get(0))
+/// Asserts the status of each row (`None`: the row is gone).
+async fn assert_statuses(rows: &[(&TestTable, Uuid, Option<&str>)]) {
+    for (t, id, want) in rows {
+        let sql = format!("SELECT status FROM {} WHERE id = $1", t.name);
+        let got: Option<String> = t.db.query_opt(&sql, &[id]).await.unwrap().map(|r| r.get(0));
+        assert_eq!(got.as_deref(), *want, "status of {id} in {}", t.name);
+    }
 }
 
 /// `(pending, ready, waiting, sent, failed)` of a `status --json` object.
@@ -124,15 +129,10 @@ fn counts(v: &Value) -> [i64; 5] {
     })
 }
 
-async fn migrate_both(p: &Pair) {
-    let out = p.run(&["migrate"]).await;
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
     let p = Pair::new().await;
-    migrate_both(&p).await;
+    p.ok(&["migrate"]).await;
     let (a, b) = (&p.alpha, &p.beta);
     row(a, "order", "pending", 100.0).await;
     row(a, "order", "pending", 1.0).await;
@@ -145,29 +145,29 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
 
     // status --json: the totals in today's shape, plus by_outbox with the same keys.
     let v = p.json(&["status", "--json"]).await;
-    assert_eq!(counts(&v), [3, 3, 0, 1, 4], "totals: {v}");
-    let oldest = v["oldest_pending_age_seconds"].as_f64().unwrap();
-    assert!(
-        (100.0..160.0).contains(&oldest),
-        "the oldest of both: {oldest}"
-    );
-    assert_eq!(counts(&v["by_aggregate_type"]["order"]), [2, 2, 0, 0, 1]);
-    assert_eq!(
-        counts(&v["by_aggregate_type"]["invoice"]),
-        [1, 1, 0, 1, 3],
-        "invoice merged over both outboxes"
-    );
+    // The counts at the top, by aggregate type (invoice merged over both outboxes), by outbox.
+    for (at, want) in [
+        ("", [3, 3, 0, 1, 4]),
+        ("/by_aggregate_type/order", [2, 2, 0, 0, 1]),
+        ("/by_aggregate_type/invoice", [1, 1, 0, 1, 3]),
+        ("/by_outbox/alpha", [2, 2, 0, 0, 2]),
+        ("/by_outbox/beta", [1, 1, 0, 1, 2]),
+        ("/by_outbox/beta/by_aggregate_type/invoice", [1, 1, 0, 1, 2]),
+    ] {
+        let counted = v.pointer(at).unwrap_or_else(|| panic!("no {at} in {v}"));
+        assert_eq!(counts(counted), want, "{at}: {v}");
+    }
+    // The oldest pending row: of both outboxes at the top, of its own in by_outbox.
+    for (at, range) in [("", 100.0..160.0), ("/by_outbox/beta", 30.0..90.0)] {
+        let oldest = v.pointer(&format!("{at}/oldest_pending_age_seconds"));
+        let oldest = oldest.and_then(Value::as_f64).unwrap();
+        assert!(range.contains(&oldest), "{at}: {oldest}");
+    }
     let by_outbox = v["by_outbox"].as_object().expect("by_outbox");
     assert_eq!(
         by_outbox.keys().map(String::as_str).collect::<Vec<_>>(),
         ["alpha", "beta"]
     );
-    assert_eq!(counts(&by_outbox["alpha"]), [2, 2, 0, 0, 2]);
-    assert_eq!(counts(&by_outbox["beta"]), [1, 1, 0, 1, 2]);
-    let beta_oldest = by_outbox["beta"]["oldest_pending_age_seconds"]
-        .as_f64()
-        .unwrap();
-    assert!((30.0..90.0).contains(&beta_oldest), "{beta_oldest}");
     let top: BTreeSet<&String> = v.as_object().unwrap().keys().collect();
     let inner: BTreeSet<&String> = by_outbox["beta"].as_object().unwrap().keys().collect();
     assert_eq!(
@@ -176,76 +176,42 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
         "by_outbox entries have the top level's keys"
     );
     assert!(inner.iter().all(|k| top.contains(k)));
-    assert_eq!(
-        counts(&by_outbox["beta"]["by_aggregate_type"]["invoice"]),
-        [1, 1, 0, 1, 2]
-    );
 
     // --outbox beta: beta alone, at the top and in by_outbox.
     let v = p.json(&["status", "--json", "--outbox", "beta"]).await;
     assert_eq!(counts(&v), [1, 1, 0, 1, 2], "{v}");
-    assert_eq!(
-        v["by_outbox"]
-            .as_object()
-            .unwrap()
-            .keys()
-            .collect::<Vec<_>>(),
-        ["beta"]
-    );
+    let outboxes: Vec<_> = v["by_outbox"].as_object().unwrap().keys().collect();
+    assert_eq!(outboxes, ["beta"]);
     assert!(v["by_aggregate_type"].get("order").is_none(), "{v}");
 
     // Text: a line per outbox, then the types and TOTAL; with --outbox, today's table.
-    let out = p.run(&["status"]).await;
-    assert!(out.status.success(), "{}", out.stderr);
-    let first: Vec<Vec<&str>> = out
-        .stdout
+    let text = p.ok(&["status"]).await.stdout;
+    let first: Vec<Vec<&str>> = text
         .lines()
         .map(|l| l.split_whitespace().collect())
         .collect();
-    assert_eq!(first[0][0], "OUTBOX", "{}", out.stdout);
-    assert_eq!(
-        first[1][..6],
-        ["alpha", "2", "2", "0", "0", "0"],
-        "{}",
-        out.stdout
-    );
-    assert_eq!(
-        first[2][..6],
-        ["beta", "1", "1", "0", "0", "1"],
-        "{}",
-        out.stdout
-    );
+    assert_eq!(first[0][0], "OUTBOX", "{text}");
+    assert_eq!(first[1][..6], ["alpha", "2", "2", "0", "0", "0"], "{text}");
+    assert_eq!(first[2][..6], ["beta", "1", "1", "0", "0", "1"], "{text}");
     let total = first.iter().find(|l| l.first() == Some(&"TOTAL")).unwrap();
-    assert_eq!(total[1..6], ["3", "3", "0", "0", "1"], "{}", out.stdout);
-    let out = p.run(&["status", "--outbox", "alpha"]).await;
-    assert!(out.status.success(), "{}", out.stderr);
-    assert!(out.stdout.starts_with("AGGREGATE TYPE"), "{}", out.stdout);
-    assert!(!out.stdout.contains("beta"), "{}", out.stdout);
+    assert_eq!(total[1..6], ["3", "3", "0", "0", "1"], "{text}");
+    let text = p.ok(&["status", "--outbox", "alpha"]).await.stdout;
+    assert!(text.starts_with("AGGREGATE TYPE"), "{text}");
+    assert!(!text.contains("beta"), "{text}");
 
     // dead-letters list --json: every outbox's, each row naming its outbox.
     let list = p.json(&["dead-letters", "list", "--json"]).await;
-    let rows: Vec<(String, String)> = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                r["outbox"].as_str().unwrap().to_owned(),
-                r["id"].as_str().unwrap().to_owned(),
-            )
-        })
-        .collect();
-    assert_eq!(
-        rows,
-        [("alpha", fa1), ("alpha", fa2), ("beta", fb1), ("beta", fb2)]
-            .map(|(o, id)| (o.to_owned(), id.to_string()))
-    );
+    let text = |v: &Value| v.as_str().unwrap().to_owned();
+    let rows = list.as_array().unwrap().iter();
+    let rows: Vec<(String, String)> = rows.map(|r| (text(&r["outbox"]), text(&r["id"]))).collect();
+    let want = [("alpha", fa1), ("alpha", fa2), ("beta", fb1), ("beta", fb2)];
+    let want: Vec<(String, String)> = want.map(|(o, id)| (o.to_owned(), id.to_string())).into();
+    assert_eq!(rows, want);
     assert_eq!(list[0]["last_error"], "nack: boom");
     let out = p.run(&["dead-letters", "list"]).await;
+    let beta_line = format!("beta  {fb2}");
     assert!(
-        out.stdout
-            .lines()
-            .any(|l| l.starts_with(&format!("beta  {fb2}"))),
+        out.stdout.lines().any(|l| l.starts_with(&beta_line)),
         "{}",
         out.stdout
     );
@@ -255,56 +221,41 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
     assert_eq!(only_beta.as_array().unwrap().len(), 2);
 
     // retry --id finds the row in the second outbox; nothing else moves.
-    let out = p
-        .run(&["dead-letters", "retry", "--id", &fb1.to_string()])
-        .await;
-    assert!(out.status.success(), "{}", out.stderr);
-    out.assert_stdout_has("1 dead letter(s) set back to pending");
-    assert_eq!(status_of(b, fb1).await.as_deref(), Some("pending"));
-    for (t, id) in [(a, fa1), (a, fa2), (b, fb2)] {
-        assert_eq!(status_of(t, id).await.as_deref(), Some("failed"));
-    }
+    p.ok(&["dead-letters", "retry", "--id", &fb1.to_string()])
+        .await
+        .assert_stdout_has("1 dead letter(s) set back to pending");
+    let failed = Some("failed");
+    assert_statuses(&[
+        (b, fb1, Some("pending")),
+        (a, fa1, failed),
+        (a, fa2, failed),
+        (b, fb2, failed),
+    ])
+    .await;
 
     // All or nothing across outboxes: an id in none of them changes nothing and is named.
-    let unknown = Uuid::new_v4();
+    // fa1's id, and one in no outbox.
+    let (id, unknown) = (fa1.to_string(), Uuid::new_v4().to_string());
     let out = p
-        .run(&[
-            "dead-letters",
-            "discard",
-            "--id",
-            &fa1.to_string(),
-            "--id",
-            &unknown.to_string(),
-        ])
+        .run(&["dead-letters", "discard", "--id", &id, "--id", &unknown])
         .await;
     assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
-    assert!(out.stderr.contains(&unknown.to_string()), "{}", out.stderr);
-    assert!(!out.stderr.contains(&fa1.to_string()), "{}", out.stderr);
-    assert_eq!(status_of(a, fa1).await.as_deref(), Some("failed"));
+    assert!(out.stderr.contains(&unknown), "{}", out.stderr);
+    assert!(!out.stderr.contains(&id), "{}", out.stderr);
+    assert_statuses(&[(a, fa1, failed)]).await;
     // An id of alpha with --outbox beta is not there.
     let out = p
-        .run(&[
-            "dead-letters",
-            "retry",
-            "--id",
-            &fa1.to_string(),
-            "--outbox",
-            "beta",
-        ])
+        .run(&["dead-letters", "retry", "--id", &id, "--outbox", "beta"])
         .await;
     assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
-    assert!(out.stderr.contains(&fa1.to_string()), "{}", out.stderr);
-    assert_eq!(status_of(a, fa1).await.as_deref(), Some("failed"));
+    assert!(out.stderr.contains(&id), "{}", out.stderr);
+    assert_statuses(&[(a, fa1, failed)]).await;
 
     // discard --all --outbox alpha: alpha's dead letters go, beta's stays.
-    let out = p
-        .run(&["dead-letters", "discard", "--all", "--outbox", "alpha"])
-        .await;
-    assert!(out.status.success(), "{}", out.stderr);
-    out.assert_stdout_has("2 dead letter(s) discarded");
-    assert_eq!(status_of(a, fa1).await, None);
-    assert_eq!(status_of(a, fa2).await, None);
-    assert_eq!(status_of(b, fb2).await.as_deref(), Some("failed"));
+    p.ok(&["dead-letters", "discard", "--all", "--outbox", "alpha"])
+        .await
+        .assert_stdout_has("2 dead letter(s) discarded");
+    assert_statuses(&[(a, fa1, None), (a, fa2, None), (b, fb2, failed)]).await;
     let list = p.json(&["dead-letters", "list", "--json"]).await;
     assert_eq!(list.as_array().unwrap().len(), 1, "{list}");
     assert_eq!(list[0]["outbox"], "beta");
@@ -316,28 +267,17 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_errors() {
     let p = Pair::new().await;
-    let exists = async |t: &TestTable| -> bool {
-        t.db.query_one("SELECT to_regclass($1) IS NOT NULL", &[&t.name])
-            .await
-            .unwrap()
-            .get(0)
-    };
+    let neither = async || !exists(&p.alpha).await && !exists(&p.beta).await;
 
     // An unknown --outbox, after any of the subcommands: exit 2, naming it and the known ones.
+    let id = Uuid::new_v4().to_string();
     for args in [
         &["status", "--outbox", "gamma"][..],
         &["status", "--json", "--outbox", "gamma"],
         &["migrate", "--outbox", "gamma"],
         &["dead-letters", "list", "--outbox", "gamma"],
         &["dead-letters", "retry", "--all", "--outbox", "gamma"],
-        &[
-            "dead-letters",
-            "discard",
-            "--id",
-            &Uuid::new_v4().to_string(),
-            "--outbox",
-            "gamma",
-        ],
+        &["dead-letters", "discard", "--id", &id, "--outbox", "gamma"],
     ] {
         let out = p.run(args).await;
         assert_eq!(out.status.code(), Some(2), "{args:?}: {}", out.stderr);
@@ -347,81 +287,54 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
             assert!(err.contains(name), "{args:?}: {err} should name {name}");
         }
     }
-    assert!(!exists(&p.alpha).await && !exists(&p.beta).await);
+    assert!(neither().await);
 
     // --print: the DDL of the chosen table, or of each.
-    let out = p.run(&["migrate", "--print", "--outbox", "beta"]).await;
-    assert!(out.status.success(), "{}", out.stderr);
-    assert!(
-        out.stdout
-            .contains(&format!("CREATE TABLE IF NOT EXISTS {}", p.beta.name))
-    );
-    assert!(!out.stdout.contains(&p.alpha.name), "{}", out.stdout);
-    let out = p.run(&["migrate", "--print"]).await;
+    let create = |t: &TestTable| format!("CREATE TABLE IF NOT EXISTS {}", t.name);
+    let text = p
+        .ok(&["migrate", "--print", "--outbox", "beta"])
+        .await
+        .stdout;
+    assert!(text.contains(&create(&p.beta)), "{text}");
+    assert!(!text.contains(&p.alpha.name), "{text}");
+    let text = p.run(&["migrate", "--print"]).await.stdout;
     for (name, t) in [("alpha", &p.alpha), ("beta", &p.beta)] {
-        assert!(
-            out.stdout
-                .contains(&format!("-- outbox {name}: table {}", t.name)),
-            "{}",
-            out.stdout
-        );
-        assert!(
-            out.stdout
-                .contains(&format!("CREATE TABLE IF NOT EXISTS {}", t.name))
-        );
+        let header = format!("-- outbox {name}: table {}", t.name);
+        assert!(text.contains(&header), "{text}");
+        assert!(text.contains(&create(t)), "{text}");
     }
-    assert!(
-        !exists(&p.alpha).await && !exists(&p.beta).await,
-        "--print applies nothing"
-    );
+    assert!(neither().await, "--print applies nothing");
 
     // migrate --outbox beta: beta's table only.
-    let out = p.run(&["migrate", "--outbox", "beta"]).await;
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    p.ok(&["migrate", "--outbox", "beta"]).await;
     assert!(exists(&p.beta).await, "beta migrated");
     assert!(!exists(&p.alpha).await, "alpha left alone");
 
     // check: one database line per outbox (alpha's table is missing: exit 1, saying so).
     let out = p.run(&["check"]).await;
-    assert_eq!(out.status.code(), Some(1), "{}\n{}", out.stdout, out.stderr);
+    let text = &out.stdout;
+    assert_eq!(out.status.code(), Some(1), "{text}\n{}", out.stderr);
     out.assert_stdout_has("2 outboxes: alpha, beta");
+    let missing = "alpha: database: reachable, but table";
     assert!(
-        out.stdout
-            .lines()
-            .any(|l| l.starts_with("alpha: database: reachable, but table")
-                && l.contains(&p.alpha.name)),
-        "{}",
-        out.stdout
+        text.lines()
+            .any(|l| l.starts_with(missing) && l.contains(&p.alpha.name)),
+        "{text}"
     );
     assert!(
-        out.stdout
-            .lines()
-            .any(|l| l.starts_with("beta: database: ok")),
-        "{}",
-        out.stdout
+        text.lines().any(|l| l.starts_with("beta: database: ok")),
+        "{text}"
     );
-    assert!(out.stdout.contains("broker: ok"), "{}", out.stdout);
+    assert!(text.contains("broker: ok"), "{text}");
 
     // Without --outbox: alpha created, beta up to date, each line naming its outbox.
-    let out = p.run(&["migrate"]).await;
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let text = p.ok(&["migrate"]).await.stdout;
     assert!(exists(&p.alpha).await);
-    assert!(
-        out.stdout.contains(&format!(
-            "alpha: {}: applied schema versions [1",
-            p.alpha.name
-        )),
-        "{}",
-        out.stdout
-    );
-    assert!(
-        out.stdout
-            .contains(&format!("beta: {} is up to date", p.beta.name)),
-        "{}",
-        out.stdout
-    );
-    let out = p.run(&["check"]).await;
-    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let applied = format!("alpha: {}: applied schema versions [1", p.alpha.name);
+    assert!(text.contains(&applied), "{text}");
+    let up_to_date = format!("beta: {} is up to date", p.beta.name);
+    assert!(text.contains(&up_to_date), "{text}");
+    p.ok(&["check"]).await;
 
     p.drop().await;
 }

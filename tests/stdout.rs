@@ -5,33 +5,33 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
-use common::{NewRow, PG_URL, RelayBuilder, TestTable};
+use common::{NewRow, RelayBuilder, TestTable};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-fn stdout_relay(table: &TestTable, instance: &str) -> RelayBuilder {
-    RelayBuilder::bare(instance)
-        .set("database.url", PG_URL)
-        .set("database.table", &table.name)
+/// Relays `table` to stdout until every row is sent, then stops the relay (asserting a clean
+/// exit); returns its stdout parsed line by line (each line must be a JSON object) and the
+/// logs it had written by then.
+async fn relay_to_stdout(table: &TestTable, instance: &str) -> (Vec<Value>, String) {
+    let mut relay = RelayBuilder::for_table(table, instance)
         .set("publisher.kind", "stdout")
-        .set("metrics.listen", "")
-        .set("relay.instance_id", instance)
-}
-
-/// Every stdout line parsed as a JSON object; panics on anything else.
-fn json_lines(stdout: &str) -> Vec<Value> {
-    stdout
-        .lines()
-        .map(|line| {
-            let v: Value = serde_json::from_str(line)
-                .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {line:?}"));
-            assert!(v.is_object(), "stdout line is not an object: {line}");
-            v
-        })
-        .collect()
+        .spawn();
+    table.wait_all_sent(Duration::from_secs(60)).await;
+    let logs = relay.stderr();
+    relay.sigterm();
+    let status = relay.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "exit {status}\n{}", relay.stderr());
+    let stdout = relay.stdout();
+    let lines = stdout.lines().map(|line| {
+        let v: Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("stdout line is not JSON ({e}): {line:?}"));
+        assert!(v.is_object(), "stdout line is not an object: {line}");
+        v
+    });
+    (lines.collect(), logs)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -41,12 +41,8 @@ async fn stdout_sink_writes_one_cloudevent_per_line_in_aggregate_order() {
     let mut rows = Vec::new();
     for n in 0..40 {
         for agg in ["a", "b", "c"] {
-            rows.push(NewRow::new(
-                "order",
-                Some(agg),
-                "updated",
-                json!({"agg": agg, "n": n, "text": "line\nbreak"}),
-            ));
+            let payload = json!({"agg": agg, "n": n, "text": "line\nbreak"});
+            rows.push(NewRow::new("order", Some(agg), "updated", payload));
         }
         if n % 4 == 0 {
             rows.push(NewRow::new("ping", None, "pinged", json!([n, null, 1.5])));
@@ -59,40 +55,32 @@ async fn stdout_sink_writes_one_cloudevent_per_line_in_aggregate_order() {
         .map(|(i, r)| (i.id, (i.seq, r)))
         .collect();
 
-    let relay = stdout_relay(&table, "stdout-json").spawn();
-    table.wait_all_sent(Duration::from_secs(60)).await;
-    let logs_before_stop = relay.stderr();
-    let stdout = {
-        let mut relay = relay;
-        relay.sigterm();
-        let status = relay.wait_exit(Duration::from_secs(20)).await;
-        assert!(status.success(), "exit {status}\n{}", relay.stderr());
-        relay.stdout()
-    };
+    let (events, logs) = relay_to_stdout(&table, "stdout-json").await;
     assert!(
-        logs_before_stop.contains("outbox-relay starting"),
-        "logs go to stderr:\n{logs_before_stop}"
+        logs.contains("outbox-relay starting"),
+        "logs go to stderr:\n{logs}"
     );
-
-    let events = json_lines(&stdout);
-    assert_eq!(events.len(), rows.len(), "one line per row:\n{stdout}");
+    assert_eq!(events.len(), rows.len(), "one line per row:\n{events:#?}");
     let mut last_seq: HashMap<String, i64> = HashMap::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = HashSet::new();
+    let source = table.default_source();
     for e in &events {
         let id: Uuid = e["id"].as_str().unwrap().parse().unwrap();
         assert!(seen.insert(id), "duplicate line for {id}");
         let (seq, row) = by_id[&id];
-        assert_eq!(e["specversion"], "1.0");
-        assert_eq!(e["type"], row.event_type.as_str());
-        assert_eq!(e["source"], table.default_source().as_str());
-        assert_eq!(e["aggregatetype"], row.aggregate_type.as_str());
-        assert_eq!(e["datacontenttype"], "application/json");
+        for (attr, want) in [
+            ("specversion", "1.0"),
+            ("type", row.event_type.as_str()),
+            ("source", source.as_str()),
+            ("aggregatetype", row.aggregate_type.as_str()),
+            ("datacontenttype", "application/json"),
+        ] {
+            assert_eq!(e[attr], want, "{attr} in {e}");
+        }
         assert_eq!(e["data"], row.payload, "data is the payload");
         assert!(e.get("data_base64").is_none());
-        assert!(
-            chrono::DateTime::parse_from_rfc3339(e["time"].as_str().unwrap()).is_ok(),
-            "{e}"
-        );
+        let time = e["time"].as_str().unwrap();
+        assert!(chrono::DateTime::parse_from_rfc3339(time).is_ok(), "{e}");
         match &row.aggregate_id {
             Some(agg) => {
                 assert_eq!(e["subject"], agg.as_str());
@@ -115,13 +103,8 @@ async fn stdout_sink_writes_one_cloudevent_per_line_in_aggregate_order() {
 async fn stdout_sink_sends_bytea_payloads_as_data_base64() {
     let table = TestTable::new("stdout_bytea").await;
     table.make_payload_bytea().await;
-    let payload: Vec<u8> = vec![0, 1, 0xff, b'\n', b'{'];
-    table.insert_bytes("x", &payload).await;
-    let mut relay = stdout_relay(&table, "stdout-bytea").spawn();
-    table.wait_all_sent(Duration::from_secs(60)).await;
-    relay.sigterm();
-    assert!(relay.wait_exit(Duration::from_secs(20)).await.success());
-    let events = json_lines(&relay.stdout());
+    table.insert_bytes("x", &[0, 1, 0xff, b'\n', b'{']).await;
+    let (events, _) = relay_to_stdout(&table, "stdout-bytea").await;
     assert_eq!(events.len(), 1);
     assert_eq!(events[0]["data_base64"], "AAH/Cns=");
     assert_eq!(events[0]["datacontenttype"], "application/octet-stream");

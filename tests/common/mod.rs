@@ -6,6 +6,7 @@
 #![allow(dead_code, unused_imports)]
 
 pub mod kafka;
+pub mod transport;
 
 pub use outbox_testkit::*;
 
