@@ -90,10 +90,12 @@ async fn backoff_parks_only_its_aggregate() {
     let (table, rabbit, relay) = unroutable("parked", 1000).await;
 
     // Aggregate X routes to `parked.e`, which nothing is bound to yet.
-    let parked = NewRow::numbered(5, "parked", Some(("X", 1)), "e");
-    let parked = table.insert_ids(&parked).await;
-    let others = NewRow::numbered(100, "ok", Some(("Y", 20)), "e");
-    let others = table.insert_ids(&others).await;
+    let parked = table
+        .insert_ids(&NewRow::numbered(5, "parked", Some(("X", 1)), "e"))
+        .await;
+    let others = table
+        .insert_ids(&NewRow::numbered(100, "ok", Some(("Y", 20)), "e"))
+        .await;
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
     let what = "X's head has been retried";
     let retried = |r: &RowState| r.attempts >= 3;
@@ -130,10 +132,12 @@ async fn backoff_parks_only_its_aggregate() {
 async fn a_dead_letter_blocks_its_aggregate_until_retried() {
     let (table, rabbit, relay) = unroutable("blocked", 2).await;
 
-    let dead = NewRow::numbered(3, "dead", Some(("Z", 1)), "e");
-    let dead = table.insert_ids(&dead).await;
-    let others = NewRow::numbered(50, "ok", Some(("Y", 5)), "e");
-    let others = table.insert_ids(&others).await;
+    let dead = table
+        .insert_ids(&NewRow::numbered(3, "dead", Some(("Z", 1)), "e"))
+        .await;
+    let others = table
+        .insert_ids(&NewRow::numbered(50, "ok", Some(("Y", 5)), "e"))
+        .await;
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
     let what = "Z's head is dead-lettered";
     let failed = |r: &RowState| r.status == "failed";

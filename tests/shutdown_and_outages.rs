@@ -33,20 +33,23 @@ const LONG: Duration = Duration::from_secs(120);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
-    let (table, rabbit) = table_and_exchange("sigkill").await;
-    let proxy = Proxy::start(RABBIT_ADDR).await;
-    let mut a = RelayBuilder::for_test(&table, &rabbit, "a")
-        .set("publisher.rabbitmq.url", proxy.amqp_url())
+    let table = TestTable::new("sigkill").await;
+    let broker = Broker::rabbitmq("sigkill").await;
+    let Broker::RabbitMq(rabbit, proxy) = &broker else {
+        unreachable!("Broker::rabbitmq starts a RabbitMQ broker")
+    };
+    let mut a = broker
+        .relay(&table, "a")
         .set("publisher.rabbitmq.confirm_timeout", "60s")
         .set("relay.lease_timeout", "3s")
         .spawn();
 
     // Black-hole the broker once A publishes: its publishes are written but never confirmed.
-    let held = hold_rows_behind_a_black_hole(&table, &proxy, "a", 100).await;
+    let held = hold_rows_behind_a_black_hole(&table, &broker, "a", 100).await;
     let before: HashMap<Uuid, RowState> = table.rows_by_id(&held).await;
-    let leaked = rabbit.analyse(&before.values().cloned().collect::<Vec<_>>());
-    let why = "the stalled proxy let messages through";
-    assert!(leaked.counts.is_empty(), "{why}");
+    let arrived = rabbit.analyse(&before.values().cloned().collect::<Vec<_>>());
+    let leaked: Vec<&Uuid> = arrived.counts.keys().collect();
+    assert_none("held rows the stalled proxy let through", &leaked);
 
     a.sigkill();
     let status = a.wait_exit(Duration::from_secs(10)).await;
@@ -54,12 +57,14 @@ async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
     assert_eq!(status.signal(), Some(9), "{why}");
     proxy.cut(); // drop A's stale connection and whatever it had written
     proxy.heal();
-    let still_held = table.count_where("status = 'processing' AND locked_by = 'a'");
+    let still_held = table
+        .count_where("status = 'processing' AND locked_by = 'a'")
+        .await;
     let why = "a dead relay's rows stay processing until the lease expires";
-    assert_eq!(still_held.await, 100, "{why}");
+    assert_eq!(still_held, 100, "{why}");
 
     // Debug logs of the relay loop show why a reclaim is skipped, should this fail.
-    let b = RelayBuilder::for_test(&table, &rabbit, "b")
+    let b = RelayBuilder::for_test(&table, rabbit, "b")
         .set("relay.lease_timeout", "3s")
         .env("RUST_LOG", "info,lapin=error,outbox_relay::relay=debug")
         .spawn();
@@ -69,10 +74,13 @@ async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
     let after = table.rows_by_id(&held).await;
     // Every held row arrived; each aggregate's first arrivals are in seq order (ordering held
     // across the crash).
-    let a = rabbit.analyse(&after.values().cloned().collect::<Vec<_>>());
-    assert_none("rows held by the killed relay never arrived", &a.lost);
-    assert_none("first arrivals out of seq order", &a.reordered);
-    let dups = a.duplicated_ids();
+    let analysis = rabbit.analyse(&after.values().cloned().collect::<Vec<_>>());
+    assert_none(
+        "rows held by the killed relay never arrived",
+        &analysis.lost,
+    );
+    assert_none("first arrivals out of seq order", &analysis.reordered);
+    let dups = analysis.duplicated_ids();
     println!(
         "sigkill: {} ids delivered more than once: {dups:?}",
         dups.len()
@@ -93,7 +101,9 @@ async fn rows_held_by_a_killed_relay_are_reclaimed_after_the_lease() {
     let reclaimed = b.log_count("reclaimed rows whose relay stopped");
     assert!(reclaimed >= 1, "{}", b.stderr());
 
-    finish(b, table, rabbit).await;
+    b.stop().await;
+    broker.teardown().await;
+    table.drop_table().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -164,12 +174,15 @@ enum Broker {
 }
 
 impl Broker {
-    async fn start(kafka: bool, label: &str) -> Self {
-        if kafka {
-            return Self::Kafka(ProxiedTansu::start(label).await);
-        }
+    /// A test exchange on the shared RabbitMQ, its queue bound with `#`.
+    async fn rabbitmq(label: &str) -> Self {
         let rabbit = RabbitFixture::new(label, "#", "it.barrier").await;
         Self::RabbitMq(rabbit, Proxy::start(RABBIT_ADDR).await)
+    }
+
+    /// A private tansu with a topic of its own.
+    async fn kafka(label: &str) -> Self {
+        Self::Kafka(ProxiedTansu::start(label).await)
     }
 
     fn proxy(&self) -> &Proxy {
@@ -216,33 +229,101 @@ impl Broker {
     }
 }
 
-/// Proves the relay `instance` is publishing through `proxy` with a few warm-up rows, then
-/// black-holes the proxy and inserts `n` rows; returns their ids once the relay holds them all
-/// in `processing`. The warm-up publishes on every channel the RabbitMQ publisher opens (it
-/// opens them on first use, round-robin), so that behind the black hole the rows wait for
-/// confirms, not for a channel to open.
+/// With a few warm-up rows, proves that the relay on `table` (its only one, started through
+/// [`Broker::relay`]) publishes through the broker's proxy: on RabbitMQ the rows arrive at the
+/// test's queue and are marked sent, on Kafka they are marked sent. Then black-holes the proxy
+/// and inserts `n` rows, and returns their ids.
+///
+/// On RabbitMQ it returns once the relay `instance` holds them all in `processing`. The warm-up
+/// publishes on every channel the RabbitMQ publisher opens (it opens them on first use,
+/// round-robin), so that behind the black hole the rows wait for confirms, not for a channel to
+/// open. On Kafka it returns at once: an ordered Kafka relay holds rows only until its
+/// `message_timeout` hands them back, too short a moment to be sure of seeing.
 async fn hold_rows_behind_a_black_hole(
     table: &TestTable,
-    proxy: &Proxy,
+    broker: &Broker,
     instance: &str,
     n: usize,
 ) -> Vec<Uuid> {
     let warm = NewRow::numbered(2 * rabbitmq::CHANNELS, "warm", None, "w");
-    table.insert(&warm).await;
-    let warmed_up = table.wait_count("status = 'sent'", warm.len() as i64, LONG);
-    warmed_up.await;
-    proxy.stall();
+    let warm_ids = table.insert_ids(&warm).await;
+    let warm_sent = "status = 'sent' AND aggregate_type = 'warm'";
+    let warm_n = warm_ids.len() as i64;
+    match broker {
+        Broker::RabbitMq(rabbit, _) => {
+            let within = Duration::from_secs(30);
+            rabbit.wait_for_ids(&warm_ids, within).await;
+            table.wait_count(warm_sent, warm_n, within).await;
+        }
+        Broker::Kafka(_) => table.wait_count(warm_sent, warm_n, LONG).await,
+    }
+    broker.proxy().stall();
     let rows = NewRow::numbered(n, "hole", Some(("h-", 5)), "e");
     let ids = table.insert_ids(&rows).await;
-    let held = format!("status = 'processing' AND locked_by = '{instance}'");
-    let all_held = table.wait_count(&held, n as i64, Duration::from_secs(10));
-    all_held.await;
+    if let Broker::RabbitMq(..) = broker {
+        let held = format!("status = 'processing' AND locked_by = '{instance}'");
+        table
+            .wait_count(&held, n as i64, Duration::from_secs(10))
+            .await;
+    }
     ids
 }
 
+/// What the black-hole scenario ([`black_hole`]) does on one broker.
+struct BlackHole {
+    /// Names the table, the exchange or topic, and (`_` as `-`) the relay instance.
+    label: &'static str,
+    /// Rows inserted behind the black hole.
+    rows: usize,
+    /// The publish timeout under test (shorter than the black hole) and the ordering.
+    settings: &'static [(&'static str, &'static str)],
+    /// What the relay logs when the publish timeout passes: waited for.
+    timed_out: &'static str,
+    /// How long the relay may take to log `timed_out` and hand every row back.
+    hand_back_within: Duration,
+    /// Whether per aggregate the first arrivals must be in `seq` order.
+    ordered: bool,
+    /// What else the relay must have logged by the end.
+    also_logs: &'static [&'static str],
+    /// Why ids may arrive twice (for the report; empty when not known).
+    duplicates_from: &'static str,
+}
+
+/// RabbitMQ with `ordering = "none"`: the held rows time out waiting for confirms.
+const RABBITMQ_HOLE: BlackHole = BlackHole {
+    label: "black_hole",
+    rows: 50,
+    settings: &[
+        ("publisher.rabbitmq.confirm_timeout", "1s"),
+        ("relay.ordering", "none"),
+    ],
+    timed_out: "no confirm within",
+    hand_back_within: Duration::from_secs(15),
+    ordered: false,
+    also_logs: &[],
+    duplicates_from: " (late bytes of the abandoned connection)",
+};
+
+/// Kafka with ordered runs: five aggregates, runs of 40 (one claim holds them all).
+const KAFKA_HOLE: BlackHole = BlackHole {
+    label: "kafka_hole",
+    rows: 200,
+    settings: &[
+        ("relay.ordering", "aggregate"),
+        ("publisher.kafka.message_timeout", "2s"),
+    ],
+    timed_out: "no delivery report within",
+    // 30 s to log the timeout, then 15 s to hand every row back.
+    hand_back_within: Duration::from_secs(45),
+    ordered: true,
+    also_logs: &["replacing the Kafka producer"],
+    duplicates_from: "",
+};
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unanswered_rabbitmq_publishes_time_out_and_are_handed_back_without_spending_attempts() {
-    black_hole(false).await;
+    let broker = Broker::rabbitmq(RABBITMQ_HOLE.label).await;
+    black_hole(&RABBITMQ_HOLE, broker).await;
 }
 
 /// With `ordering = "aggregate"` an aggregate's run goes to the producer without waiting for
@@ -252,48 +333,45 @@ async fn unanswered_rabbitmq_publishes_time_out_and_are_handed_back_without_spen
 /// through ahead of it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_kafka_runs_behind_a_black_hole_are_handed_back_and_arrive_in_order() {
-    black_hole(true).await;
+    let broker = Broker::kafka(KAFKA_HOLE.label).await;
+    black_hole(&KAFKA_HOLE, broker).await;
 }
 
 /// A broker that stops answering (a black hole, longer than the publish timeout: RabbitMQ's
 /// `confirm_timeout` with `ordering = "none"`, Kafka's `message_timeout` in the middle of
 /// ordered runs): every held row is handed back unspent; once the broker answers again every
-/// row arrives and is sent on its first counted attempt.
-async fn black_hole(kafka: bool) {
-    let (label, n) = [("black_hole", 50), ("kafka_hole", 200)][usize::from(kafka)];
+/// row arrives and is sent on its first counted attempt. `broker` was started for `case.label`.
+async fn black_hole(case: &BlackHole, broker: Broker) {
+    let (label, n) = (case.label, case.rows);
     let table = TestTable::new(label).await;
-    let broker = Broker::start(kafka, label).await;
     let instance = label.replace('_', "-");
-    let (relay, timed_out) = if kafka {
-        let relay = broker
-            .relay(&table, &instance)
-            .set("relay.ordering", "aggregate")
-            .set("publisher.kafka.message_timeout", "2s");
-        (relay, "no delivery report within")
-    } else {
-        let relay = broker
-            .relay(&table, &instance)
-            .set("publisher.rabbitmq.confirm_timeout", "1s")
-            .set("relay.ordering", "none");
-        (relay, "no confirm within")
-    };
+    let mut relay = broker.relay(&table, &instance);
+    for (key, value) in case.settings {
+        relay = relay.set(key, *value);
+    }
     // max_attempts 2: were a timed-out publish counted as a message failure, the second round
     // would dead-letter the rows.
     let relay = relay
         .set("relay.lease_timeout", "60s")
         .set("retry.max_attempts", "2")
         .spawn();
-    hold_rows_behind_a_black_hole(&table, broker.proxy(), &instance, n).await;
+    hold_rows_behind_a_black_hole(&table, &broker, &instance, n).await;
 
-    // The publish timeout passes: every row is handed back, attempt refunded.
-    if kafka {
-        let notice = Duration::from_secs(30);
-        relay.wait_for_log(timed_out, 1, notice).await;
-    }
+    // The publish timeout passes: the relay says so, and hands every row back, attempt
+    // refunded. (On Kafka the rows may not have been claimed yet: the log line says they were.)
     let refunded = "status = 'pending' AND attempts = 0 AND locked_by IS NULL";
-    let handed_back = table.wait_count(refunded, n as i64, Duration::from_secs(15));
-    handed_back.await;
-    assert!(relay.log_count(timed_out) >= 1, "{}", relay.stderr());
+    let what = format!(
+        "the relay logs {:?} and hands all {n} rows back",
+        case.timed_out
+    );
+    wait_until(case.hand_back_within, &what, async || {
+        let noticed = relay.log_count(case.timed_out);
+        match table.count_where(refunded).await {
+            back if noticed >= 1 && back == n as i64 => Ok(()),
+            back => Err(format!("logged {noticed} time(s), {back} rows handed back")),
+        }
+    })
+    .await;
     assert_eq!(table.count_where("status = 'failed'").await, 0);
 
     // The network comes back (bytes held by the black hole are delivered late).
@@ -303,21 +381,22 @@ async fn black_hole(kafka: bool) {
     let arrivals = broker.arrivals().await;
     let analysis = analyse(&rows, arrivals.iter().map(String::as_str));
     let duplicated = analysis.duplicated_ids().len();
-    if kafka {
-        analysis.assert_complete("ordered kafka behind a black hole");
-        let replaced = relay.log_count("replacing the Kafka producer");
-        assert!(replaced >= 1, "{}", relay.stderr());
+    if case.ordered {
+        analysis.assert_complete(label);
     } else {
         // `ordering = "none"` promises no order.
-        let analysis = analysis.ignoring_order();
-        analysis.assert_complete("rows lost after the black hole");
+        analysis.ignoring_order().assert_complete(label);
+    }
+    for line in case.also_logs {
+        let logged = relay.log_count(line);
+        assert!(logged >= 1, "never logged {line:?}:\n{}", relay.stderr());
     }
     let not_once = table.count_where("status <> 'sent' OR attempts <> 1").await;
     assert_eq!(not_once, 0, "every row sent on its first counted attempt");
-    let rows = rows.len();
     println!(
-        "{label}: {duplicated} ids of {rows} rows delivered more than once (late bytes of the \
-         abandoned connection)"
+        "{label}: {duplicated} ids of {} rows delivered more than once{}",
+        rows.len(),
+        case.duplicates_from
     );
     relay.stop().await;
     broker.teardown().await;
@@ -327,7 +406,7 @@ async fn black_hole(kafka: bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_with_a_hung_broker_hands_rows_back_and_exits_within_shutdown_timeout() {
     let table = TestTable::new("term_hung").await;
-    let broker = Broker::start(false, "term_hung").await;
+    let broker = Broker::rabbitmq("term_hung").await;
     let instance = "term-hung";
     let mut relay = broker
         .relay(&table, instance)
@@ -335,7 +414,7 @@ async fn sigterm_with_a_hung_broker_hands_rows_back_and_exits_within_shutdown_ti
         .set("relay.shutdown_timeout", "4s")
         .set("relay.lease_timeout", "60s")
         .spawn();
-    let ids = hold_rows_behind_a_black_hole(&table, broker.proxy(), instance, 40).await;
+    let ids = hold_rows_behind_a_black_hole(&table, &broker, instance, 40).await;
 
     let t0 = Instant::now();
     relay.sigterm();
@@ -436,9 +515,10 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     let old_records = old_consumer.stop().await;
 
     // The outage spends nothing.
-    let spent = table.count_where("status = 'failed' OR (status = 'pending' AND attempts > 0)");
-    let why = format!("the outage spent attempts:\n{}", relay.stderr());
-    assert_eq!(spent.await, 0, "{why}");
+    let spent = table
+        .count_where("status = 'failed' OR (status = 'pending' AND attempts > 0)")
+        .await;
+    assert_eq!(spent, 0, "the outage spent attempts:\n{}", relay.stderr());
 
     let second = Tansu::start(port, advertised, &log).await;
     create_topic(&second.direct(), &topic).await;
@@ -449,25 +529,27 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
 
     let ids = writer.await.unwrap();
     assert_eq!(ids.len(), 3000);
-    // Not wait_all_sent: when the relay cannot recover, say how it is stuck.
-    let what = "every row is sent within 60s of the broker coming back";
-    wait_until(Duration::from_secs(60), what, async || {
+    // Not wait_all_sent: when the relay cannot recover, say how it is stuck (the relay's log is
+    // searched only then).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
         let counts = table.status_counts().await;
         if counts["sent"] == 3000 {
-            return Ok(());
+            break;
         }
-        Err(format!(
-            "{counts:?}; the relay's publish outcomes since: {} librdkafka Fatal errors, {} \
-             UnknownProducerId, {} message timeouts. The restarted broker does not know the \
-             idempotent producer's id: librdkafka either raises a fatal error (the producer must \
-             be replaced) or retries an epoch bump the broker refuses (the producer is wedged \
-             until replaced).",
+        assert!(
+            Instant::now() < deadline,
+            "rows not all sent 60s after the broker came back: {counts:?}; the relay's publish \
+             outcomes: {} librdkafka Fatal errors, {} UnknownProducerId, {} message timeouts. The \
+             restarted broker does not know the idempotent producer's id: librdkafka either \
+             raises a fatal error (the producer must be replaced) or retries an epoch bump the \
+             broker refuses (the producer is wedged until replaced).",
             relay.log_count("Fatal (Local: Fatal error)"),
             relay.log_count("UnknownProducerId"),
             relay.log_count("MessageTimedOut"),
-        ))
-    })
-    .await;
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     new_consumer.wait_caught_up(&brokers, &topic, LONG).await;
     let new_records = new_consumer.stop().await;
 
