@@ -14,9 +14,10 @@
 //! 3. Kafka broker restarts are covered by `tests/shutdown_and_outages.rs`
 //!    (`broker_killed_and_restarted_mid_stream_spends_no_attempt`), not repeated here.
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind (numbers
-//!    beyond i64/u64/f64 kept exact), headers that are not an object, names and routing keys over AMQP's 255 bytes, a `bytea` payload of
-//!    arbitrary bytes, a message over RabbitMQ's `max_message_size`, Kafka topics that cannot
-//!    exist, and a 10,000-row aggregate ahead of 50 small ones.
+//!    beyond i64/u64/f64 kept exact), headers that are not an object, names and routing keys
+//!    over AMQP's 255 bytes, a `bytea` payload of arbitrary bytes, a message over RabbitMQ's
+//!    `max_message_size`, Kafka topics that cannot exist, and a 10,000-row aggregate ahead of
+//!    50 small ones.
 //! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
 //!    tests' dev-dependency turns on) under a supervisor that restarts it: dead-lettered after
 //!    `retry.max_attempts` crash cycles, its batch-mates sent, each charged for one crash at most.
@@ -42,12 +43,14 @@ mod common;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::unix::process::ExitStatusExt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use common::kafka::{KAFKA, create_topic, kafka_relay, read_ids, topic_name};
+use common::kafka::{KAFKA, create_topic, finish_topics, kafka_relay, read_ids, topic_name};
 use common::{
-    AMQP_URL, Analysis, DurableQueue, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
+    AMQP_URL, Analysis, DurableQueue, Inserted, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
     RelayBuilder, RelayProcess, RowState, TestTable, analyse, assert_none, drop_both, finish, hex8,
     insert_rows, local, not_sent_once, pg_connect, scrape, spawn_steady_writer, table_and_exchange,
     wait_for_count, wait_until,
@@ -64,6 +67,10 @@ static SERVICES: RwLock<()> = RwLock::const_new(());
 
 const LONG: Duration = Duration::from_secs(180);
 
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
 /// `OUTBOX_SOAK=1` selects the long form.
 fn soak() -> bool {
     std::env::var("OUTBOX_SOAK").is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"))
@@ -74,16 +81,56 @@ fn pick<T>(short: T, long: T) -> T {
     if soak() { long } else { short }
 }
 
-/// Prints the test's one summary line, then asserts nothing was lost, reordered or foreign.
-fn summary(fault: &str, injected: usize, rows: usize, a: &Analysis, note: &str) {
-    let (lost, reordered, dups) = (a.lost.len(), a.reordered.len(), a.duplicates);
+/// Prints the test's one summary line, then asserts nothing was lost, reordered or foreign (a
+/// test that delivers nothing passes `Analysis::default()`).
+fn summary(fault: &str, injected: usize, rows: usize, analysis: &Analysis, note: &str) {
+    let (lost, reordered) = (analysis.lost.len(), analysis.reordered.len());
     let line = format!(
         "FAULT-SUMMARY fault={fault} injected={injected} rows={rows} lost={lost} \
-         reordered={reordered} duplicates={dups} {note}"
+         reordered={reordered} duplicates={} {note}",
+        analysis.duplicates
     );
     println!("{}", line.trim_end());
-    a.assert_complete(fault);
+    analysis.assert_complete(fault);
 }
+
+/// Waits until the consumer has every message the broker holds, then prints the [`summary`] of
+/// the deliveries checked against every row of `table`; returns the rows.
+async fn summarise_all(
+    table: &TestTable,
+    rabbit: &RabbitFixture,
+    fault: &str,
+    injected: usize,
+    note: &str,
+) -> Vec<RowState> {
+    rabbit.barrier().await;
+    let rows = table.rows().await;
+    summary(fault, injected, rows.len(), &rabbit.analyse(&rows), note);
+    rows
+}
+
+/// How many times each item occurs.
+fn tally<T: Ord>(items: impl IntoIterator<Item = T>) -> BTreeMap<T, usize> {
+    let mut counts = BTreeMap::new();
+    for item in items {
+        *counts.entry(item).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// The SQL condition "`id` is one of `ids`".
+fn id_in(ids: &[Uuid]) -> String {
+    let list: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+    format!("id = ANY('{{{}}}'::uuid[])", list.join(","))
+}
+
+/// A row's (status, attempts).
+fn ending(row: &RowState) -> (&str, i32) {
+    (row.status.as_str(), row.attempts)
+}
+
+/// Row counts by status ([`TestTable::status_counts`]).
+type Counts = BTreeMap<String, i64>;
 
 // ---------------------------------------------------------------------------------------------
 // An audit of claims: a trigger records every transition into `processing`
@@ -119,32 +166,30 @@ impl ClaimAudit {
         Self(format!("{t}_claims"))
     }
 
+    /// Every claim so far, in the order they happened.
     async fn claims(&self, table: &TestTable) -> Vec<Claim> {
         let sql = format!("SELECT id, locked_by, xid FROM {} ORDER BY at", self.0);
-        let rows = table.db.query(&sql, &[]).await;
-        let claim = |r: &tokio_postgres::Row| Claim {
-            id: r.get(0),
-            by: r.get(1),
-            xid: r.get(2),
-        };
-        rows.expect("read the claim audit")
-            .iter()
-            .map(claim)
+        let query = table.db.query(&sql, &[]);
+        let rows = query.await.expect("read the claim audit");
+        rows.iter()
+            .map(|r| Claim {
+                id: r.get(0),
+                by: r.get(1),
+                xid: r.get(2),
+            })
             .collect()
     }
 
-    /// Drops the audit (the trigger goes with the outbox table).
-    async fn drop(self, table: &TestTable) {
+    /// Drops the audit (the trigger goes with the outbox table), then the table and the exchange.
+    async fn drop_all(self, table: TestTable, rabbit: RabbitFixture) {
         let (audit, t) = (self.0, &table.name);
         let sql = format!(
             "DROP TABLE IF EXISTS {audit}; DROP TRIGGER IF EXISTS {t}_audit ON {t}; \
              DROP FUNCTION IF EXISTS {t}_audit();"
         );
-        table
-            .db
-            .batch_execute(&sql)
-            .await
-            .expect("drop the claim audit");
+        let dropped = table.db.batch_execute(&sql).await;
+        dropped.expect("drop the claim audit");
+        drop_both(table, rabbit).await;
     }
 }
 
@@ -156,13 +201,14 @@ fn ordered(b: RelayBuilder) -> RelayBuilder {
         .set("relay.poll_interval", "200ms")
 }
 
-/// The steady writer of a fault test ([`spawn_steady_writer`]): its stop token and its task.
+/// A fault test's writers ([`spawn_steady_writer`], [`spawn_versioned_writers`]): their stop
+/// token and the task that returns how many rows they inserted.
 type Writer = (CancellationToken, JoinHandle<usize>);
 
 /// Lets `writer` run one more second, stops it and waits until every row of `table` is sent;
 /// returns how many rows the writer knows it inserted.
 async fn stop_and_drain(table: &TestTable, (stop, writer): Writer) -> usize {
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(secs(1)).await;
     stop.cancel();
     let written = writer.await.unwrap();
     table.wait_all_sent(LONG).await;
@@ -173,10 +219,16 @@ async fn stop_and_drain(table: &TestTable, (stop, writer): Writer) -> usize {
 // 1. SIGKILL of replicas under load
 
 /// Starts `writers` connections that each insert one row per transaction, in a random one of
-/// `aggregates` aggregates (`a1`, `a2`, …), until the token is cancelled. They serialise per
-/// aggregate on the row lock of its version counter, as applications do, and the payload
-/// carries the aggregate's new version: an aggregate's `seq` order is its version order. The
-/// task returns the rows inserted.
+/// `aggregates` aggregates (`a1`, `a2`, …), about one per millisecond each (the load is bounded
+/// so that the other tests of this file keep their timing), until the token is cancelled and
+/// together they have written at least [`VERSIONED_ROWS`]. They serialise per aggregate on the
+/// row lock of its version counter, as applications do, and the payload carries the
+/// aggregate's new version: an aggregate's `seq` order is its version order. The task returns
+/// the rows inserted.
+/// The least the versioned writers write: 30 rows per aggregate of the 300 on average, the
+/// depth of ordering the test proves.
+const VERSIONED_ROWS: usize = 9_000;
+
 async fn spawn_versioned_writers(table: &TestTable, aggregates: usize, writers: usize) -> Writer {
     let versions = format!("{}_versions", table.name);
     let create = format!(
@@ -187,12 +239,15 @@ async fn spawn_versioned_writers(table: &TestTable, aggregates: usize, writers: 
     let bump =
         format!("UPDATE {versions} SET version = version + 1 WHERE id = $1 RETURNING version");
     let stop = CancellationToken::new();
+    let written = Arc::new(AtomicUsize::new(0));
     let tasks: Vec<JoinHandle<usize>> = (0..writers)
         .map(|_| {
             let (outbox, bump, stop) = (table.name.clone(), bump.clone(), stop.clone());
+            let written = Arc::clone(&written);
             tokio::spawn(async move {
-                let (mut db, mut n) = (pg_connect().await, 0);
-                while !stop.is_cancelled() {
+                let mut db = pg_connect().await;
+                let mut inserted = 0;
+                while !stop.is_cancelled() || written.load(SeqCst) < VERSIONED_ROWS {
                     let id = format!("a{}", rand::random_range(1..=aggregates));
                     let tx = db.transaction().await.unwrap();
                     let version: i32 = tx.query_one(&bump, &[&id]).await.unwrap().get(0);
@@ -200,18 +255,20 @@ async fn spawn_versioned_writers(table: &TestTable, aggregates: usize, writers: 
                     let row = NewRow::new("account", Some(&id), "changed", payload);
                     insert_rows(&tx, &outbox, &[row]).await;
                     tx.commit().await.unwrap();
-                    n += 1;
+                    inserted += 1;
+                    written.fetch_add(1, SeqCst);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
                 }
-                n
+                inserted
             })
         })
         .collect();
     let total = async move {
-        let mut n = 0;
+        let mut inserted = 0;
         for t in tasks {
-            n += t.await.unwrap();
+            inserted += t.await.unwrap();
         }
-        n
+        inserted
     };
     (stop, tokio::spawn(total))
 }
@@ -245,7 +302,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
         tokio::time::sleep(Duration::from_millis(300 + rand::random_range(0..1200))).await;
         let held_now = format!("status = 'processing' AND locked_by = '{label}'");
         let what = format!("{label} holds rows and deliveries progress");
-        wait_until(Duration::from_secs(60), &what, async || {
+        wait_until(secs(60), &what, async || {
             let held = table.count_where(&held_now).await;
             let progress = rabbit.count() - since;
             if held > 0 && progress >= 100 {
@@ -257,7 +314,7 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
         .await;
         let mut victim = slots[slot].take().unwrap();
         victim.sigkill();
-        let status = victim.wait_exit(Duration::from_secs(10)).await;
+        let status = victim.wait_exit(secs(10)).await;
         assert_eq!(status.signal(), Some(9), "{label} should die by SIGKILL");
         held_at_death.push(table.count_where(&held_now).await);
         killed.push(label);
@@ -268,7 +325,8 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
 
     let rows = table.rows().await;
     assert_eq!(rows.len(), written, "the writers' rows are in the table");
-    let a = rabbit.analyse(&rows);
+    assert!(written >= VERSIONED_ROWS, "{written} rows written");
+    let analysis = rabbit.analyse(&rows);
 
     // Duplicates, honestly: every delivery is a publish, and a relay publishes a row only after
     // claiming it, once per claim. The audit trigger records every claim in the claiming
@@ -278,17 +336,11 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     // n − 1 claims by killed incarnations — the copies that went out before a crash — and a
     // duplicate that a live relay caused fails here.
     let claims = audit.claims(&table).await;
-    let killed_set: HashSet<&str> = killed.iter().map(String::as_str).collect();
-    let mut claims_by_killed: HashMap<Uuid, usize> = HashMap::new();
-    let mut claims_total: HashMap<Uuid, i32> = HashMap::new();
-    for c in &claims {
-        *claims_total.entry(c.id).or_insert(0) += 1;
-        if killed_set.contains(c.by.as_str()) {
-            *claims_by_killed.entry(c.id).or_insert(0) += 1;
-        }
-    }
-    let by_killed = |id: &Uuid| claims_by_killed.get(id).copied().unwrap_or(0);
-    let unexplained: Vec<(Uuid, usize, usize)> = a
+    let claims_of = tally(claims.iter().map(|c| c.id));
+    let by_killed_relays = claims.iter().filter(|c| killed.contains(&c.by));
+    let killed_claims_of = tally(by_killed_relays.map(|c| c.id));
+    let by_killed = |id: &Uuid| killed_claims_of.get(id).copied().unwrap_or(0);
+    let unexplained: Vec<(Uuid, usize, usize)> = analysis
         .counts
         .iter()
         .filter(|(id, n)| by_killed(id) < **n - 1)
@@ -298,44 +350,58 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
                claims by killed)";
     assert_none(why, &unexplained);
     // The audit agrees with the table: attempts count claims (no hand-backs in this test).
-    let disagree: Vec<_> = rows
+    let claimed = |id: &Uuid| claims_of.get(id).copied().unwrap_or(0);
+    let disagree: Vec<(Uuid, i32, usize)> = rows
         .iter()
-        .filter(|r| claims_total.get(&r.id).copied().unwrap_or(0) != r.attempts)
-        .map(|r| (r.id, r.attempts, claims_total.get(&r.id).copied()))
+        .filter(|r| usize::try_from(r.attempts) != Ok(claimed(&r.id)))
+        .map(|r| (r.id, r.attempts, claimed(&r.id)))
         .collect();
-    assert_none("attempts ≠ audited claims", &disagree);
+    let why = "attempts ≠ audited claims (id, attempts, claims)";
+    assert_none(why, &disagree);
     let not_sent = table.count_where("status <> 'sent'").await;
     assert_eq!(not_sent, 0, "rows not sent");
     // The kills hit work in flight (rows the victim held when it died), not only idle relays.
     let why = format!("no kill caught a relay holding rows: {held_at_death:?}");
     assert!(held_at_death.iter().sum::<i64>() > 0, "{why}");
+    let note = format!(
+        "duplicated_ids={} (all claimed by a killed relay) rows_held_at_each_kill={held_at_death:?}",
+        analysis.duplicated_ids().len()
+    );
+    // Nothing lost or reordered (the summary asserts it) before the versions below say how.
+    summary("sigkill-replicas", kills, rows.len(), &analysis, &note);
     // seq order is the writers' version order: per aggregate, the first arrivals carry versions
-    // 1, 2, 3, … (all of them: nothing lost, see the summary).
-    let (mut versions, mut seen) = (HashMap::<String, Vec<i64>>::new(), HashSet::new());
+    // 1, 2, 3, … up to the aggregate's last version.
+    let last = format!("SELECT id, version::int8 FROM {}_versions", table.name);
+    let last_versions: HashMap<String, i64> = (table.db.query(&last, &[]).await.unwrap())
+        .iter()
+        .map(|r| (r.get(0), r.get(1)))
+        .collect();
+    let mut versions = HashMap::<String, Vec<i64>>::new();
+    let mut seen = HashSet::new();
     for d in rabbit.deliveries() {
         if seen.insert(d.message_id.clone()) {
-            let v: Value = serde_json::from_slice(&d.body).unwrap();
+            let body: Value = serde_json::from_slice(&d.body).unwrap();
             let subject = versions.entry(d.headers()["cloudEvents:subject"].clone());
-            subject.or_default().push(v["version"].as_i64().unwrap());
+            subject.or_default().push(body["version"].as_i64().unwrap());
         }
     }
-    for (agg, vs) in versions {
-        let expected: Vec<i64> = (1..=vs.len() as i64).collect();
-        assert_eq!(vs, expected, "aggregate {agg} versions in arrival order");
+    for (aggregate, last) in &last_versions {
+        let arrived = versions.remove(aggregate).unwrap_or_default();
+        let expected: Vec<i64> = (1..=*last).collect();
+        let why = format!("aggregate {aggregate}: versions in arrival order");
+        assert_eq!(arrived, expected, "{why}");
     }
-    let dup_ids = a.counts.values().filter(|n| **n > 1).count();
-    let note = format!(
-        "duplicated_ids={dup_ids} (all claimed by a killed relay) rows_held_at_each_kill={held_at_death:?}"
+    assert_none(
+        "subjects of no aggregate",
+        &versions.keys().collect::<Vec<_>>(),
     );
-    summary("sigkill-replicas", kills, rows.len(), &a, &note);
 
-    for r in slots.into_iter().flatten() {
-        r.stop().await;
+    for relay in slots.into_iter().flatten() {
+        relay.stop().await;
     }
-    audit.drop(&table).await;
-    let versions = format!("DROP TABLE {}_versions", table.name);
-    table.db.batch_execute(&versions).await.unwrap();
-    drop_both(table, rabbit).await;
+    let drop_versions = format!("DROP TABLE {}_versions", table.name);
+    table.db.batch_execute(&drop_versions).await.unwrap();
+    audit.drop_all(table, rabbit).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -343,6 +409,10 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
 
 /// Rows dead-lettered or left with a spent attempt (`pending` with attempts > 0).
 const SPENT: &str = "status = 'failed' OR (status = 'pending' AND attempts > 0)";
+
+/// The lines the relay logs on losing its broker and on having it back; the same for its database.
+const BROKER_LOGS: (&str, &str) = ("broker unavailable", "connected to the broker");
+const DATABASE_LOGS: (&str, &str) = ("database unavailable", "database connection restored");
 
 /// A service outage as the relay logs it: the line it logs on losing the service (`down`) and
 /// the one on having it back (`up`), each with its count before the fault.
@@ -353,8 +423,8 @@ struct Outage<'a> {
 }
 
 impl<'a> Outage<'a> {
-    /// Counts `down` and `up` in `relay`'s log: call before the fault.
-    fn before(relay: &'a RelayProcess, down: &'static str, up: &'static str) -> Self {
+    /// Counts the relay's `(down, up)` lines in its log so far: call before the fault.
+    fn before(relay: &'a RelayProcess, (down, up): (&'static str, &'static str)) -> Self {
         let (down, up) = ((down, relay.log_count(down)), (up, relay.log_count(up)));
         Self { relay, down, up }
     }
@@ -403,22 +473,21 @@ async fn postgres_connection_cut_spends_no_attempt_and_loses_nothing() {
 /// be handed back.
 async fn connection_cut(rabbitmq: bool, ordering: &str) {
     let _shared = SERVICES.read().await;
-    let outage = pick(Duration::from_secs(3), Duration::from_secs(30));
+    let outage = pick(secs(3), secs(30));
     let service = if rabbitmq { "rabbitmq" } else { "postgres" };
     let test = format!("f_{service}_cut_{ordering}");
     let (table, rabbit) = table_and_exchange(&test).await;
     let audit = ClaimAudit::install(&table).await;
-    let (proxy, url_key, url, down, up) = if rabbitmq {
+    // Every relay session to the service (for PostgreSQL the pool and LISTEN) goes through the
+    // proxy; the test's own do not.
+    let (proxy, url_key, url, logs) = if rabbitmq {
         let proxy = Proxy::start(RABBIT_ADDR).await;
         let url = proxy.amqp_url();
-        let log = ("broker unavailable", "connected to the broker");
-        (proxy, "publisher.rabbitmq.url", url, log.0, log.1)
+        (proxy, "publisher.rabbitmq.url", url, BROKER_LOGS)
     } else {
-        // Every relay session (pool and LISTEN) goes through the proxy; the test's own do not.
         let proxy = Proxy::start("127.0.0.1:5432").await;
         let url = format!("postgres://postgres@{}/test", proxy.addr());
-        let log = ("database unavailable", "database connection restored");
-        (proxy, "database.url", url, log.0, log.1)
+        (proxy, "database.url", url, DATABASE_LOGS)
     };
     // A lease far longer than the test, so only the outage can touch attempts.
     let lease = if rabbitmq { "120s" } else { "60s" };
@@ -430,7 +499,7 @@ async fn connection_cut(rabbitmq: bool, ordering: &str) {
         .spawn();
     let writer = spawn_steady_writer(&table.name, "cut", 13, 20);
     wait_for_count(LONG, "300 messages before the cut", 300, || rabbit.count()).await;
-    let outage_log = Outage::before(&relay, down, up);
+    let outage_log = Outage::before(&relay, logs);
     let mut in_flight = 0;
     if rabbitmq {
         // Cut with publishes in flight: hold the broker's answers back for a moment so that
@@ -442,7 +511,7 @@ async fn connection_cut(rabbitmq: bool, ordering: &str) {
         let unsettled =
             "status = 'processing' AND locked_at < clock_timestamp() - interval '300 milliseconds'";
         let what = "rows are in flight when the connection is cut";
-        in_flight = wait_until(Duration::from_secs(10), what, async || {
+        in_flight = wait_until(secs(10), what, async || {
             match table.count_where(unsettled).await {
                 0 => Err("none processing".to_owned()),
                 n => Ok(n),
@@ -452,7 +521,7 @@ async fn connection_cut(rabbitmq: bool, ordering: &str) {
     }
     proxy.cut();
     let cut_at = table.db_now().await;
-    let notice = Duration::from_secs(if rabbitmq { 10 } else { 15 });
+    let notice = secs(if rabbitmq { 10 } else { 15 });
     outage_log.ride_out(&table, notice, outage).await;
     // The outage was real: nothing inserted after the cut (plus slack for statements in
     // flight) was confirmed through the cut proxy, and the relay marked nothing sent meanwhile
@@ -479,38 +548,38 @@ async fn connection_cut(rabbitmq: bool, ordering: &str) {
     rabbit.barrier().await;
 
     let rows = table.rows().await;
-    let claims = audit.claims(&table).await;
     let wrong: Vec<&RowState> = rows
         .iter()
         .filter(|r| r.not_sent_once().is_some())
         .collect();
     let ids: HashSet<Uuid> = wrong.iter().map(|r| r.id).collect();
-    let theirs: Vec<&Claim> = claims.iter().filter(|c| ids.contains(&c.id)).collect();
-    let theirs = &theirs[..theirs.len().min(20)];
-    assert_none(
-        &format!("rows not sent with attempts = 1 (claims of those rows: {theirs:?})"),
-        &wrong,
-    );
+    let claims = audit.claims(&table).await;
+    let of_wrong_rows = claims.iter().filter(|c| ids.contains(&c.id));
+    let theirs: Vec<&Claim> = of_wrong_rows.take(20).collect();
+    let why = format!("rows not sent with attempts = 1 (claims of those rows: {theirs:?})");
+    assert_none(&why, &wrong);
     // The relay came back through the proxy, and the rows in flight at the cut were handed
     // back (their attempt refunded: see above).
-    assert!(proxy.accepted() >= 2);
-    let handed_back = !rabbitmq || relay.log_count("handing the row back") >= 1;
-    let why = "rows were in flight at the cut but none was handed back";
-    assert!(handed_back, "{in_flight} {why}\n{}", relay.stderr());
-    let mut a = rabbit.analyse(&rows);
+    let why = "the relay did not come back through the proxy";
+    assert!(proxy.accepted() >= 2, "{why}");
+    if rabbitmq {
+        let why = "rows were in flight at the cut but none was handed back";
+        let handed_back = relay.log_count("handing the row back");
+        assert!(handed_back >= 1, "{in_flight} {why}\n{}", relay.stderr());
+    }
+    let mut analysis = rabbit.analyse(&rows);
     if ordering == "none" {
-        a.reordered.clear(); // `ordering = "none"` promises no order
+        analysis = analysis.ignoring_order(); // `ordering = "none"` promises no order
     }
     let note = format!("outage={outage:?} attempts_spent=0 unsent_at_heal={pending_at_heal}");
     let fault = format!("{service}-proxy-cut-{ordering}");
-    summary(&fault, 1, rows.len(), &a, &note);
+    summary(&fault, 1, rows.len(), &analysis, &note);
     relay.stop().await;
-    audit.drop(&table).await;
-    drop_both(table, rabbit).await;
+    audit.drop_all(table, rabbit).await;
 }
 
-/// Runs a service-control command to completion off the async workers; panics with its output
-/// when it fails, and returns how long it took.
+/// Runs a service-control command to completion; panics with its output when it fails, and
+/// logs and returns how long it took.
 async fn control(program: &str, args: &[&str]) -> Duration {
     let started = Instant::now();
     let out = tokio::process::Command::new(program)
@@ -524,7 +593,9 @@ async fn control(program: &str, args: &[&str]) -> Duration {
     );
     let why = format!("{program} {args:?}: {}\n{stdout}{stderr}", out.status);
     assert!(out.status.success(), "{why}");
-    started.elapsed()
+    let took = started.elapsed();
+    eprintln!("{program} {args:?} took {took:?}");
+    took
 }
 
 /// RabbitMQ's application stopped (`rabbitmqctl stop_app`) until [`RabbitDown::start`], or
@@ -535,17 +606,14 @@ struct RabbitDown {
 
 impl RabbitDown {
     async fn stop() -> Self {
-        let took = control("rabbitmqctl", &["stop_app"]).await;
-        eprintln!("rabbitmqctl stop_app took {took:?}");
+        control("rabbitmqctl", &["stop_app"]).await;
         Self { up: false }
     }
 
     async fn start(mut self) {
-        let took = control("rabbitmqctl", &["start_app"]).await;
-        eprintln!("rabbitmqctl start_app took {took:?}");
+        control("rabbitmqctl", &["start_app"]).await;
         self.up = true;
-        let what = "RabbitMQ accepts AMQP again";
-        wait_until(Duration::from_secs(60), what, async || {
+        wait_until(secs(60), "RabbitMQ accepts AMQP again", async || {
             let connect = Connection::connect(AMQP_URL, ConnectionProperties::default());
             connect.await.map(drop).map_err(|e| e.to_string())
         })
@@ -568,7 +636,7 @@ impl Drop for RabbitDown {
 async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let _exclusive = SERVICES.write().await;
     let restarts = pick(1, 3);
-    let down_for = Duration::from_secs(4);
+    let down_for = secs(4);
     let table = TestTable::new("f_rmq_restart").await;
     let queue = DurableQueue::new("f_rmq_restart").await;
     let relay = RelayBuilder::to_exchange(&table, &queue.exchange, "rmq-restart");
@@ -577,21 +645,19 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         .set("retry.base_delay", "100ms")
         .spawn();
     let writer = spawn_steady_writer(&table.name, "rr", 13, 20);
+    let consumer_connects = || queue.connects.load(std::sync::atomic::Ordering::SeqCst);
     for r in 0..restarts {
         let since = queue.ids().len();
         let what = "300 more messages before the restart";
         wait_for_count(LONG, what, since + 300, || queue.ids().len()).await;
-        let outage_log = Outage::before(&relay, "broker unavailable", "connected to the broker");
-        let connects = || queue.connects.load(std::sync::atomic::Ordering::SeqCst);
-        let consumer_connects = connects();
+        let outage_log = Outage::before(&relay, BROKER_LOGS);
+        let connected = consumer_connects();
         let down = RabbitDown::stop().await;
-        let notice = Duration::from_secs(10);
-        outage_log.ride_out(&table, notice, down_for).await;
+        outage_log.ride_out(&table, secs(10), down_for).await;
         down.start().await;
         outage_log.back().await;
         let what = "the test consumer reconnects";
-        let again = consumer_connects + 1;
-        wait_for_count(Duration::from_secs(60), what, again, connects).await;
+        wait_for_count(secs(60), what, connected + 1, consumer_connects).await;
         eprintln!("restart {} of {restarts} done", r + 1);
     }
     stop_and_drain(&table, writer).await;
@@ -602,12 +668,13 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
 
     assert_none("rows not sent once", &not_sent_once(&rows));
     let arrivals = queue.ids();
-    let a = analyse(&rows, arrivals.iter().map(String::as_str));
+    let analysis = analyse(&rows, arrivals.iter().map(String::as_str));
     let (redelivered, republished) = queue.duplicate_causes();
     let note = format!(
-        "(broker_redeliveries={redelivered} republished_by_relay={republished}) down_for={down_for:?} attempts_spent=0"
+        "(broker_redeliveries={redelivered} republished_by_relay={republished}) \
+         down_for={down_for:?} attempts_spent=0"
     );
-    summary("rabbitmq-restart", restarts, rows.len(), &a, &note);
+    summary("rabbitmq-restart", restarts, rows.len(), &analysis, &note);
     relay.stop().await;
     queue.teardown().await;
     table.drop_table().await;
@@ -630,33 +697,27 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
         .spawn();
     let warm = NewRow::new("lease", None, "warm", json!({}));
     let warm = table.insert_one(warm).await;
-    rabbit.wait_for_ids(&[warm], Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&[warm], secs(30)).await;
 
     // A batch in flight: the broker answers nothing until healed.
     broker.stall();
     let rows = NewRow::numbered(50, "lease", Some(("l-", 10)), "e");
     table.insert(&rows).await;
     let what = "the relay holds the rows";
-    let held = |c: &BTreeMap<String, i64>| c["processing"] >= 10;
-    let within = Duration::from_secs(30);
-    table.wait_for_counts(within, what, held).await;
+    let held = |c: &Counts| c["processing"] >= 10;
+    table.wait_for_counts(secs(30), what, held).await;
     // The database goes away, then the confirms arrive: the outcomes cannot be recorded.
     database.cut();
     broker.heal();
     let gave_up = "gave up recording publish outcomes";
-    let within = Duration::from_secs(30);
-    relay.wait_for_log(gave_up, 1, within).await;
+    relay.wait_for_log(gave_up, 1, secs(30)).await;
     let stuck_at_heal = table.count_where("status = 'processing'").await;
     database.heal();
     let what = "every row is sent after the database came back";
-    let all_sent = |c: &BTreeMap<String, i64>| c["sent"] == 51;
-    let within = Duration::from_secs(60);
-    table.wait_for_counts(within, what, all_sent).await;
-    rabbit.barrier().await;
-    let all = table.rows().await;
-    let a = rabbit.analyse(&all);
+    let all_sent = |c: &Counts| c["sent"] == 51;
+    table.wait_for_counts(secs(60), what, all_sent).await;
     let note = format!("processing_when_healed={stuck_at_heal}");
-    summary("postgres-outage-beyond-lease", 1, all.len(), &a, &note);
+    summarise_all(&table, &rabbit, "postgres-outage-beyond-lease", 1, &note).await;
     finish(relay, table, rabbit).await;
 }
 
@@ -669,7 +730,7 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
 async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_lease() {
     let _shared = SERVICES.read().await;
     let (table, rabbit) = table_and_exchange("f_pg_orphan").await;
-    let lease = Duration::from_secs(2);
+    let lease = secs(2);
     // RabbitMQ behind a proxy, so that a row can be kept in flight: the lease loop renews
     // only while the relay holds something, and the renewal must skip the orphans.
     let proxy = Proxy::start(RABBIT_ADDR).await;
@@ -680,12 +741,11 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
         .spawn();
     let warm = NewRow::new("orphan", Some("warm"), "warm", json!({}));
     let warm = table.insert_one(warm).await;
-    rabbit.wait_for_ids(&[warm], Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&[warm], secs(30)).await;
     proxy.stall();
     let busy = NewRow::new("busy", Some("busy"), "busy", json!({}));
     let busy = table.insert_one(busy).await;
-    let what = "the relay holds the busy row";
-    let busy_claimed_at = wait_until(Duration::from_secs(30), what, async || {
+    let busy_claimed_at = wait_until(secs(30), "the relay holds the busy row", async || {
         let at = table.row(busy).await.locked_at;
         at.ok_or_else(|| "not claimed yet".to_owned())
     })
@@ -713,34 +773,29 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
     let renewed = table.count_where(&renewed).await;
     let processing = "aggregate_type = 'orphan' AND status = 'processing'";
     let processing = table.count_where(processing).await;
-    let why = "the relay renewed (or took) rows it does not know it holds";
+    let why = "the relay renewed (or took) rows it does not know it holds (renewed, processing)";
     assert_eq!((renewed, processing), (0, 50), "{why}");
     // The control: in the same time the lease loop did renew the row it holds.
     let busy_renewed_at = table.row(busy).await.locked_at;
-    let why = format!(
-        "the lease loop did not renew the row in flight ({busy_claimed_at} -> {busy_renewed_at:?}): \
-         the check above proves nothing"
+    assert!(
+        busy_renewed_at.is_some_and(|at| at > busy_claimed_at),
+        "the lease loop did not renew the row in flight ({busy_claimed_at} -> \
+         {busy_renewed_at:?}): the check above proves nothing"
     );
-    let renewed = busy_renewed_at.is_some_and(|at| at > busy_claimed_at);
-    assert!(renewed, "{why}");
     proxy.heal();
     let what = "every orphaned row is sent after its lease expired";
-    let all_sent = |c: &BTreeMap<String, i64>| c["sent"] == 52;
-    let within = Duration::from_secs(60);
-    table.wait_for_counts(within, what, all_sent).await;
+    let all_sent = |c: &Counts| c["sent"] == 52;
+    table.wait_for_counts(secs(60), what, all_sent).await;
     let took = committed.elapsed();
     let why =
         format!("orphaned rows came back after {took:?}, before their {lease:?} lease expired");
     assert!(took >= lease - Duration::from_millis(200), "{why}");
-    rabbit.barrier().await;
-    let all = table.rows().await;
-    let a = rabbit.analyse(&all);
     let note = format!(
         "orphaned_claims={} back_after_ms={}",
         orphans.len(),
         took.as_millis()
     );
-    summary("postgres-lost-claim-answer", 1, all.len(), &a, &note);
+    summarise_all(&table, &rabbit, "postgres-lost-claim-answer", 1, &note).await;
     finish(relay, table, rabbit).await;
 }
 
@@ -758,12 +813,8 @@ struct PgRestart;
 
 impl PgRestart {
     async fn restart(&self) -> Duration {
-        let args = [
-            "--skip-systemctl-redirect",
-            &pg_version(),
-            "main",
-            "restart",
-        ];
+        let version = pg_version();
+        let args = ["--skip-systemctl-redirect", &version, "main", "restart"];
         control("pg_ctlcluster", &args).await
     }
 }
@@ -783,8 +834,7 @@ impl Drop for PgRestart {
 async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let _exclusive = SERVICES.write().await;
     let restarts = pick(1, 3);
-    let mut table = TestTable::new("f_pg_restart").await;
-    let rabbit = RabbitFixture::new("f_pg_restart", "#", "it.barrier").await;
+    let (mut table, rabbit) = table_and_exchange("f_pg_restart").await;
     let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-restart"))
         .set("relay.lease_timeout", "60s")
         .spawn();
@@ -815,55 +865,85 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
         assert_eq!(spent, 0, "the restart spent attempts");
     }
     stop_and_drain(&table, writer).await;
-    rabbit.barrier().await;
-
-    let rows = table.rows().await;
-    assert_none("rows not sent once", &not_sent_once(&rows));
-    let a = rabbit.analyse(&rows);
-    assert!(relay.is_running(), "the relay process survived");
+    assert!(relay.is_running(), "the relay process died");
     let note = format!("restart_took={took:?} attempts_spent=0");
-    summary("postgres-restart", restarts, rows.len(), &a, &note);
+    let rows = summarise_all(&table, &rabbit, "postgres-restart", restarts, &note).await;
+    assert_none("rows not sent once", &not_sent_once(&rows));
     finish(relay, table, rabbit).await;
 }
 
 // ---------------------------------------------------------------------------------------------
 // 4. Poison rows
 
-/// Waits until none of `ids` is `processing` (rows behind a failed row are handed back by the
-/// statement after the one that records the failure).
-async fn wait_for_released(table: &TestTable, ids: &[Uuid]) {
-    let list = ids
-        .iter()
-        .map(Uuid::to_string)
-        .collect::<Vec<_>>()
-        .join(",");
-    let held = format!("status = 'processing' AND id::text = ANY('{{{list}}}')");
-    table.wait_count(&held, 0, Duration::from_secs(10)).await;
-}
-
-/// Asserts the end of poison row `id` and of the `follower` behind it in its aggregate: with
-/// `error` `None` both sent, the poison row on its first attempt; else the poison row
-/// dead-lettered after 3 attempts with `error` in `last_error`, and the follower untouched.
-async fn assert_poison(
-    table: &TestTable,
-    name: &str,
+/// A poison row, the follower behind it in its aggregate, and how the poison row must end: sent
+/// on its first attempt (`error` `None`), or dead-lettered after 3 attempts with `error` in its
+/// `last_error`.
+struct Poison {
+    case: String,
     id: Uuid,
     follower: Uuid,
-    error: Option<&str>,
-) {
-    let (row, next) = (table.row(id).await, table.row(follower).await);
-    let Some(error) = error else {
-        assert_eq!((row.status.as_str(), row.attempts), ("sent", 1), "{name}");
-        assert_eq!(next.status, "sent", "{name} follower");
-        return;
+    error: Option<&'static str>,
+}
+
+/// Inserts each of `cases` (a row, named after its aggregate id, and its expected error)
+/// followed by a follower row in its aggregate, then `others`, in one statement.
+async fn insert_poisons(
+    table: &TestTable,
+    cases: Vec<(NewRow, Option<&'static str>)>,
+    others: Vec<NewRow>,
+) -> Vec<Poison> {
+    let follower = |row: &NewRow| {
+        let aggregate = row.aggregate_id.as_deref();
+        let payload = json!({ "after": aggregate });
+        NewRow::new(&row.aggregate_type, aggregate, "follower", payload)
     };
-    assert_eq!((row.status.as_str(), row.attempts), ("failed", 3), "{name}");
-    let last = row.last_error.unwrap_or_default();
-    assert!(last.contains(error), "{name}: last_error {last:?}");
-    // A dead letter holds the rest of its aggregate (contract §3), untouched.
-    let follows = (next.status.as_str(), next.attempts);
-    let why = "follower waits behind its dead letter";
-    assert_eq!(follows, ("pending", 0), "{name} {why}");
+    let mut rows: Vec<NewRow> = cases
+        .iter()
+        .flat_map(|(row, _)| [row.clone(), follower(row)])
+        .collect();
+    rows.extend(others);
+    let inserted = table.insert(&rows).await;
+    let poison = |((row, error), pair): ((NewRow, _), &[Inserted])| Poison {
+        case: row.aggregate_id.expect("a poison row has an aggregate id"),
+        id: pair[0].id,
+        follower: pair[1].id,
+        error,
+    };
+    let pairs = inserted.chunks(2);
+    cases.into_iter().zip(pairs).map(poison).collect()
+}
+
+/// Once every failing poison row is dead-lettered: waits until the followers behind them are
+/// released, checks that the relay is alive, and asserts how each of `poisons` ended. A dead
+/// letter holds the rest of its aggregate (contract §3): its follower stays untouched.
+async fn assert_poisons(table: &TestTable, relay: &mut RelayProcess, poisons: &[Poison]) {
+    // A batch settles its failures, then hands back the rows behind them: let that finish.
+    let blocked: Vec<Uuid> = poisons
+        .iter()
+        .filter(|p| p.error.is_some())
+        .map(|p| p.follower)
+        .collect();
+    let held = format!("status = 'processing' AND {}", id_in(&blocked));
+    table.wait_count(&held, 0, secs(10)).await;
+    assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
+    for poison in poisons {
+        let case = &poison.case;
+        let row = table.row(poison.id).await;
+        let follower = table.row(poison.follower).await;
+        match poison.error {
+            None => {
+                assert_eq!(ending(&row), ("sent", 1), "{case}");
+                assert_eq!(follower.status, "sent", "{case} follower");
+            }
+            Some(error) => {
+                assert_eq!(ending(&row), ("failed", 3), "{case}");
+                let last = row.last_error.unwrap_or_default();
+                assert!(last.contains(error), "{case}: last_error {last:?}");
+                let why = "follower waits behind its dead letter";
+                assert_eq!(ending(&follower), ("pending", 0), "{case} {why}");
+            }
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -872,76 +952,40 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
     let (table, rabbit) = table_and_exchange("f_poison").await;
     let long = "k".repeat(300);
     let mixed = json!({
-        "int": 42,
-        "neg": -1.5e3,
-        "float": 0.1,
-        "huge": 123_456_789_012_345_678_u64,
-        "bool": true,
-        "obj": {"a": [1, {"b": null}], "c": "d"},
-        "arr": [1, "two", null, false],
-        "nul": null,
-        "str": "plain",
-        "empty": "",
-        "unicode": "é✓",
+        "int": 42, "neg": -1.5e3, "float": 0.1, "huge": 123_456_789_012_345_678_u64, "bool": true,
+        "obj": {"a": [1, {"b": null}], "c": "d"}, "arr": [1, "two", null, false], "nul": null,
+        "str": "plain", "empty": "", "unicode": "é✓",
     });
-    let p = |name: &str| NewRow::new("poison", Some(name), "e", json!({ "poison": name }));
-    // Rows that must fail on their own (`failed` after `retry.max_attempts`, `last_error`
-    // containing the text) or pass, each in an aggregate of its own (named after the case) with
-    // a follower row behind it.
-    let passing = [
-        p("headers-mixed").headers(mixed.clone()),
-        p("headers-array").headers(json!([1, 2, 3])),
-        p("headers-string").headers(json!("not an object")),
-        p("headers-null").headers(Value::Null),
-        p("unicode-destination").destination("ünï.cödé.✓"),
-        p("empty-destination").destination(""),
-    ];
+    let case = |name: &str| NewRow::new("poison", Some(name), "e", json!({ "poison": name }));
+    let long_key = case("long-routing-key").destination(&long);
+    let long_name = case("long-header-name").headers(json!({ long.clone(): "v" }));
     let long_event = NewRow::new("poison", Some("long-event-type"), &long, json!({}));
-    let failing = [
-        (
-            p("long-routing-key").destination(&long),
-            "routing key is longer than 255 bytes",
-        ),
-        (
-            p("long-header-name").headers(json!({ long.clone(): "v" })),
-            "longer than 255 bytes",
-        ),
-        (
-            long_event.destination("poison.short"),
-            "event_type is longer than 255 bytes",
-        ),
+    let long_event = long_event.destination("poison.short");
+    // Rows that must pass (`None`) or fail on their own (`failed` after `retry.max_attempts`,
+    // `last_error` containing the text), each in an aggregate of its own named after the case.
+    let cases = vec![
+        (case("headers-mixed").headers(mixed), None),
+        (case("headers-array").headers(json!([1, 2, 3])), None),
+        (case("headers-string").headers(json!("not an object")), None),
+        (case("headers-null").headers(Value::Null), None),
+        (case("unicode-destination").destination("ünï.cödé.✓"), None),
+        (case("empty-destination").destination(""), None),
+        (long_key, Some("routing key is longer than 255 bytes")),
+        (long_name, Some("longer than 255 bytes")),
+        (long_event, Some("event_type is longer than 255 bytes")),
     ];
-    let poisons: Vec<(String, NewRow, Option<&str>)> = passing
-        .into_iter()
-        .map(|r| (r, None))
-        .chain(failing.into_iter().map(|(r, e)| (r, Some(e))))
-        .map(|(r, e)| (r.aggregate_id.clone().unwrap(), r, e))
-        .collect();
-    let follower = |name| NewRow::new("poison", Some(name), "follower", json!({ "after": name }));
-    let mut rows: Vec<NewRow> = poisons
-        .iter()
-        .flat_map(|(name, row, _)| [row.clone(), follower(name)])
-        .collect();
-    rows.extend(NewRow::numbered(200, "normal", Some(("n-", 20)), "e"));
-    let inserted = table.insert(&rows).await;
-    let pair = |i: usize| (inserted[2 * i].id, inserted[2 * i + 1].id);
-    let poison_ids: HashMap<&str, (Uuid, Uuid)> = poisons
-        .iter()
-        .enumerate()
-        .map(|(i, p)| (p.0.as_str(), pair(i)))
-        .collect();
-    let (failing, blocked): (Vec<Uuid>, Vec<Uuid>) = poisons
-        .iter()
-        .filter(|p| p.2.is_some())
-        .map(|p| poison_ids[p.0.as_str()])
-        .unzip();
+    let others = NewRow::numbered(200, "normal", Some(("n-", 20)), "e");
+    let poisons = insert_poisons(&table, cases, others).await;
+    let poison = |case: &str| poisons.iter().find(|p| p.case == case).unwrap().id;
+    let failing: Vec<&Poison> = poisons.iter().filter(|p| p.error.is_some()).collect();
+    let stuck: Vec<Uuid> = failing.iter().flat_map(|p| [p.id, p.follower]).collect();
     // Contract §4: numbers that do not fit an i64/u64/f64 keep their exact JSON text too. Written
     // as SQL text: a serde_json::Value would round them before they reach the table.
     let exact = r#"{"bignum": 123456789012345678901234567890,
                     "precise": 0.1000000000000000055511151231257827}"#;
     let t = &table.name;
     let sql = format!("UPDATE {t} SET headers = headers || $1::text::jsonb WHERE id = $2");
-    let mixed_id = poison_ids["headers-mixed"].0;
+    let mixed_id = poison("headers-mixed");
     table.db.execute(&sql, &[&exact, &mixed_id]).await.unwrap();
 
     // Backoff of 2 s: a failing row needs ≥ 6 s (attempts at 0, 2, 6 s) to be dead-lettered.
@@ -952,35 +996,23 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
         .set("retry.max_attempts", "3")
         .spawn();
     let started = Instant::now();
-    let stuck = failing.iter().chain(&blocked).map(Uuid::to_string);
-    let stuck = stuck.collect::<Vec<_>>().join(",");
-    let undelivered = format!("id <> ALL('{{{stuck}}}'::uuid[]) AND status <> 'sent'");
-    let within = Duration::from_secs(60);
-    table.wait_count(&undelivered, 0, within).await;
+    let others_undelivered = format!("NOT {} AND status <> 'sent'", id_in(&stuck));
+    table.wait_count(&others_undelivered, 0, secs(60)).await;
     let others_done = started.elapsed();
     // Not stalled: every other row went out while the failing rows were still being retried.
-    let already_failed = table.count_where("status = 'failed'").await;
+    let failed = "status = 'failed'";
+    let already_failed = table.count_where(failed).await;
     let why = format!("the other rows took {others_done:?}, longer than the poison rows' retries");
     assert_eq!(already_failed, 0, "{why}");
     let n_failing = i64::try_from(failing.len()).unwrap();
-    let within = Duration::from_secs(60);
-    table
-        .wait_count("status = 'failed'", n_failing, within)
-        .await;
+    table.wait_count(failed, n_failing, secs(60)).await;
     let dead_after = started.elapsed();
-    // A batch settles its failures, then hands back the rows behind them: let that finish.
-    wait_for_released(&table, &blocked).await;
-    // The relay is alive and still publishing.
-    assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
+    assert_poisons(&table, &mut relay, &poisons).await;
+    // Still publishing.
     let late = NewRow::new("normal", Some("n-0"), "late", json!({}));
     let late = table.insert_one(late).await;
-    rabbit.wait_for_ids(&[late], Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&[late], secs(30)).await;
     rabbit.barrier().await;
-
-    for (name, _, error) in &poisons {
-        let (id, follower) = poison_ids[name.as_str()];
-        assert_poison(&table, name, id, follower, *error).await;
-    }
     let all = table.rows().await;
     let mut normal = all.clone();
     normal.retain(|f| f.aggregate().is_some_and(|a| a.starts_with("normal/")));
@@ -988,50 +1020,94 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
 
     // Header values that are not strings arrive as their JSON text, nulls omitted; headers that
     // are not an object are ignored. Numbers are compared with PostgreSQL's own text of them.
-    let delivered = async |id: Uuid| rabbit.wait_for_delivery(id, Duration::from_secs(5)).await;
-    let got = delivered(mixed_id).await.headers();
+    let delivered = async |case: &str| rabbit.wait_for_delivery(poison(case), secs(5)).await;
+    let got = delivered("headers-mixed").await.headers();
+    let sql = format!(
+        "SELECT h.key, h.value, o.headers->>h.key FROM {t} o, jsonb_each(o.headers) h \
+         WHERE o.id = $1"
+    );
     let mut problems = Vec::new();
-    for (key, value) in table.row(mixed_id).await.headers.as_object().unwrap() {
-        let sql = format!("SELECT headers->>$1 FROM {} WHERE id = $2", table.name);
-        let text: Option<String> = table
-            .db
-            .query_one(&sql, &[key, &mixed_id])
-            .await
-            .unwrap()
-            .get(0);
-        match (value, got.get(key)) {
+    for stored in table.db.query(&sql, &[&mixed_id]).await.unwrap() {
+        let key: String = stored.get(0);
+        let value: Value = stored.get(1);
+        let text: Option<String> = stored.get(2);
+        match (&value, got.get(&key)) {
             (Value::Null, None) => {}
             (Value::Null, Some(v)) => problems.push(format!("{key}: null sent as {v:?}")),
             (_, None) => problems.push(format!("{key}: missing")),
             (Value::String(s), Some(v)) if s == v => {}
             (Value::Number(_), Some(v)) if Some(v) == text.as_ref() => {}
             (Value::Object(_) | Value::Array(_) | Value::Bool(_), Some(v))
-                if serde_json::from_str::<Value>(v).ok().as_ref() == Some(value) => {}
+                if serde_json::from_str::<Value>(v).ok() == Some(value.clone()) => {}
             (_, Some(v)) => problems.push(format!(
                 "{key}: sent {v:?}, stored {value} (PostgreSQL's text {text:?})"
             )),
         }
     }
     assert!(problems.is_empty(), "row headers: {problems:?}");
-    for name in ["headers-array", "headers-string", "headers-null"] {
-        let headers = delivered(poison_ids[name].0).await.headers().into_keys();
+    for case in ["headers-array", "headers-string", "headers-null"] {
+        let headers = delivered(case).await.headers().into_keys();
         let extra: Vec<String> = headers.filter(|k| !k.starts_with("cloudEvents:")).collect();
-        assert!(extra.is_empty(), "{name}: row headers sent: {extra:?}");
+        assert!(extra.is_empty(), "{case}: row headers sent: {extra:?}");
     }
-    let routed = async |name| delivered(poison_ids[name].0).await.routing_key;
+    let routed = async |case| delivered(case).await.routing_key;
     assert_eq!(routed("unicode-destination").await, "ünï.cödé.✓");
     let why = "an empty destination falls back to the template";
     assert_eq!(routed("empty-destination").await, "poison.e", "{why}");
 
     let mut expected = all.clone();
-    expected.retain(|f| !failing.contains(&f.id) && !blocked.contains(&f.id));
-    let a = rabbit.analyse(&expected);
+    expected.retain(|f| !stuck.contains(&f.id));
     let note = format!(
         "dead_lettered={} others_done_after={others_done:?} dead_letters_after={dead_after:?}",
         failing.len()
     );
-    summary("poison-rows", poisons.len(), all.len(), &a, &note);
+    let analysis = rabbit.analyse(&expected);
+    summary("poison-rows", poisons.len(), all.len(), &analysis, &note);
     finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
+    let _shared = SERVICES.read().await;
+    let table = TestTable::new("f_kafka_poison").await;
+    let topic = topic_name("fpoison");
+    create_topic(KAFKA, &topic).await;
+    let invalid = [
+        ("slash", "bad/topic".to_owned()),
+        ("space", "bad topic".to_owned()),
+        ("too-long", "x".repeat(250)),
+    ];
+    let cases = invalid
+        .iter()
+        .map(|(name, destination)| {
+            let row = NewRow::new("kp", Some(name), "bad", json!({}));
+            let error = Some("not a valid Kafka topic");
+            (row.destination(destination), error)
+        })
+        .collect();
+    let good = NewRow::numbered(100, "kp", Some(("k-", 10)), "e");
+    let poisons = insert_poisons(&table, cases, good).await;
+    let mut relay = ordered(kafka_relay(&table, KAFKA, &topic, "kafka-poison"))
+        .set("retry.base_delay", "200ms")
+        .set("retry.jitter", "0")
+        .set("retry.max_attempts", "3")
+        .spawn();
+    let n_invalid = i64::try_from(invalid.len()).unwrap();
+    let what = "invalid-topic rows dead-lettered, the others sent";
+    let done = |c: &Counts| c["failed"] == n_invalid && c["sent"] == 100;
+    table.wait_for_counts(secs(60), what, done).await;
+    assert_poisons(&table, &mut relay, &poisons).await;
+    let all = table.rows().await;
+    let mut good = all.clone();
+    good.retain(|f| f.aggregate().is_some_and(|a| a.starts_with("kp/k-")));
+    assert_none("good rows not sent once", &not_sent_once(&good));
+    // The good rows reached the topic, in order per key, and nothing else did.
+    let ids = read_ids(KAFKA, &topic, good.len(), secs(30)).await;
+    let analysis = analyse(&good, ids.iter().map(String::as_str));
+    let note = format!("dead_lettered={n_invalid}");
+    let fault = "kafka-invalid-topics";
+    summary(fault, invalid.len(), all.len(), &analysis, &note);
+    finish_topics(relay, table, &[&topic]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1049,26 +1125,23 @@ async fn bytea_payloads_arrive_byte_for_byte_as_octet_stream() {
         noise.collect(),
     ];
     let mut ids = Vec::new();
-    for (i, p) in payloads.iter().enumerate() {
-        ids.push(table.insert_bytes(&format!("b-{}", i % 2), p).await);
+    for (i, payload) in payloads.iter().enumerate() {
+        ids.push(table.insert_bytes(&format!("b-{}", i % 2), payload).await);
     }
     let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "bytea")).spawn();
-    table.wait_all_sent(Duration::from_secs(60)).await;
-    rabbit.barrier().await;
+    table.wait_all_sent(secs(60)).await;
     let logs = relay.stderr();
-    let binary = logs.contains("payload=Binary");
-    assert!(binary, "the relay should detect the bytea column:\n{logs}");
+    let why = format!("the relay should detect the bytea column:\n{logs}");
+    assert!(logs.contains("payload=Binary"), "{why}");
     for (id, bytes) in ids.iter().zip(&payloads) {
-        let d = rabbit.wait_for_delivery(*id, Duration::from_secs(5)).await;
+        let d = rabbit.wait_for_delivery(*id, secs(5)).await;
         let (sent, stored) = (d.body.len(), bytes.len());
         let why = format!("{id}: body differs ({sent} bytes sent, {stored} stored)");
         assert!(d.body == *bytes, "{why}");
         let content_type = d.properties.content_type().as_ref().map(|c| c.as_str());
         assert_eq!(content_type, Some("application/octet-stream"), "{id}");
     }
-    let rows = table.rows().await;
-    let a = rabbit.analyse(&rows);
-    summary("bytea-payloads", payloads.len(), rows.len(), &a, "");
+    summarise_all(&table, &rabbit, "bytea-payloads", payloads.len(), "").await;
     finish(relay, table, rabbit).await;
 }
 
@@ -1109,7 +1182,7 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
     // 30–90 s in a debug build on a busy machine. The short form stops here and checks what was
     // sent so far; the soak waits for the end.
     let whale_done = if soak() {
-        table.wait_all_sent(Duration::from_secs(600)).await;
+        table.wait_all_sent(secs(600)).await;
         Some(started.elapsed())
     } else {
         None
@@ -1137,16 +1210,16 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
         .filter(|f| f.status != "sent" && !whale_pending(f))
         .collect();
     assert_none("only the huge aggregate may be unfinished", &unfinished);
-    let a = rabbit.analyse(&sent);
     let note = format!(
-        "sent={} first_small_claim_after={small_after:?} (claim #{}) small_aggregates_done_after={small_done:?} \
-             (huge aggregate had {whale_left} of {BIG} left) huge_done_after={whale_done:?}",
+        "sent={} first_small_claim_after={small_after:?} (claim #{}) \
+         small_aggregates_done_after={small_done:?} (huge aggregate had {whale_left} of {BIG} \
+         left) huge_done_after={whale_done:?}",
         sent.len(),
         first_small + 1
     );
-    summary("huge-aggregate", 1, all.len(), &a, &note);
-    audit.drop(&table).await;
-    drop_both(table, rabbit).await;
+    let analysis = rabbit.analyse(&sent);
+    summary("huge-aggregate", 1, all.len(), &analysis, &note);
+    audit.drop_all(table, rabbit).await;
 }
 
 /// Inserts a row whose payload is a JSON string of `bytes` characters, generated by the server.
@@ -1180,29 +1253,33 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
         .set("retry.base_delay", "200ms")
         .set("retry.max_attempts", "3")
         .spawn();
-    let others_sent = format!("id NOT IN ('{huge}', '{follower}') AND status = 'sent'");
-    let wait = Duration::from_secs(90);
     let what = "the oversize row is dead-lettered";
     let failed = |r: &RowState| r.status == "failed";
-    table.wait_row(huge, wait, what, failed).await;
-    table.wait_count(&others_sent, 100, wait).await;
-    wait_for_released(&table, &[follower]).await;
-    assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
+    table.wait_row(huge, secs(90), what, failed).await;
+    let others_sent = format!("id NOT IN ('{huge}', '{follower}') AND status = 'sent'");
+    table.wait_count(&others_sent, 100, secs(90)).await;
     let error = Some("larger than configured max size");
-    assert_poison(&table, "oversize", huge, follower, error).await;
+    let oversize = Poison {
+        case: "oversize".to_owned(),
+        id: huge,
+        follower,
+        error,
+    };
+    assert_poisons(&table, &mut relay, &[oversize]).await;
     rabbit.barrier().await;
     let all = table.rows().await;
     let mut expected = all.clone();
     expected.retain(|f| f.id != huge && f.id != follower);
     let spent: Vec<&RowState> = expected.iter().filter(|f| f.attempts != 1).collect();
     assert_none("other rows' attempts were spent", &spent);
-    assert!(!rabbit.id_counts().contains_key(&huge.to_string()));
-    let a = rabbit.analyse(&expected);
+    let why = "the oversize row was delivered";
+    assert!(!rabbit.id_counts().contains_key(&huge.to_string()), "{why}");
     let note = format!(
         "payload_bytes={OVER_MAX_MESSAGE_SIZE} channel_closures={} oversize_row=failed/3",
         relay.log_count("larger than configured max size")
     );
-    summary("oversize-rabbitmq-message", 1, all.len(), &a, &note);
+    let analysis = rabbit.analyse(&expected);
+    summary("oversize-rabbitmq-message", 1, all.len(), &analysis, &note);
     finish(relay, table, rabbit).await;
 }
 
@@ -1226,18 +1303,19 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
 
     // One statement, before any relay runs: the first claim takes them all in one batch, so
     // the crasher's batch-mates are every other row.
-    let mut rows: Vec<NewRow> = Vec::new();
-    for i in 0..40 {
-        let agg = (i % 8 != 7).then(|| format!("c-{}", i % 8));
-        rows.push(NewRow::new("crash", agg.as_deref(), "e", json!({ "i": i })));
-        if i == 20 {
-            let crasher = |event| NewRow::new("crash", Some("crasher"), event, json!({}));
-            rows.push(crasher("boom").headers(json!({ HEADER: "1" })));
-            rows.push(crasher("after"));
-        }
+    let mut rows = NewRow::numbered(40, "crash", Some(("c-", 8)), "e");
+    for without_aggregate in rows.iter_mut().skip(7).step_by(8) {
+        without_aggregate.aggregate_id = None;
     }
+    let crasher = |event| NewRow::new("crash", Some("crasher"), event, json!({}));
+    let crashers = [
+        crasher("boom").headers(json!({ HEADER: "1" })),
+        crasher("after"),
+    ];
+    rows.splice(21..21, crashers);
     let inserted = table.insert(&rows).await;
-    let (crasher, follower) = (inserted[21].id, inserted[22].id);
+    let crasher = inserted[21].id;
+    let follower = inserted[22].id;
 
     let spawn = |n: usize| {
         let instance = format!("{label}-{n}");
@@ -1257,11 +1335,11 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
         format!("id NOT IN ('{crasher}', '{follower}') AND status IN ('pending', 'processing')");
     loop {
         if !relay.is_running() {
-            let status = relay.wait_exit(Duration::from_secs(10)).await;
+            let status = relay.wait_exit(secs(10)).await;
             let (who, logs) = (&relay.label, relay.stderr());
-            let aborted = format!("aborting before publishing row {crasher}");
             let why = format!("{who} should die by the crash switch's abort: {status}\n{logs}");
             assert_eq!(status.signal(), Some(6), "{why}");
+            let aborted = format!("aborting before publishing row {crasher}");
             let why = format!("{who} aborted on another row:\n{logs}");
             assert!(logs.contains(&aborted), "{why}");
             crashes += 1;
@@ -1275,7 +1353,7 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
             break;
         }
         assert!(
-            started.elapsed() < Duration::from_secs(120),
+            started.elapsed() < secs(120),
             "no end to the crash loop after {crashes} crashes: crasher {state}, {:?}",
             table.status_counts().await
         );
@@ -1285,27 +1363,31 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
     // No more crashes: the relay keeps running and publishes new rows.
     let late = |aggregate| NewRow::new("crash", aggregate, "late", json!({}));
     let late = table.insert_ids(&[late(Some("c-0")), late(None)]).await;
-    rabbit.wait_for_ids(&late, Duration::from_secs(30)).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    rabbit.wait_for_ids(&late, secs(30)).await;
+    tokio::time::sleep(secs(2)).await;
     let logs = relay.stderr();
     assert!(relay.is_running(), "the relay died again:\n{logs}");
     rabbit.barrier().await;
 
-    let (c, f) = (table.row(crasher).await, table.row(follower).await);
+    let crashed = table.row(crasher).await;
     let max_attempts = i32::try_from(CRASH_MAX_ATTEMPTS).unwrap();
-    assert_eq!((c.status.as_str(), c.attempts), ("failed", max_attempts));
-    let last = c.last_error.unwrap_or_default();
+    assert_eq!(ending(&crashed), ("failed", max_attempts));
+    let last = crashed.last_error.unwrap_or_default();
     let last_holder = format!("{label}-{}", CRASH_MAX_ATTEMPTS - 1);
-    let blamed = last.contains("lease expired") && last.contains(&last_holder);
-    assert!(blamed, "crasher last_error: {last:?}");
+    for blame in ["lease expired", &last_holder] {
+        let why = format!("crasher last_error {last:?} lacks {blame:?}");
+        assert!(last.contains(blame), "{why}");
+    }
     // The follower was in the crasher's first batch (the first crash spent that attempt); it
     // then waits behind the dead letter (contract §3) and is never published.
+    let waiting = table.row(follower).await;
     let why = "the crasher's follower waits behind the dead letter";
-    assert_eq!((f.status.as_str(), f.attempts), ("pending", 1), "{why}");
-    let counts = rabbit.id_counts();
-    assert!(!counts.contains_key(&follower.to_string()));
-    let published = counts.contains_key(&crasher.to_string());
-    assert!(!published, "the crasher was published");
+    assert_eq!(ending(&waiting), ("pending", 1), "{why}");
+    let published = rabbit.id_counts();
+    for (row, id) in [("the crasher", crasher), ("its follower", follower)] {
+        let why = format!("{row} was published");
+        assert!(!published.contains_key(&id.to_string()), "{why}");
+    }
     // The crasher's batch-mates: rows claimed in the same claim (transaction) as its first claim.
     let claims = audit.claims(&table).await;
     let first = claims.iter().find(|c| c.id == crasher).unwrap();
@@ -1336,19 +1418,15 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
         .collect();
     let why = "rows charged for more than one of the crasher's crashes (id, attempts, batch-mate)";
     assert_none(why, &over);
-    let attempts: BTreeMap<i32, usize> = others.iter().fold(BTreeMap::new(), |mut m, f| {
-        *m.entry(f.attempts).or_insert(0) += 1;
-        m
-    });
     let note = format!(
-        "batch_mates={} other_rows_by_attempts={attempts:?} crasher=failed/{CRASH_MAX_ATTEMPTS}",
-        mates.len()
+        "batch_mates={} other_rows_by_attempts={:?} crasher=failed/{CRASH_MAX_ATTEMPTS}",
+        mates.len(),
+        tally(others.iter().map(|f| f.attempts))
     );
-    let a = rabbit.analyse(&others);
-    summary("crash-loop", crashes, others.len() + 2, &a, &note);
+    let analysis = rabbit.analyse(&others);
+    summary("crash-loop", crashes, others.len() + 2, &analysis, &note);
     relay.stop().await;
-    audit.drop(&table).await;
-    drop_both(table, rabbit).await;
+    audit.drop_all(table, rabbit).await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1362,59 +1440,47 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
     let plain = format!("Pw-{}!", hex8());
     let encoded = plain.replace('!', "%21");
     let table = TestTable::new("f_secrets").await;
-    let db = |user: &str, port| format!("postgres://{user}:{encoded}@127.0.0.1:{port}/test");
-    let amqp = |port| format!("amqp://guest:{encoded}@127.0.0.1:{port}/%2f");
     let unknown_role = format!("nosuchrole_{}", hex8());
-    // (case, database URL, broker URL, whether the database works)
+    // (case, database role, database port, broker port, whether the database works); every URL
+    // carries the password.
     let cases = [
         // Trust authentication ignores the password: the database works, the broker refuses.
-        (
-            "wrong-amqp-password",
-            db("postgres", 5432),
-            amqp(5672),
-            true,
-        ),
+        ("wrong-amqp-password", "postgres", 5432, 5672, true),
         // A role that does not exist: the server refuses the login.
-        (
-            "unknown-db-role",
-            db(&unknown_role, 5432),
-            amqp(5672),
-            false,
-        ),
+        ("unknown-db-role", unknown_role.as_str(), 5432, 5672, false),
         // Nothing listens on port 1: the broker's connection refused, the database working.
-        ("unreachable-broker", db("postgres", 5432), amqp(1), true),
+        ("unreachable-broker", "postgres", 5432, 1, true),
         // Nothing listens on port 1 (no proxy): connection refused on both.
-        ("unreachable", db("postgres", 1), amqp(1), false),
+        ("unreachable", "postgres", 1, 1, false),
     ];
     let mut checked = 0;
-    for (case, db, amqp, db_ok) in &cases {
+    for (case, role, db_port, amqp_port, db_ok) in cases {
+        let db = format!("postgres://{role}:{encoded}@127.0.0.1:{db_port}/test");
+        let amqp = format!("amqp://guest:{encoded}@127.0.0.1:{amqp_port}/%2f");
         let builder = || {
             RelayBuilder::bare(case)
-                .set("database.url", db)
+                .set("database.url", &db)
                 .set("database.table", &table.name)
-                .set("publisher.rabbitmq.url", amqp)
+                .set("publisher.rabbitmq.url", &amqp)
                 .set("metrics.listen", "")
         };
         let leaks = |what: &str, text: &str| {
             let leaked = text.contains(&plain) || text.contains(&encoded);
             assert!(!leaked, "{case}: {what} shows the password:\n{text}");
         };
-        let out = builder().output(&["check"], Duration::from_secs(60)).await;
+        let out = builder().output(&["check"], secs(60)).await;
         assert_eq!(out.status.code(), Some(1), "{case}: check {out:?}");
-        let has = |text: &str| out.stdout.contains(text);
-        assert!(has("broker: FAILED"), "{case}: check {out:?}");
-        assert!(has(":***@"), "{case}: check {out:?}");
-        leaks("check", &format!("{}\n{}", out.stdout, out.stderr));
-        if *db_ok {
-            assert!(has("database: ok"), "{case}: check {out:?}");
+        let database = ["database: FAILED", "database: ok"][usize::from(db_ok)];
+        for line in ["broker: FAILED", ":***@", database] {
+            let why = format!("{case}: check should print {line:?}: {out:?}");
+            assert!(out.stdout.contains(line), "{why}");
         }
-        if *case == "wrong-amqp-password" {
-            let refused =
-                out.stdout.to_ascii_uppercase().contains("ACCESS_REFUSED") || has("refused");
+        leaks("check", &format!("{}\n{}", out.stdout, out.stderr));
+        if case == "wrong-amqp-password" {
+            let refused = out.stdout.to_ascii_uppercase().contains("ACCESS_REFUSED")
+                || out.stdout.contains("refused");
             let why = format!("{case}: the broker's refusal should be reported: {out:?}");
             assert!(refused, "{why}");
-        } else if !db_ok {
-            assert!(has("database: FAILED"), "{case}: check {out:?}");
         }
         checked += 1;
         for args in [
@@ -1422,12 +1488,10 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
             &["status", "--json"],
             &["dead-letters", "list"],
         ] {
-            let out = builder().output(args, Duration::from_secs(60)).await;
-            assert_eq!(out.status.success(), *db_ok, "{case}: {args:?} {out:?}");
-            leaks(
-                &format!("{args:?}"),
-                &format!("{}\n{}", out.stdout, out.stderr),
-            );
+            let out = builder().output(args, secs(60)).await;
+            assert_eq!(out.status.success(), db_ok, "{case}: {args:?} {out:?}");
+            let output = format!("{}\n{}", out.stdout, out.stderr);
+            leaks(&format!("{args:?}"), &output);
             checked += 1;
         }
         for format in ["text", "json"] {
@@ -1435,24 +1499,24 @@ async fn passwords_stay_out_of_every_output_on_failure_paths() {
             // key and rejected (see the report).
             let args = ["--log-format", format, "run"];
             let mut relay = builder().env("RUST_LOG", "debug").spawn_with(&args);
-            let needle = ["database unavailable", "broker unavailable"][usize::from(*db_ok)];
-            relay.wait_for_log(needle, 2, Duration::from_secs(30)).await;
+            let needle = ["database unavailable", "broker unavailable"][usize::from(db_ok)];
+            relay.wait_for_log(needle, 2, secs(30)).await;
             relay.sigterm();
-            let status = relay.wait_exit(Duration::from_secs(30)).await;
+            let status = relay.wait_exit(secs(30)).await;
             assert!(status.success(), "{case}: run {status}\n{}", relay.stderr());
             let logs = format!("{}\n{}", relay.stdout(), relay.stderr());
             leaks(&format!("run ({format} logs)"), &logs);
             // The start-up line and the reconnect warnings show both URLs, masked.
-            let masked = logs.contains("postgres:***@") && logs.contains("guest:***@");
-            let why = format!("{case}: run ({format} logs) should show the masked URLs:\n{logs}");
-            assert!(!db_ok || masked, "{why}");
+            if db_ok {
+                let why = format!("{case}: run ({format} logs) should show the masked URLs");
+                let masked = logs.contains("postgres:***@") && logs.contains("guest:***@");
+                assert!(masked, "{why}:\n{logs}");
+            }
             checked += 1;
         }
     }
-    println!(
-        "FAULT-SUMMARY fault=secrets injected={} rows=0 lost=0 reordered=0 duplicates=0 outputs_checked={checked}",
-        cases.len()
-    );
+    let note = format!("outputs_checked={checked}");
+    summary("secrets", cases.len(), 0, &Analysis::default(), &note);
     table.drop_table().await;
 }
 
@@ -1470,20 +1534,19 @@ async fn postgres_tls_is_used_for_every_relay_session_with_sslmode_require() {
         .spawn();
     let ids = NewRow::numbered(50, "tls", Some(("t-", 5)), "e");
     let ids = table.insert_ids(&ids).await;
-    rabbit.wait_for_ids(&ids, Duration::from_secs(60)).await;
-    table.wait_all_sent(Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&ids, secs(60)).await;
+    table.wait_all_sent(secs(30)).await;
     let sql = "SELECT ssl, version FROM pg_stat_ssl JOIN pg_stat_activity USING (pid) \
                WHERE application_name = $1";
     let what = "the relay's pool and LISTEN sessions are visible";
-    let sessions: Vec<(bool, Option<String>)> =
-        wait_until(Duration::from_secs(10), what, async || {
-            let rows = table.db.query(sql, &[&app]).await.unwrap();
-            match rows.len() {
-                n @ 0..2 => Err(format!("{n} sessions")),
-                _ => Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect()),
-            }
-        })
-        .await;
+    let sessions: Vec<(bool, Option<String>)> = wait_until(secs(10), what, async || {
+        let rows = table.db.query(sql, &[&app]).await.unwrap();
+        match rows.len() {
+            n @ 0..2 => Err(format!("{n} sessions")),
+            _ => Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect()),
+        }
+    })
+    .await;
     let plain: Vec<_> = sessions.iter().filter(|(ssl, _)| !ssl).collect();
     assert_none("relay sessions without TLS", &plain);
     let logs = relay.stderr();
@@ -1496,17 +1559,13 @@ async fn postgres_tls_is_used_for_every_relay_session_with_sslmode_require() {
     let by_ip = "postgres://postgres@127.0.0.1:5432/test?sslmode=require";
     let out = RelayBuilder::for_test(&table, &rabbit, "tls-ip")
         .set("database.url", by_ip)
-        .output(&["check"], Duration::from_secs(60))
+        .output(&["check"], secs(60))
         .await;
-    let refused = out.stdout.contains("database: FAILED");
     let why = format!("a certificate for localhost accepted for 127.0.0.1: {out:?}");
-    assert!(refused, "{why}");
-    println!(
-        "FAULT-SUMMARY fault=postgres-tls injected=0 rows={} lost=0 reordered=0 duplicates=0 tls_sessions={} versions={:?}",
-        ids.len(),
-        sessions.len(),
-        sessions.iter().map(|s| s.1.clone()).collect::<HashSet<_>>()
-    );
+    assert!(out.stdout.contains("database: FAILED"), "{why}");
+    let versions: HashSet<_> = sessions.iter().map(|s| s.1.clone()).collect();
+    let note = format!("tls_sessions={} versions={versions:?}", sessions.len());
+    summary("postgres-tls", 0, ids.len(), &Analysis::default(), &note);
     drop_both(table, rabbit).await;
 }
 
@@ -1529,7 +1588,7 @@ async fn the_metrics_server_binds_loopback_by_default() {
         .set("publisher.rabbitmq.url", AMQP_URL)
         .spawn();
     let what = "the relay serves metrics or says why not";
-    let outcome = wait_until(Duration::from_secs(30), what, async || {
+    let outcome = wait_until(secs(30), what, async || {
         let logs = relay.stderr();
         if let Some(line) = logs.lines().find(|l| l.contains("serving /metrics")) {
             return Ok(Some(line.to_owned()));
@@ -1549,7 +1608,7 @@ async fn the_metrics_server_binds_loopback_by_default() {
             let outside = non_loopback_ip();
             if let Some(ip) = outside {
                 let connect = tokio::net::TcpStream::connect((ip, 9187));
-                let connected = tokio::time::timeout(Duration::from_secs(2), connect).await;
+                let connected = tokio::time::timeout(secs(2), connect).await;
                 let refused = connected.map_or(true, |r| r.is_err());
                 assert!(refused, "metrics reachable on {ip}:9187");
             }
@@ -1557,7 +1616,7 @@ async fn the_metrics_server_binds_loopback_by_default() {
             format!("served_on=127.0.0.1:9187 refused_on={outside:?}")
         }
         None => {
-            let status = relay.wait_exit(Duration::from_secs(5)).await;
+            let status = relay.wait_exit(secs(5)).await;
             let logs = relay.stderr();
             assert_eq!(status.code(), Some(1), "{logs}");
             let why = "cannot listen on metrics.listen 127.0.0.1:9187";
@@ -1565,9 +1624,7 @@ async fn the_metrics_server_binds_loopback_by_default() {
             "port_9187_taken_by_another_process".to_owned()
         }
     };
-    println!(
-        "FAULT-SUMMARY fault=metrics-default-bind injected=0 rows=0 lost=0 reordered=0 duplicates=0 {note}"
-    );
+    summary("metrics-default-bind", 0, 0, &Analysis::default(), &note);
     table.drop_table().await;
 }
 
@@ -1577,61 +1634,4 @@ fn non_loopback_ip() -> Option<std::net::IpAddr> {
     s.connect("192.0.2.1:9").ok()?; // no packet is sent
     let ip = s.local_addr().ok()?.ip();
     (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
-}
-
-// ---------------------------------------------------------------------------------------------
-// 4b. Poison rows on Kafka: topics that cannot exist
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
-    let _shared = SERVICES.read().await;
-    let table = TestTable::new("f_kafka_poison").await;
-    let topic = topic_name("fpoison");
-    create_topic(KAFKA, &topic).await;
-    let bad: [(&str, String); 3] = [
-        ("slash", "bad/topic".to_owned()),
-        ("space", "bad topic".to_owned()),
-        ("too-long", "x".repeat(250)),
-    ];
-    let mut rows: Vec<NewRow> = bad
-        .iter()
-        .flat_map(|(name, destination)| {
-            let row = |event| NewRow::new("kp", Some(name), event, json!({}));
-            [row("bad").destination(destination), row("follower")]
-        })
-        .collect();
-    rows.extend(NewRow::numbered(100, "kp", Some(("k-", 10)), "e"));
-    let inserted = table.insert(&rows).await;
-    let mut relay = ordered(kafka_relay(&table, KAFKA, &topic, "kafka-poison"))
-        .set("retry.base_delay", "200ms")
-        .set("retry.jitter", "0")
-        .set("retry.max_attempts", "3")
-        .spawn();
-    let n_bad = i64::try_from(bad.len()).unwrap();
-    let what = "invalid-topic rows dead-lettered, the others sent";
-    let done = |c: &BTreeMap<String, i64>| c["failed"] == n_bad && c["sent"] == 100;
-    let within = Duration::from_secs(60);
-    table.wait_for_counts(within, what, done).await;
-    assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
-    // A batch settles its failures, then hands back the rows behind them: let that finish.
-    let followers: Vec<Uuid> = (0..bad.len()).map(|i| inserted[2 * i + 1].id).collect();
-    wait_for_released(&table, &followers).await;
-    for (i, (name, _)) in bad.iter().enumerate() {
-        let (id, follower) = (inserted[2 * i].id, inserted[2 * i + 1].id);
-        assert_poison(&table, name, id, follower, Some("not a valid Kafka topic")).await;
-    }
-    let all = table.rows().await;
-    let good: Vec<&RowState> = all
-        .iter()
-        .filter(|f| f.aggregate().is_some_and(|a| a.starts_with("kp/k-")))
-        .collect();
-    assert!(good.iter().all(|f| f.status == "sent" && f.attempts == 1));
-    // The good rows reached the topic, in order per key, and nothing else did.
-    let expected: Vec<RowState> = good.into_iter().cloned().collect();
-    let ids = read_ids(KAFKA, &topic, expected.len(), Duration::from_secs(30)).await;
-    let a = analyse(&expected, ids.iter().map(String::as_str));
-    let note = format!("dead_lettered={n_bad}");
-    summary("kafka-invalid-topics", bad.len(), all.len(), &a, &note);
-    relay.stop().await;
-    table.drop_table().await;
 }
