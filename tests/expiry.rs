@@ -14,8 +14,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    PG_URL, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TestTable, drop_both, finish,
-    free_port, table_and_exchange, wait_for_sample,
+    Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TestTable, drop_both, finish, free_port,
+    table_and_exchange, wait_for_sample,
 };
 use serde_json::Value;
 use uuid::Uuid;
@@ -108,9 +108,7 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     let outbox = [("outbox", table.name.as_str())];
     let expired = wait_for_sample(port, WAIT, "outbox_expired_total", &outbox, |n| n >= 2.0).await;
     assert_eq!(expired, 2.0);
-    let out = RelayBuilder::bare("expiry-status")
-        .set("database.url", PG_URL)
-        .set("database.table", &table.name)
+    let out = RelayBuilder::operator(&table.name)
         .output(&["status", "--json"], WAIT)
         .await;
     assert!(out.status.success(), "{}", out.stderr);

@@ -196,11 +196,6 @@ impl ClaimAudit {
 // ---------------------------------------------------------------------------------------------
 // Relays
 
-fn ordered(b: RelayBuilder) -> RelayBuilder {
-    b.set("relay.ordering", "aggregate")
-        .set("relay.poll_interval", "200ms")
-}
-
 /// A fault test's writers ([`spawn_steady_writer`], [`spawn_versioned_writers`]): their stop
 /// token and the task that returns how many rows they inserted.
 type Writer = (CancellationToken, JoinHandle<usize>);
@@ -289,7 +284,8 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     let (table, rabbit) = table_and_exchange("f_sigkill").await;
     let audit = ClaimAudit::install(&table).await;
     let spawn = |instance: &str| {
-        ordered(RelayBuilder::for_test(&table, &rabbit, instance))
+        RelayBuilder::for_test(&table, &rabbit, instance)
+            .ordered()
             .set("relay.lease_timeout", "3s")
             // Each kill spends an attempt of every row the victim held; dead letters are not
             // what this test is about (lost rows are).
@@ -507,7 +503,8 @@ async fn connection_cut(service: Service, ordering: &str) {
     };
     // A lease far longer than the test, so only the outage can touch attempts.
     let lease = if rabbitmq { "120s" } else { "60s" };
-    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, &test))
+    let relay = RelayBuilder::for_test(&table, &rabbit, &test)
+        .ordered()
         .set("relay.ordering", ordering)
         .set(url_key, url)
         .set("relay.lease_timeout", lease)
@@ -659,7 +656,8 @@ async fn rabbitmq_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let table = TestTable::new("f_rmq_restart").await;
     let queue = DurableQueue::new("f_rmq_restart").await;
     let relay = RelayBuilder::to_exchange(&table, &queue.exchange, "rmq-restart");
-    let relay = ordered(relay)
+    let relay = relay
+        .ordered()
         .set("relay.lease_timeout", "120s")
         .set("retry.base_delay", "100ms")
         .spawn();
@@ -709,7 +707,8 @@ async fn a_database_outage_longer_than_the_lease_leaves_no_row_stuck() {
     let broker = Proxy::start(RABBIT_ADDR).await;
     let database = Proxy::start("127.0.0.1:5432").await;
     let database_url = format!("postgres://postgres@{}/test", database.addr());
-    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-lease"))
+    let relay = RelayBuilder::for_test(&table, &rabbit, "pg-lease")
+        .ordered()
         .set("database.url", database_url)
         .set("publisher.rabbitmq.url", broker.amqp_url())
         .set("relay.lease_timeout", "2s")
@@ -854,7 +853,8 @@ async fn postgres_restarted_for_real_spends_no_attempt_and_loses_nothing() {
     let _exclusive = SERVICES.write().await;
     let restarts = pick(1, 3);
     let (mut table, rabbit) = table_and_exchange("f_pg_restart").await;
-    let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "pg-restart"))
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, "pg-restart")
+        .ordered()
         .set("relay.lease_timeout", "60s")
         .spawn();
     let writer = spawn_steady_writer(&table.name, "pr", 13, 20);
@@ -1009,7 +1009,8 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
     assert_eq!(updated, 1, "the exact numbers are in the headers-mixed row");
 
     // Backoff of 2 s: a failing row needs ≥ 6 s (attempts at 0, 2, 6 s) to be dead-lettered.
-    let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "poison"))
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, "poison")
+        .ordered()
         .set("retry.base_delay", "2s")
         .set("retry.max_delay", "10s")
         .set("retry.jitter", "0")
@@ -1107,7 +1108,8 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
         .collect();
     let good = NewRow::numbered(100, "kp", Some(("k-", 10)), "e");
     let poisons = insert_poisons(&table, cases, good).await;
-    let mut relay = ordered(kafka_relay(&table, KAFKA, &topic, "kafka-poison"))
+    let mut relay = kafka_relay(&table, KAFKA, &topic, "kafka-poison")
+        .ordered()
         .set("retry.base_delay", "200ms")
         .set("retry.jitter", "0")
         .set("retry.max_attempts", "3")
@@ -1148,7 +1150,9 @@ async fn bytea_payloads_arrive_byte_for_byte_as_octet_stream() {
     for (i, payload) in payloads.iter().enumerate() {
         ids.push(table.insert_bytes(&format!("b-{}", i % 2), payload).await);
     }
-    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "bytea")).spawn();
+    let relay = RelayBuilder::for_test(&table, &rabbit, "bytea")
+        .ordered()
+        .spawn();
     table.wait_all_sent(secs(60)).await;
     let logs = relay.stderr();
     let why = format!("the relay should detect the bytea column:\n{logs}");
@@ -1181,7 +1185,9 @@ async fn a_huge_aggregate_does_not_starve_the_others() {
     table.insert(&rows).await;
 
     let audit = ClaimAudit::install(&table).await;
-    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "big-agg")).spawn();
+    let relay = RelayBuilder::for_test(&table, &rabbit, "big-agg")
+        .ordered()
+        .spawn();
     let started = Instant::now();
     let left = async |kind: &str| {
         let unsent = format!("aggregate_type = '{kind}' AND status <> 'sent'");
@@ -1270,7 +1276,8 @@ async fn an_oversize_rabbitmq_message_fails_alone_while_the_others_are_delivered
     let follower = table.insert_one(follower).await;
     let others: Vec<NewRow> = NewRow::numbered(100, "o", Some(("a-", 10)), "e");
     table.insert(&others).await;
-    let mut relay = ordered(RelayBuilder::for_test(&table, &rabbit, "oversize"))
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, "oversize")
+        .ordered()
         .set("retry.base_delay", "200ms")
         .set("retry.max_attempts", "3")
         .spawn();
@@ -1340,7 +1347,8 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
 
     let spawn = |n: usize| {
         let instance = format!("{label}-{n}");
-        ordered(RelayBuilder::for_test(&table, &rabbit, &instance))
+        RelayBuilder::for_test(&table, &rabbit, &instance)
+            .ordered()
             .env("OUTBOX_RELAY_TEST_CRASH_HEADER", HEADER)
             .set("relay.lease_timeout", "1s")
             .set("relay.poll_interval", "100ms")
@@ -1558,7 +1566,8 @@ async fn postgres_tls_is_used_for_every_relay_session_with_sslmode_require() {
     let app = format!("outbox-relay-tls-{}", hex8());
     let url =
         format!("postgres://postgres@localhost:5432/test?sslmode=require&application_name={app}");
-    let relay = ordered(RelayBuilder::for_test(&table, &rabbit, "tls"))
+    let relay = RelayBuilder::for_test(&table, &rabbit, "tls")
+        .ordered()
         .set("database.url", &url)
         .spawn();
     let ids = NewRow::numbered(50, "tls", Some(("t-", 5)), "e");

@@ -35,16 +35,10 @@ const WAIT: Duration = Duration::from_secs(60);
 
 // ---- fixtures ---------------------------------------------------------------------------------
 
-/// The binary configured for `table` only (no broker): for `status` and `dead-letters`.
-fn cli(table: &str) -> RelayBuilder {
-    RelayBuilder::bare(table)
-        .set("database.url", PG_URL)
-        .set("database.table", table)
-}
-
-/// [`cli`] for `check` or `run` with `database.auto_migrate` set to `auto`, no metrics server.
+/// [`RelayBuilder::operator`] for `check` or `run` with `database.auto_migrate` set to `auto`,
+/// no metrics server.
 fn cli_auto(table: &str, auto: bool) -> RelayBuilder {
-    cli(table)
+    RelayBuilder::operator(table)
         .set("database.auto_migrate", auto.to_string())
         .set("metrics.listen", "")
 }
@@ -474,7 +468,7 @@ fn counts(v: &Value, top: bool) -> ([i64; 8], f64) {
 
 /// `status --json` for `table`, parsed.
 async fn status_json(table: &str) -> Value {
-    let out = exits(cli(table), &["status", "--json"], 0).await;
+    let out = exits(RelayBuilder::operator(table), &["status", "--json"], 0).await;
     serde_json::from_str(&out.stdout).expect("status --json is JSON")
 }
 
@@ -542,7 +536,7 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
     }
 
     // The human table: the same numbers, one line per type plus TOTAL.
-    let out = exits(cli(&table.name), &["status"], 0).await;
+    let out = exits(RelayBuilder::operator(&table.name), &["status"], 0).await;
     let mut lines = out.stdout.lines();
     let header: Vec<&str> = lines.next().expect("a header").split_whitespace().collect();
     let want_header =
@@ -770,7 +764,7 @@ async fn dead_letters_list_retry_and_discard() {
     // `dead-letters <args>`, which must exit with `code`.
     let dl = async |args: &[&str], code: i32| {
         let all = [&["dead-letters"], args].concat();
-        exits(cli(&table.name), &all, code).await
+        exits(RelayBuilder::operator(&table.name), &all, code).await
     };
 
     // list --json: the contract's shape, oldest (lowest seq) first, only failed rows.

@@ -18,16 +18,12 @@ use common::{
 use serde_json::json;
 use uuid::Uuid;
 
-fn ordered_relay(table: &TestTable, rabbit: &RabbitFixture, instance: &str) -> RelayBuilder {
-    RelayBuilder::for_test(table, rabbit, instance)
-        .set("relay.ordering", "aggregate")
-        .set("relay.poll_interval", "200ms")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
     let (table, rabbit) = table_and_exchange("late_commit").await;
-    let relay = ordered_relay(&table, &rabbit, "late").spawn();
+    let relay = RelayBuilder::for_test(&table, &rabbit, "late")
+        .ordered()
+        .spawn();
 
     // A draws seq n for aggregate X and stays open; B draws n+1 for X and commits.
     let mut a = pg_connect().await;
@@ -65,7 +61,8 @@ async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
 async fn unroutable(test: &str, max_attempts: u32) -> (TestTable, RabbitFixture, RelayProcess) {
     let table = TestTable::new(test).await;
     let rabbit = RabbitFixture::new(test, "ok.#", "ok.barrier").await;
-    let relay = ordered_relay(&table, &rabbit, test)
+    let relay = RelayBuilder::for_test(&table, &rabbit, test)
+        .ordered()
         .set("retry.base_delay", "100ms")
         .set("retry.max_delay", "400ms")
         .set("retry.jitter", "0")

@@ -167,9 +167,7 @@ pub async fn try_pg_connect(
 /// `outbox-relay migrate` for `table` on the test database; returns the schema versions it
 /// applied (empty when the table was up to date). Panics with its output if it fails.
 pub async fn migrate_table(table: &str) -> Vec<i32> {
-    let out = RelayBuilder::bare(table)
-        .set("database.url", PG_URL)
-        .set("database.table", table)
+    let out = RelayBuilder::operator(table)
         .output(&["migrate"], Duration::from_secs(60))
         .await;
     assert!(

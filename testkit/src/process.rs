@@ -111,6 +111,21 @@ impl RelayBuilder {
         }
     }
 
+    /// The binary for the operator commands (`migrate`, `check`, `status`, `dead-letters`) on
+    /// `table` in the test database, nothing else configured.
+    pub fn operator(table: &str) -> Self {
+        Self::bare(table)
+            .set("database.url", PG_URL)
+            .set("database.table", table)
+    }
+
+    /// With `relay.ordering = "aggregate"` and a 200 ms poll: an ordered relay that a test
+    /// need not wake for rows it inserts.
+    pub fn ordered(self) -> Self {
+        self.set("relay.ordering", "aggregate")
+            .set("relay.poll_interval", "200ms")
+    }
+
     /// Configured for `table` and `rabbit`, instance id `instance`, metrics server disabled.
     pub fn for_test(table: &TestTable, rabbit: &RabbitFixture, instance: &str) -> Self {
         Self::to_exchange(table, &rabbit.exchange, instance)
