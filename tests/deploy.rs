@@ -11,19 +11,15 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::TempDir;
+use common::{TempDir, repo_path};
 use outbox_relay::config::{Config, ConfigSource};
 use outbox_relay::telemetry::names;
 use serde::Deserialize as _;
 use serde_json::Value as Json;
 use serde_yaml::Value as Yaml;
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
-
 fn deploy(rel: &str) -> PathBuf {
-    repo().join("deploy").join(rel)
+    repo_path(&format!("deploy/{rel}"))
 }
 
 fn read(path: &Path) -> String {
@@ -216,7 +212,7 @@ fn dockerfile_is_multi_stage_non_root_and_copies_what_the_build_needs() {
     let ignore = read(&deploy("Dockerfile.dockerignore"));
     for (src, _) in &copied {
         assert!(
-            repo().join(src).exists(),
+            repo_path(src).exists(),
             "COPY {src}: no such file in the repository"
         );
         let src = src.trim_end_matches('/');
@@ -292,7 +288,7 @@ fn the_runtime_image_has_every_library_the_binary_links() {
 /// build script, if any.
 fn manifest_files() -> Vec<String> {
     use figment::providers::{Format as _, Toml};
-    let manifest: Json = figment::Figment::from(Toml::file_exact(repo().join("Cargo.toml")))
+    let manifest: Json = figment::Figment::from(Toml::file_exact(repo_path("Cargo.toml")))
         .extract()
         .expect("Cargo.toml parses");
     let list = |v: &Json| v.as_array().cloned().unwrap_or_default();
@@ -318,7 +314,7 @@ fn manifest_files() -> Vec<String> {
     }
     match manifest["package"]["build"].as_str() {
         Some(build) => needed.push(build.to_owned()),
-        None if repo().join("build.rs").exists() => needed.push("build.rs".to_owned()),
+        None if repo_path("build.rs").exists() => needed.push("build.rs".to_owned()),
         None => {}
     }
     needed

@@ -15,7 +15,6 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -89,8 +88,7 @@ fn runs_until_stopped(cmd: &str) -> bool {
 }
 
 fn readme() -> String {
-    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
-        .expect("read README.md")
+    common::repo_file("README.md")
 }
 
 #[test]

@@ -20,8 +20,8 @@ use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
 use common::kafka::{Collector, KAFKA, Record, create_topic, kafka_relay, topic_name};
 use common::{
-    AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, drop_both,
-    table_and_exchange, wait_for_count,
+    AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, drop_both, repo_file,
+    repo_path, table_and_exchange, wait_for_count,
 };
 use lapin::Connection;
 use lapin::options::{QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions};
@@ -40,10 +40,6 @@ const KEY_B: [u8; 32] = [
 
 /// Key id → key, as a consumer knows them.
 type Keys<'a> = [(&'a str, &'a [u8])];
-
-fn repo() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-}
 
 /// One received message, as a consumer reads it.
 #[derive(Debug, Clone)]
@@ -108,7 +104,7 @@ fn python_verify(keys: &Keys, messages: &[Received]) -> Vec<bool> {
     let keys: serde_json::Map<_, _> = keys.iter().map(encoded).collect();
     let messages: Vec<Value> = messages.iter().map(Received::json).collect();
     let mut child = Command::new("python3")
-        .arg(repo().join("scripts/verify-signature.py"))
+        .arg(repo_path("scripts/verify-signature.py"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -437,8 +433,7 @@ async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
 
 #[test]
 fn the_readme_shows_the_verifiers_the_tests_use() {
-    let read = |path: &str| std::fs::read_to_string(repo().join(path)).unwrap();
-    let readme = read("README.md");
+    let readme = repo_file("README.md");
     // The part of `text` between its `README: begin <lang>` and `README: end <lang>` lines.
     let between = |text: &str, lang: &str| -> String {
         let begin = format!("README: begin {lang}\n");
@@ -454,7 +449,7 @@ fn the_readme_shows_the_verifiers_the_tests_use() {
         ("python", "scripts/verify-signature.py"),
         ("rust", "tests/signing/verify.rs"),
     ] {
-        let code = between(&read(path), lang);
+        let code = between(&repo_file(path), lang);
         assert!(
             readme.contains(&code),
             "README.md does not show the {lang} verifier exactly as tested:\n{code}"

@@ -11,9 +11,21 @@ pub mod transport;
 pub use outbox_testkit::*;
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use chrono::{DateTime, Utc};
 use serde_json::Value;
+
+/// `relative` in the repository (the relay crate's root: `deploy/…`, `scripts/…`).
+pub fn repo_path(relative: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(relative)
+}
+
+/// The text of the repository's file `relative`; panics naming it.
+pub fn repo_file(relative: &str) -> String {
+    let path = repo_path(relative);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
+}
 
 /// The binary under test (the kit finds the same file next to the test executable).
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
