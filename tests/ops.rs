@@ -641,12 +641,20 @@ async fn version_1_table() -> (TestTable, Vec<Uuid>) {
     (table, ids)
 }
 
-/// A version-1 table with rows pending and in flight, upgraded in place by `migrate` or by
-/// `run` with `auto_migrate` (`auto`); `run` without it refuses the table. Upgraded (schema
-/// version 3), it has the `expired` status, its indexes and the deferred wake-up trigger; a
-/// relay drains every row (the old relay's once their lease runs out), expires a row with a
-/// past deadline and is woken at once when idle.
-async fn upgrade_a_version_1_table(auto: bool) {
+/// How [`upgrade_a_version_1_table`] upgrades the table.
+enum Upgrade {
+    /// `outbox-relay migrate`, then `run`; also checks `migrate`'s output, that the file can be
+    /// applied twice and that the rows are untouched.
+    Migrate,
+    /// `run` with `database.auto_migrate = true`.
+    AutoMigrate,
+}
+
+/// A version-1 table with rows pending and in flight, upgraded in place (`how`); `run` without
+/// `auto_migrate` refuses it. Upgraded (schema version 3), it has the `expired` status, its
+/// indexes and the deferred wake-up trigger; a relay drains every row (the old relay's once
+/// their lease runs out), expires a row with a past deadline and is woken at once when idle.
+async fn upgrade_a_version_1_table(how: Upgrade) {
     let (table, ids) = version_1_table().await;
     let rabbit = RabbitFixture::new("ops_upgrade", "#", "barrier.ops").await;
     // Not a "database down" loop that never publishes: a clear refusal naming the fix.
@@ -660,23 +668,26 @@ async fn upgrade_a_version_1_table(auto: bool) {
     let relay = relay(&table, &rabbit, None)
         .set("relay.lease_timeout", "2s")
         .set("relay.poll_interval", "10s");
-    let relay = if auto {
-        let relay = relay.set("database.auto_migrate", "true").spawn();
-        let migrated = "applied schema migrations";
-        relay
-            .wait_for_log(migrated, 1, Duration::from_secs(30))
-            .await;
-        relay
-    } else {
-        assert_migrates(&table.name, 2).await;
-        // The file itself is idempotent, as users may apply it from their own migrations.
-        let t = TableName::parse(&table.name).unwrap();
-        let (db, again) = (&table.db, schema::render(MIGRATIONS[1].sql, &t));
-        db.batch_execute(&again).await.expect("0002 applied twice");
-        // The rows are untouched.
-        let s = table.status_counts().await;
-        assert_eq!((s["pending"], s["processing"]), (200, 100), "{s:?}");
-        relay.spawn()
+    let relay = match how {
+        Upgrade::AutoMigrate => {
+            let relay = relay.set("database.auto_migrate", "true").spawn();
+            let migrated = "applied schema migrations";
+            relay
+                .wait_for_log(migrated, 1, Duration::from_secs(30))
+                .await;
+            relay
+        }
+        Upgrade::Migrate => {
+            assert_migrates(&table.name, 2).await;
+            // The file itself is idempotent, as users may apply it from their own migrations.
+            let t = TableName::parse(&table.name).unwrap();
+            let (db, again) = (&table.db, schema::render(MIGRATIONS[1].sql, &t));
+            db.batch_execute(&again).await.expect("0002 applied twice");
+            // The rows are untouched.
+            let s = table.status_counts().await;
+            assert_eq!((s["pending"], s["processing"]), (200, 100), "{s:?}");
+            relay.spawn()
+        }
     };
 
     // Catalogue queries about this table: `$1` is its name.
@@ -739,12 +750,12 @@ async fn upgrade_a_version_1_table(auto: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_upgrades_a_version_1_table_in_place_with_rows_pending_and_in_flight() {
-    upgrade_a_version_1_table(false).await;
+    upgrade_a_version_1_table(Upgrade::Migrate).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn auto_migrate_upgrades_a_version_1_table_in_place_with_rows_pending_and_in_flight() {
-    upgrade_a_version_1_table(true).await;
+    upgrade_a_version_1_table(Upgrade::AutoMigrate).await;
 }
 
 // ---- dead letters -----------------------------------------------------------------------------
