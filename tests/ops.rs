@@ -732,13 +732,9 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
     assert_eq!(table.row(late).await.status, "expired");
 
     // The upgraded table wakes the idle relay at once (the poll is 10 s).
-    let waiting = format!("SELECT count(*) FROM {}_waiters", table.name);
     let what = "the relay records that it waits";
-    wait_until(Duration::from_secs(20), what, async || {
-        let n: i64 = table.db.query_one(&waiting, &[]).await.unwrap().get(0);
-        (n == 1).then_some(()).ok_or_else(|| format!("{n} waiters"))
-    })
-    .await;
+    let one = |waiters: &[String]| waiters.len() == 1;
+    table.wait_waiters(Duration::from_secs(20), what, one).await;
     let id = table.insert_one(event("order", Some("u-1"), "e")).await;
     rabbit.wait_for_ids(&[id], Duration::from_secs(2)).await;
     // The row is marked sent just after its confirm: wait for that, then only the late row

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     NewRow, PG_URL, RabbitFixture, RelayBuilder, TestTable, finish, insert_rows, pg_connect,
-    table_and_exchange, wait_until,
+    table_and_exchange,
 };
 use futures::StreamExt;
 use serde_json::json;
@@ -64,31 +64,13 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, instance: &str, poll: &str) 
     RelayBuilder::for_test(table, rabbit, instance).set("relay.poll_interval", poll)
 }
 
-/// The relay instances with a waiting record on `table`.
-async fn waiters(table: &TestTable) -> Vec<String> {
-    let sql = format!("SELECT relay FROM {}_waiters ORDER BY relay", table.name);
-    let rows = table.db.query(&sql, &[]).await.unwrap();
-    rows.iter().map(|r| r.get(0)).collect()
-}
-
-/// Waits up to `timeout` until the waiting records on `table` satisfy `ok`.
-async fn wait_waiters(
-    table: &TestTable,
-    timeout: Duration,
-    what: &str,
-    ok: impl Fn(&[String]) -> bool,
-) {
-    wait_until(timeout, what, async || {
-        let w = waiters(table).await;
-        ok(&w).then_some(()).ok_or_else(|| format!("{w:?}"))
-    })
-    .await;
-}
-
+/// Waits until `instance` has a waiting record on `table`.
 async fn wait_for_waiter(table: &TestTable, instance: &str) {
     let what = format!("{instance} records that it waits");
     let waiting = |w: &[String]| w.iter().any(|r| r == instance);
-    wait_waiters(table, Duration::from_secs(20), &what, waiting).await;
+    table
+        .wait_waiters(Duration::from_secs(20), &what, waiting)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,7 +144,9 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_lingering_or_busy_one_costs
         table.insert(chunk).await;
     }
     let what = "the relay is busy (no waiting record)";
-    wait_waiters(&table, Duration::from_secs(10), what, <[String]>::is_empty).await;
+    table
+        .wait_waiters(Duration::from_secs(10), what, <[String]>::is_empty)
+        .await;
     let before = counter.get();
     let mut busy_commits = 0;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -199,7 +183,7 @@ async fn poll_only_never_notifies() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     rabbit.wait_for_ids(&ids, Duration::from_secs(20)).await;
-    assert!(waiters(&table).await.is_empty());
+    assert!(table.waiters().await.is_empty());
     assert_eq!(counter.get(), 0, "a polling relay made inserts notify");
     finish(relay, table, rabbit).await;
 }
@@ -257,7 +241,7 @@ async fn a_relay_that_dies_waiting_stops_costing_notifies() {
     // Its record outlives it for a moment (the trigger does not look at the pid: too costly
     // per commit); then the trigger ignores it.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(waiters(&table).await.len(), 1, "the dead relay's record");
+    assert_eq!(table.waiters().await.len(), 1, "the dead relay's record");
     let before = counter.get();
     for i in 0..20 {
         table.insert(&[row(i)]).await;
@@ -271,7 +255,9 @@ async fn a_relay_that_dies_waiting_stops_costing_notifies() {
     let other = relay(&table, &rabbit, "wake-alive", "200ms").spawn();
     let what = "the dead relay's record is deleted";
     let gone = |w: &[String]| w.iter().all(|r| r != "wake-dead");
-    wait_waiters(&table, Duration::from_secs(20), what, gone).await;
+    table
+        .wait_waiters(Duration::from_secs(20), what, gone)
+        .await;
     table.wait_all_sent(Duration::from_secs(20)).await;
     // And an insert into the idle live relay notifies again.
     wait_for_waiter(&table, "wake-alive").await;

@@ -549,6 +549,34 @@ impl TestTable {
             .get(0)
     }
 
+    /// The relays with a waiting record on this table (schema version 3's wake-up), by name.
+    pub async fn waiters(&self) -> Vec<String> {
+        let sql = format!("SELECT relay FROM {}_waiters ORDER BY relay", self.name);
+        let rows = self
+            .db
+            .query(&sql, &[])
+            .await
+            .expect("read the waiting records");
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
+    /// Waits up to `timeout` until the [`waiters`](Self::waiters) satisfy `ok`; panics naming
+    /// `what` and the last records seen.
+    pub async fn wait_waiters(
+        &self,
+        timeout: Duration,
+        what: &str,
+        ok: impl Fn(&[String]) -> bool,
+    ) {
+        wait_until(timeout, what, async || {
+            let waiters = self.waiters().await;
+            ok(&waiters)
+                .then_some(())
+                .ok_or_else(|| format!("{waiters:?}"))
+        })
+        .await;
+    }
+
     /// `SELECT count(*) FROM <table> WHERE <condition>` (the condition is test-authored SQL).
     pub async fn count_where(&self, condition: &str) -> i64 {
         let sql = format!("SELECT count(*) FROM {} WHERE {condition}", self.name);
