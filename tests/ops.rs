@@ -566,15 +566,14 @@ async fn status_counts_rows_by_state_and_aggregate_type() {
 
 // ---- check and migrate decide by what exists (missing, dropped, version-1 tables) -------------
 
-async fn table_exists(db: &tokio_postgres::Client, name: &str) -> bool {
-    let sql = "SELECT to_regclass($1) IS NOT NULL";
-    db.query_one(sql, &[&name]).await.unwrap().get(0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_makes_the_start_up_decision_about_a_missing_table() {
     let name = format!("ops_{}", hex8());
-    let db = pg_connect().await;
+    // Never created: only its name is used.
+    let table = TestTable {
+        name: name.clone(),
+        db: pg_connect().await,
+    };
 
     // auto_migrate on: `run` would create the table, so `check` is satisfied (and creates
     // nothing itself).
@@ -582,7 +581,7 @@ async fn check_makes_the_start_up_decision_about_a_missing_table() {
     out.assert_stdout_has(&format!(
         "table {name} does not exist yet and will be created on start"
     ));
-    assert!(!table_exists(&db, &name).await, "check created the table");
+    assert!(!table.exists().await, "check created the table");
 
     // auto_migrate off: `check` fails and names the fixes, and `run` refuses with the same words.
     let fix = format!(
@@ -592,7 +591,7 @@ async fn check_makes_the_start_up_decision_about_a_missing_table() {
     out.assert_stdout_has(&fix);
     let out = exits(cli_auto(&name, false), &["run"], 1).await;
     assert!(out.stderr.contains(&fix), "{}", out.stderr);
-    assert!(!table_exists(&db, &name).await);
+    assert!(!table.exists().await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -603,7 +602,7 @@ async fn migrate_and_auto_migrate_recreate_a_dropped_table() {
     // Version 1 stays recorded in outbox_relay_schema_version; the table is what counts.
     table.db.batch_execute(&drop).await.unwrap();
     assert_migrates(&table.name, 1).await;
-    assert!(table_exists(&table.db, &table.name).await);
+    assert!(table.exists().await);
 
     table.db.batch_execute(&drop).await.unwrap();
     let relay = cli_auto(&table.name, true).spawn();

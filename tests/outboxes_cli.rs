@@ -83,16 +83,11 @@ impl Pair {
 
     async fn drop(self) {
         for t in [self.alpha, self.beta] {
-            if exists(&t).await {
+            if t.exists().await {
                 t.drop_table().await;
             }
         }
     }
-}
-
-async fn exists(t: &TestTable) -> bool {
-    let sql = "SELECT to_regclass($1) IS NOT NULL";
-    t.db.query_one(sql, &[&t.name]).await.unwrap().get(0)
 }
 
 /// Inserts a row in `status` (`failed` ones with 12 attempts and `last_error`), created
@@ -267,7 +262,7 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_errors() {
     let p = Pair::new().await;
-    let neither = async || !exists(&p.alpha).await && !exists(&p.beta).await;
+    let neither = async || !p.alpha.exists().await && !p.beta.exists().await;
 
     // An unknown --outbox, after any of the subcommands: exit 2, naming it and the known ones.
     let id = Uuid::new_v4().to_string();
@@ -307,8 +302,8 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
 
     // migrate --outbox beta: beta's table only.
     p.ok(&["migrate", "--outbox", "beta"]).await;
-    assert!(exists(&p.beta).await, "beta migrated");
-    assert!(!exists(&p.alpha).await, "alpha left alone");
+    assert!(p.beta.exists().await, "beta migrated");
+    assert!(!p.alpha.exists().await, "alpha left alone");
 
     // check: one database line per outbox (alpha's table is missing: exit 1, saying so).
     let out = p.run(&["check"]).await;
@@ -329,7 +324,7 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
 
     // Without --outbox: alpha created, beta up to date, each line naming its outbox.
     let text = p.ok(&["migrate"]).await.stdout;
-    assert!(exists(&p.alpha).await);
+    assert!(p.alpha.exists().await);
     let applied = format!("alpha: {}: applied schema versions [1", p.alpha.name);
     assert!(text.contains(&applied), "{text}");
     let up_to_date = format!("beta: {} is up to date", p.beta.name);

@@ -549,6 +549,13 @@ impl TestTable {
             .get(0)
     }
 
+    /// Whether the table exists (a test may drop it, or expect a command not to create it).
+    pub async fn exists(&self) -> bool {
+        let sql = "SELECT to_regclass($1) IS NOT NULL";
+        let row = self.db.query_one(sql, &[&self.name]).await;
+        row.expect("look the table up").get(0)
+    }
+
     /// The relays with a waiting record on this table (schema version 3's wake-up), by name.
     pub async fn waiters(&self) -> Vec<String> {
         let sql = format!("SELECT relay FROM {}_waiters ORDER BY relay", self.name);
