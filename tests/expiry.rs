@@ -18,31 +18,8 @@ use common::{
     table_and_exchange, wait_for_sample,
 };
 use serde_json::Value;
-use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(60);
-
-/// Inserts one row `(aggregate_type, aggregate_id, event_type)` whose `expires_at` is
-/// `expires_in` seconds from the database's now (none when `None`); returns its id.
-async fn insert_expiring(
-    table: &TestTable,
-    aggregate_id: Option<&str>,
-    event_type: &str,
-    expires_in: Option<f64>,
-) -> Uuid {
-    let sql = format!(
-        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, expires_at) \
-         VALUES ('order', $1, $2, '{{\"x\": 1}}'::jsonb, now() + $3::float8 * interval '1 second') \
-         RETURNING id",
-        table.name
-    );
-    table
-        .db
-        .query_one(&sql, &[&aggregate_id, &event_type, &expires_in])
-        .await
-        .unwrap_or_else(|e| panic!("insert into {}: {e}", table.name))
-        .get(0)
-}
 
 fn relay(table: &TestTable, rabbit: &RabbitFixture, label: &str) -> RelayBuilder {
     RelayBuilder::for_test(table, rabbit, label).set("relay.poll_interval", "200ms")
@@ -54,10 +31,14 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     // Aggregate a-1 in order: an expired head, then a row without a deadline, then one with a
     // deadline an hour away. A row without aggregate id that expired. Inserted before the
     // relay starts, so the first claim meets them all.
-    let head = insert_expiring(&table, Some("a-1"), "first", Some(-1.0)).await;
-    let second = insert_expiring(&table, Some("a-1"), "second", None).await;
-    let third = insert_expiring(&table, Some("a-1"), "third", Some(3600.0)).await;
-    let loose = insert_expiring(&table, None, "loose", Some(-0.001)).await;
+    let head = table
+        .insert_expiring(Some("a-1"), "first", Some(-1.0))
+        .await;
+    let second = table.insert_expiring(Some("a-1"), "second", None).await;
+    let third = table
+        .insert_expiring(Some("a-1"), "third", Some(3600.0))
+        .await;
+    let loose = table.insert_expiring(None, "loose", Some(-0.001)).await;
     let port = free_port();
     let relay = relay(&table, &rabbit, "expiry-before-claim")
         .set("relay.ordering", "aggregate")
@@ -135,9 +116,11 @@ async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_g
     // Publishes go into a black hole: the rows are claimed before their deadline and wait.
     proxy.stall();
     let deadline_in = 3.0;
-    let expiring = insert_expiring(&table, Some("b-1"), "expiring", Some(deadline_in)).await;
-    let after = insert_expiring(&table, Some("b-1"), "after", None).await;
-    let plain = insert_expiring(&table, Some("b-2"), "plain", None).await;
+    let expiring = table
+        .insert_expiring(Some("b-1"), "expiring", Some(deadline_in))
+        .await;
+    let after = table.insert_expiring(Some("b-1"), "after", None).await;
+    let plain = table.insert_expiring(Some("b-2"), "plain", None).await;
     let what = "the expiring row is in flight";
     table
         .wait_row(expiring, WAIT, what, |r| r.status == "processing")
@@ -177,9 +160,13 @@ async fn retention_removes_expired_rows_like_sent_ones() {
     let (table, rabbit) = table_and_exchange("expiry_retention").await;
     // Expired an hour ago (removed at once with a 30 min retention), expired just now (kept
     // for the retention), and a row that is sent (kept: fresh).
-    let old = insert_expiring(&table, Some("r-1"), "old", Some(-3600.0)).await;
-    let recent = insert_expiring(&table, Some("r-2"), "recent", Some(-1.0)).await;
-    let sent = insert_expiring(&table, Some("r-3"), "sent", None).await;
+    let old = table
+        .insert_expiring(Some("r-1"), "old", Some(-3600.0))
+        .await;
+    let recent = table
+        .insert_expiring(Some("r-2"), "recent", Some(-1.0))
+        .await;
+    let sent = table.insert_expiring(Some("r-3"), "sent", None).await;
     let first = relay(&table, &rabbit, "expiry-retention")
         .set("cleanup.retention", "30m")
         .set("cleanup.interval", "300ms")
@@ -195,7 +182,7 @@ async fn retention_removes_expired_rows_like_sent_ones() {
     first.stop().await;
 
     // Retention 0 deletes rows on confirm; rows that expire are deleted at once as well.
-    let gone = insert_expiring(&table, Some("r-4"), "gone", Some(-1.0)).await;
+    let gone = table.insert_expiring(Some("r-4"), "gone", Some(-1.0)).await;
     let relay = relay(&table, &rabbit, "expiry-retention-zero")
         .set("cleanup.retention", "0s")
         .spawn();

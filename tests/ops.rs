@@ -718,12 +718,7 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
     .await;
     assert_eq!(triggers, [format!("{}_wakeup deferrable true", table.name)]);
 
-    let insert_late = format!(
-        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, expires_at) \
-         VALUES ('order', 'u-1', 'late', '{{}}', now() - interval '1 second') RETURNING id",
-        table.name
-    );
-    let late: Uuid = table.db.query_one(&insert_late, &[]).await.unwrap().get(0);
+    let late = table.insert_expiring(Some("u-1"), "late", Some(-1.0)).await;
     rabbit.wait_for_ids(&ids, WAIT).await;
     let what = "every row settles";
     let settled = |s: &BTreeMap<String, i64>| s["sent"] == 300 && s.get("expired") == Some(&1);

@@ -549,6 +549,29 @@ impl TestTable {
             .get(0)
     }
 
+    /// Inserts one row `('order', aggregate_id, event_type)` whose `expires_at` is `expires_in`
+    /// seconds from the database's now (none when `None`; negative: already past); returns its
+    /// id.
+    pub async fn insert_expiring(
+        &self,
+        aggregate_id: Option<&str>,
+        event_type: &str,
+        expires_in: Option<f64>,
+    ) -> Uuid {
+        let sql = format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, expires_at) \
+             VALUES ('order', $1, $2, '{{\"x\": 1}}'::jsonb, \
+                     now() + $3::float8 * interval '1 second') \
+             RETURNING id",
+            self.name
+        );
+        self.db
+            .query_one(&sql, &[&aggregate_id, &event_type, &expires_in])
+            .await
+            .unwrap_or_else(|e| panic!("insert into {}: {e}", self.name))
+            .get(0)
+    }
+
     /// Whether the table exists (a test may drop it, or expect a command not to create it).
     pub async fn exists(&self) -> bool {
         let sql = "SELECT to_regclass($1) IS NOT NULL";
