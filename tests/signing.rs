@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use common::kafka::{Collector, KAFKA, Record, create_topic, kafka_relay, topic_name};
+use common::kafka::Record;
+use common::transport::{Sink, Transport};
 use common::{
     AMQP_URL, Delivered, NewRow, RabbitFixture, RelayBuilder, TestTable, drop_both, repo_file,
     repo_path, table_and_exchange, wait_for_count,
@@ -176,92 +177,38 @@ fn rows(tag: &str, route: &str) -> Vec<NewRow> {
     ]
 }
 
-/// The relay for `table` and `rabbit`, signing with `key` under the id `kid`.
-fn signed(t: &TestTable, r: &RabbitFixture, label: &str, kid: &str, key: &str) -> RelayBuilder {
-    let relay = RelayBuilder::for_test(t, r, label).set("relay.poll_interval", "200ms");
+/// `relay` signing with `key` under the id `kid`, polling every 200 ms.
+fn signing(relay: RelayBuilder, kid: &str, key: &str) -> RelayBuilder {
+    let relay = relay.set("relay.poll_interval", "200ms");
     relay.set("signing.key_id", kid).set("signing.key", key)
 }
 
-/// Where the signed messages go: the test's exchange, or the topics `<prefix>-order` and
-/// `<prefix>-customer` (template `<prefix>-{aggregate_type}`) with a collecting consumer.
-enum Transport {
-    RabbitMq(Box<RabbitFixture>),
-    Kafka { prefix: String, consumer: Collector },
+/// The relay for `table` and `rabbit`, signing with `key` under the id `kid`.
+fn signed(t: &TestTable, r: &RabbitFixture, label: &str, kid: &str, key: &str) -> RelayBuilder {
+    signing(RelayBuilder::for_test(t, r, label), kid, key)
 }
 
-impl Transport {
-    async fn rabbitmq(test: &str) -> Self {
-        Self::RabbitMq(Box::new(RabbitFixture::new(test, "#", "it.barrier").await))
+/// The `destination` of the row of [`rows`] that has one: a routing key, or the second topic.
+fn custom_route(sink: &Sink) -> String {
+    match sink {
+        Sink::RabbitMq(_) => "custom.route".to_owned(),
+        Sink::Kafka { topics, .. } => topics[1].clone(),
     }
+}
 
-    async fn kafka(test: &str) -> Self {
-        let prefix = topic_name(test);
-        let topics = Self::topics(&prefix);
-        for t in &topics {
-            create_topic(KAFKA, t).await;
-        }
-        let consumer = Collector::start(KAFKA, &[&topics[0], &topics[1]]);
-        Self::Kafka { prefix, consumer }
-    }
-
-    fn topics(prefix: &str) -> [String; 2] {
-        [format!("{prefix}-order"), format!("{prefix}-customer")]
-    }
-
-    /// The relay for `table`, signing with key `key` under the id `kid`.
-    fn relay(&self, table: &TestTable, label: &str, kid: &str, key: &str) -> RelayBuilder {
-        match self {
-            Self::RabbitMq(rabbit) => signed(table, rabbit, label, kid, key),
-            Self::Kafka { prefix, .. } => {
-                kafka_relay(table, KAFKA, &format!("{prefix}-{{aggregate_type}}"), label)
-                    .set("signing.key_id", kid)
-                    .set("signing.key", key)
-            }
-        }
-    }
-
-    /// The `destination` of the row of [`rows`] that has one: a routing key, or the second topic.
-    fn custom_route(&self) -> String {
-        match self {
-            Self::RabbitMq(_) => "custom.route".to_owned(),
-            Self::Kafka { prefix, .. } => Self::topics(prefix)[1].clone(),
-        }
-    }
-
-    /// Waits until the rows `ids` of `table` are sent and received.
-    async fn wait_for(&self, table: &TestTable, ids: &[Uuid]) {
-        match self {
-            Self::RabbitMq(rabbit) => {
-                rabbit.wait_for_ids(ids, WAIT).await;
-                rabbit.barrier().await;
-            }
-            Self::Kafka { prefix, consumer } => {
-                table.wait_all_sent(WAIT).await;
-                for t in &Self::topics(prefix) {
-                    consumer.wait_caught_up(KAFKA, t, WAIT).await;
-                }
-            }
-        }
-    }
-
-    /// Every message received, as a consumer reads it.
-    fn received(&self) -> Vec<Received> {
-        match self {
-            Self::RabbitMq(r) => r.deliveries().iter().map(Received::from_amqp).collect(),
-            Self::Kafka { consumer: c, .. } => {
-                c.records().iter().map(Received::from_kafka).collect()
-            }
-        }
-    }
-
-    async fn teardown(self, table: TestTable) {
-        match self {
-            Self::RabbitMq(rabbit) => drop_both(table, *rabbit).await,
-            Self::Kafka { consumer, .. } => {
-                consumer.stop().await;
-                table.drop_table().await;
-            }
-        }
+/// Every message `sink` received, as a consumer reads it.
+fn received(sink: &Sink) -> Vec<Received> {
+    match sink {
+        Sink::RabbitMq(rabbit) => rabbit
+            .deliveries()
+            .iter()
+            .map(Received::from_amqp)
+            .collect(),
+        Sink::Kafka { consumer, .. } => consumer
+            .records()
+            .iter()
+            .map(Received::from_kafka)
+            .collect(),
     }
 }
 
@@ -270,8 +217,10 @@ impl Transport {
 /// tampering fail; the keys appear in no log line.
 async fn verify_across_a_key_rotation(test: &str, transport: Transport) {
     let table = TestTable::new(test).await;
+    // Topics `<prefix>-order` and `<prefix>-customer` on Kafka (the row types of [`rows`]).
+    let sink = Sink::new(transport, test, "#", &["order", "customer"]).await;
     let key_b = format!("base64:{}", STANDARD.encode(KEY_B));
-    let route = transport.custom_route();
+    let route = custom_route(&sink);
 
     // Key A (text, from the environment), then the rotation: consumers already know key B; the
     // relay switches to it.
@@ -279,16 +228,17 @@ async fn verify_across_a_key_rotation(test: &str, transport: Transport) {
     let mut batches = Vec::new();
     for (tag, kid, key) in [("a", "k-2026a", KEY_A), ("b", "k-2026b", key_b.as_str())] {
         let label = format!("{test}-{tag}");
-        let relay = transport.relay(&table, &label, kid, key).spawn();
+        let relay = signing(sink.relay(&table, &label), kid, key).spawn();
         let ids = table.insert_ids(&rows(tag, &route)).await;
-        transport.wait_for(&table, &ids).await;
+        table.wait_all_sent(WAIT).await;
+        sink.wait_received(WAIT).await;
         logs = format!("{logs}\n{}", relay.stderr());
         relay.stop().await;
         batches.push(ids);
     }
     let (first, second) = (&batches[0], &batches[1]);
 
-    let all = transport.received();
+    let all = received(&sink);
     let of = |ids: &[Uuid], m: &Received| ids.iter().any(|id| id.to_string() == m.id);
     let (old, new): (Vec<Received>, Vec<Received>) =
         all.iter().cloned().partition(|m| of(first, m));
@@ -322,19 +272,18 @@ async fn verify_across_a_key_rotation(test: &str, transport: Transport) {
     for secret in [KEY_A, key_b.as_str(), &key_b["base64:".len()..]] {
         assert!(!logs.contains(secret), "the key leaked into the logs");
     }
-    transport.teardown(table).await;
+    sink.teardown().await;
+    table.drop_table().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_messages_verify_independently_across_a_key_rotation_and_tampering_fails() {
-    let transport = Transport::rabbitmq("signing_rabbit").await;
-    verify_across_a_key_rotation("signing_rabbit", transport).await;
+    verify_across_a_key_rotation("signing_rabbit", Transport::RabbitMq).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_records_verify_independently_across_a_key_rotation_and_tampering_fails() {
-    let transport = Transport::kafka("signing_kafka").await;
-    verify_across_a_key_rotation("signing_kafka", transport).await;
+    verify_across_a_key_rotation("signing_kafka", Transport::Kafka).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
