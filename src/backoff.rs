@@ -39,11 +39,11 @@ impl Backoff {
     }
 }
 
-/// Sleeps for `d`, or less if `token` is cancelled meanwhile.
-pub async fn sleep_or_cancel(d: Duration, token: &CancellationToken) {
+/// Sleeps for `d`, or less if `token` is cancelled meanwhile; `false` if it was cancelled.
+pub async fn sleep_or_cancel(d: Duration, token: &CancellationToken) -> bool {
     tokio::select! {
-        () = tokio::time::sleep(d) => {}
-        () = token.cancelled() => {}
+        () = tokio::time::sleep(d) => true,
+        () = token.cancelled() => false,
     }
 }
 

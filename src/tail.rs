@@ -11,6 +11,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
+use crate::publish::rabbitmq::declare_queue;
 use crate::redact::redact_url;
 
 /// Why `tail` stopped before its count.
@@ -65,15 +66,11 @@ pub async fn tail(
         source,
     };
     // Passive: never create a queue by accident (a typo would then wait forever).
-    let declared = channel
-        .queue_declare(
-            ShortString::from(queue.to_owned()),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = declare_queue(&channel, queue, passive)
         .await
         .map_err(no_queue)?;
     channel

@@ -335,6 +335,21 @@ impl RabbitMqPublisher {
     }
 }
 
+/// Declares `queue` with `options` and no arguments.
+pub(crate) async fn declare_queue(
+    channel: &Channel,
+    queue: &str,
+    options: QueueDeclareOptions,
+) -> lapin::Result<lapin::Queue> {
+    channel
+        .queue_declare(
+            ShortString::from(queue.to_owned()),
+            options,
+            FieldTable::default(),
+        )
+        .await
+}
+
 /// Declares the development queue (durable) and binds it to `exchange` with `binding`.
 async fn declare_dev_queue(
     channel: &Channel,
@@ -342,15 +357,11 @@ async fn declare_dev_queue(
     exchange: &str,
     binding: &str,
 ) -> Result<(), ConnectError> {
-    channel
-        .queue_declare(
-            ShortString::from(queue.to_owned()),
-            QueueDeclareOptions {
-                durable: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    declare_queue(channel, queue, durable)
         .await
         .map_err(|e| {
             ConnectError(format!(

@@ -81,12 +81,9 @@ impl MaintenanceSql {
 impl Store {
     /// Dead tuples, size and autovacuum state of the table.
     pub async fn table_health(&self, table_oid: u32) -> Result<TableHealth> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&self.q.maintenance.table_health)
+        let r = self
+            .query_one_by_oid(&self.q.maintenance.table_health, table_oid)
             .await?;
-        let oid: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
-        let r = client.query_one(&stmt, &oid).await?;
         Ok(TableHealth {
             dead_tuples: r.try_get(0)?,
             live_tuples: r.try_get(1)?,

@@ -125,4 +125,11 @@ impl Store {
         self.client().await?.simple_query("SELECT 1").await?;
         Ok(())
     }
+
+    /// Runs the one-row statement `sql` whose only parameter, `$1`, is the table's oid.
+    async fn query_one_by_oid(&self, sql: &str, table_oid: u32) -> Result<tokio_postgres::Row> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(sql).await?;
+        Ok(client.query_one(&stmt, &[&table_oid]).await?)
+    }
 }

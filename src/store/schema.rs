@@ -260,57 +260,70 @@ mod tests {
         assert_eq!(render(MIGRATIONS[0].sql, &t), MIGRATIONS[0].sql);
     }
 
+    /// Renders `migration` for `app.events` and asserts that no default name is left and that
+    /// the result contains every one of `needles`.
+    fn assert_renders_for_app_events(migration: &str, needles: &[&str]) {
+        let t = TableName::parse("app.events").unwrap();
+        let sql = render(migration, &t);
+        assert!(!sql.contains("outbox_messages"), "{sql}");
+        for needle in needles {
+            assert!(sql.contains(needle), "missing {needle:?} in:\n{sql}");
+        }
+    }
+
     #[test]
     fn qualified_table_renders_every_kind_of_name() {
-        let t = TableName::parse("app.events").unwrap();
-        let sql = render(MIGRATIONS[0].sql, &t);
-        assert!(!sql.contains("outbox_messages"), "{sql}");
-        assert!(sql.contains("CREATE SEQUENCE IF NOT EXISTS app.events_seq;"));
-        assert!(sql.contains("CREATE OR REPLACE FUNCTION app.events_next_seq()"));
-        assert!(sql.contains("nextval('app.events_seq')"));
-        assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.events ("));
-        assert!(sql.contains("DEFAULT app.events_next_seq()"));
-        assert!(sql.contains("OWNED BY app.events.seq"));
-        assert!(
-            sql.contains("CREATE INDEX IF NOT EXISTS events_pending_idx\n    ON app.events (seq)")
+        assert_renders_for_app_events(
+            MIGRATIONS[0].sql,
+            &[
+                "CREATE SEQUENCE IF NOT EXISTS app.events_seq;",
+                "CREATE OR REPLACE FUNCTION app.events_next_seq()",
+                "nextval('app.events_seq')",
+                "CREATE TABLE IF NOT EXISTS app.events (",
+                "DEFAULT app.events_next_seq()",
+                "OWNED BY app.events.seq",
+                "CREATE INDEX IF NOT EXISTS events_pending_idx\n    ON app.events (seq)",
+                "pg_notify('app.events', '')",
+                "DROP TRIGGER IF EXISTS events_notify ON app.events;",
+                "CREATE TRIGGER events_notify\n    AFTER INSERT ON app.events",
+                "EXECUTE FUNCTION app.events_notify()",
+            ],
         );
-        assert!(sql.contains("pg_notify('app.events', '')"));
-        assert!(sql.contains("DROP TRIGGER IF EXISTS events_notify ON app.events;"));
-        assert!(sql.contains("CREATE TRIGGER events_notify\n    AFTER INSERT ON app.events"));
-        assert!(sql.contains("EXECUTE FUNCTION app.events_notify()"));
     }
 
     #[test]
     fn expiry_migration_names_constraints_bare_and_drops_the_qualified_index() {
-        let t = TableName::parse("app.events").unwrap();
-        let sql = render(MIGRATIONS[1].sql, &t);
-        assert!(!sql.contains("outbox_messages"), "{sql}");
-        assert!(sql.contains("ALTER TABLE app.events ADD COLUMN IF NOT EXISTS expires_at"));
-        assert!(sql.contains("DROP CONSTRAINT IF EXISTS events_status_check;"));
-        assert!(sql.contains("ADD CONSTRAINT events_status_check\n"));
-        assert!(sql.contains("VALIDATE CONSTRAINT events_status_check;"));
-        assert!(sql.contains("DROP INDEX IF EXISTS app.events_aggregate_idx;"));
-        assert!(sql.contains("CREATE INDEX IF NOT EXISTS events_expiry_idx\n    ON app.events"));
+        assert_renders_for_app_events(
+            MIGRATIONS[1].sql,
+            &[
+                "ALTER TABLE app.events ADD COLUMN IF NOT EXISTS expires_at",
+                "DROP CONSTRAINT IF EXISTS events_status_check;",
+                "ADD CONSTRAINT events_status_check\n",
+                "VALIDATE CONSTRAINT events_status_check;",
+                "DROP INDEX IF EXISTS app.events_aggregate_idx;",
+                "CREATE INDEX IF NOT EXISTS events_expiry_idx\n    ON app.events",
+            ],
+        );
         assert_eq!(MIGRATIONS[1].version, 2);
     }
 
     #[test]
     fn wakeup_renders_for_a_qualified_table() {
-        let t = TableName::parse("app.events").unwrap();
         let v3 = MIGRATIONS.iter().find(|m| m.version == 3).unwrap();
-        let sql = render(v3.sql, &t);
-        assert!(!sql.contains("outbox_messages"), "{sql}");
-        assert!(sql.contains("CREATE UNLOGGED TABLE IF NOT EXISTS app.events_waiters ("));
-        assert!(sql.contains("CREATE OR REPLACE FUNCTION app.events_wakeup()"));
-        assert!(sql.contains("SELECT 1 FROM app.events_waiters WHERE alive_until > now()"));
-        assert!(sql.contains("pg_notify('app.events', '')"));
-        assert!(sql.contains("DROP TRIGGER IF EXISTS events_notify ON app.events;"));
-        assert!(
-            sql.contains("CREATE CONSTRAINT TRIGGER events_wakeup\n    AFTER INSERT ON app.events")
+        assert_renders_for_app_events(
+            v3.sql,
+            &[
+                "CREATE UNLOGGED TABLE IF NOT EXISTS app.events_waiters (",
+                "CREATE OR REPLACE FUNCTION app.events_wakeup()",
+                "SELECT 1 FROM app.events_waiters WHERE alive_until > now()",
+                "pg_notify('app.events', '')",
+                "DROP TRIGGER IF EXISTS events_notify ON app.events;",
+                "CREATE CONSTRAINT TRIGGER events_wakeup\n    AFTER INSERT ON app.events",
+                "EXECUTE FUNCTION app.events_wakeup()",
+                "DROP FUNCTION IF EXISTS app.events_notify();",
+                "ALTER TABLE app.events SET (",
+            ],
         );
-        assert!(sql.contains("EXECUTE FUNCTION app.events_wakeup()"));
-        assert!(sql.contains("DROP FUNCTION IF EXISTS app.events_notify();"));
-        assert!(sql.contains("ALTER TABLE app.events SET ("));
     }
 
     #[test]

@@ -108,12 +108,10 @@ impl Store {
     /// Whether a transaction that may still commit rows (one holding a lock on the table) is
     /// running, other than the relays' own.
     pub async fn writers_active(&self, table_oid: u32) -> Result<bool> {
-        let client = self.client().await?;
-        let stmt = client
-            .prepare_cached(&self.q.waiting.writers_active)
+        let r = self
+            .query_one_by_oid(&self.q.waiting.writers_active, table_oid)
             .await?;
-        let oid: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
-        Ok(client.query_one(&stmt, &oid).await?.try_get(0)?)
+        Ok(r.try_get(0)?)
     }
 
     /// Deletes the waiting marks of relays whose LISTEN session has ended; returns how many.

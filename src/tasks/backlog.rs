@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use super::Pace;
+use crate::backoff::sleep_or_cancel;
 use crate::store::Store;
 use crate::telemetry::OutboxMetrics;
 
@@ -62,9 +63,8 @@ pub async fn backlog_loop(
             }
         }
         round = round.wrapping_add(1);
-        tokio::select! {
-            () = tokio::time::sleep(EVERY) => {}
-            () = shutdown.cancelled() => return,
+        if !sleep_or_cancel(EVERY, &shutdown).await {
+            return;
         }
     }
 }

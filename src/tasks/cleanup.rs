@@ -4,6 +4,7 @@
 
 use tokio_util::sync::CancellationToken;
 
+use crate::backoff::sleep_or_cancel;
 use crate::config::CleanupConfig;
 use crate::store::Store;
 
@@ -33,9 +34,8 @@ pub async fn cleanup_loop(store: Store, cfg: CleanupConfig, shutdown: Cancellati
         if total > 0 {
             tracing::info!(deleted = total, retention = ?cfg.retention, "deleted sent rows past retention (and expired rows as long past their deadline)");
         }
-        tokio::select! {
-            () = tokio::time::sleep(cfg.interval) => {}
-            () = shutdown.cancelled() => return,
+        if !sleep_or_cancel(cfg.interval, &shutdown).await {
+            return;
         }
     }
 }

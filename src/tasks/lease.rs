@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::backoff::sleep_or_cancel;
 use crate::retry::RetryPolicy;
 use crate::store::Store;
 use crate::telemetry::OutboxMetrics;
@@ -111,9 +112,8 @@ pub async fn lease_loop(
             }
             Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),
         }
-        tokio::select! {
-            () = tokio::time::sleep(period) => {}
-            () = shutdown.cancelled() => return,
+        if !sleep_or_cancel(period, &shutdown).await {
+            return;
         }
     }
 }

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::Pace;
+use crate::backoff::sleep_or_cancel;
 use crate::store::{Store, TableHealth};
 use crate::telemetry::OutboxMetrics;
 
@@ -115,9 +116,8 @@ pub async fn vacuum_loop(
                 Err(e) => tracing::warn!(error = %e, "table statistics not read"),
             }
         }
-        tokio::select! {
-            () = tokio::time::sleep(CHECK_EVERY) => {}
-            () = shutdown.cancelled() => return,
+        if !sleep_or_cancel(CHECK_EVERY, &shutdown).await {
+            return;
         }
     }
 }
@@ -139,24 +139,26 @@ mod tests {
     }
 
     #[test]
-    fn vacuums_when_autovacuum_is_off_and_dead_tuples_pile_up() {
-        assert_eq!(should_vacuum(&health(9_999, 100, false)), None);
-        assert_eq!(
-            should_vacuum(&health(10_000, 100, false)),
-            Some("autovacuum is off")
-        );
-        // A large live backlog raises the bar to a fifth of the table.
-        assert_eq!(should_vacuum(&health(150_000, 1_000_000, false)), None);
-        assert!(should_vacuum(&health(200_000, 1_000_000, false)).is_some());
-    }
-
-    #[test]
-    fn leaves_a_keeping_up_autovacuum_alone() {
-        assert_eq!(should_vacuum(&health(40_000, 100, true)), None);
-        assert_eq!(
-            should_vacuum(&health(50_000, 100, true)),
-            Some("autovacuum is behind")
-        );
+    fn vacuums_when_dead_tuples_pile_up_beyond_what_autovacuum_handles() {
+        let (off, behind) = (Some("autovacuum is off"), Some("autovacuum is behind"));
+        // (dead tuples, live tuples, autovacuum, expected)
+        for (dead, live, autovacuum, expected) in [
+            // Autovacuum off: from DEAD_TUPLES on.
+            (9_999, 100, false, None),
+            (10_000, 100, false, off),
+            // A large live backlog raises the bar to a fifth of the table.
+            (150_000, 1_000_000, false, None),
+            (200_000, 1_000_000, false, off),
+            // A keeping-up autovacuum is left alone: only BEHIND_FACTOR times the bar counts.
+            (40_000, 100, true, None),
+            (50_000, 100, true, behind),
+        ] {
+            assert_eq!(
+                should_vacuum(&health(dead, live, autovacuum)),
+                expected,
+                "{dead} dead, {live} live, autovacuum {autovacuum}"
+            );
+        }
     }
 
     #[test]
