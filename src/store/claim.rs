@@ -105,6 +105,9 @@ pub struct WriterSnapshot {
     pub oldest_writer_age: Option<f64>,
 }
 
+/// Candidates an ordered claim looks at beyond its batch and a quarter (see `claim_and_expire`).
+const SCAN_SLACK: i64 = 16;
+
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them.
 const SUSPECT: &str = "lease expired:";
 const NOT_SUSPECT: &str = "(last_error IS NULL OR last_error NOT LIKE 'lease expired:%')";
@@ -391,7 +394,12 @@ impl Store {
             }
             Ordering::Aggregate => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
-                let scan = limit.saturating_mul(4).max(1000);
+                // The scan window: candidates beyond the batch leave room for rows that
+                // turn out not claimable (behind a gap: a row another relay is claiming, a row
+                // past its deadline). Each candidate costs a head probe, a gap probe and a row
+                // lock, so the window is a quarter above the batch: 4× the batch (at least
+                // 1,000) made a 500-row claim over 1,000 aggregates take 34 ms instead of 17.
+                let scan = limit.saturating_add(limit / 4).saturating_add(SCAN_SLACK);
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
                     [&limit, &self.instance_id, &watermark, &scan];
                 tokio::join!(expire, client.query(&stmt, &params))
