@@ -5,10 +5,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, anyhow, bail};
 use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use outbox_relay::config::{Ordering, PublisherKind};
 use outbox_relay::message::{OutboxMessage, PayloadKind};
-use outbox_relay::publish::envelope::EnvelopeConfig;
+use outbox_relay::publish::envelope::{self, EnvelopeConfig};
 use outbox_relay::publish::{Outcome, Publisher};
 use serde_json::json;
 use uuid::Uuid;
@@ -92,45 +93,17 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
     ctx.cleanup().await;
 
     // The broker itself: raw lapin, one confirm-mode channel, ≤1000 unconfirmed, persistent
-    // and mandatory (what the broker can take, whatever the relay's publisher design).
-    let raw = async {
-        let name = ctx.new_binding("brkraw").await?;
-        ctx.progress(format!(
-            "broker: RabbitMQ raw lapin (one channel), {n} messages, ≤1000 unconfirmed"
-        ));
-        let sentinel = ctx.sentinel().await;
-        let cpu = CpuSample::take();
-        let started = Instant::now();
-        let acked = raw_lapin(&ctx.args.amqp_url, &name, &msgs, 1000).await?;
-        let elapsed = started.elapsed();
-        let usage = cpu.usage();
-        ctx.check(sentinel).await?;
-        if acked != n {
-            bail!("raw lapin: {acked} of {n} messages acked");
+    // and mandatory (what the broker can take, whatever the relay's publisher design): bare
+    // messages, then the same messages with the properties and CloudEvents headers the relay
+    // sends (what the broker can take of the relay's wire format).
+    let cfg = ctx.config("bench_unused", |_| {})?;
+    let envelope = outbox_relay::envelope(&cfg, &cfg.outboxes[0], PayloadKind::Json);
+    for props in [Props::Bare, Props::AsTheRelay(&envelope)] {
+        if let Err(e) = raw_ceiling(ctx, &msgs, props).await {
+            errors.push(format!("RabbitMQ raw: {e:#}"));
         }
-        let r = rate(n, elapsed);
-        ctx.progress(format!(
-            "broker: RabbitMQ raw lapin {r:.0} msgs/s in {elapsed:.2?}; {}",
-            cpu_text(&usage)
-        ));
-        ctx.report.figure(
-            "2 broker ceiling",
-            "rabbitmq_raw_ceiling_msgs_per_s",
-            "raw lapin, one channel, persistent + mandatory + confirms, ≤1000 unconfirmed",
-            r,
-            "msgs/s",
-        );
-        ctx.report.detail(
-            "rabbitmq_raw_ceiling",
-            json!({"messages": n, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
-        );
-        Ok(())
+        ctx.cleanup().await;
     }
-    .await;
-    if let Err(e) = raw {
-        errors.push(format!("RabbitMQ raw: {e:#}"));
-    }
-    ctx.cleanup().await;
 
     // Kafka: a fresh 3-partition topic.
     if let Err(e) = publisher_ceiling(ctx, Broker::Kafka, &msgs).await {
@@ -221,10 +194,92 @@ async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]
 
 /// Publishes every message on one confirm-mode channel with at most `in_flight` unconfirmed;
 /// returns how many were acked.
+/// What raw lapin sends with each message.
+#[derive(Clone, Copy)]
+enum Props<'a> {
+    /// `message_id`, `content_type` and persistent delivery only.
+    Bare,
+    /// Also `type`, `timestamp` and the CloudEvents headers, as the relay sends them.
+    AsTheRelay(&'a EnvelopeConfig),
+}
+
+impl Props<'_> {
+    fn of(self, m: &OutboxMessage) -> BasicProperties {
+        let bare = BasicProperties::default()
+            .with_message_id(m.id.to_string().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        let Props::AsTheRelay(env) = self else {
+            return bare;
+        };
+        let mut headers = FieldTable::default();
+        for (name, value) in envelope::cloud_event_attributes(m, env) {
+            headers.insert(
+                format!("cloudEvents:{name}").into(),
+                AMQPValue::LongString(value.into()),
+            );
+        }
+        let timestamp = u64::try_from(m.created_at.timestamp()).unwrap_or(0);
+        bare.with_type(m.event_type.clone().into())
+            .with_timestamp(timestamp)
+            .with_headers(headers)
+    }
+}
+
+/// Raw lapin over one channel, every message with `props` (built before the clock starts).
+async fn raw_ceiling(ctx: &mut Ctx, msgs: &[OutboxMessage], props: Props<'_>) -> Result<()> {
+    let n = msgs.len();
+    let (tag, key, label) = match props {
+        Props::Bare => (
+            "",
+            "rabbitmq_raw_ceiling",
+            "raw lapin, one channel, persistent + mandatory + confirms, ≤1000 unconfirmed",
+        ),
+        Props::AsTheRelay(_) => (
+            " (the relay's properties and headers)",
+            "rabbitmq_raw_envelope_ceiling",
+            "raw lapin as above, with the relay's properties and CloudEvents headers",
+        ),
+    };
+    let name = ctx.new_binding("brkraw").await?;
+    ctx.progress(format!(
+        "broker: RabbitMQ raw lapin (one channel){tag}, {n} messages, ≤1000 unconfirmed"
+    ));
+    let props: Vec<_> = msgs.iter().map(|m| props.of(m)).collect();
+    let sentinel = ctx.sentinel().await;
+    let cpu = CpuSample::take();
+    let started = Instant::now();
+    let acked = raw_lapin(&ctx.args.amqp_url, &name, msgs, props, 1000).await?;
+    let elapsed = started.elapsed();
+    let usage = cpu.usage();
+    ctx.check(sentinel).await?;
+    if acked != n {
+        bail!("raw lapin{tag}: {acked} of {n} messages acked");
+    }
+    let r = rate(n, elapsed);
+    ctx.progress(format!(
+        "broker: RabbitMQ raw lapin{tag} {r:.0} msgs/s in {elapsed:.2?}; {}",
+        cpu_text(&usage)
+    ));
+    ctx.report.figure(
+        "2 broker ceiling",
+        &format!("{key}_msgs_per_s"),
+        label,
+        r,
+        "msgs/s",
+    );
+    ctx.report.detail(
+        key,
+        json!({"messages": n, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
+    );
+    Ok(())
+}
+
 async fn raw_lapin(
     url: &str,
     exchange: &str,
     msgs: &[OutboxMessage],
+    props: Vec<BasicProperties>,
     in_flight: usize,
 ) -> Result<usize> {
     let conn = Connection::connect(url, ConnectionProperties::default())
@@ -234,16 +289,12 @@ async fn raw_lapin(
     ch.confirm_select(ConfirmSelectOptions::default()).await?;
     let mut pending = futures::stream::FuturesUnordered::new();
     let mut acked = 0;
-    for m in msgs {
+    for (m, props) in msgs.iter().zip(props) {
         while pending.len() >= in_flight {
             if let Some(c) = pending.next().await {
                 acked += usize::from(matches!(c, Ok(ref c) if lapin_ack(c)));
             }
         }
-        let props = BasicProperties::default()
-            .with_message_id(m.id.to_string().into())
-            .with_content_type("application/json".into())
-            .with_delivery_mode(2);
         let confirm = ch
             .basic_publish(
                 exchange.into(),
