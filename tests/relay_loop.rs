@@ -3,7 +3,8 @@
 //! [`Publisher`] instead of a broker, so each test decides what the "broker" answers, when, and
 //! sees every publish the loop makes (order, attempts, overlap). What these pin down is the
 //! loop's bookkeeping — which rows spend attempts, which wait, how many are in flight — that
-//! the broker tests can only observe from outside.
+//! the broker tests can only observe from outside — and, one level down, how an ordered claim
+//! fills its batch (`Store::claim_and_expire` on its own).
 //!
 //! Time is real, not `tokio::time::pause`d. With paused time, whenever the runtime has no task
 //! to run it polls I/O without blocking and, if nothing is ready, jumps the clock to the next
@@ -29,9 +30,10 @@ use async_trait::async_trait;
 use common::{Inserted, NewRow, PG_URL, TestTable, hex8, pg_connect, slug, wait_until};
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
-use outbox_relay::config::{Config, RawConfig};
+use outbox_relay::config::{Config, Ordering, RawConfig};
 use outbox_relay::publish::{ConnectError, Outcome, Publisher, envelope::EnvelopeConfig};
-use outbox_relay::{PublisherFactory, RunError, message::OutboxMessage, run_with, store::Store};
+use outbox_relay::store::{ExpirySweep, Store};
+use outbox_relay::{PublisherFactory, RunError, message::OutboxMessage, run_with};
 use serde_json::json;
 use tokio::{sync::Semaphore, task::JoinHandle};
 use tokio_util::sync::CancellationToken;
@@ -535,5 +537,40 @@ async fn connection_failures_never_spend_attempts() {
     let counts = table.status_counts().await;
     assert_eq!(counts["failed"], 0, "{counts:?}");
     assert_eq!(table.count_where("attempts <> 1").await, 0);
+    table.drop_table().await;
+}
+
+/// An ordered claim fills its batch run by run: the aggregates whose oldest claimable row is
+/// oldest come first, each with its whole run in `seq` order, rather than one row of every
+/// aggregate in `seq` order. A row without aggregate is its own run.
+#[tokio::test]
+async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
+    // Inserted round robin: "", A, B, C, A, B, C, A, B, C.
+    let mut keys = vec![""];
+    keys.extend(["A", "B", "C"].repeat(3));
+    let (table, config, inserted) = setup("loop_claim_runs", "", &rows(&keys)).await;
+    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
+    let claim = store
+        .claim_and_expire(Ordering::Aggregate, 6, i64::MAX, ExpirySweep::Skip)
+        .await
+        .unwrap();
+    let got: Vec<i64> = claim.rows.iter().map(|m| m.seq).collect();
+    // The row without aggregate, A's run of three, then the first two rows of B's run.
+    let want: Vec<i64> = [0, 1, 4, 7, 2, 5]
+        .iter()
+        .map(|&i| inserted[i].seq)
+        .collect();
+    let (mut got_set, mut want_set) = (got.clone(), want.clone());
+    got_set.sort_unstable();
+    want_set.sort_unstable();
+    assert_eq!(
+        got_set, want_set,
+        "claimed {got:?}, expected the rows {want:?}"
+    );
+    assert!(
+        got.is_sorted(),
+        "a claim hands its rows over in seq order: {got:?}"
+    );
+    assert_eq!(table.count_where("status = 'processing'").await, 6);
     table.drop_table().await;
 }

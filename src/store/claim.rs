@@ -222,6 +222,12 @@ impl ClaimSql {
             // previous candidate of its aggregate, then required along the whole chain.
             // Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap
             // and so blocks everything after them: no two relays ever hold one aggregate.
+            // The batch is filled run by run: aggregates in the order of their oldest
+            // candidate, each with its claimable rows in seq order (a prefix of a run is still
+            // a run). Filled row by row in seq order instead, a backlog spread round robin over
+            // many aggregates gave each aggregate one row per claim → publish → settle round
+            // trip, and the claims stalled on aggregates in flight (Kafka, 1,000 aggregates:
+            // 18k → 22k msgs/s, median of 4 runs).
             claim_aggregate: format!(
                 "WITH busy AS MATERIALIZED ( \
                    SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
@@ -250,10 +256,12 @@ impl ClaimSql {
                           AND (r.prev_seq IS NULL OR e.seq > r.prev_seq))) AS free \
                    FROM ranked r), \
                  chained AS ( \
-                   SELECT id, seq, bool_and(free) OVER (PARTITION BY aggregate_type, aggregate_id ORDER BY seq) AS ok \
-                   FROM checked), \
+                   SELECT id, seq, bool_and(free) OVER w AS ok, \
+                     CASE WHEN aggregate_id IS NULL THEN seq ELSE min(seq) OVER w END AS head \
+                   FROM checked \
+                   WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY seq)), \
                  picked AS ( \
-                   SELECT id FROM chained WHERE ok ORDER BY seq LIMIT $1) \
+                   SELECT id FROM chained WHERE ok ORDER BY head, seq LIMIT $1) \
                  UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
                    locked_by = $2, locked_at = now() \
                  WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) \
