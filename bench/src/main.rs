@@ -796,6 +796,19 @@ fn finish(ctx: &mut Ctx) {
             ratio(rmq_ceiling, r.get("rabbitmq_raw_ceiling_msgs_per_s")),
         ),
         (
+            "ratio_relay_rabbitmq_none_vs_raw_envelope",
+            "relay rabbitmq none / raw lapin with the relay's properties and headers",
+            ratio(rmq_none, r.get("rabbitmq_raw_envelope_ceiling_msgs_per_s")),
+        ),
+        (
+            "ratio_rabbitmq_publisher_vs_raw_envelope",
+            "RabbitMqPublisher ceiling / raw lapin with the relay's properties and headers",
+            ratio(
+                rmq_ceiling,
+                r.get("rabbitmq_raw_envelope_ceiling_msgs_per_s"),
+            ),
+        ),
+        (
             "ratio_db_ceiling_vs_pgbench",
             "relay no-op path (db ceiling) / pgbench claim + mark sent (same SQL)",
             ratio(db, r.get("pgbench_claim_mark_rows_per_s")),
