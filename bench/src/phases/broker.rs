@@ -172,11 +172,24 @@ async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]
             ));
         }
     }
-    let r = rate(n, b.elapsed);
+    report_ceiling(ctx, name, (key, label), n, b.elapsed, &b.usage);
+    Ok(())
+}
+
+/// Reports a broker ceiling: a progress line (`name`'s rate), the figure `<key>_msgs_per_s`
+/// labelled `label`, and the detail `key`.
+fn report_ceiling(
+    ctx: &mut Ctx,
+    name: &str,
+    (key, label): (&str, &str),
+    n: usize,
+    elapsed: Duration,
+    usage: &CpuUsage,
+) {
+    let r = rate(n, elapsed);
     ctx.progress(format!(
-        "broker: {name} {r:.0} msgs/s in {:.2?}; {}",
-        b.elapsed,
-        cpu_text(&b.usage)
+        "broker: {name} {r:.0} msgs/s in {elapsed:.2?}; {}",
+        cpu_text(usage)
     ));
     ctx.report.figure(
         "2 broker ceiling",
@@ -187,13 +200,10 @@ async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]
     );
     ctx.report.detail(
         key,
-        json!({"messages": n, "seconds": b.elapsed.as_secs_f64(), "cpu": b.usage}),
+        json!({"messages": n, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
     );
-    Ok(())
 }
 
-/// Publishes every message on one confirm-mode channel with at most `in_flight` unconfirmed;
-/// returns how many were acked.
 /// What raw lapin sends with each message.
 #[derive(Clone, Copy)]
 enum Props<'a> {
@@ -256,25 +266,13 @@ async fn raw_ceiling(ctx: &mut Ctx, msgs: &[OutboxMessage], props: Props<'_>) ->
     if acked != n {
         bail!("raw lapin{tag}: {acked} of {n} messages acked");
     }
-    let r = rate(n, elapsed);
-    ctx.progress(format!(
-        "broker: RabbitMQ raw lapin{tag} {r:.0} msgs/s in {elapsed:.2?}; {}",
-        cpu_text(&usage)
-    ));
-    ctx.report.figure(
-        "2 broker ceiling",
-        &format!("{key}_msgs_per_s"),
-        label,
-        r,
-        "msgs/s",
-    );
-    ctx.report.detail(
-        key,
-        json!({"messages": n, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
-    );
+    let name = format!("RabbitMQ raw lapin{tag}");
+    report_ceiling(ctx, &name, (key, label), n, elapsed, &usage);
     Ok(())
 }
 
+/// Publishes every message on one confirm-mode channel with at most `in_flight` unconfirmed,
+/// each with its `props`; returns how many were acked.
 async fn raw_lapin(
     url: &str,
     exchange: &str,
