@@ -545,9 +545,8 @@ async fn connection_failures_never_spend_attempts() {
 /// aggregate in `seq` order. A row without aggregate is its own run.
 #[tokio::test]
 async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
-    // Inserted round robin: "", A, B, C, A, B, C, A, B, C.
-    let mut keys = vec![""];
-    keys.extend(["A", "B", "C"].repeat(3));
+    // Interleaved, and neither by name nor with the rows without aggregate first.
+    let keys = ["C", "", "B", "A", "C", "", "B", "A", "C", "B", "A"];
     let (table, config, inserted) = setup("loop_claim_runs", "", &rows(&keys)).await;
     let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
     let claim = store
@@ -555,8 +554,9 @@ async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
         .await
         .unwrap();
     let got: Vec<i64> = claim.rows.iter().map(|m| m.seq).collect();
-    // The row without aggregate, A's run of three, then the first two rows of B's run.
-    let want: Vec<i64> = [0, 1, 4, 7, 2, 5]
+    // C's run of three (its oldest row is the oldest), the first row without aggregate, then
+    // the first two rows of B's run; A's run and the second row without aggregate wait.
+    let want: Vec<i64> = [0, 4, 8, 1, 2, 6]
         .iter()
         .map(|&i| inserted[i].seq)
         .collect();

@@ -105,17 +105,19 @@ pub struct WriterSnapshot {
     pub oldest_writer_age: Option<f64>,
 }
 
-/// Candidates an ordered claim looks at beyond its batch and a quarter (see `claim_and_expire`).
-const SCAN_SLACK: i64 = 16;
+/// The fewest candidates an ordered claim looks at beyond its batch (see `claim_and_expire`).
+const SCAN_SLACK: i64 = 100;
 
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them.
 const SUSPECT: &str = "lease expired:";
 const NOT_SUSPECT: &str = "(last_error IS NULL OR last_error NOT LIKE 'lease expired:%')";
 const NOT_SUSPECT_C: &str = "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')";
+const NOT_SUSPECT_H: &str = "(h.last_error IS NULL OR h.last_error NOT LIKE 'lease expired:%')";
 /// Rows whose deadline has passed are never claimed, even in the moment before the expiry
 /// sweep marks them (a heap filter on rows the claim reads anyway: free when no row expires).
 const NOT_DUE: &str = "(expires_at IS NULL OR expires_at > now())";
 const NOT_DUE_C: &str = "(c.expires_at IS NULL OR c.expires_at > now())";
+const NOT_DUE_H: &str = "(h.expires_at IS NULL OR h.expires_at > now())";
 // Claims update `WHERE t.id = ANY(ARRAY(SELECT id FROM <picked>))` rather than joining the
 // picked ids: with a join the generic plan estimated the row count from LIMIT $1 and hashed the
 // whole table (a sequential scan per claim, 46 ms at 100k rows); the array form always probes
@@ -209,7 +211,8 @@ impl ClaimSql {
             // $1 batch size, $2 instance id, $3 watermark (highest seq that is final), $4 scan window.
             //
             // Candidates skip aggregates whose head (first unsent row) is not ready (in flight
-            // elsewhere, backing off or dead), so a long blocked aggregate cannot fill the scan
+            // elsewhere, backing off, dead, a reclaimed row that goes out on its own, or past
+            // its deadline until the sweep), so a long blocked aggregate cannot fill the scan
             // window and starve the others. Aggregates with a row in flight (`busy`, from the
             // small processing index, hashed) are skipped before that per-row head probe: in a
             // steady drain most blocked rows are behind an in-flight head, and a hash lookup
@@ -239,7 +242,8 @@ impl ClaimSql {
                      AND {NOT_DUE_C} \
                      AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
                        AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) AND ( \
-                       SELECT h.status = 'pending' AND h.available_at <= now() FROM {t} h \
+                       SELECT h.status = 'pending' AND h.available_at <= now() \
+                         AND {NOT_SUSPECT_H} AND {NOT_DUE_H} FROM {t} h \
                        WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
                          AND {OPEN_H} ORDER BY h.seq LIMIT 1))) \
                    ORDER BY c.seq LIMIT $4 \
@@ -403,11 +407,12 @@ impl Store {
             Ordering::Aggregate => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
                 // The scan window: candidates beyond the batch leave room for rows that
-                // turn out not claimable (behind a gap: a row another relay is claiming, a row
-                // past its deadline). Each candidate costs a head probe, a gap probe and a row
-                // lock, so the window is a quarter above the batch: 4× the batch (at least
-                // 1,000) made a 500-row claim over 1,000 aggregates take 34 ms instead of 17.
-                let scan = limit.saturating_add(limit / 4).saturating_add(SCAN_SLACK);
+                // turn out not claimable (behind a gap: a row another relay is claiming right
+                // now). Each candidate costs a head probe, a gap probe and a row lock, so the
+                // window is a quarter above the batch (at least SCAN_SLACK above): 4× the
+                // batch, at least 1,000, made a 500-row claim over 1,000 aggregates take 34 ms
+                // where 625 candidates take 13–17.
+                let scan = limit.saturating_add((limit / 4).max(SCAN_SLACK));
                 let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
                     [&limit, &self.instance_id, &watermark, &scan];
                 tokio::join!(expire, client.query(&stmt, &params))
