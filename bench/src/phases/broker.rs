@@ -7,7 +7,7 @@ use futures::StreamExt;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox_relay::config::{Ordering, PublisherKind};
+use outbox_relay::config::{Ordering, PublisherConfig, PublisherKind};
 use outbox_relay::message::{OutboxMessage, PayloadKind};
 use outbox_relay::publish::envelope::{self, EnvelopeConfig};
 use outbox_relay::publish::{Outcome, Publisher};
@@ -96,9 +96,21 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
     // and mandatory (what the broker can take, whatever the relay's publisher design): bare
     // messages, then the same messages with the properties and CloudEvents headers the relay
     // sends (what the broker can take of the relay's wire format).
-    let cfg = ctx.config("bench_unused", |_| {})?;
+    let cfg = ctx.config("bench_unused", |raw| {
+        raw.publisher.kind = PublisherKind::RabbitMq;
+    })?;
+    let PublisherConfig::RabbitMq(rabbitmq) = &cfg.publisher else {
+        bail!(
+            "a RabbitMQ configuration validated as {}",
+            cfg.publisher.kind()
+        );
+    };
     let envelope = outbox_relay::envelope(&cfg, &cfg.outboxes[0], PayloadKind::Json);
-    for props in [Props::Bare, Props::AsTheRelay(&envelope)] {
+    let as_the_relay = Props::AsTheRelay {
+        envelope: &envelope,
+        prefix: rabbitmq.cloudevents_prefix.as_str(),
+    };
+    for props in [Props::Bare, as_the_relay] {
         if let Err(e) = raw_ceiling(ctx, &msgs, props).await {
             errors.push(format!("RabbitMQ raw: {e:#}"));
         }
@@ -209,8 +221,12 @@ fn report_ceiling(
 enum Props<'a> {
     /// `message_id`, `content_type` and persistent delivery only.
     Bare,
-    /// Also `type`, `timestamp` and the CloudEvents headers, as the relay sends them.
-    AsTheRelay(&'a EnvelopeConfig),
+    /// Also `type`, `timestamp` and the CloudEvents headers (`prefix` + attribute), as the
+    /// relay sends them.
+    AsTheRelay {
+        envelope: &'a EnvelopeConfig,
+        prefix: &'a str,
+    },
 }
 
 impl Props<'_> {
@@ -219,13 +235,13 @@ impl Props<'_> {
             .with_message_id(m.id.to_string().into())
             .with_content_type("application/json".into())
             .with_delivery_mode(2);
-        let Props::AsTheRelay(env) = self else {
+        let Props::AsTheRelay { envelope, prefix } = self else {
             return bare;
         };
         let mut headers = FieldTable::default();
-        for (name, value) in envelope::cloud_event_attributes(m, env) {
+        for (name, value) in envelope::cloud_event_attributes(m, envelope) {
             headers.insert(
-                format!("cloudEvents:{name}").into(),
+                format!("{prefix}{name}").into(),
                 AMQPValue::LongString(value.into()),
             );
         }
@@ -239,19 +255,21 @@ impl Props<'_> {
 /// Raw lapin over one channel, every message with `props` (built before the clock starts).
 async fn raw_ceiling(ctx: &mut Ctx, msgs: &[OutboxMessage], props: Props<'_>) -> Result<()> {
     let n = msgs.len();
-    let (tag, key, label) = match props {
+    let (bind, tag, key, label) = match props {
         Props::Bare => (
+            "brkraw",
             "",
             "rabbitmq_raw_ceiling",
             "raw lapin, one channel, persistent + mandatory + confirms, ≤1000 unconfirmed",
         ),
-        Props::AsTheRelay(_) => (
+        Props::AsTheRelay { .. } => (
+            "brkrawenv",
             " (the relay's properties and headers)",
             "rabbitmq_raw_envelope_ceiling",
             "raw lapin as above, with the relay's properties and CloudEvents headers",
         ),
     };
-    let name = ctx.new_binding("brkraw").await?;
+    let name = ctx.new_binding(bind).await?;
     ctx.progress(format!(
         "broker: RabbitMQ raw lapin (one channel){tag}, {n} messages, ≤1000 unconfirmed"
     ));
