@@ -574,3 +574,38 @@ async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
     assert_eq!(table.count_where("status = 'processing'").await, 6);
     table.drop_table().await;
 }
+
+/// Rows behind an aggregate's head that cannot go out in this claim — a row reclaimed from a
+/// relay that died (it goes out on its own) or one past its deadline (until the sweep) — are
+/// skipped before they take up the scan window, so another aggregate's row further on is still
+/// claimed by a claim of one row.
+#[tokio::test]
+async fn rows_behind_a_reclaimed_or_expired_head_do_not_fill_an_ordered_claims_window() {
+    let mut new = rows(&["S"]);
+    new.extend(rows(&["D"]));
+    new.extend(rows(&["S", "D"].repeat(150)));
+    new.extend(rows(&["Y"]));
+    let (table, config, inserted) = setup("loop_claim_window", "", &new).await;
+    let heads = format!(
+        "UPDATE {t} SET last_error = 'lease expired: relay gone stopped while holding the row', \
+           attempts = 1 WHERE seq = {s}; \
+         UPDATE {t} SET expires_at = now() - interval '1 second' WHERE seq = {d}",
+        t = table.name,
+        s = inserted[0].seq,
+        d = inserted[1].seq,
+    );
+    table.db.batch_execute(&heads).await.unwrap();
+    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
+    let claim = store
+        .claim_and_expire(Ordering::Aggregate, 1, i64::MAX, ExpirySweep::Skip)
+        .await
+        .unwrap();
+    let got: Vec<i64> = claim.rows.iter().map(|m| m.seq).collect();
+    let y = inserted.last().unwrap().seq;
+    assert_eq!(
+        got,
+        [y],
+        "the claim of one row takes Y's, past 300 blocked ones"
+    );
+    table.drop_table().await;
+}
