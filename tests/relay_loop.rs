@@ -251,6 +251,17 @@ fn rows(keys: &[&str]) -> Vec<NewRow> {
     keys.iter().map(row).collect()
 }
 
+/// The `seq`s of one ordered claim of up to `limit` rows, made straight through the store (no
+/// expiry sweep, no watermark), in the order the claim hands them over.
+async fn ordered_claim(config: &Config, limit: usize) -> Vec<i64> {
+    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
+    let claim = store
+        .claim_and_expire(Ordering::Aggregate, limit, i64::MAX, ExpirySweep::Skip)
+        .await
+        .unwrap();
+    claim.rows.iter().map(|m| m.seq).collect()
+}
+
 async fn wait_for(what: &str, check: impl Fn() -> bool) {
     let not_yet = || Err("not yet".to_owned());
     wait_until(
@@ -548,12 +559,7 @@ async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
     // Interleaved, and neither by name nor with the rows without aggregate first.
     let keys = ["C", "", "B", "A", "C", "", "B", "A", "C", "B", "A"];
     let (table, config, inserted) = setup("loop_claim_runs", "", &rows(&keys)).await;
-    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
-    let claim = store
-        .claim_and_expire(Ordering::Aggregate, 6, i64::MAX, ExpirySweep::Skip)
-        .await
-        .unwrap();
-    let got: Vec<i64> = claim.rows.iter().map(|m| m.seq).collect();
+    let got = ordered_claim(&config, 6).await;
     // C's run of three (its oldest row is the oldest), the first row without aggregate, then
     // the first two rows of B's run; A's run and the second row without aggregate wait.
     let want: Vec<i64> = [0, 4, 8, 1, 2, 6]
@@ -581,11 +587,10 @@ async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
 /// claimed by a claim of one row.
 #[tokio::test]
 async fn rows_behind_a_reclaimed_or_expired_head_do_not_fill_an_ordered_claims_window() {
-    let mut new = rows(&["S"]);
-    new.extend(rows(&["D"]));
-    new.extend(rows(&["S", "D"].repeat(150)));
-    new.extend(rows(&["Y"]));
-    let (table, config, inserted) = setup("loop_claim_window", "", &new).await;
+    // Heads S and D, 150 rows behind each, then Y.
+    let mut keys = ["S", "D"].repeat(151);
+    keys.push("Y");
+    let (table, config, inserted) = setup("loop_claim_window", "", &rows(&keys)).await;
     let heads = format!(
         "UPDATE {t} SET last_error = 'lease expired: relay gone stopped while holding the row', \
            attempts = 1 WHERE seq = {s}; \
@@ -595,12 +600,7 @@ async fn rows_behind_a_reclaimed_or_expired_head_do_not_fill_an_ordered_claims_w
         d = inserted[1].seq,
     );
     table.db.batch_execute(&heads).await.unwrap();
-    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
-    let claim = store
-        .claim_and_expire(Ordering::Aggregate, 1, i64::MAX, ExpirySweep::Skip)
-        .await
-        .unwrap();
-    let got: Vec<i64> = claim.rows.iter().map(|m| m.seq).collect();
+    let got = ordered_claim(&config, 1).await;
     let y = inserted.last().unwrap().seq;
     assert_eq!(
         got,
