@@ -32,7 +32,7 @@ use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use outbox_relay::config::{Config, Ordering, RawConfig};
 use outbox_relay::publish::{ConnectError, Outcome, Publisher, envelope::EnvelopeConfig};
-use outbox_relay::store::{ExpirySweep, Store};
+use outbox_relay::store::{Claim, ExpirySweep, Store};
 use outbox_relay::{PublisherFactory, RunError, message::OutboxMessage, run_with};
 use serde_json::json;
 use tokio::{sync::Semaphore, task::JoinHandle};
@@ -251,14 +251,19 @@ fn rows(keys: &[&str]) -> Vec<NewRow> {
     keys.iter().map(row).collect()
 }
 
-/// The `seq`s of one ordered claim of up to `limit` rows, made straight through the store (no
-/// expiry sweep, no watermark), in the order the claim hands them over.
-async fn ordered_claim(config: &Config, limit: usize) -> Vec<i64> {
+/// One claim of up to `limit` rows in `parts` parts, made straight through the store (no
+/// expiry sweep, no watermark).
+async fn claim(config: &Config, ordering: Ordering, limit: usize, parts: usize) -> Claim {
     let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
-    let claim = store
-        .claim_and_expire(Ordering::Aggregate, limit, i64::MAX, ExpirySweep::Skip)
-        .await
-        .unwrap();
+    let sweep = ExpirySweep::Skip;
+    let claim = store.claim_and_expire(ordering, limit, i64::MAX, sweep, parts);
+    claim.await.unwrap()
+}
+
+/// The `seq`s of one ordered claim of up to `limit` rows (see [`claim`]), in the order the
+/// claim hands them over.
+async fn ordered_claim(config: &Config, limit: usize) -> Vec<i64> {
+    let claim = claim(config, Ordering::Aggregate, limit, 1).await;
     claim.rows.iter().map(|m| m.seq).collect()
 }
 
@@ -607,5 +612,81 @@ async fn rows_behind_a_reclaimed_or_expired_head_do_not_fill_an_ordered_claims_w
         [y],
         "the claim of one row takes Y's, past 300 blocked ones"
     );
+    table.drop_table().await;
+}
+
+/// A claim split in two parts run at once (as the loop claims while a backlog waits), with
+/// ordering `aggregate`: together the parts fill the batch, each aggregate's claimed rows are
+/// the oldest of its rows (a prefix of its run, never a row behind one left out), and the next
+/// claim takes only aggregates with no rows in flight.
+#[tokio::test]
+async fn a_split_ordered_claim_keeps_each_aggregates_rows_a_prefix() {
+    // 60 aggregates, 5 rows each, round robin.
+    let names: Vec<String> = (0..60).map(|i| format!("a{i}")).collect();
+    let keys: Vec<&str> = (0..5)
+        .flat_map(|_| names.iter().map(String::as_str))
+        .collect();
+    let (table, config, inserted) = setup("loop_claim_split", "", &rows(&keys)).await;
+    let mut of_aggregate: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
+    for (key, row) in keys.iter().zip(&inserted) {
+        of_aggregate.entry(key).or_default().push(row.seq);
+    }
+    let mut taken: HashSet<String> = HashSet::new();
+    for round in 0..2 {
+        let got = claim(&config, Ordering::Aggregate, 150, 2).await;
+        let seqs: Vec<i64> = got.rows.iter().map(|m| m.seq).collect();
+        assert!(
+            !seqs.is_empty(),
+            "round {round}: aggregates without rows in flight remain"
+        );
+        assert!(
+            seqs.is_sorted(),
+            "round {round}: rows in seq order: {seqs:?}"
+        );
+        let mut claimed: BTreeMap<String, Vec<i64>> = BTreeMap::new();
+        for m in &got.rows {
+            let key = m.aggregate_id.clone().unwrap();
+            claimed.entry(key).or_default().push(m.seq);
+        }
+        for (key, got_seqs) in &claimed {
+            let all = &of_aggregate[key.as_str()];
+            assert_eq!(
+                got_seqs.as_slice(),
+                &all[..got_seqs.len()],
+                "round {round}: aggregate {key} claimed {got_seqs:?}, not the oldest of {all:?}"
+            );
+            assert!(
+                taken.insert(key.clone()),
+                "round {round}: aggregate {key} claimed again while its rows are in flight"
+            );
+        }
+        if round == 0 {
+            // Each part hashes about half the aggregates, 150 rows and more for its share of 75.
+            assert_eq!(seqs.len(), 150, "the two parts fill the batch");
+            assert!(
+                got.more,
+                "a part that filled its share says more rows are ready"
+            );
+        }
+    }
+    table.drop_table().await;
+}
+
+/// A claim split in two parts with ordering `none`: the parts skip each other's locked rows,
+/// so together they claim the oldest rows of the table, each once.
+#[tokio::test]
+async fn a_split_claim_without_ordering_takes_the_oldest_rows_once() {
+    let settings = "[relay]\nordering = \"none\"\n";
+    let new = NewRow::numbered(300, "loop", None, "e");
+    let (table, config, inserted) = setup("loop_claim_split_none", settings, &new).await;
+    let got = claim(&config, Ordering::None, 200, 2).await;
+    let seqs: Vec<i64> = got.rows.iter().map(|m| m.seq).collect();
+    let oldest: Vec<i64> = inserted[..200].iter().map(|r| r.seq).collect();
+    assert_eq!(seqs, oldest, "the 200 oldest rows, each once, in seq order");
+    assert!(
+        got.more,
+        "a part that filled its share says more rows are ready"
+    );
+    assert_eq!(table.count_where("status = 'processing'").await, 200);
     table.drop_table().await;
 }

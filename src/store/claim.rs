@@ -74,6 +74,8 @@ pub struct Claim {
     pub rows: Vec<OutboxMessage>,
     /// Rows moved to `expired` (or deleted, retention 0) by the sweep before the claim.
     pub expired: Vec<Expired>,
+    /// Some part of the claim filled its share of the batch: more rows are likely ready.
+    pub more: bool,
 }
 
 /// A message-level failure to record: back off, or dead-letter when out of attempts.
@@ -107,6 +109,13 @@ pub struct WriterSnapshot {
 
 /// The fewest candidates an ordered claim looks at beyond its batch (see `claim_and_expire`).
 const SCAN_SLACK: i64 = 100;
+
+/// `limit` rows in `parts` shares as even as can be (the first ones one larger).
+fn split(limit: usize, parts: usize) -> Vec<usize> {
+    (0..parts)
+        .map(|k| limit / parts + usize::from(k < limit % parts))
+        .collect()
+}
 
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them.
 const SUSPECT: &str = "lease expired:";
@@ -208,7 +217,10 @@ impl ClaimSql {
                  WHERE t.id = ANY(ARRAY(SELECT id FROM cand)) \
                  RETURNING {RETURNING}"
             ),
-            // $1 batch size, $2 instance id, $3 watermark (highest seq that is final), $4 scan window.
+            // $1 batch size, $2 instance id, $3 watermark (highest seq that is final), $4 scan
+            // window, $5 parts, $6 this part: of a claim split into parts run at once, this one
+            // takes only the aggregates that hash to it (rows without one by seq), so no two
+            // parts ever contend for one aggregate.
             //
             // Candidates skip aggregates whose head (first unsent row) is not ready (in flight
             // elsewhere, backing off, dead, a reclaimed row that goes out on its own, or past
@@ -240,6 +252,8 @@ impl ClaimSql {
                    SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id FROM {t} c \
                    WHERE c.status = 'pending' AND c.available_at <= now() AND {NOT_SUSPECT_C} \
                      AND {NOT_DUE_C} \
+                     AND (CASE WHEN c.aggregate_id IS NULL THEN c.seq \
+                          ELSE hashtext(c.aggregate_id) & 2147483647 END) % $5 = $6 \
                      AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
                        AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) AND ( \
                        SELECT h.status = 'pending' AND h.available_at <= now() \
@@ -362,7 +376,7 @@ impl Store {
         watermark: i64,
     ) -> Result<Vec<OutboxMessage>> {
         Ok(self
-            .claim_and_expire(ordering, limit, watermark, ExpirySweep::Mark)
+            .claim_and_expire(ordering, limit, watermark, ExpirySweep::Mark, 1)
             .await?
             .rows)
     }
@@ -376,33 +390,107 @@ impl Store {
     /// claim already sees the rows just expired as no longer holding back their aggregates;
     /// with no deadline in the table the sweep is one probe of an empty partial index, in the
     /// claim's round trip.
+    ///
+    /// With `parts` above 1 the claim is split into that many statements run at once, each on
+    /// its own connection and for its share of `limit`: one claim statement keeps one server
+    /// process busy, and a backlog drains faster when the server's other cores help. With
+    /// ordering `none` the parts simply skip each other's locked rows; with `aggregate` each
+    /// takes the aggregates that hash to it. The rows come back in `seq` order either way.
     pub async fn claim_and_expire(
         &self,
         ordering: Ordering,
         limit: usize,
         watermark: i64,
         sweep: ExpirySweep,
+        parts: usize,
     ) -> Result<Claim> {
+        let parts = parts.clamp(1, limit.max(1));
+        let shares = split(limit, parts);
         let client = self.client().await?;
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let sweep_limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let expire = match sweep {
             ExpirySweep::Skip => None,
             ExpirySweep::Mark => Some(client.prepare_cached(&self.q.claim.expire).await?),
             ExpirySweep::Delete => Some(client.prepare_cached(&self.q.claim.expire_delete).await?),
         };
-        let expire_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&limit];
+        let expire_params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&sweep_limit];
         let expire = async {
             match &expire {
                 Some(stmt) => client.query(stmt, &expire_params).await,
                 None => Ok(Vec::new()),
             }
         };
-        let (expired, rows) = match ordering {
+        let shares = &shares;
+        let first = self.claim_part(&client, ordering, watermark, (0, shares));
+        // Every part runs to its end, even when another fails: a part's rows are claimed once
+        // its statement commits, and an answer dropped on the way would leave them to the lease.
+        let others = futures::future::join_all((1..parts).map(|part| async move {
+            let client = self.client().await?;
+            self.claim_part(&client, ordering, watermark, (part, shares))
+                .await
+        }));
+        let (expired, first, others) = tokio::join!(expire, first, others);
+        let mut more = false;
+        let mut rows = Vec::with_capacity(limit);
+        let mut failed = None;
+        for (got, share) in std::iter::once(first).chain(others).zip(shares) {
+            match got {
+                Ok(got) => {
+                    more |= got.len() >= *share;
+                    for r in &got {
+                        rows.push(message_of(r)?);
+                    }
+                }
+                Err(e) => failed = failed.or(Some(e)),
+            }
+        }
+        // A part (or the sweep) that failed while another part claimed rows is a warning:
+        // those rows are this relay's now and go out; the next round retries the rest.
+        match failed {
+            Some(e) if rows.is_empty() => return Err(e),
+            Some(e) => {
+                tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed")
+            }
+            None => {}
+        }
+        let expired = match expired {
+            Ok(expired) => expired
+                .iter()
+                .map(|r| {
+                    Ok(Expired {
+                        id: r.try_get(0)?,
+                        aggregate_type: r.try_get(1)?,
+                    })
+                })
+                .collect::<Result<Vec<_>, tokio_postgres::Error>>()?,
+            Err(e) if rows.is_empty() => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "the expiry sweep failed; publishing the rows claimed beside it");
+                Vec::new()
+            }
+        };
+        rows.sort_unstable_by_key(|m| m.seq);
+        Ok(Claim {
+            rows,
+            expired,
+            more,
+        })
+    }
+
+    /// One part of a claim (see [`Store::claim_and_expire`]): `part` of `shares.len()`, for
+    /// `shares[part]` rows, on `client`.
+    async fn claim_part(
+        &self,
+        client: &deadpool_postgres::Object,
+        ordering: Ordering,
+        watermark: i64,
+        (part, shares): (usize, &[usize]),
+    ) -> Result<Vec<tokio_postgres::Row>> {
+        let limit = i64::try_from(shares[part]).unwrap_or(i64::MAX);
+        let rows = match ordering {
             Ordering::None => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_none).await?;
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] =
-                    [&limit, &self.instance_id];
-                tokio::join!(expire, client.query(&stmt, &params))
+                client.query(&stmt, &[&limit, &self.instance_id]).await?
             }
             Ordering::Aggregate => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
@@ -413,26 +501,17 @@ impl Store {
                 // batch, at least 1,000, made a 500-row claim over 1,000 aggregates take 34 ms
                 // where 625 candidates take 13–17.
                 let scan = limit.saturating_add((limit / 4).max(SCAN_SLACK));
-                let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                    [&limit, &self.instance_id, &watermark, &scan];
-                tokio::join!(expire, client.query(&stmt, &params))
+                let parts = i64::try_from(shares.len()).unwrap_or(1);
+                let this = i64::try_from(part).unwrap_or(0);
+                client
+                    .query(
+                        &stmt,
+                        &[&limit, &self.instance_id, &watermark, &scan, &parts, &this],
+                    )
+                    .await?
             }
         };
-        let expired = expired?
-            .iter()
-            .map(|r| {
-                Ok(Expired {
-                    id: r.try_get(0)?,
-                    aggregate_type: r.try_get(1)?,
-                })
-            })
-            .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
-        let mut rows = rows?
-            .iter()
-            .map(message_of)
-            .collect::<Result<Vec<_>, tokio_postgres::Error>>()?;
-        rows.sort_unstable_by_key(|m| m.seq);
-        Ok(Claim { rows, expired })
+        Ok(rows)
     }
 
     /// Whether a row reclaimed from a dead relay is ready to be claimed (see `SUSPECT`).
@@ -591,6 +670,18 @@ fn message_of(r: &tokio_postgres::Row) -> Result<OutboxMessage, tokio_postgres::
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_split_claim_shares_its_batch_evenly() {
+        for (limit, parts, want) in [
+            (500, 1, vec![500]),
+            (500, 2, vec![250, 250]),
+            (501, 2, vec![251, 250]),
+            (7, 3, vec![3, 2, 2]),
+        ] {
+            assert_eq!(split(limit, parts), want, "{limit} rows in {parts} parts");
+        }
+    }
 
     #[test]
     fn hot_path_sql_is_the_relays_own_for_the_table() {
