@@ -690,3 +690,23 @@ async fn a_split_claim_without_ordering_takes_the_oldest_rows_once() {
     assert_eq!(table.count_where("status = 'processing'").await, 200);
     table.drop_table().await;
 }
+
+/// An open row between two candidates of one aggregate (here backing off: not ready yet)
+/// stops the run there: the claim takes the head and another aggregate's row, never the row
+/// behind the gap.
+#[tokio::test]
+async fn an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready() {
+    let (table, config, inserted) = setup("loop_claim_gap", "", &rows(&["A", "A", "A", "B"])).await;
+    let later = format!(
+        "UPDATE {} SET available_at = now() + interval '1 hour' WHERE seq = {}",
+        table.name, inserted[1].seq
+    );
+    table.db.batch_execute(&later).await.unwrap();
+    let got = ordered_claim(&config, 10).await;
+    assert_eq!(
+        got,
+        [inserted[0].seq, inserted[3].seq],
+        "A's head and B's row; A's third row waits behind the second"
+    );
+    table.drop_table().await;
+}
