@@ -54,6 +54,11 @@ const CLAIM_PARTS: usize = 2;
 /// The fewest rows a part of a split claim is for: below that, splitting saves nothing.
 const MIN_PART_ROWS: usize = 100;
 
+/// How long claims stay whole after a split one came back uneven (a part filled its share,
+/// another did not: the ready rows sit in few aggregates, say one hot aggregate's backlog).
+/// The short part scanned the whole backlog for nothing; once a second is cheap.
+const SPLIT_PAUSE: Duration = Duration::from_secs(1);
+
 /// How often a claim also sweeps expired rows (`expires_at` passed) while rows flow. Claims
 /// never take such rows, so the sweep only marks them (and, with ordering `aggregate`, lets
 /// the rest of their aggregate go): a relay claiming every few milliseconds, or twenty idle
@@ -394,6 +399,8 @@ struct Dispatch<'a> {
     // most a batch).
     backlog: bool,
     refill: usize,
+    // Until when claims stay whole (see `SPLIT_PAUSE`).
+    whole_until: Option<Instant>,
     // Whether the broker was connected when last looked at: a drop from true is a lost
     // connection, counted once however many rows (none, when idle) were in flight.
     broker_up: bool,
@@ -437,6 +444,7 @@ impl<'a> Dispatch<'a> {
             next_suspect_check: Instant::now(),
             backlog: false,
             refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
+            whole_until: None,
             broker_up: false,
             next_sweep: Instant::now(),
             polled: false,
@@ -645,7 +653,7 @@ impl<'a> Dispatch<'a> {
             ExpirySweep::Mark
         };
         // With a backlog, the claim runs in parts at once (see `CLAIM_PARTS`).
-        let parts = if self.backlog {
+        let parts = if self.backlog && self.whole_until.is_none_or(|t| now >= t) {
             CLAIM_PARTS.min(limit / MIN_PART_ROWS).max(1)
         } else {
             1
@@ -660,6 +668,9 @@ impl<'a> Dispatch<'a> {
             Ok(claim) => {
                 record_expired(&relay.metrics, &claim.expired);
                 let swept_all = sweep != ExpirySweep::Skip && claim.expired.len() < limit;
+                if claim.uneven {
+                    self.whole_until = Some(now + SPLIT_PAUSE);
+                }
                 (claim.rows, swept_all, claim.more)
             }
             Err(e) => {

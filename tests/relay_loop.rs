@@ -661,7 +661,8 @@ async fn a_split_ordered_claim_keeps_each_aggregates_rows_a_prefix() {
             );
         }
         if round == 0 {
-            // Each part hashes about half the aggregates, 150 rows and more for its share of 75.
+            // Each part takes the aggregates that `hashtext` maps to it: for "a0".."a59" (fixed
+            // names, a fixed hash) each part has at least 15 of them, 75 rows for its share.
             assert_eq!(seqs.len(), 150, "the two parts fill the batch");
             assert!(
                 got.more,
@@ -707,6 +708,27 @@ async fn an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready() {
         got,
         [inserted[0].seq, inserted[3].seq],
         "A's head and B's row; A's third row waits behind the second"
+    );
+    table.drop_table().await;
+}
+
+/// One aggregate's backlog split in two parts: all its rows hash to one part, which takes its
+/// share (the oldest rows, a prefix of the run); the other finds nothing. The claim says so
+/// (`uneven`), and the loop then claims whole for a while.
+#[tokio::test]
+async fn a_split_claim_of_one_aggregate_takes_one_share_and_says_it_is_uneven() {
+    let new = NewRow::numbered(300, "loop", Some(("hot", 1)), "e");
+    let (table, config, inserted) = setup("loop_claim_split_one", "", &new).await;
+    let got = claim(&config, Ordering::Aggregate, 200, 2).await;
+    let seqs: Vec<i64> = got.rows.iter().map(|m| m.seq).collect();
+    let oldest: Vec<i64> = inserted[..100].iter().map(|r| r.seq).collect();
+    assert_eq!(
+        seqs, oldest,
+        "the part the aggregate hashes to takes its 100, in seq order"
+    );
+    assert!(
+        got.more && got.uneven,
+        "one part filled its share, the other came back empty"
     );
     table.drop_table().await;
 }

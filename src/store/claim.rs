@@ -76,6 +76,9 @@ pub struct Claim {
     pub expired: Vec<Expired>,
     /// Some part of the claim filled its share of the batch: more rows are likely ready.
     pub more: bool,
+    /// Some part filled its share while another came back short: the ready rows sit in fewer
+    /// aggregates than there were parts, and splitting the next claim would not pay.
+    pub uneven: bool,
 }
 
 /// A message-level failure to record: back off, or dead-letter when out of attempts.
@@ -226,7 +229,7 @@ impl ClaimSql {
             // elsewhere, backing off, dead, a reclaimed row that goes out on its own, or past
             // its deadline until the sweep), so a long blocked aggregate cannot fill the scan
             // window and starve the others. Aggregates with a row in flight (`busy`, from the
-            // small processing index, hashed) are skipped before that per-row head probe: in a
+            // small processing index, hashed) are skipped before that head probe: in a
             // steady drain most blocked rows are behind an in-flight head, and a hash lookup
             // costs a fraction of an index probe (bench: a claim over 98k blocked rows went
             // from 480 ms to 26 ms). `busy` is capped so that it stays hashable; aggregates left
@@ -397,16 +400,17 @@ impl Store {
     /// [`Ordering::Aggregate`], only rows at or below `watermark` (for rows with an aggregate
     /// id) whose earlier open rows all come along.
     ///
-    /// The two statements are pipelined on one connection and run in the order sent, so the
-    /// claim already sees the rows just expired as no longer holding back their aggregates;
-    /// with no deadline in the table the sweep is one probe of an empty partial index, in the
-    /// claim's round trip.
+    /// The sweep and the (first part of the) claim are pipelined on one connection and run in
+    /// the order sent, so that claim already sees the rows just expired as no longer holding
+    /// back their aggregates; with no deadline in the table the sweep is one probe of an empty
+    /// partial index, in the claim's round trip.
     ///
-    /// With `parts` above 1 the claim is split into that many statements run at once, each on
-    /// its own connection and for its share of `limit`: one claim statement keeps one server
-    /// process busy, and a backlog drains faster when the server's other cores help. With
-    /// ordering `none` the parts simply skip each other's locked rows; with `aggregate` each
-    /// takes the aggregates that hash to it. The rows come back in `seq` order either way.
+    /// With `parts` above 1 the claim is split into up to that many statements run at once,
+    /// each on its own connection (as many as the pool has free right now) and for its share
+    /// of `limit`: one claim statement keeps one server process busy, and a backlog drains
+    /// faster when the server's other cores help. With ordering `none` the parts simply skip
+    /// each other's locked rows; with `aggregate` each takes the aggregates that hash to it.
+    /// The rows come back in `seq` order either way.
     pub async fn claim_and_expire(
         &self,
         ordering: Ordering,
@@ -415,9 +419,18 @@ impl Store {
         sweep: ExpirySweep,
         parts: usize,
     ) -> Result<Claim> {
-        let parts = parts.clamp(1, limit.max(1));
-        let shares = split(limit, parts);
         let client = self.client().await?;
+        // The other parts only on connections free right now, taken before any part starts:
+        // a claim never waits for a connection (with outboxes sharing a small pool, waiting
+        // ones could hold each other up) while rows it already claimed wait unpublished.
+        let mut extra = Vec::new();
+        while extra.len() + 1 < parts.clamp(1, limit.max(1)) {
+            match self.client_if_free().await {
+                Some(c) => extra.push(c),
+                None => break,
+            }
+        }
+        let shares = split(limit, 1 + extra.len());
         let sweep_limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let expire = match sweep {
             ExpirySweep::Skip => None,
@@ -435,22 +448,27 @@ impl Store {
         let first = self.claim_part(&client, ordering, watermark, (0, shares));
         // Every part runs to its end, even when another fails: a part's rows are claimed once
         // its statement commits, and an answer dropped on the way would leave them to the lease.
-        let others = futures::future::join_all((1..parts).map(|part| async move {
-            let client = self.client().await?;
-            self.claim_part(&client, ordering, watermark, (part, shares))
-                .await
-        }));
+        let others = futures::future::join_all(
+            extra
+                .iter()
+                .enumerate()
+                .map(|(k, client)| self.claim_part(client, ordering, watermark, (k + 1, shares))),
+        );
         let (expired, first, others) = tokio::join!(expire, first, others);
-        let mut more = false;
+        let (mut more, mut short) = (false, false);
         let mut rows = Vec::with_capacity(limit);
         let mut failed = None;
         for (got, share) in std::iter::once(first).chain(others).zip(shares) {
+            let got = got.and_then(|got| {
+                let n = got.len();
+                let messages = got.iter().map(message_of).collect::<Result<Vec<_>, _>>();
+                Ok((n, messages?))
+            });
             match got {
-                Ok(got) => {
-                    more |= got.len() >= *share;
-                    for r in &got {
-                        rows.push(message_of(r)?);
-                    }
+                Ok((n, messages)) => {
+                    more |= n >= *share;
+                    short |= n < *share;
+                    rows.extend(messages);
                 }
                 Err(e) => failed = failed.or(Some(e)),
             }
@@ -464,8 +482,8 @@ impl Store {
             }
             None => {}
         }
-        let expired = match expired {
-            Ok(expired) => expired
+        let expired = expired.and_then(|expired| {
+            expired
                 .iter()
                 .map(|r| {
                     Ok(Expired {
@@ -473,7 +491,10 @@ impl Store {
                         aggregate_type: r.try_get(1)?,
                     })
                 })
-                .collect::<Result<Vec<_>, tokio_postgres::Error>>()?,
+                .collect::<Result<Vec<_>, tokio_postgres::Error>>()
+        });
+        let expired = match expired {
+            Ok(expired) => expired,
             Err(e) if rows.is_empty() => return Err(e.into()),
             Err(e) => {
                 tracing::warn!(error = %e, "the expiry sweep failed; publishing the rows claimed beside it");
@@ -485,7 +506,15 @@ impl Store {
             rows,
             expired,
             more,
+            uneven: more && short,
         })
+    }
+
+    /// A pooled connection if one is free now (idle, or a slot to open one), without waiting.
+    async fn client_if_free(&self) -> Option<deadpool_postgres::Object> {
+        let mut timeouts = self.pool.timeouts();
+        timeouts.wait = Some(Duration::ZERO);
+        self.pool.timeout_get(&timeouts).await.ok()
     }
 
     /// One part of a claim (see [`Store::claim_and_expire`]): `part` of `shares.len()`, for
@@ -507,10 +536,10 @@ impl Store {
                 let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
                 // The scan window: candidates beyond the batch leave room for rows that
                 // turn out not claimable (behind a gap: a row another relay is claiming right
-                // now). Each candidate costs a head probe, a gap probe and a row lock, so the
-                // window is a quarter above the batch (at least SCAN_SLACK above): 4× the
-                // batch, at least 1,000, made a 500-row claim over 1,000 aggregates take 34 ms
-                // where 625 candidates take 13–17.
+                // now). Each candidate costs a row lock and (but the first of its aggregate) a
+                // gap probe, each aggregate a head probe, so the window is a quarter above the
+                // batch (at least SCAN_SLACK above): 4× the batch, at least 1,000, made a 500-row
+                // claim over 1,000 aggregates take 34 ms where 625 candidates take 13–17.
                 let scan = limit.saturating_add((limit / 4).max(SCAN_SLACK));
                 let parts = i64::try_from(shares.len()).unwrap_or(1);
                 let this = i64::try_from(part).unwrap_or(0);

@@ -776,8 +776,11 @@ async fn claim_probe(ctx: &mut Ctx, table: &str) -> Result<(&'static str, String
     let instance = "'outbox-bench-probe'";
     let text = match captured {
         Ok(Some(sql)) => {
-            let scan = (batch * 4).max(1000);
+            // As the relay sends it unsplit: one part of one, the relay's scan window.
+            let scan = batch + (batch / 4).max(100);
             let claim = sql
+                .replace("$6", "0")
+                .replace("$5", "1")
                 .replace("$4", &scan.to_string())
                 .replace("$3", &i64::MAX.to_string())
                 .replace("$2", instance)
