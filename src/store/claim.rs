@@ -239,7 +239,11 @@ impl ClaimSql {
             // one aggregate's backlog (10,000 rows sent, 10,000 pending) every candidate walked
             // the index entries of the rows already sent, and the gap probe below, bounded only
             // from above, did too (or the planner scanned the table for it): 1,175 ms per claim,
-            // 9.5 ms now; over 1,000 aggregates the same as before.
+            // 9.5 ms now; over 1,000 aggregates the same as before. The conditions on the
+            // candidate alone (watermark, `busy`) stand apart from the one on the head, so the
+            // planner filters the scan with them before the join: in an OR with the head's,
+            // every row of an aggregate in flight was joined first (1,000 aggregates all in
+            // flight, 99,000 rows behind them: 78 ms per claim against 33 ms before).
             // A candidate is claimable when every unsent row of its aggregate with a smaller seq
             // is itself a candidate locked by this statement (so the whole run goes to one
             // relay, published in seq order) — the first candidate of its aggregate when it is
@@ -271,8 +275,8 @@ impl ClaimSql {
                      AND (CASE WHEN c.aggregate_id IS NULL THEN c.seq \
                           ELSE hashtext(c.aggregate_id) & 2147483647 END) % $5 = $6 \
                      AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
-                       AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) \
-                       AND h.head_seq IS NOT NULL)) \
+                       AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy))) \
+                     AND (c.aggregate_id IS NULL OR h.head_seq IS NOT NULL) \
                    ORDER BY c.seq LIMIT $4 \
                    FOR UPDATE OF c SKIP LOCKED), \
                  ranked AS ( \
