@@ -337,6 +337,58 @@ async fn ordered_kafka_runs_behind_a_black_hole_are_handed_back_and_arrive_in_or
     black_hole(&KAFKA_HOLE, broker).await;
 }
 
+/// Replacing a stuck ordered producer purges what it still holds; its records still awaited
+/// come back as purged and are handed back. Those outcomes are the old producer's: they must not
+/// mark its successor for replacement. (Seen in CI after a broker restart: one stuck producer
+/// was followed by three replacements within 50 ms, each purging its successor's records in
+/// flight.) Rows go behind a black hole in two bursts 1.5 s apart, so that when the first burst
+/// times out the second is still awaited. The network stays black-holed until the new
+/// producer's first connection check has failed (the relay retries it), then comes back: the
+/// producer that was checked is kept, so the producer is replaced exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_kafka_producer_does_not_take_its_successor_down() {
+    let (label, instance) = ("kafka_successor", "kafka-successor");
+    let broker = Broker::kafka(label).await;
+    let table = TestTable::new(label).await;
+    let relay = broker
+        .relay(&table, instance)
+        .set("relay.ordering", "aggregate")
+        .set("publisher.kafka.message_timeout", "3s")
+        .set("relay.lease_timeout", "60s")
+        .spawn();
+    hold_rows_behind_a_black_hole(&table, &broker, instance, 50).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let late = NewRow::numbered(50, "late", Some(("l-", 5)), "e");
+    table.insert_ids(&late).await;
+
+    let (replacing, retrying) = (
+        "replacing the Kafka producer",
+        "not claiming rows until it is back",
+    );
+    wait_until(
+        LONG,
+        "the relay fails to connect its new producer",
+        async || match (relay.log_count(replacing), relay.log_count(retrying)) {
+            (r, f) if r >= 1 && f >= 1 => Ok(()),
+            (r, f) => Err(format!(
+                "{r} replacement(s), {f} failed connection check(s)"
+            )),
+        },
+    )
+    .await;
+    broker.proxy().heal();
+    table.wait_all_sent(LONG).await;
+    let replaced = relay.log_count(replacing);
+    assert_eq!(replaced, 1, "producers replaced:\n{}", relay.stderr());
+
+    let rows = table.rows().await;
+    analyse(&rows, broker.arrivals().await.iter().map(String::as_str)).assert_complete(label);
+    assert_none("rows not sent with attempts = 1", &not_sent_once(&rows));
+    relay.stop().await;
+    broker.teardown().await;
+    table.drop_table().await;
+}
+
 /// A broker that stops answering (a black hole, longer than the publish timeout: RabbitMQ's
 /// `confirm_timeout` with `ordering = "none"`, Kafka's `message_timeout` in the middle of
 /// ordered runs): every held row is handed back unspent; once the broker answers again every

@@ -17,8 +17,13 @@
 //!   what it still holds, so it cannot deliver a handed-back record's successors later. What
 //!   it had already sent was sent in order; the relay publishes the handed-back rows again,
 //!   in order (a duplicate at worst, never a reorder of first arrivals).
+//!
+//! Each producer has a generation. What a replaced producer still reports (its purged records,
+//! the timeouts of records it held, the fatal error its purge raises) is handed back like any
+//! connection-level outcome but says nothing about its successor: it never marks the broker
+//! down nor the new producer for replacement (else each replacement would purge the next).
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -41,6 +46,17 @@ use crate::message::OutboxMessage;
 struct Context {
     up: Arc<AtomicBool>,
     last_error: Arc<Mutex<Option<LastError>>>,
+    /// This producer's generation, and the publisher's current one: a replaced producer's
+    /// errors (its purge raises a fatal gapless error) say nothing about the broker now.
+    generation: u64,
+    current: Arc<AtomicU64>,
+}
+
+impl Context {
+    /// Not replaced (a producer being created is not current yet, but not replaced either).
+    fn is_current(&self) -> bool {
+        self.generation >= self.current.load(Ordering::Relaxed)
+    }
 }
 
 /// A client-level error as reported, and when it was last logged at `warn`.
@@ -56,6 +72,10 @@ const REPEAT_WARN_EVERY: Duration = Duration::from_secs(30);
 impl ClientContext for Context {
     fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
         use rdkafka::config::RDKafkaLogLevel as L;
+        if !self.is_current() {
+            tracing::debug!(target: "rdkafka", facility = fac, "replaced producer: {message}");
+            return;
+        }
         match level {
             // A connection failure (`FAIL`) is also raised as an error event: logged there.
             L::Emerg | L::Alert | L::Critical | L::Error if fac != "FAIL" => {
@@ -67,6 +87,10 @@ impl ClientContext for Context {
     }
 
     fn error(&self, error: KafkaError, reason: &str) {
+        if !self.is_current() {
+            tracing::debug!(target: "rdkafka", error = %error, "replaced producer: {reason}");
+            return;
+        }
         let code = error.rdkafka_error_code();
         if matches!(
             code,
@@ -126,17 +150,27 @@ const ORDERED_OVERRIDES: &[&str] = &["message.timeout.ms", "delivery.timeout.ms"
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
-    producer: std::sync::RwLock<Option<FutureProducer<Context>>>,
+    producer: std::sync::RwLock<Option<Current>>,
+    /// The generation of the producer in `producer`, one more on every replacement.
+    generation: Arc<AtomicU64>,
     up: Arc<AtomicBool>,
     /// The last client-level error any of our producers reported (see [`Context`]).
     last_error: Arc<Mutex<Option<LastError>>>,
-    /// Set when the producer can no longer be trusted to deliver (fatal error, or a message
-    /// timed out): the next connect() replaces it.
+    /// Set when the current producer can no longer be trusted to deliver (fatal error, or a
+    /// message timed out): the next connect() replaces it. Outcomes of a replaced producer
+    /// (its purged records) never set it: they would replace its healthy successor.
     replace: AtomicBool,
     connecting: tokio::sync::Mutex<()>,
     /// Some outbox has `ordering = "aggregate"`: runs are pipelined, librdkafka has no
     /// message timeout and the relay enforces `message_timeout` (see the module docs).
     ordered: bool,
+}
+
+/// The producer in use and its generation.
+#[derive(Clone)]
+struct Current {
+    producer: FutureProducer<Context>,
+    generation: u64,
 }
 
 /// Property names whose values must never be logged.
@@ -155,6 +189,7 @@ impl KafkaPublisher {
         Self {
             cfg,
             producer: std::sync::RwLock::new(None),
+            generation: Arc::new(AtomicU64::new(0)),
             up: Arc::new(AtomicBool::new(false)),
             last_error: Arc::new(Mutex::new(None)),
             replace: AtomicBool::new(false),
@@ -226,9 +261,21 @@ impl KafkaPublisher {
         c
     }
 
-    fn producer(&self) -> Option<FutureProducer<Context>> {
+    fn producer(&self) -> Option<Current> {
         let guard = self.producer.read().unwrap_or_else(|p| p.into_inner());
         guard.clone()
+    }
+
+    /// Notes what an outcome of the producer of `generation` says, if that producer is still
+    /// the current one: the broker is (not) reachable, the producer must be replaced.
+    fn note(&self, generation: u64, up: bool, replace: bool) {
+        if self.generation.load(Ordering::Relaxed) != generation {
+            return;
+        }
+        if replace {
+            self.replace.store(true, Ordering::Relaxed);
+        }
+        self.up.store(up, Ordering::Relaxed);
     }
 
     /// Hands one record to the producer, waiting while its queue is full (at most
@@ -237,8 +284,12 @@ impl KafkaPublisher {
         &self,
         msg: &OutboxMessage,
         env: &EnvelopeConfig,
-    ) -> Result<DeliveryFuture, Outcome> {
-        let Some(producer) = self.producer() else {
+    ) -> Result<(DeliveryFuture, u64), Outcome> {
+        let Some(Current {
+            producer,
+            generation,
+        }) = self.producer()
+        else {
             return Err(Outcome::Unavailable(
                 "Kafka producer not created yet".to_owned(),
             ));
@@ -258,14 +309,14 @@ impl KafkaPublisher {
         let deadline = Instant::now() + self.cfg.message_timeout;
         loop {
             match producer.send_result(record) {
-                Ok(delivery) => return Ok(delivery),
+                Ok(delivery) => return Ok((delivery, generation)),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r))
                     if Instant::now() < deadline =>
                 {
                     record = r;
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                Err((err, _)) => return Err(self.failed(&err)),
+                Err((err, _)) => return Err(self.failed(&err, generation)),
             }
         }
     }
@@ -274,51 +325,53 @@ impl KafkaPublisher {
     /// here the relay enforces `message_timeout` from when the record was queued. With an
     /// ordered producer every connection-level outcome (no report in time, a fatal error)
     /// marks the producer for replacement, which purges the records queued behind.
-    async fn report(&self, delivery: DeliveryFuture, queued: Instant) -> Outcome {
+    async fn report(
+        &self,
+        (delivery, generation): (DeliveryFuture, u64),
+        queued: Instant,
+    ) -> Outcome {
         if !self.ordered {
-            return self.delivered(delivery.await);
+            return self.delivered(delivery.await, generation);
         }
         let deadline = tokio::time::Instant::from_std(queued + self.cfg.message_timeout);
         let outcome = match tokio::time::timeout_at(deadline, delivery).await {
-            Ok(report) => self.delivered(report),
+            Ok(report) => self.delivered(report, generation),
             Err(_) => Outcome::Unavailable(format!(
                 "no delivery report within {} (publisher.kafka.message_timeout)",
                 humantime::format_duration(self.cfg.message_timeout)
             )),
         };
         if matches!(outcome, Outcome::Unavailable(_)) {
-            self.replace.store(true, Ordering::Relaxed);
-            self.up.store(false, Ordering::Relaxed);
+            self.note(generation, false, true);
         }
         outcome
     }
 
-    /// The outcome of a delivery report.
-    fn delivered(&self, report: Result<OwnedDeliveryResult, Canceled>) -> Outcome {
+    /// The outcome of a delivery report from the producer of `generation`.
+    fn delivered(&self, report: Result<OwnedDeliveryResult, Canceled>, generation: u64) -> Outcome {
         match report {
             Ok(Ok(_)) => {
-                self.up.store(true, Ordering::Relaxed);
+                self.note(generation, true, false);
                 Outcome::Confirmed
             }
-            Ok(Err((err, _))) => self.failed(&err),
+            Ok(Err((err, _))) => self.failed(&err, generation),
             Err(Canceled) => {
-                self.up.store(false, Ordering::Relaxed);
+                self.note(generation, false, false);
                 Outcome::Unavailable("the producer went away before reporting".to_owned())
             }
         }
     }
 
-    /// Classifies a failed record, noting a producer that can no longer be trusted.
-    fn failed(&self, err: &KafkaError) -> Outcome {
+    /// Classifies a record that the producer of `generation` failed, noting a producer that
+    /// can no longer be trusted.
+    fn failed(&self, err: &KafkaError, generation: u64) -> Outcome {
         let outcome = classify_error(err);
         if matches!(outcome, Outcome::Unavailable(_)) {
-            if matches!(
+            let replace = matches!(
                 err.rdkafka_error_code(),
                 Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::MessageTimedOut)
-            ) {
-                self.replace.store(true, Ordering::Relaxed);
-            }
-            self.up.store(false, Ordering::Relaxed);
+            );
+            self.note(generation, false, replace);
         }
         outcome
     }
@@ -437,32 +490,42 @@ impl Publisher for KafkaPublisher {
             return Ok(());
         }
         let producer = match self.producer() {
-            Some(p)
-                if p.client().fatal_error().is_none() && !self.replace.load(Ordering::Relaxed) =>
+            Some(Current { producer, .. })
+                if producer.client().fatal_error().is_none()
+                    && !self.replace.load(Ordering::Relaxed) =>
             {
-                p
+                producer
             }
             stale => {
-                if stale.is_some() {
-                    tracing::warn!(fatal = ?stale.as_ref().and_then(|p| p.client().fatal_error()), "replacing the Kafka producer");
+                if let Some(stale) = &stale {
+                    let fatal = stale.producer.client().fatal_error();
+                    tracing::warn!(fatal = ?fatal, generation = stale.generation, "replacing the Kafka producer");
                 }
-                self.replace.store(false, Ordering::Relaxed);
+                let generation = self.generation.load(Ordering::Relaxed) + 1;
                 let ctx = Context {
                     up: Arc::clone(&self.up),
                     last_error: Arc::clone(&self.last_error),
+                    generation,
+                    current: Arc::clone(&self.generation),
                 };
                 let p: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
                     .create_with_context(ctx)
                     .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
                 let old = {
                     let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-                    guard.replace(p.clone())
+                    // From here the old producer's outcomes are stale (see `note`).
+                    self.generation.store(generation, Ordering::Relaxed);
+                    self.replace.store(false, Ordering::Relaxed);
+                    guard.replace(Current {
+                        producer: p.clone(),
+                        generation,
+                    })
                 };
                 if let Some(old) = old {
                     // Dropping the last handle purges what it still holds (so it cannot
                     // deliver a handed-back record's successors later) and waits up to
                     // 500 ms: off the async threads.
-                    drop(tokio::task::spawn_blocking(move || drop(old)));
+                    drop(tokio::task::spawn_blocking(move || drop(old.producer)));
                 }
                 p
             }
@@ -509,7 +572,7 @@ impl Publisher for KafkaPublisher {
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
         let queued = Instant::now();
         match self.enqueue(msg, env).await {
-            Ok(delivery) => self.report(delivery, queued).await,
+            Ok(queued_record) => self.report(queued_record, queued).await,
             Err(outcome) => outcome,
         }
     }
@@ -575,7 +638,8 @@ impl Publisher for KafkaPublisher {
         };
         if let Some(p) = producer {
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
-            let _ = tokio::task::spawn_blocking(move || p.flush(Duration::from_secs(1))).await;
+            let _ =
+                tokio::task::spawn_blocking(move || p.producer.flush(Duration::from_secs(1))).await;
         }
     }
 }
@@ -674,6 +738,34 @@ mod tests {
         let unordered = KafkaPublisher::client_config(&config(&[]), false);
         assert_eq!(unordered.get("message.timeout.ms"), Some("5000"));
         assert_eq!(unordered.get("enable.gapless.guarantee"), None);
+    }
+
+    #[test]
+    fn only_the_current_producers_outcomes_count() {
+        let publisher = KafkaPublisher::new(config(&[]));
+        publisher.generation.store(2, Ordering::Relaxed);
+        publisher.up.store(true, Ordering::Relaxed);
+        // A purged record of the replaced producer (generation 1): says nothing now.
+        publisher.note(1, false, true);
+        assert!(publisher.is_connected());
+        assert!(!publisher.replace.load(Ordering::Relaxed));
+        // The same from the current producer.
+        publisher.note(2, false, true);
+        assert!(!publisher.is_connected());
+        assert!(publisher.replace.load(Ordering::Relaxed));
+        // A confirm of the replaced producer does not bring the broker back either.
+        publisher.note(1, true, false);
+        assert!(!publisher.is_connected());
+
+        let context = |generation| Context {
+            up: Arc::clone(&publisher.up),
+            last_error: Arc::clone(&publisher.last_error),
+            generation,
+            current: Arc::clone(&publisher.generation),
+        };
+        assert!(!context(1).is_current(), "replaced");
+        assert!(context(2).is_current());
+        assert!(context(3).is_current(), "being created");
     }
 
     #[test]
