@@ -814,9 +814,33 @@ fn finish(ctx: &mut Ctx) {
             ratio(db, r.get("pgbench_claim_mark_rows_per_s")),
         ),
         (
+            "ratio_db_ceiling_aggregate_vs_pgbench_aggregate",
+            "relay no-op path, ordering aggregate / pgbench ordered claim + mark sent (same SQL)",
+            ratio(
+                r.get("db_ceiling_aggregate_rows_per_s"),
+                r.get("pgbench_claim_aggregate_mark_rows_per_s"),
+            ),
+        ),
+        (
+            "ratio_pgbench_aggregate_vs_none",
+            "pgbench: ordered claim / unordered claim (what PostgreSQL allows ordering)",
+            ratio(
+                r.get("pgbench_claim_aggregate_mark_rows_per_s"),
+                r.get("pgbench_claim_mark_rows_per_s"),
+            ),
+        ),
+        (
             "ratio_relay_kafka_none_vs_db_ceiling",
             "relay kafka none / db ceiling",
             ratio(kafka_none, db),
+        ),
+        (
+            "ratio_relay_kafka_aggregate_vs_db_ceiling_aggregate",
+            "relay kafka aggregate / db ceiling, ordering aggregate",
+            ratio(
+                r.get("relay_kafka_aggregate_msgs_per_s"),
+                r.get("db_ceiling_aggregate_rows_per_s"),
+            ),
         ),
         (
             "ratio_relay_rabbitmq_none_vs_naive",

@@ -110,7 +110,7 @@ pub struct WriterSnapshot {
     pub oldest_writer_age: Option<f64>,
 }
 
-/// The fewest candidates an ordered claim looks at beyond its batch (see `claim_and_expire`).
+/// The fewest candidates an ordered claim looks at beyond its batch (see [`scan_window`]).
 const SCAN_SLACK: i64 = 100;
 
 /// `limit` rows in `parts` shares as even as can be (the first ones one larger).
@@ -145,8 +145,23 @@ pub struct HotPathSql {
     /// The claim with `ordering = "none"`: `$1` batch size, `$2` instance id; returns the
     /// claimed rows.
     pub claim: String,
+    /// The claim with `ordering = "aggregate"`: `$1` batch size, `$2` instance id, `$3` the
+    /// watermark (highest `seq` claimable), `$4` the scan window ([`scan_window`]), `$5` the
+    /// number of parts the claim is split into, `$6` this part (`0..$5`); returns the claimed
+    /// rows.
+    pub claim_aggregate: String,
     /// Marking confirmed rows sent: `$1` ids (`uuid[]`), `$2` instance id.
     pub mark_sent: String,
+}
+
+/// How many candidates an ordered claim of `limit` rows looks at. Candidates beyond the batch
+/// leave room for rows that turn out not claimable (behind a gap: a row another relay is
+/// claiming right now). Each candidate costs a row lock and (but the first of its aggregate) a
+/// gap probe, each aggregate a head probe, so the window is a quarter above the batch (at least
+/// `SCAN_SLACK` above): 4× the batch, at least 1,000, made a 500-row claim over 1,000
+/// aggregates take 34 ms where 625 candidates take 13–17.
+pub fn scan_window(limit: i64) -> i64 {
+    limit.saturating_add((limit / 4).max(SCAN_SLACK))
 }
 
 /// Renders [`HotPathSql`] for `table`.
@@ -154,6 +169,7 @@ pub fn hot_path_sql(table: &TableName) -> HotPathSql {
     let q = ClaimSql::new(table);
     HotPathSql {
         claim: q.claim_none,
+        claim_aggregate: q.claim_aggregate,
         mark_sent: q.mark_sent,
     }
 }
@@ -538,13 +554,7 @@ impl Store {
             }
             Ordering::Aggregate => {
                 let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
-                // The scan window: candidates beyond the batch leave room for rows that
-                // turn out not claimable (behind a gap: a row another relay is claiming right
-                // now). Each candidate costs a row lock and (but the first of its aggregate) a
-                // gap probe, each aggregate a head probe, so the window is a quarter above the
-                // batch (at least SCAN_SLACK above): 4× the batch, at least 1,000, made a 500-row
-                // claim over 1,000 aggregates take 34 ms where 625 candidates take 13–17.
-                let scan = limit.saturating_add((limit / 4).max(SCAN_SLACK));
+                let scan = scan_window(limit);
                 let parts = i64::try_from(shares.len()).unwrap_or(1);
                 let this = i64::try_from(part).unwrap_or(0);
                 client

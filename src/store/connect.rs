@@ -15,15 +15,18 @@ use super::{Queries, Result, Store, StoreError};
 use crate::config::{DatabaseConfig, TableName};
 use crate::message::APPLICATION_NAME;
 
-/// Set on every pooled session (plain `SET`s, so poolers such as PgBouncer accept them):
+/// Set on every pooled session, as plain `SET`s (so poolers such as PgBouncer accept them);
+/// tools that replay the relay's statements (the benchmark's pgbench) set them too:
 /// - `synchronous_commit = off`: the relay's own commits (claim, settle) need not wait for the
 ///   WAL flush. A database crash can undo the last fraction of a second of them; those rows
 ///   then go out again (at-least-once holds, duplicates stay bounded by `max_in_flight`). The
 ///   application's inserts keep the server's setting.
 /// - `plan_cache_mode = force_generic_plan`: the claim statement's plan does not depend on its
 ///   parameters (it walks partial indexes), so planning it on every call is wasted work.
-const SESSION_SETTINGS: &str =
-    "SET synchronous_commit = off; SET plan_cache_mode = force_generic_plan";
+pub const SESSION_SETTINGS: &[(&str, &str)] = &[
+    ("synchronous_commit", "off"),
+    ("plan_cache_mode", "force_generic_plan"),
+];
 
 impl Store {
     /// Builds the pool; connects lazily, so this succeeds while the database is down.
@@ -45,8 +48,12 @@ impl Store {
             .recycle_timeout(Some(Duration::from_secs(5)))
             .post_create(deadpool_postgres::Hook::async_fn(|client, _| {
                 Box::pin(async move {
+                    let set: Vec<String> = SESSION_SETTINGS
+                        .iter()
+                        .map(|(name, value)| format!("SET {name} = {value}"))
+                        .collect();
                     client
-                        .batch_execute(SESSION_SETTINGS)
+                        .batch_execute(&set.join("; "))
                         .await
                         .map_err(deadpool_postgres::HookError::Backend)
                 })

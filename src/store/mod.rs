@@ -21,8 +21,11 @@ mod waiting;
 
 pub use claim::{
     Claim, Expired, ExpirySweep, FailOutcome, Failure, HotPathSql, WriterSnapshot, hot_path_sql,
+    scan_window,
 };
-pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use connect::{
+    BACKEND_PID_SQL, SESSION_SETTINGS, listen_sql, make_tls, pg_config, tls_required,
+};
 pub use maintenance::TableHealth;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
 pub use schema::SchemaState;

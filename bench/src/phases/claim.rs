@@ -124,13 +124,18 @@ fn root_pages(lines: &[String]) -> Option<u64> {
     Some(total)
 }
 
-/// Runs `EXPLAIN (ANALYZE, BUFFERS) <stmt>` `runs` times, each in a transaction rolled back.
-pub(super) async fn explain(pg: &Client, stmt: &str, runs: usize) -> Result<Explained> {
+/// Runs `setup`, then `EXPLAIN (ANALYZE, BUFFERS) <stmt>`, `runs` times, each in a transaction
+/// rolled back.
+pub(super) async fn explain(
+    pg: &Client,
+    (setup, stmt): (&str, &str),
+    runs: usize,
+) -> Result<Explained> {
     let mut times_ms = Vec::new();
     let mut pages = Vec::new();
     let mut plan = String::new();
     for _ in 0..runs {
-        pg.batch_execute("BEGIN").await?;
+        pg.batch_execute(&format!("BEGIN; {setup}")).await?;
         let res = pg
             .simple_query(&format!("EXPLAIN (ANALYZE, BUFFERS) {stmt}"))
             .await;
@@ -339,7 +344,7 @@ async fn claim_table(
 
     let c_none = measure_claims(&store, Ordering::None, runs).await?;
     let c_agg = measure_claims(&store, Ordering::Aggregate, runs).await?;
-    let c_naive = explain(&ctx.pg, &naive_poll, 3).await?;
+    let c_naive = explain(&ctx.pg, ("", &naive_poll), 3).await?;
     if which == "small" {
         if let Some(q) = c_none.last().and_then(|r| query_text(&r.plan)) {
             ctx.report

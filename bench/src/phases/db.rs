@@ -13,7 +13,7 @@ use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::message::OutboxMessage;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
-use outbox_relay::store::hot_path_sql;
+use outbox_relay::store::{SESSION_SETTINGS, hot_path_sql, scan_window};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -49,15 +49,27 @@ impl Publisher for NoopPublisher {
     async fn close(&self) {}
 }
 
-/// The relay's own claim + settle loop (in process, `run_with`) with a no-op publisher.
+/// The relay's own claim + settle loop (in process, `run_with`) with a no-op publisher, then
+/// pgbench on the same statements: with ordering none, then with ordering aggregate.
 pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
-    let table = ctx.new_table("db").await?;
+    for ordering in [Ordering::None, Ordering::Aggregate] {
+        let batch = relay_drain(ctx, ordering).await?;
+        pgbench_ceiling(ctx, batch, ordering).await?;
+    }
+    Ok(())
+}
+
+/// The relay's own claim + settle loop (in process, `run_with`) with a no-op publisher and
+/// `ordering`, draining a table; returns the batch size it claimed with.
+async fn relay_drain(ctx: &mut Ctx, ordering: Ordering) -> Result<usize> {
+    let (name, suffix) = ordering_names(ordering);
+    let table = ctx.new_table(&format!("db{suffix}")).await?;
     ctx.progress(format!("db: filling {} rows into {table}", ctx.rows));
     fill(&ctx.pg, &table, ctx.rows, ctx.args.aggregates).await?;
     let bytes = avg_payload_bytes(&ctx.pg, &table).await?;
     ctx.report
         .detail("payload_bytes_as_sent", json!(bytes.round()));
-    let config = ctx.config(&table, |raw| raw.relay.ordering = Ordering::None)?;
+    let config = ctx.config(&table, |raw| raw.relay.ordering = ordering)?;
     let batch = config.relay.batch_size;
     let token = CancellationToken::new();
     let _stop_on_drop = token.clone().drop_guard();
@@ -88,24 +100,46 @@ pub async fn db_ceiling(ctx: &mut Ctx) -> Result<()> {
     }
     ctx.check(sentinel).await?;
     waited?;
-    let label = format!("claim+settle, no-op publisher, batch {batch}, ordering none");
+    let label = format!("claim+settle, no-op publisher, batch {batch}, ordering {name}");
     let drained = (elapsed, &usage);
-    drained_figure(ctx, &table, "db:", drained, "db_ceiling_rows_per_s", &label).await?;
+    let key = format!("db_ceiling{suffix}_rows_per_s");
+    drained_figure(ctx, &table, &format!("db ({name}):"), drained, &key, &label).await?;
     // The relay loop runs inside the bench process here.
     if let Some(cpu) = cpu_per_100k(&usage, "bench", elapsed, ctx.rows) {
         ctx.report.figure(
             "1 db ceiling",
-            "db_ceiling_cpu_s_per_100k",
-            "claim+settle, no-op publisher: relay CPU (user+sys) per 100k rows",
+            &format!("db_ceiling{suffix}_cpu_s_per_100k"),
+            &format!(
+                "claim+settle, no-op publisher, ordering {name}: relay CPU (user+sys) per 100k rows"
+            ),
             cpu,
             "s",
         );
     }
     ctx.report.detail(
-        "db_ceiling",
+        &format!("db_ceiling{suffix}"),
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
     );
-    pgbench_ceiling(ctx, batch).await
+    Ok(batch)
+}
+
+/// The rows of the largest of the [`PGBENCH_CLIENTS`] parts an ordered claim splits `table`
+/// into (the claim's own part expression).
+async fn largest_part(ctx: &Ctx, table: &str) -> Result<usize> {
+    let sql = format!(
+        "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM {table} \
+         GROUP BY (CASE WHEN aggregate_id IS NULL THEN seq ELSE hashtext(aggregate_id) & 2147483647 END) % {PGBENCH_CLIENTS}) p"
+    );
+    let n: i64 = ctx.pg.query_one(&sql, &[]).await?.get(0);
+    Ok(usize::try_from(n).unwrap_or(0))
+}
+
+/// The ordering's name, and the suffix of the figures and tables measured with it.
+fn ordering_names(ordering: Ordering) -> (&'static str, &'static str) {
+    match ordering {
+        Ordering::None => ("none", ""),
+        Ordering::Aggregate => ("aggregate", "_aggregate"),
+    }
 }
 
 /// Checks that every row of `table` was sent, then reports the rate of a drain that took
@@ -132,40 +166,82 @@ async fn drained_figure(
 /// pgbench clients replaying the relay's hot path.
 const PGBENCH_CLIENTS: usize = 4;
 
-/// pgbench running the relay's own claim (ordering none, `batch` rows, `FOR UPDATE SKIP
+/// `sql` with its placeholders `$1`, `$2`, … replaced by `values` in order (pgbench variables:
+/// with `-M prepared` they are sent as parameters, as the relay sends its own).
+fn bind_pgbench(sql: &str, values: &[&str]) -> String {
+    values
+        .iter()
+        .enumerate()
+        .rev()
+        .fold(sql.to_owned(), |s, (i, v)| {
+            s.replace(&format!("${}", i + 1), v)
+        })
+}
+
+/// pgbench running the relay's own claim (`ordering`, `batch` rows, `FOR UPDATE SKIP
 /// LOCKED`) and mark-sent statements from [`PGBENCH_CLIENTS`] clients until a table of
 /// `ctx.rows` rows is drained. Each transaction is the claim, wrapped to keep the claimed ids
-/// (`\gset`), then the mark-sent of those ids, each client with its own instance id.
-async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize) -> Result<()> {
-    let table = ctx.new_table("pgbench").await?;
+/// (`\gset`), then the mark-sent of those ids, each client with its own instance id. With
+/// ordering `aggregate` each client claims its own part of the aggregates (as the relay's split
+/// claim does), so the clients do not queue behind each other's heads.
+async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Result<()> {
+    let table = ctx
+        .new_table(&format!("pgbench{}", ordering_names(ordering).1))
+        .await?;
     ctx.progress(format!("db: filling {} rows into {table}", ctx.rows));
     fill(&ctx.pg, &table, ctx.rows, ctx.args.aggregates).await?;
     let name = TableName::parse(&table).map_err(|e| anyhow!("table name {table}: {e}"))?;
     let sql = hot_path_sql(&name);
     let instance = "('pgbench-' || :client_id)";
-    let claim = sql
-        .claim
-        .replace("$1", &batch.to_string())
-        .replace("$2", instance);
-    let mark = sql
-        .mark_sent
-        .replace("$1", "':ids'::uuid[]")
-        .replace("$2", instance);
-    let script = format!(
-        "WITH claimed AS ({claim}) SELECT coalesce(array_agg(id), '{{}}')::text AS ids FROM claimed \\gset\n{mark};\n"
+    // The relay's parameters: the batch, no watermark, its scan window, each client its part.
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    let params = format!(
+        "\\set batch {batch}\n\\set mark {}\n\\set scan {}\n\\set parts {PGBENCH_CLIENTS}\n",
+        i64::MAX,
+        scan_window(limit)
     );
-    let path = ctx.dir.join("pgbench-claim-mark.sql");
+    let (claim, key, what) = match ordering {
+        Ordering::None => (
+            bind_pgbench(&sql.claim, &[":batch", instance]),
+            "pgbench_claim_mark_rows_per_s",
+            "claim",
+        ),
+        Ordering::Aggregate => (
+            bind_pgbench(
+                &sql.claim_aggregate,
+                &[":batch", instance, ":mark", ":scan", ":parts", ":client_id"],
+            ),
+            "pgbench_claim_aggregate_mark_rows_per_s",
+            "ordered claim",
+        ),
+    };
+    // Prepared (`-M prepared`): pgbench sends `:ids` and `:client_id` as parameters.
+    let mark = bind_pgbench(&sql.mark_sent, &[":ids::uuid[]", instance]);
+    let script = format!(
+        "{params}WITH claimed AS ({claim}) SELECT coalesce(array_agg(id), '{{}}')::text AS ids FROM claimed \\gset\n{mark};\n"
+    );
+    let path = ctx.dir.join(format!("pgbench-{key}.sql"));
     std::fs::write(&path, &script).with_context(|| format!("cannot write {}", path.display()))?;
-    // Enough transactions for the clients to drain the table, plus a few empty claims.
-    let per_client = ctx.rows.div_ceil(batch * PGBENCH_CLIENTS) + 2;
+    // Enough transactions for the clients to drain the table (with ordering `aggregate`, the
+    // largest part), plus a few empty claims.
+    let per_client = match ordering {
+        Ordering::None => ctx.rows.div_ceil(batch * PGBENCH_CLIENTS),
+        Ordering::Aggregate => largest_part(ctx, &table).await?.div_ceil(batch),
+    } + 2;
 
     ctx.progress(format!(
-        "db: pgbench, {PGBENCH_CLIENTS} clients × {per_client} (claim {batch} + mark sent)"
+        "db: pgbench, {PGBENCH_CLIENTS} clients × {per_client} ({what} {batch} + mark sent)"
     ));
     let cpu = CpuSample::take();
     let started = Instant::now();
+    // The relay's sessions run prepared statements with its session settings.
+    let options: Vec<String> = SESSION_SETTINGS
+        .iter()
+        .map(|(name, value)| format!("-c {name}={value}"))
+        .collect();
     let out = tokio::process::Command::new("pgbench")
-        .args(["-n", "-M", "simple", "-f"])
+        .env("PGOPTIONS", options.join(" "))
+        .args(["-n", "-M", "prepared", "-f"])
         .arg(&path)
         .args([
             "-c",
@@ -188,23 +264,30 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize) -> Result<()> {
         );
     }
     let label = format!(
-        "pgbench: the relay's claim (batch {batch}) + mark sent, {PGBENCH_CLIENTS} clients"
+        "pgbench: the relay's {what} (batch {batch}) + mark sent, {PGBENCH_CLIENTS} clients"
     );
     let drained = (elapsed, &usage);
-    drained_figure(
-        ctx,
-        &table,
-        "db: pgbench",
-        drained,
-        "pgbench_claim_mark_rows_per_s",
-        &label,
-    )
-    .await?;
+    drained_figure(ctx, &table, "db: pgbench", drained, key, &label).await?;
     ctx.report.detail(
-        "pgbench_claim_mark",
+        key.trim_end_matches("_rows_per_s"),
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage,
                "clients": PGBENCH_CLIENTS, "transactions_per_client": per_client,
                "script": script}),
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bind_pgbench;
+
+    #[test]
+    fn placeholders_are_bound_highest_first() {
+        let values: Vec<String> = (1..=10).map(|i| format!(":v{i}")).collect();
+        let values: Vec<&str> = values.iter().map(String::as_str).collect();
+        assert_eq!(
+            bind_pgbench("$1 $10 $2 ($1)", &values),
+            ":v1 :v10 :v2 (:v1)"
+        );
+    }
 }

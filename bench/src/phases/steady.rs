@@ -13,13 +13,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
 use clap::ValueEnum;
-use outbox_relay::config::{Ordering, TableName};
-use outbox_relay::store::{Store, hot_path_sql};
+use outbox_relay::config::TableName;
+use outbox_relay::store::{hot_path_sql, scan_window};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 use uuid::Uuid;
 
-use super::claim::{explain, explain_url, measure_claims, query_text};
+use super::claim::explain;
 use super::{cpu_per_100k, cpu_text, scrape};
 use crate::Ctx;
 use crate::flow::{Consumer, Flow};
@@ -759,49 +759,37 @@ async fn write(client: Client, k: usize, plan: Arc<WriterPlan>) -> Result<Writer
 // ---------------------------------------------------------------------------------------------
 // Table health and the claim probe
 
-/// The relay's claim for `table`, ready to run with EXPLAIN: its ordering (the default,
-/// aggregate) with the relay's default parameters written in, as the `db` phase renders
-/// the claim for pgbench. The text is the library's own, captured by `auto_explain` from an
-/// empty claim through `Store::claim`; without `auto_explain`, the claim of ordering none
-/// (`store::hot_path_sql`).
-async fn claim_probe(ctx: &mut Ctx, table: &str) -> Result<(&'static str, String)> {
-    let config = ctx.config(table, |raw| {
-        raw.database.url = explain_url(&raw.database.url);
-    })?;
-    let batch = config.relay.batch_size;
-    let store = Store::new(&config.database, "outbox-bench-claim")?;
-    let captured = measure_claims(&store, Ordering::Aggregate, 1)
-        .await
-        .map(|runs| runs.first().and_then(|r| query_text(&r.plan)));
-    let instance = "'outbox-bench-probe'";
-    let text = match captured {
-        Ok(Some(sql)) => {
-            // As the relay sends it unsplit: one part of one, the relay's scan window.
-            let scan = batch + (batch / 4).max(100);
-            let claim = sql
-                .replace("$6", "0")
-                .replace("$5", "1")
-                .replace("$4", &scan.to_string())
-                .replace("$3", &i64::MAX.to_string())
-                .replace("$2", instance)
-                .replace("$1", &batch.to_string());
-            return Ok(("claim_aggregate", claim));
-        }
-        Ok(None) => "no query text in the plan".to_owned(),
-        Err(e) => format!("{e:#}"),
-    };
-    let msg = format!("steady: timing claim_none instead of the relay's claim_aggregate ({text})");
-    ctx.progress(&msg);
-    ctx.report.note(msg);
+/// The relay's claim for `table` in its default ordering (aggregate), to run with EXPLAIN as
+/// the relay runs it: the library's own text (`store::hot_path_sql`) prepared on `ctx.pg` with
+/// its placeholders, executed with a generic plan and the relay's default parameters, unsplit.
+/// Returns the setup to run in the probe's transaction and the statement.
+async fn claim_probe(ctx: &Ctx, table: &str) -> Result<(&'static str, Probe)> {
+    let batch = ctx.config(table, |_| {})?.relay.batch_size;
     let name = TableName::parse(table).map_err(|e| anyhow!("table name {table}: {e}"))?;
-    let claim = hot_path_sql(&name)
-        .claim
-        .replace("$2", instance)
-        .replace("$1", &batch.to_string());
-    Ok(("claim_none", claim))
+    let claim = hot_path_sql(&name).claim_aggregate;
+    ctx.pg
+        .batch_execute(&format!(
+            "DEALLOCATE ALL; PREPARE outbox_bench_probe AS {claim}"
+        ))
+        .await
+        .context("cannot prepare the claim probe")?;
+    let limit = i64::try_from(batch).unwrap_or(i64::MAX);
+    let execute = format!(
+        "EXECUTE outbox_bench_probe({batch}, 'outbox-bench-probe', {}, {}, 1, 0)",
+        i64::MAX,
+        scan_window(limit)
+    );
+    let setup = "SET LOCAL plan_cache_mode = force_generic_plan".to_owned();
+    Ok(("claim_aggregate", Probe { setup, execute }))
 }
 
-async fn sample_health(pg: &Client, table: &str, probe: &str, at_s: f64) -> Result<Health> {
+/// The claim probe: a setup run in its transaction, then the statement EXPLAINed.
+struct Probe {
+    setup: String,
+    execute: String,
+}
+
+async fn sample_health(pg: &Client, table: &str, probe: &Probe, at_s: f64) -> Result<Health> {
     let r = pg
         .query_one(
             "SELECT pg_total_relation_size(c.oid), pg_relation_size(c.oid), pg_indexes_size(c.oid), \
@@ -814,7 +802,7 @@ async fn sample_health(pg: &Client, table: &str, probe: &str, at_s: f64) -> Resu
         .await
         .context("cannot read the table's size and statistics")?;
     // In a transaction rolled back: the rows it claims go back at once.
-    let claim = explain(pg, probe, 1).await?;
+    let claim = explain(pg, (&probe.setup, &probe.execute), 1).await?;
     Ok(Health {
         at_s,
         total_bytes: r.try_get(0)?,
