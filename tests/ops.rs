@@ -431,6 +431,50 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
     finish(relay, table, rabbit).await;
 }
 
+/// A backlog in a table the planner has no statistics for (autovacuum off, never analyzed):
+/// the relay analyzes it before its first vacuum would, and every row goes out.
+#[tokio::test]
+async fn the_relay_analyzes_a_backlog_the_statistics_have_not_seen() {
+    let (table, rabbit) = table_and_exchange("ops_analyze").await;
+    let off = format!("ALTER TABLE {} SET (autovacuum_enabled = off)", table.name);
+    table.db.batch_execute(&off).await.unwrap();
+    table
+        .insert(&NewRow::numbered(3_000, "ana", Some(("a-", 50)), "tick"))
+        .await;
+    // The inserts reach the statistics the relay reads at once, not within the next 10 s.
+    let flush = "SELECT pg_stat_force_next_flush()";
+    table.db.batch_execute(flush).await.unwrap();
+    let analyzed_sql = "SELECT last_analyze IS NOT NULL, coalesce(analyze_count, 0) \
+                        FROM pg_stat_user_tables WHERE relid = $1::text::regclass";
+    let before = table
+        .db
+        .query_one(analyzed_sql, &[&table.name])
+        .await
+        .unwrap();
+    assert!(
+        !before.get::<_, bool>(0),
+        "the new table was analyzed already"
+    );
+
+    let relay = relay(&table, &rabbit, None)
+        .set("relay.ordering", "aggregate")
+        .spawn();
+    // At its first look at the table (the next one would be 30 s later, the outbox idle).
+    relay
+        .wait_for_log("analyzed the outbox table", 1, Duration::from_secs(15))
+        .await;
+    table.wait_all_sent(WAIT).await;
+    let after = table
+        .db
+        .query_one(analyzed_sql, &[&table.name])
+        .await
+        .unwrap();
+    assert!(after.get::<_, bool>(0), "last_analyze is still empty");
+    // Fewer than 10,000 dead tuples: no vacuum (whose ANALYZE would have done it) ran.
+    assert_eq!(relay.log_count("vacuumed the outbox table"), 0);
+    finish(relay, table, rabbit).await;
+}
+
 // ---- status -----------------------------------------------------------------------------------
 
 /// The integer counts of `status --json` (contract §6), in the human table's column order.

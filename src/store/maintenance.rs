@@ -19,8 +19,12 @@ pub struct TableHealth {
     pub total_bytes: i64,
     /// Whether this session may vacuum the table (owner or superuser).
     pub may_vacuum: bool,
-    /// Whether a vacuum of the table (autovacuum or another relay's) is running now.
+    /// Whether a vacuum or an analyze of the table (autovacuum's or another relay's) is
+    /// running now.
     pub vacuum_running: bool,
+    /// The row count the planner's statistics last saw (`pg_class.reltuples`, as of the last
+    /// vacuum or analyze); `None` before the first.
+    pub stats_rows: Option<f64>,
 }
 
 /// The background tasks' SQL text, rendered once for the configured table.
@@ -29,6 +33,7 @@ pub(super) struct MaintenanceSql {
     pub(super) backlog: String,
     pub(super) table_health: String,
     pub(super) vacuum: String,
+    pub(super) analyze: String,
 }
 
 impl MaintenanceSql {
@@ -68,12 +73,15 @@ impl MaintenanceSql {
                    pg_has_role(c.relowner, 'MEMBER') \
                      OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user), \
                    EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
+                     OR EXISTS (SELECT 1 FROM pg_stat_progress_analyze a WHERE a.relid = c.oid), \
+                   CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END \
                  FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
                  WHERE c.oid = $1"
                 .to_owned(),
             // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
             // would stall inserts and claims (and is replayed on standbys).
             vacuum: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
+            analyze: format!("ANALYZE {t}"),
         }
     }
 }
@@ -92,6 +100,7 @@ impl Store {
             total_bytes: r.try_get(4)?,
             may_vacuum: r.try_get(5)?,
             vacuum_running: r.try_get(6)?,
+            stats_rows: r.try_get(7)?,
         })
     }
 
@@ -101,6 +110,13 @@ impl Store {
     pub async fn vacuum(&self) -> Result<()> {
         let client = self.client().await?;
         client.batch_execute(&self.q.maintenance.vacuum).await?;
+        Ok(())
+    }
+
+    /// Runs `ANALYZE` of the table (the same lock as `VACUUM`; samples, does not scan it all).
+    pub async fn analyze(&self) -> Result<()> {
+        let client = self.client().await?;
+        client.batch_execute(&self.q.maintenance.analyze).await?;
         Ok(())
     }
 

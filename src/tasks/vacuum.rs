@@ -9,6 +9,12 @@
 //! UPDATE EXCLUSIVE lock: inserts, claims and settles go on meanwhile. While the outbox is
 //! idle (no rows claimed since the last check) it reads them every 30 s instead: only the
 //! retention clean-up makes dead tuples then.
+//!
+//! It also runs `ANALYZE` when the planner's statistics predate a backlog (the table was never
+//! analyzed, or holds ten times the rows they counted). The ordered claim's generic plan is
+//! chosen from them: on a never-analyzed table with 50,000 pending rows it sorted every
+//! pending row for each claim (190 ms against 8 ms once analyzed), and with autovacuum off
+//! nothing else would analyze the table before the relay's first vacuum.
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +35,22 @@ const DEAD_TUPLES: i64 = 10_000;
 /// With autovacuum on, the relay steps in only when this many times [`DEAD_TUPLES`] have
 /// piled up (autovacuum is behind: the migration asks it to run at 5,000).
 const BEHIND_FACTOR: i64 = 5;
+
+/// Rows from which a table whose statistics predate them is analyzed.
+const ANALYZE_FROM: i64 = 1_000;
+
+/// How many times the rows the statistics counted make them stale (see [`should_analyze`]).
+const STALE_GROWTH: f64 = 10.0;
+
+/// Whether to analyze now: at least [`ANALYZE_FROM`] live rows and [`STALE_GROWTH`] times
+/// what the statistics counted (or none yet), and no vacuum or analyze running.
+pub fn should_analyze(h: &TableHealth) -> bool {
+    let counted = h.stats_rows.unwrap_or(0.0).max(0.0);
+    h.may_vacuum
+        && !h.vacuum_running
+        && h.live_tuples >= ANALYZE_FROM
+        && h.live_tuples as f64 > STALE_GROWTH * counted
+}
 
 /// Whether to vacuum now, and why.
 pub fn should_vacuum(h: &TableHealth) -> Option<&'static str> {
@@ -108,6 +130,20 @@ pub async fn vacuum_loop(
                                 tracing::warn!(error = %e, "vacuum of the outbox table failed")
                             }
                         }
+                    } else if should_analyze(&h) {
+                        let started = Instant::now();
+                        match store.analyze().await {
+                            Ok(()) => tracing::info!(
+                                table = %store.table(),
+                                live_tuples = h.live_tuples,
+                                counted_before = h.stats_rows,
+                                took_ms = started.elapsed().as_millis() as u64,
+                                "analyzed the outbox table: its statistics predated the backlog, and the claim's plan is chosen from them"
+                            ),
+                            Err(e) => {
+                                tracing::warn!(error = %e, "analyze of the outbox table failed")
+                            }
+                        }
                     }
                 }
                 Err(e) if e.is_connection() => {
@@ -135,6 +171,7 @@ mod tests {
             total_bytes: 0,
             may_vacuum: true,
             vacuum_running: false,
+            stats_rows: Some(live as f64),
         }
     }
 
@@ -159,6 +196,38 @@ mod tests {
                 "{dead} dead, {live} live, autovacuum {autovacuum}"
             );
         }
+    }
+
+    #[test]
+    fn analyzes_when_the_statistics_predate_a_backlog() {
+        let with = |live, stats_rows| TableHealth {
+            stats_rows,
+            ..health(0, live, true)
+        };
+        // (live tuples, rows the statistics counted, expected)
+        for (live, counted, expected) in [
+            // Never analyzed: from ANALYZE_FROM rows on.
+            (999, None, false),
+            (1_000, None, true),
+            // Analyzed while small, then a backlog: past ten times what they counted.
+            (50_000, Some(1_000.0), true),
+            (9_000, Some(1_000.0), false),
+            // Statistics that saw the backlog, or a small table: nothing to do.
+            (50_000, Some(45_000.0), false),
+            (500, Some(10.0), false),
+        ] {
+            assert_eq!(
+                should_analyze(&with(live, counted)),
+                expected,
+                "{live} live, statistics counted {counted:?}"
+            );
+        }
+        let mut h = with(50_000, None);
+        h.vacuum_running = true;
+        assert!(!should_analyze(&h), "an analyze or vacuum is running");
+        h.vacuum_running = false;
+        h.may_vacuum = false;
+        assert!(!should_analyze(&h), "not the owner");
     }
 
     #[test]
