@@ -441,9 +441,18 @@ async fn the_relay_analyzes_a_backlog_the_statistics_have_not_seen() {
     table
         .insert(&NewRow::numbered(3_000, "ana", Some(("a-", 50)), "tick"))
         .await;
-    // The inserts reach the statistics the relay reads at once, not within the next 10 s.
-    let flush = "SELECT pg_stat_force_next_flush()";
-    table.db.batch_execute(flush).await.unwrap();
+    // The relay reads the inserts from the statistics, which a session reports at the end of a
+    // transaction at most once a second: wait until they show them.
+    let live = "SELECT coalesce(n_live_tup, 0) FROM pg_stat_user_tables \
+                WHERE relid = $1::text::regclass";
+    wait_until(WAIT, "the statistics count the 3,000 rows", async || {
+        let row = table.db.query_one(live, &[&table.name]).await;
+        match row.map_err(|e| e.to_string())?.get::<_, i64>(0) {
+            3_000.. => Ok(()),
+            n => Err(format!("{n} live rows")),
+        }
+    })
+    .await;
     let analyzed_sql = "SELECT last_analyze IS NOT NULL, coalesce(analyze_count, 0) \
                         FROM pg_stat_user_tables WHERE relid = $1::text::regclass";
     let before = table

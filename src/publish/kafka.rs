@@ -156,10 +156,11 @@ pub struct KafkaPublisher {
     up: Arc<AtomicBool>,
     /// The last client-level error any of our producers reported (see [`Context`]).
     last_error: Arc<Mutex<Option<LastError>>>,
-    /// Set when the current producer can no longer be trusted to deliver (fatal error, or a
-    /// message timed out): the next connect() replaces it. Outcomes of a replaced producer
-    /// (its purged records) never set it: they would replace its healthy successor.
-    replace: AtomicBool,
+    /// The generation of a producer that can no longer be trusted to deliver (fatal error, or
+    /// a message timed out), 0 for none: the next connect() replaces it if it is still the
+    /// current one. Outcomes of a replaced producer (its purged records) never mark its
+    /// successor: a late store of an old generation names a producer already gone.
+    replace: AtomicU64,
     connecting: tokio::sync::Mutex<()>,
     /// Some outbox has `ordering = "aggregate"`: runs are pipelined, librdkafka has no
     /// message timeout and the relay enforces `message_timeout` (see the module docs).
@@ -192,7 +193,7 @@ impl KafkaPublisher {
             generation: Arc::new(AtomicU64::new(0)),
             up: Arc::new(AtomicBool::new(false)),
             last_error: Arc::new(Mutex::new(None)),
-            replace: AtomicBool::new(false),
+            replace: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(()),
             ordered: false,
         }
@@ -273,17 +274,20 @@ impl KafkaPublisher {
             return;
         }
         if replace {
-            self.replace.store(true, Ordering::Relaxed);
+            self.replace.store(generation, Ordering::Relaxed);
         }
         self.up.store(up, Ordering::Relaxed);
     }
 
     /// Hands one record to the producer, waiting while its queue is full (at most
-    /// `message_timeout`); the outcome instead when it cannot be queued.
+    /// `message_timeout`); the outcome instead when it cannot be queued. With `pinned` (the
+    /// generation that took the run's earlier records), a replaced producer refuses the record:
+    /// its successor could deliver it ahead of those, which come back purged.
     async fn enqueue(
         &self,
         msg: &OutboxMessage,
         env: &EnvelopeConfig,
+        pinned: Option<u64>,
     ) -> Result<(DeliveryFuture, u64), Outcome> {
         let Some(Current {
             producer,
@@ -294,6 +298,11 @@ impl KafkaPublisher {
                 "Kafka producer not created yet".to_owned(),
             ));
         };
+        if pinned.is_some_and(|g| g != generation) {
+            return Err(Outcome::Unavailable(
+                "the Kafka producer was replaced during the run".to_owned(),
+            ));
+        }
         let topic = envelope::destination(msg, &env.route);
         if !valid_topic(&topic) {
             return Err(Outcome::Rejected(format!(
@@ -490,9 +499,11 @@ impl Publisher for KafkaPublisher {
             return Ok(());
         }
         let producer = match self.producer() {
-            Some(Current { producer, .. })
-                if producer.client().fatal_error().is_none()
-                    && !self.replace.load(Ordering::Relaxed) =>
+            Some(Current {
+                producer,
+                generation,
+            }) if producer.client().fatal_error().is_none()
+                && self.replace.load(Ordering::Relaxed) != generation =>
             {
                 producer
             }
@@ -515,7 +526,6 @@ impl Publisher for KafkaPublisher {
                     let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
                     // From here the old producer's outcomes are stale (see `note`).
                     self.generation.store(generation, Ordering::Relaxed);
-                    self.replace.store(false, Ordering::Relaxed);
                     guard.replace(Current {
                         producer: p.clone(),
                         generation,
@@ -571,7 +581,7 @@ impl Publisher for KafkaPublisher {
 
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
         let queued = Instant::now();
-        match self.enqueue(msg, env).await {
+        match self.enqueue(msg, env, None).await {
             Ok(queued_record) => self.report(queued_record, queued).await,
             Err(outcome) => outcome,
         }
@@ -596,10 +606,15 @@ impl Publisher for KafkaPublisher {
         for stretch in stretches {
             let mut deliveries = Vec::with_capacity(stretch.len());
             let mut refused = None;
+            // One producer takes the whole stretch (see `enqueue`).
+            let mut pinned = None;
             for msg in stretch {
                 let queued = Instant::now();
-                match self.enqueue(msg, env).await {
-                    Ok(delivery) => deliveries.push((delivery, queued)),
+                match self.enqueue(msg, env, pinned).await {
+                    Ok(delivery) => {
+                        pinned = Some(delivery.1);
+                        deliveries.push((delivery, queued));
+                    }
                     Err(outcome) => {
                         refused = Some(outcome);
                         break;
@@ -748,11 +763,11 @@ mod tests {
         // A purged record of the replaced producer (generation 1): says nothing now.
         publisher.note(1, false, true);
         assert!(publisher.is_connected());
-        assert!(!publisher.replace.load(Ordering::Relaxed));
+        assert_eq!(publisher.replace.load(Ordering::Relaxed), 0);
         // The same from the current producer.
         publisher.note(2, false, true);
         assert!(!publisher.is_connected());
-        assert!(publisher.replace.load(Ordering::Relaxed));
+        assert_eq!(publisher.replace.load(Ordering::Relaxed), 2);
         // A confirm of the replaced producer does not bring the broker back either.
         publisher.note(1, true, false);
         assert!(!publisher.is_connected());

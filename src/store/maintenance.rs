@@ -81,7 +81,9 @@ impl MaintenanceSql {
             // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
             // would stall inserts and claims (and is replayed on standbys).
             vacuum: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
-            analyze: format!("ANALYZE {t}"),
+            // SKIP_LOCKED: an analyze or vacuum the health check did not see (statistics of
+            // other users' backends are hidden) would make it wait; the next check retries.
+            analyze: format!("ANALYZE (SKIP_LOCKED) {t}"),
         }
     }
 }

@@ -235,9 +235,14 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Res
     let cpu = CpuSample::take();
     let started = Instant::now();
     // The relay's sessions run prepared statements with its session settings.
-    let options: Vec<String> = SESSION_SETTINGS
-        .iter()
-        .map(|(name, value)| format!("-c {name}={value}"))
+    // After the caller's own PGOPTIONS, if any.
+    let options: Vec<String> = std::env::var("PGOPTIONS")
+        .into_iter()
+        .chain(
+            SESSION_SETTINGS
+                .iter()
+                .map(|(name, value)| format!("-c {name}={value}")),
+        )
         .collect();
     let out = tokio::process::Command::new("pgbench")
         .env("PGOPTIONS", options.join(" "))

@@ -767,15 +767,18 @@ async fn claim_probe(ctx: &Ctx, table: &str) -> Result<(&'static str, Probe)> {
     let batch = ctx.config(table, |_| {})?.relay.batch_size;
     let name = TableName::parse(table).map_err(|e| anyhow!("table name {table}: {e}"))?;
     let claim = hot_path_sql(&name).claim_aggregate;
+    // One per table (each run has its own): the name is free on this session.
+    let statement: String = format!("probe_{table}")
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
     ctx.pg
-        .batch_execute(&format!(
-            "DEALLOCATE ALL; PREPARE outbox_bench_probe AS {claim}"
-        ))
+        .batch_execute(&format!("PREPARE {statement} AS {claim}"))
         .await
         .context("cannot prepare the claim probe")?;
     let limit = i64::try_from(batch).unwrap_or(i64::MAX);
     let execute = format!(
-        "EXECUTE outbox_bench_probe({batch}, 'outbox-bench-probe', {}, {}, 1, 0)",
+        "EXECUTE {statement}({batch}, 'outbox-bench-probe', {}, {}, 1, 0)",
         i64::MAX,
         scan_window(limit)
     );
