@@ -16,7 +16,9 @@
 //!   then marks the producer for replacement. The replaced producer is dropped, which purges
 //!   what it still holds, so it cannot deliver a handed-back record's successors later. What
 //!   it had already sent was sent in order; the relay publishes the handed-back rows again,
-//!   in order (a duplicate at worst, never a reorder of first arrivals).
+//!   in order (a duplicate at worst, never a reorder of first arrivals). For the same reason
+//!   one producer takes a whole stretch of a run: if it is replaced while the stretch is being
+//!   queued, the rest of the stretch is refused and handed back.
 //!
 //! Each producer has a generation. What a replaced producer still reports (its purged records,
 //! the timeouts of records it held, the fatal error its purge raises) is handed back like any
