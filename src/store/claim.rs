@@ -120,6 +120,20 @@ fn split(limit: usize, parts: usize) -> Vec<usize> {
         .collect()
 }
 
+/// Which part of a split ordered claim a row belongs to, as `<key> % parts`: its aggregate's
+/// hash (so one aggregate always goes to one part), or its seq without an aggregate. `alias`
+/// qualifies the columns (empty for none).
+fn part_key(alias: &str) -> String {
+    let a = if alias.is_empty() {
+        String::new()
+    } else {
+        format!("{alias}.")
+    };
+    format!(
+        "(CASE WHEN {a}aggregate_id IS NULL THEN {a}seq ELSE hashtext({a}aggregate_id) & 2147483647 END)"
+    )
+}
+
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them.
 const SUSPECT: &str = "lease expired:";
 const NOT_SUSPECT: &str = "(last_error IS NULL OR last_error NOT LIKE 'lease expired:%')";
@@ -152,6 +166,9 @@ pub struct HotPathSql {
     pub claim_aggregate: String,
     /// Marking confirmed rows sent: `$1` ids (`uuid[]`), `$2` instance id.
     pub mark_sent: String,
+    /// The expression (on the table's unqualified columns) whose value modulo `$5` is the part
+    /// of a split ordered claim a row belongs to.
+    pub part_key: String,
 }
 
 /// How many candidates an ordered claim of `limit` rows looks at. Candidates beyond the batch
@@ -171,6 +188,7 @@ pub fn hot_path_sql(table: &TableName) -> HotPathSql {
         claim: q.claim_none,
         claim_aggregate: q.claim_aggregate,
         mark_sent: q.mark_sent,
+        part_key: part_key(""),
     }
 }
 
@@ -197,6 +215,7 @@ impl ClaimSql {
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
         let seq = table.prefixed("_seq");
+        let part_c = part_key("c");
         // A ready row reclaimed from a dead relay that is the head of its aggregate (or has
         // none) and at or below the watermark (`$W`).
         let suspect_where = format!(
@@ -288,8 +307,7 @@ impl ClaimSql {
                        AND {OPEN_H} ORDER BY h.seq LIMIT 1) h ON true \
                    WHERE c.status = 'pending' AND c.available_at <= now() AND {NOT_SUSPECT_C} \
                      AND {NOT_DUE_C} \
-                     AND (CASE WHEN c.aggregate_id IS NULL THEN c.seq \
-                          ELSE hashtext(c.aggregate_id) & 2147483647 END) % $5 = $6 \
+                     AND {part_c} % $5 = $6 \
                      AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
                        AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy))) \
                      AND (c.aggregate_id IS NULL OR h.head_seq IS NOT NULL) \
@@ -746,6 +764,12 @@ mod tests {
         assert_eq!(sql.mark_sent, q.mark_sent);
         assert!(sql.claim.contains("app.events") && sql.claim.contains("FOR UPDATE SKIP LOCKED"));
         assert!(sql.mark_sent.contains("id = ANY($1)"));
+        assert_eq!(sql.claim_aggregate, q.claim_aggregate);
+        // The claim splits by the same key the tools are given.
+        let split_by = format!("{} % $5 = $6", part_key("c"));
+        assert!(q.claim_aggregate.contains(&split_by));
+        assert_eq!(sql.part_key, part_key(""));
+        assert!(!sql.part_key.contains("c."));
     }
 
     #[test]

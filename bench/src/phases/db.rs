@@ -125,10 +125,10 @@ async fn relay_drain(ctx: &mut Ctx, ordering: Ordering) -> Result<usize> {
 
 /// The rows of the largest of the [`PGBENCH_CLIENTS`] parts an ordered claim splits `table`
 /// into (the claim's own part expression).
-async fn largest_part(ctx: &Ctx, table: &str) -> Result<usize> {
+async fn largest_part(ctx: &Ctx, table: &str, part_key: &str) -> Result<usize> {
     let sql = format!(
         "SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM {table} \
-         GROUP BY (CASE WHEN aggregate_id IS NULL THEN seq ELSE hashtext(aggregate_id) & 2147483647 END) % {PGBENCH_CLIENTS}) p"
+         GROUP BY {part_key} % {PGBENCH_CLIENTS}) p"
     );
     let n: i64 = ctx.pg.query_one(&sql, &[]).await?.get(0);
     Ok(usize::try_from(n).unwrap_or(0))
@@ -226,7 +226,9 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Res
     // largest part), plus a few empty claims.
     let per_client = match ordering {
         Ordering::None => ctx.rows.div_ceil(batch * PGBENCH_CLIENTS),
-        Ordering::Aggregate => largest_part(ctx, &table).await?.div_ceil(batch),
+        Ordering::Aggregate => largest_part(ctx, &table, &sql.part_key)
+            .await?
+            .div_ceil(batch),
     } + 2;
 
     ctx.progress(format!(
