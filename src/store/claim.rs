@@ -154,6 +154,7 @@ const RETURNING: &str = "t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_
 /// The relay's hot-path statements for `table`, as the relay sends them, for tools that replay
 /// them outside the relay (the benchmark's pgbench ceiling): like `migrate --print` for the
 /// DDL. Parameters stay `$n` placeholders, documented per statement.
+#[cfg(any(test, feature = "bench"))]
 #[derive(Debug, Clone)]
 pub struct HotPathSql {
     /// The claim with `ordering = "none"`: `$1` batch size, `$2` instance id; returns the
@@ -182,6 +183,7 @@ pub fn scan_window(limit: i64) -> i64 {
 }
 
 /// Renders [`HotPathSql`] for `table`.
+#[cfg(any(test, feature = "bench"))]
 pub fn hot_path_sql(table: &TableName) -> HotPathSql {
     let q = ClaimSql::new(table);
     HotPathSql {

@@ -19,13 +19,17 @@ mod operator;
 pub mod schema;
 mod waiting;
 
-pub use claim::{
-    Claim, Expired, ExpirySweep, FailOutcome, Failure, HotPathSql, WriterSnapshot, hot_path_sql,
-    scan_window,
-};
-pub use connect::{
-    BACKEND_PID_SQL, SESSION_SETTINGS, listen_sql, make_tls, pg_config, tls_required,
-};
+pub use claim::{Claim, Expired, ExpirySweep, FailOutcome, Failure, WriterSnapshot};
+pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+
+/// The relay's own hot-path statements and session settings, for the benchmark (`bench/`), whose
+/// pgbench ceiling replays them outside the relay. Behind the `bench` feature, which only the
+/// benchmark turns on: they are not part of the library's API.
+#[cfg(feature = "bench")]
+pub mod bench {
+    pub use super::claim::{HotPathSql, hot_path_sql, scan_window};
+    pub use super::connect::SESSION_SETTINGS;
+}
 pub use maintenance::TableHealth;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
 pub use schema::SchemaState;

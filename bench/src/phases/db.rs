@@ -13,7 +13,7 @@ use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::message::OutboxMessage;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
-use outbox_relay::store::{SESSION_SETTINGS, hot_path_sql, scan_window};
+use outbox_relay::store::bench::{SESSION_SETTINGS, hot_path_sql, scan_window};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 

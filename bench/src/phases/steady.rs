@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, anyhow, bail};
 use clap::ValueEnum;
 use outbox_relay::config::TableName;
-use outbox_relay::store::{hot_path_sql, scan_window};
+use outbox_relay::store::bench::{hot_path_sql, scan_window};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -760,7 +760,7 @@ async fn write(client: Client, k: usize, plan: Arc<WriterPlan>) -> Result<Writer
 // Table health and the claim probe
 
 /// The relay's claim for `table` in its default ordering (aggregate), to run with EXPLAIN as
-/// the relay runs it: the library's own text (`store::hot_path_sql`) prepared on `ctx.pg` with
+/// the relay runs it: the library's own text (`store::bench::hot_path_sql`) prepared on `ctx.pg` with
 /// its placeholders, executed with a generic plan and the relay's default parameters, unsplit.
 /// Returns the setup to run in the probe's transaction and the statement.
 async fn claim_probe(ctx: &Ctx, table: &str) -> Result<(&'static str, Probe)> {
