@@ -26,7 +26,7 @@ use outbox_relay::config::TableName;
 use outbox_relay::store::schema::{self, MIGRATIONS};
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{FromSqlOwned, ToSql};
 use uuid::Uuid;
 
 /// Generous bound for anything that normally takes a few seconds (gauges refresh every 5 s,
@@ -189,6 +189,13 @@ async fn wait_ready(port: u16, want: u16, body: &str) {
     })
     .await;
     assert_eq!(got, body, "/readyz answered {want} with another body");
+}
+
+/// `expr` over `table`'s row of `pg_stat_user_tables` (the statistics the relay reads).
+async fn table_stat<T: FromSqlOwned>(table: &TestTable, expr: &str) -> Result<T, String> {
+    let sql = format!("SELECT {expr} FROM pg_stat_user_tables WHERE relid = $1::text::regclass");
+    let row = table.db.query_one(&sql, &[&table.name]).await;
+    Ok(row.map_err(|e| e.to_string())?.get(0))
 }
 
 // ---- /metrics, /healthz, /readyz --------------------------------------------------------------
@@ -418,11 +425,8 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
     // Every row is sent and deleted.
     table.wait_count("true", 0, WAIT).await;
     // Later vacuums keep the dead tuples below the threshold.
-    let sql = "SELECT coalesce(n_dead_tup, 0) FROM pg_stat_user_tables \
-               WHERE relid = $1::text::regclass";
     wait_until(WAIT, "dead tuples fall below 10,000", async || {
-        let row = table.db.query_one(sql, &[&table.name]).await;
-        let dead: i64 = row.map_err(|e| e.to_string())?.get(0);
+        let dead: i64 = table_stat(&table, "coalesce(n_dead_tup, 0)").await?;
         (dead < 10_000)
             .then_some(())
             .ok_or_else(|| format!("{dead} dead tuples"))
@@ -443,25 +447,16 @@ async fn the_relay_analyzes_a_backlog_the_statistics_have_not_seen() {
         .await;
     // The relay reads the inserts from the statistics, which a session reports at the end of a
     // transaction at most once a second: wait until they show them.
-    let live = "SELECT coalesce(n_live_tup, 0) FROM pg_stat_user_tables \
-                WHERE relid = $1::text::regclass";
     wait_until(WAIT, "the statistics count the 3,000 rows", async || {
-        let row = table.db.query_one(live, &[&table.name]).await;
-        match row.map_err(|e| e.to_string())?.get::<_, i64>(0) {
-            3_000.. => Ok(()),
-            n => Err(format!("{n} live rows")),
-        }
+        let live: i64 = table_stat(&table, "coalesce(n_live_tup, 0)").await?;
+        (live >= 3_000)
+            .then_some(())
+            .ok_or_else(|| format!("{live} live rows"))
     })
     .await;
-    let analyzed_sql = "SELECT last_analyze IS NOT NULL, coalesce(analyze_count, 0) \
-                        FROM pg_stat_user_tables WHERE relid = $1::text::regclass";
-    let before = table
-        .db
-        .query_one(analyzed_sql, &[&table.name])
-        .await
-        .unwrap();
+    let analyzed = async || table_stat::<bool>(&table, "last_analyze IS NOT NULL").await;
     assert!(
-        !before.get::<_, bool>(0),
+        !analyzed().await.unwrap(),
         "the new table was analyzed already"
     );
 
@@ -473,12 +468,7 @@ async fn the_relay_analyzes_a_backlog_the_statistics_have_not_seen() {
         .wait_for_log("analyzed the outbox table", 1, Duration::from_secs(15))
         .await;
     table.wait_all_sent(WAIT).await;
-    let after = table
-        .db
-        .query_one(analyzed_sql, &[&table.name])
-        .await
-        .unwrap();
-    assert!(after.get::<_, bool>(0), "last_analyze is still empty");
+    assert!(analyzed().await.unwrap(), "last_analyze is still empty");
     // Fewer than 10,000 dead tuples: no vacuum (whose ANALYZE would have done it) ran.
     assert_eq!(relay.log_count("vacuumed the outbox table"), 0);
     finish(relay, table, rabbit).await;

@@ -13,7 +13,7 @@ use common::rabbit::{Durability, declare_bound_queue};
 use common::transport::{Sink, Transport};
 use common::{
     AMQP_URL, NewRow, PG_URL, Proxy, RabbitFixture, RelayBuilder, RelayProcess, TempDir, TestTable,
-    finish, wait_until,
+    finish,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -67,10 +67,8 @@ async fn kafka_relays_each_outbox_to_its_own_topic() {
 /// ordering, only accepted here). Every row arrives once, on its outbox's route with its
 /// outbox's source, and nothing else arrives.
 async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
-    let (orders, billing) = (
-        TestTable::new("multi_orders").await,
-        TestTable::new("multi_billing").await,
-    );
+    let orders = TestTable::new("multi_orders").await;
+    let billing = TestTable::new("multi_billing").await;
     let sink = Sink::new(transport, "multi", "#", &["order", "billing"]).await;
     // The publisher's route (for `orders`), billing's own, and where each outbox's rows go.
     let (publisher, billing_route, routes) = match &sink {
@@ -128,10 +126,8 @@ async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
     };
     // Each row with its outbox's (route, source).
     let with = |ids: &[Uuid], route: &str, source: &str| -> Vec<_> {
-        let pair = (route.to_owned(), Some(source.to_owned()));
-        ids.iter()
-            .map(|id| (*id, pair.0.clone(), pair.1.clone()))
-            .collect()
+        let arrival = |id: &Uuid| (*id, route.to_owned(), Some(source.to_owned()));
+        ids.iter().map(arrival).collect()
     };
     let orders_source = orders.default_source();
     let mut want = [
@@ -149,26 +145,10 @@ async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
     billing.drop_table().await;
 }
 
-/// Waits until every row of `ids` in `table` is `sent`; panics after `within` naming `what`.
-async fn wait_sent(table: &TestTable, ids: &[Uuid], within: Duration, what: &str) {
-    wait_until(within, what, async || {
-        let states = table.rows_by_id(ids).await;
-        let unsent = states.values().filter(|r| r.status != "sent").count();
-        if unsent == 0 && states.len() == ids.len() {
-            Ok(())
-        } else {
-            Err(format!("{unsent} of {} not sent", ids.len()))
-        }
-    })
-    .await;
-}
-
 #[tokio::test]
 async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() {
-    let (up, behind) = (
-        TestTable::new("multi_db_up").await,
-        TestTable::new("multi_db_down").await,
-    );
+    let up = TestTable::new("multi_db_up").await;
+    let behind = TestTable::new("multi_db_down").await;
     let proxy = Proxy::start("127.0.0.1:5432").await;
     let proxied = format!("postgres://postgres@{}/test", proxy.addr());
     let rabbit = RabbitFixture::new("multi_db", "#", "barrier").await;
@@ -185,20 +165,21 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
     relay
         .wait_for_log(&format!("table {missing} does not exist"), 1, WAIT)
         .await;
+    // Each table holds only the rows this test inserts: "every row is sent" is about them.
     let first = [
         up.insert_ids(&rows(5, "up")).await,
         behind.insert_ids(&rows(5, "behind")).await,
     ];
-    wait_sent(&up, &first[0], WAIT, "`up`'s first rows are sent").await;
-    wait_sent(&behind, &first[1], WAIT, "`behind`'s first rows are sent").await;
+    up.wait_all_sent(WAIT).await;
+    behind.wait_all_sent(WAIT).await;
 
     proxy.cut();
     let stuck = behind.insert_ids(&rows(5, "behind")).await;
     let started = Instant::now();
     let fresh = up.insert_ids(&rows(5, "up")).await;
+    // `up` goes on while `behind`'s database is down.
     let ten = Duration::from_secs(10);
-    let what = "`up` goes on while `behind`'s database is down";
-    wait_sent(&up, &fresh, ten, what).await;
+    up.wait_all_sent(ten).await;
     assert!(started.elapsed() < ten);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let states = behind.rows_by_id(&stuck).await;
@@ -208,9 +189,9 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
     );
     relay.wait_for_log("database unavailable", 1, WAIT).await;
 
+    // `behind` catches up once its database is back.
     proxy.heal();
-    let what = "`behind` catches up once its database is back";
-    wait_sent(&behind, &stuck, WAIT, what).await;
+    behind.wait_all_sent(WAIT).await;
     rabbit
         .wait_for_ids(&[fresh, stuck, first.concat()].concat(), WAIT)
         .await;
@@ -224,10 +205,8 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
 
 #[tokio::test]
 async fn a_burst_in_one_outbox_does_not_starve_another() {
-    let (busy, quiet) = (
-        TestTable::new("multi_burst_busy").await,
-        TestTable::new("multi_burst_quiet").await,
-    );
+    let busy = TestTable::new("multi_burst_busy").await;
+    let quiet = TestTable::new("multi_burst_quiet").await;
     // The quiet outbox's messages reach the fixture's queue; the busy one's a queue of their
     // own that nobody reads (100,000 deliveries would only slow the test's consumer).
     let rabbit = RabbitFixture::new("multi_burst", "quiet.#", "quiet.barrier").await;
@@ -247,10 +226,7 @@ async fn a_burst_in_one_outbox_does_not_starve_another() {
          FROM generate_series(1, {BURST}) AS i",
         busy.name
     );
-    busy.db
-        .execute(&burst, &[])
-        .await
-        .expect("insert the burst");
+    busy.db.batch_execute(&burst).await.unwrap();
 
     let (relay, _dir) = spawn(
         "multi-burst",
@@ -267,9 +243,8 @@ async fn a_burst_in_one_outbox_does_not_starve_another() {
     for i in 0..21 {
         let inserted = Instant::now();
         let row = NewRow::new("q", Some("q"), "created", json!({ "i": i }));
-        let d = rabbit
-            .wait_for_delivery(quiet.insert_one(row).await, WAIT)
-            .await;
+        let id = quiet.insert_one(row).await;
+        let d = rabbit.wait_for_delivery(id, WAIT).await;
         latencies.push(d.received_at.duration_since(inserted));
         tokio::time::sleep(Duration::from_millis(50)).await;
     }

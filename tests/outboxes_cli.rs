@@ -52,26 +52,21 @@ impl Pair {
         }
     }
 
-    /// `outbox-relay --config <file> <args>`.
-    async fn run(&self, args: &[&str]) -> CmdOutput {
+    /// `outbox-relay --config <file> <args>`, which must exit with `code`.
+    async fn exits(&self, args: &[&str], code: i32) -> CmdOutput {
         let config = self.config.to_str().unwrap();
         let all = [&["--config", config][..], args].concat();
-        RelayBuilder::bare("outboxes-cli")
+        let out = RelayBuilder::bare("outboxes-cli")
             .set("database.url", PG_URL)
             .output(&all, Duration::from_secs(60))
-            .await
+            .await;
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
+        out
     }
 
-    /// [`Pair::run`], asserting success.
+    /// [`Pair::exits`] with 0: success.
     async fn ok(&self, args: &[&str]) -> CmdOutput {
-        let out = self.run(args).await;
-        assert!(
-            out.status.success(),
-            "{args:?}: {}\n{}",
-            out.stdout,
-            out.stderr
-        );
-        out
+        self.exits(args, 0).await
     }
 
     /// [`Pair::ok`], stdout parsed as JSON.
@@ -116,6 +111,12 @@ async fn assert_statuses(rows: &[(&TestTable, Uuid, Option<&str>)]) {
     }
 }
 
+/// The keys of a JSON object.
+fn keys(v: &Value) -> BTreeSet<&str> {
+    let obj = v.as_object().expect("a JSON object");
+    obj.keys().map(String::as_str).collect()
+}
+
 /// `(pending, ready, waiting, sent, failed)` of a `status --json` object.
 fn counts(v: &Value) -> [i64; 5] {
     ["pending", "ready", "waiting", "sent", "failed"].map(|k| {
@@ -158,25 +159,16 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
         let oldest = oldest.and_then(Value::as_f64).unwrap();
         assert!(range.contains(&oldest), "{at}: {oldest}");
     }
-    let by_outbox = v["by_outbox"].as_object().expect("by_outbox");
-    assert_eq!(
-        by_outbox.keys().map(String::as_str).collect::<Vec<_>>(),
-        ["alpha", "beta"]
-    );
-    let top: BTreeSet<&String> = v.as_object().unwrap().keys().collect();
-    let inner: BTreeSet<&String> = by_outbox["beta"].as_object().unwrap().keys().collect();
-    assert_eq!(
-        top.iter().filter(|k| k.as_str() != "by_outbox").count(),
-        inner.len(),
-        "by_outbox entries have the top level's keys"
-    );
-    assert!(inner.iter().all(|k| top.contains(k)));
+    assert_eq!(keys(&v["by_outbox"]), ["alpha", "beta"].into());
+    let mut top = keys(&v);
+    top.remove("by_outbox");
+    let inner = keys(&v["by_outbox"]["beta"]);
+    assert_eq!(inner, top, "by_outbox entries have the top level's keys");
 
     // --outbox beta: beta alone, at the top and in by_outbox.
     let v = p.json(&["status", "--json", "--outbox", "beta"]).await;
     assert_eq!(counts(&v), [1, 1, 0, 1, 2], "{v}");
-    let outboxes: Vec<_> = v["by_outbox"].as_object().unwrap().keys().collect();
-    assert_eq!(outboxes, ["beta"]);
+    assert_eq!(keys(&v["by_outbox"]), ["beta"].into());
     assert!(v["by_aggregate_type"].get("order").is_none(), "{v}");
 
     // Text: a line per outbox, then the types and TOTAL; with --outbox, today's table.
@@ -203,13 +195,9 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
     let want: Vec<(String, String)> = want.map(|(o, id)| (o.to_owned(), id.to_string())).into();
     assert_eq!(rows, want);
     assert_eq!(list[0]["last_error"], "nack: boom");
-    let out = p.run(&["dead-letters", "list"]).await;
+    let text = p.ok(&["dead-letters", "list"]).await.stdout;
     let beta_line = format!("beta  {fb2}");
-    assert!(
-        out.stdout.lines().any(|l| l.starts_with(&beta_line)),
-        "{}",
-        out.stdout
-    );
+    assert!(text.lines().any(|l| l.starts_with(&beta_line)), "{text}");
     let only_beta = p
         .json(&["dead-letters", "list", "--json", "--outbox", "beta"])
         .await;
@@ -231,19 +219,15 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
     // All or nothing across outboxes: an id in none of them changes nothing and is named.
     // fa1's id, and one in no outbox.
     let (id, unknown) = (fa1.to_string(), Uuid::new_v4().to_string());
-    let out = p
-        .run(&["dead-letters", "discard", "--id", &id, "--id", &unknown])
-        .await;
-    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
-    assert!(out.stderr.contains(&unknown), "{}", out.stderr);
-    assert!(!out.stderr.contains(&id), "{}", out.stderr);
+    let discard = ["dead-letters", "discard", "--id", &id, "--id", &unknown];
+    let err = p.exits(&discard, 1).await.stderr;
+    assert!(err.contains(&unknown), "{err}");
+    assert!(!err.contains(&id), "{err}");
     assert_statuses(&[(a, fa1, failed)]).await;
     // An id of alpha with --outbox beta is not there.
-    let out = p
-        .run(&["dead-letters", "retry", "--id", &id, "--outbox", "beta"])
-        .await;
-    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
-    assert!(out.stderr.contains(&id), "{}", out.stderr);
+    let retry = ["dead-letters", "retry", "--id", &id, "--outbox", "beta"];
+    let err = p.exits(&retry, 1).await.stderr;
+    assert!(err.contains(&id), "{err}");
     assert_statuses(&[(a, fa1, failed)]).await;
 
     // discard --all --outbox alpha: alpha's dead letters go, beta's stays.
@@ -274,8 +258,7 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
         &["dead-letters", "retry", "--all", "--outbox", "gamma"],
         &["dead-letters", "discard", "--id", &id, "--outbox", "gamma"],
     ] {
-        let out = p.run(args).await;
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", out.stderr);
+        let out = p.exits(args, 2).await;
         let err = out.stderr.trim();
         assert_eq!(err.lines().count(), 1, "one sentence: {err}");
         for name in ["\"gamma\"", "\"alpha\"", "\"beta\""] {
@@ -292,7 +275,7 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
         .stdout;
     assert!(text.contains(&create(&p.beta)), "{text}");
     assert!(!text.contains(&p.alpha.name), "{text}");
-    let text = p.run(&["migrate", "--print"]).await.stdout;
+    let text = p.ok(&["migrate", "--print"]).await.stdout;
     for (name, t) in [("alpha", &p.alpha), ("beta", &p.beta)] {
         let header = format!("-- outbox {name}: table {}", t.name);
         assert!(text.contains(&header), "{text}");
@@ -306,9 +289,8 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
     assert!(!p.alpha.exists().await, "alpha left alone");
 
     // check: one database line per outbox (alpha's table is missing: exit 1, saying so).
-    let out = p.run(&["check"]).await;
+    let out = p.exits(&["check"], 1).await;
     let text = &out.stdout;
-    assert_eq!(out.status.code(), Some(1), "{text}\n{}", out.stderr);
     out.assert_stdout_has("2 outboxes: alpha, beta");
     let missing = "alpha: database: reachable, but table";
     assert!(
@@ -320,7 +302,7 @@ async fn migrate_creates_only_the_chosen_outbox_and_unknown_names_are_usage_erro
         text.lines().any(|l| l.starts_with("beta: database: ok")),
         "{text}"
     );
-    assert!(text.contains("broker: ok"), "{text}");
+    out.assert_stdout_has("broker: ok");
 
     // Without --outbox: alpha created, beta up to date, each line naming its outbox.
     let text = p.ok(&["migrate"]).await.stdout;
