@@ -5,8 +5,7 @@
 //! hand: what schema version 1's trigger cost). A measurement, so `#[ignore]`d: run it alone,
 //! `cargo test --test commit_cost -- --ignored --nocapture` (`COMMIT_COST_SECS`, default 20).
 
-// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod common;
 

@@ -18,7 +18,7 @@ mod common;
 use std::process::Stdio;
 use std::time::Duration;
 
-use common::{TempDir, free_port, pg_connect, wait_until};
+use common::{TempDir, free_port, pg_connect, repo_file, wait_until};
 use tokio::process::{Child, Command};
 use tokio_postgres::error::SqlState;
 
@@ -87,13 +87,9 @@ fn runs_until_stopped(cmd: &str) -> bool {
     cmd.contains("-- run") || (cmd.contains("-- tail") && !cmd.contains("--count"))
 }
 
-fn readme() -> String {
-    common::repo_file("README.md")
-}
-
 #[test]
 fn the_quickstart_is_a_relay_an_insert_and_a_tail() {
-    let readme = readme();
+    let readme = repo_file("README.md");
     let commands = quickstart_commands(&readme);
     assert_eq!(commands.len(), 3, "{commands:#?}");
     assert_eq!(commands[0], "cargo run -- run");
@@ -152,9 +148,8 @@ impl Background {
             .stderr(file("stderr"))
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {command:?}: {e}"));
-        let command = command.to_owned();
         Self {
-            command,
+            command: command.to_owned(),
             child,
             output,
         }
@@ -229,7 +224,7 @@ fn tail_blocks(out: &str) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readme_quickstart_shows_the_event_arriving() {
-    let commands = quickstart_commands(&readme());
+    let commands = quickstart_commands(&repo_file("README.md"));
     let metrics_port = free_port();
     let db = pg_connect().await;
     // Rows of earlier runs have a lower seq than the one this run inserts.
