@@ -141,7 +141,9 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
 
     // Watch the first bad row closely: one observation per distinct (attempts, status).
     let mut seen: Vec<Seen> = Vec::new();
-    // Attempts seen while a bad row was pending (waiting for a retry), of any of them.
+    // Whether a row waits for a retry: pending after a failed attempt.
+    let in_backoff = |r: &RowState| r.status == "pending" && r.attempts > 0;
+    // Attempts seen while a bad row was in backoff, of any of them.
     let mut backoff_attempts = BTreeSet::new();
     let mut sent_while_retrying = 0;
     let started = Instant::now();
@@ -150,12 +152,10 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
         let asked = Utc::now();
         let rows = table.rows_by_id(&bad).await;
         let answered = Utc::now();
-        let retrying = rows
-            .values()
-            .filter(|r| r.status == "pending" && r.attempts > 0);
+        let retrying = rows.values().filter(|r| in_backoff(r));
         backoff_attempts.extend(retrying.map(|r| r.attempts));
         let r = &rows[&bad[0]];
-        if r.status == "pending" && r.attempts > 0 {
+        if in_backoff(r) {
             sent_while_retrying = table.count_where("status = 'sent'").await;
         }
         if seen
@@ -197,10 +197,7 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
             "last_error names the cause: {err:?}"
         );
     }
-    let pending: Vec<&Seen> = seen
-        .iter()
-        .filter(|s| s.row.status == "pending" && s.row.attempts > 0)
-        .collect();
+    let pending: Vec<&Seen> = seen.iter().filter(|s| in_backoff(&s.row)).collect();
     for s in &pending {
         let err = s.row.last_error.as_deref().unwrap_or_default();
         assert!((case.names_cause)(err), "{:?}", s.row);
@@ -317,30 +314,26 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
         assert!(err.contains("MessageSizeTooLarge"), "{dead:?}");
     };
 
-    // The rows after the bad one delivered so far.
-    let ahead = || -> Vec<Uuid> {
+    // No row after the bad one has been delivered so far (ahead of `it`).
+    let assert_none_ahead_of = |it: &str| {
         let after_bad = &a[BAD + 1..];
         let delivered = consumer.records().into_iter().filter_map(|r| r.id());
-        delivered.filter(|id| after_bad.contains(id)).collect()
+        let ahead: Vec<Uuid> = delivered.filter(|id| after_bad.contains(id)).collect();
+        assert!(ahead.is_empty(), "delivered ahead of {it}: {ahead:?}");
     };
     // Through both attempts of the bad record, nothing after it arrives.
     let what = "the mid-run record is dead-lettered";
     let dead = table
         .wait_row(bad, LONG, what, |r| {
-            let ahead = ahead();
-            assert!(
-                ahead.is_empty(),
-                "delivered ahead of the failing record: {ahead:?}"
-            );
+            assert_none_ahead_of("the failing record");
             r.status == "failed"
         })
         .await;
     too_large(dead);
     // The records before it and the other aggregate are sent.
     let before_and_b = i64::try_from(BAD + RUN).unwrap();
-    table
-        .wait_count("status = 'sent'", before_and_b, LONG)
-        .await;
+    let wait_sent = async |n| table.wait_count("status = 'sent'", n, LONG).await;
+    wait_sent(before_and_b).await;
 
     // The relay is still up and publishing rows of other aggregates inserted after the dead
     // letter, before and after an oversize record that is the first of its aggregate: that one
@@ -353,16 +346,10 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
     let what = "the oversize record is dead-lettered";
     let failed = |r: &RowState| r.status == "failed";
     too_large(table.wait_row(oversize, LONG, what, failed).await);
-    table
-        .wait_count("status = 'sent'", before_and_b + 100, LONG)
-        .await;
+    wait_sent(before_and_b + 100).await;
     consumer.wait_caught_up(KAFKA, &topic, LONG).await;
     assert!(relay.is_running(), "relay exited:\n{}", relay.stderr());
-    let ahead = ahead();
-    assert!(
-        ahead.is_empty(),
-        "delivered ahead of the dead letter: {ahead:?}"
-    );
+    assert_none_ahead_of("the dead letter");
     // The rows behind the dead letters wait untouched for an operator: no attempt spent.
     let held = table.rows_by_id(&[&a[BAD + 1..], &[behind]].concat()).await;
     for r in held.values() {

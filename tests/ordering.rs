@@ -18,6 +18,9 @@ use common::{
 use serde_json::json;
 use uuid::Uuid;
 
+/// How long a message or row state may take to show up.
+const WAIT: Duration = Duration::from_secs(30);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
     let (table, rabbit) = table_and_exchange("late_commit").await;
@@ -35,7 +38,7 @@ async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
     // Rows without an aggregate id are never held back: this one proves the relay is running.
     let free = NewRow::new("order", None, "free", json!({}));
     let free = table.insert_one(free).await;
-    rabbit.wait_for_ids(&[free], Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&[free], WAIT).await;
     tokio::time::sleep(Duration::from_millis(1500)).await; // several claim rounds while A is open
     let early = rabbit.id_counts().contains_key(&second.id.to_string());
     let why = "X's seq n+1 was published while the transaction holding seq n was still open";
@@ -44,14 +47,10 @@ async fn a_late_commit_holds_back_later_rows_of_its_aggregate() {
 
     tx_a.commit().await.unwrap();
     let both = [first.id, second.id];
-    rabbit.wait_for_ids(&both, Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&both, WAIT).await;
     let in_order = [first.id.to_string(), second.id.to_string()];
-    let mut order: Vec<String> = rabbit
-        .deliveries()
-        .into_iter()
-        .map(|d| d.message_id)
-        .collect();
-    order.retain(|m| in_order.contains(m));
+    let arrivals = rabbit.deliveries().into_iter().map(|d| d.message_id);
+    let order: Vec<String> = arrivals.filter(|m| in_order.contains(m)).collect();
     assert_eq!(order, in_order, "n arrives before n+1");
     finish(relay, table, rabbit).await;
 }
@@ -96,8 +95,7 @@ async fn backoff_parks_only_its_aggregate() {
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
     let what = "X's head has been retried";
     let retried = |r: &RowState| r.attempts >= 3;
-    let within = Duration::from_secs(30);
-    table.wait_row(parked[0], within, what, retried).await;
+    table.wait_row(parked[0], WAIT, what, retried).await;
     // X's later rows may be claimed with its head for a moment and handed back when the head
     // is rejected; they never go out and never keep a spent attempt.
     let what = "X's later rows are pending with no attempt spent";
@@ -119,9 +117,9 @@ async fn backoff_parks_only_its_aggregate() {
 
     // Fix the routing: X drains, in order.
     rabbit.bind("parked.#").await;
-    rabbit.wait_for_ids(&parked, Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&parked, WAIT).await;
     assert_eq!(ids_in_arrival_order(&rabbit, &parked), parked);
-    table.wait_all_sent(Duration::from_secs(30)).await;
+    table.wait_all_sent(WAIT).await;
     finish(relay, table, rabbit).await;
 }
 
@@ -138,19 +136,16 @@ async fn a_dead_letter_blocks_its_aggregate_until_retried() {
     rabbit.wait_for_ids(&others, Duration::from_secs(60)).await;
     let what = "Z's head is dead-lettered";
     let failed = |r: &RowState| r.status == "failed";
-    let within = Duration::from_secs(30);
-    table.wait_row(dead[0], within, what, failed).await;
+    table.wait_row(dead[0], WAIT, what, failed).await;
 
     let cli = async |args: &[&str]| {
         let cli = RelayBuilder::for_test(&table, &rabbit, "cli");
-        cli.output(args, Duration::from_secs(30)).await
+        cli.output(args, WAIT).await
     };
     let status = async || {
         let out = cli(&["status", "--json"]).await;
-        (
-            serde_json::from_str::<serde_json::Value>(&out.stdout).unwrap(),
-            out.stdout,
-        )
+        let report: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+        (report, out.stdout)
     };
     let (report, text) = status().await;
     assert_eq!(report["blocked_aggregates"], 1, "{text}");
@@ -167,7 +162,7 @@ async fn a_dead_letter_blocks_its_aggregate_until_retried() {
     rabbit.bind("dead.#").await;
     let retried = cli(&["dead-letters", "retry", "--id", &dead[0].to_string()]).await;
     assert!(retried.status.success(), "{}", retried.stderr);
-    rabbit.wait_for_ids(&dead, Duration::from_secs(30)).await;
+    rabbit.wait_for_ids(&dead, WAIT).await;
     assert_eq!(ids_in_arrival_order(&rabbit, &dead), dead);
     let (report, text) = status().await;
     assert_eq!(report["blocked_aggregates"], 0, "{text}");

@@ -97,21 +97,9 @@ struct FakeBroker {
 impl FakeBroker {
     /// A broker that answers each publish as soon as its script says.
     fn new(script: impl Fn(&OutboxMessage, usize) -> Step + Send + Sync + 'static) -> Arc<Self> {
-        Self::with_permits(Semaphore::MAX_PERMITS, script)
-    }
-
-    /// A broker that holds every publish until the test adds permits to its gate.
-    fn gated(script: impl Fn(&OutboxMessage, usize) -> Step + Send + Sync + 'static) -> Arc<Self> {
-        Self::with_permits(0, script)
-    }
-
-    fn with_permits(
-        permits: usize,
-        script: impl Fn(&OutboxMessage, usize) -> Step + Send + Sync + 'static,
-    ) -> Arc<Self> {
         Arc::new(Self {
             script: Box::new(script),
-            gate: Semaphore::new(permits),
+            gate: Semaphore::new(Semaphore::MAX_PERMITS),
             log: Mutex::default(),
             connected: AtomicBool::new(false),
             reachable: AtomicBool::new(true),
@@ -119,6 +107,13 @@ impl FakeBroker {
             in_flight: AtomicUsize::default(),
             high_water: AtomicUsize::default(),
         })
+    }
+
+    /// A broker that confirms each publish once the test adds a permit to its gate.
+    fn gated() -> Arc<Self> {
+        let broker = Self::new(|_, _| (Answer::Confirm, Duration::ZERO));
+        broker.gate.forget_permits(Semaphore::MAX_PERMITS);
+        broker
     }
 
     fn publishes(&self) -> Vec<Publish> {
@@ -268,13 +263,8 @@ async fn ordered_claim(config: &Config, limit: usize) -> Vec<i64> {
 }
 
 async fn wait_for(what: &str, check: impl Fn() -> bool) {
-    let not_yet = || Err("not yet".to_owned());
-    wait_until(
-        WAIT,
-        what,
-        async || if check() { Ok(()) } else { not_yet() },
-    )
-    .await;
+    let check = async || check().then_some(()).ok_or_else(|| "not yet".to_owned());
+    wait_until(WAIT, what, check).await;
 }
 
 // Scenarios.
@@ -406,7 +396,7 @@ async fn in_flight_window_bounds_concurrent_publishes() {
     let settings = "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n";
     let rows = NewRow::numbered(24, "loop", None, "e");
     let (table, config, _) = setup("loop_window", settings, &rows).await;
-    let broker = FakeBroker::gated(|_, _| (Answer::Confirm, Duration::ZERO));
+    let broker = FakeBroker::gated();
     let relay = start(config, &broker);
 
     let window_full = || {
@@ -449,7 +439,7 @@ async fn shutdown_drains_then_hands_back() {
                     shutdown_timeout = \"1500ms\"\n";
     let rows = NewRow::numbered(8, "loop", None, "e");
     let (table, config, inserted) = setup("loop_shutdown", settings, &rows).await;
-    let broker = FakeBroker::gated(|_, _| (Answer::Confirm, Duration::ZERO));
+    let broker = FakeBroker::gated();
     let relay = start(config, &broker);
     wait_for("6 publishes are waiting for the broker", || {
         broker.in_flight.load(SeqCst) == 6
@@ -567,21 +557,13 @@ async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
     let got = ordered_claim(&config, 6).await;
     // C's run of three (its oldest row is the oldest), the first row without aggregate, then
     // the first two rows of B's run; A's run and the second row without aggregate wait.
-    let want: Vec<i64> = [0, 4, 8, 1, 2, 6]
-        .iter()
-        .map(|&i| inserted[i].seq)
-        .collect();
-    let (mut got_set, mut want_set) = (got.clone(), want.clone());
-    got_set.sort_unstable();
-    want_set.sort_unstable();
-    assert_eq!(
-        got_set, want_set,
-        "claimed {got:?}, expected the rows {want:?}"
-    );
+    let mut want = [0, 4, 8, 1, 2, 6].map(|i| inserted[i].seq);
+    want.sort_unstable();
     assert!(
         got.is_sorted(),
         "a claim hands its rows over in seq order: {got:?}"
     );
+    assert_eq!(got, want, "claimed {got:?}, expected the rows {want:?}");
     assert_eq!(table.count_where("status = 'processing'").await, 6);
     table.drop_table().await;
 }
