@@ -46,8 +46,7 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
         .spawn();
 
     rabbit.wait_for_ids(&[second, third], WAIT).await;
-    // Delivered, then settled: wait for the settle too.
-    // The two live rows are sent.
+    // Delivered, then settled: wait until the two live rows are sent too.
     table.wait_count("status = 'sent'", 2, WAIT).await;
     rabbit.barrier().await;
     let delivered = rabbit.deliveries();
@@ -115,9 +114,8 @@ async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_g
 
     // Publishes go into a black hole: the rows are claimed before their deadline and wait.
     proxy.stall();
-    let deadline_in = 3.0;
     let expiring = table
-        .insert_expiring(Some("b-1"), "expiring", Some(deadline_in))
+        .insert_expiring(Some("b-1"), "expiring", Some(3.0))
         .await;
     let after = table.insert_expiring(Some("b-1"), "after", None).await;
     let plain = table.insert_expiring(Some("b-2"), "plain", None).await;

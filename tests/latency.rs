@@ -3,8 +3,7 @@
 //! woken by a NOTIFY; without it the latency is bounded by `relay.poll_interval`. The file's
 //! only test, so that nothing else in the suite shares the machine with it while it measures.
 
-// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod common;
 

@@ -5,8 +5,7 @@
 //! for the poll, and a relay that dies while waiting stops costing NOTIFYs. (A version-1 table
 //! upgraded in place to the wake-up trigger: tests/ops.rs.)
 
-// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod common;
 
@@ -21,6 +20,9 @@ use common::{
 use futures::StreamExt;
 use serde_json::json;
 use tokio_postgres::{AsyncMessage, NoTls};
+
+/// How long a waiting record, a delivery or the drain may take to appear.
+const WAIT: Duration = Duration::from_secs(20);
 
 fn row(i: usize) -> NewRow {
     let aggregate = format!("a{}", i % 7);
@@ -68,9 +70,7 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, instance: &str, poll: &str) 
 async fn wait_for_waiter(table: &TestTable, instance: &str) {
     let what = format!("{instance} records that it waits");
     let waiting = |w: &[String]| w.iter().any(|r| r == instance);
-    table
-        .wait_waiters(Duration::from_secs(20), &what, waiting)
-        .await;
+    table.wait_waiters(WAIT, &what, waiting).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +122,7 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_lingering_or_busy_one_costs
     // Without a NOTIFY the rows were found by the lingering polls, not the 10 s poll.
     let mut slowest = Duration::ZERO;
     for (id, committed) in sent {
-        let got = rabbit.wait_for_delivery(id, Duration::from_secs(20)).await;
+        let got = rabbit.wait_for_delivery(id, WAIT).await;
         slowest = slowest.max(got.received_at.saturating_duration_since(committed));
     }
     eprintln!(
@@ -182,7 +182,7 @@ async fn poll_only_never_notifies() {
         ids.push(table.insert_one(row(i)).await);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    rabbit.wait_for_ids(&ids, Duration::from_secs(20)).await;
+    rabbit.wait_for_ids(&ids, WAIT).await;
     assert!(table.waiters().await.is_empty());
     assert_eq!(counter.get(), 0, "a polling relay made inserts notify");
     finish(relay, table, rabbit).await;
@@ -217,7 +217,7 @@ async fn a_row_committing_while_the_relay_goes_idle_is_not_left_for_the_poll() {
         .spawn();
     wait_for_waiter(&table, "wake-race").await;
     let (id, committed) = writer.await.unwrap();
-    let got = rabbit.wait_for_delivery(id, Duration::from_secs(20)).await;
+    let got = rabbit.wait_for_delivery(id, WAIT).await;
     let waited = got.received_at.saturating_duration_since(committed);
     eprintln!("row committed while the relay went idle: received {waited:?} after its commit");
     assert!(
@@ -255,10 +255,8 @@ async fn a_relay_that_dies_waiting_stops_costing_notifies() {
     let other = relay(&table, &rabbit, "wake-alive", "200ms").spawn();
     let what = "the dead relay's record is deleted";
     let gone = |w: &[String]| w.iter().all(|r| r != "wake-dead");
-    table
-        .wait_waiters(Duration::from_secs(20), what, gone)
-        .await;
-    table.wait_all_sent(Duration::from_secs(20)).await;
+    table.wait_waiters(WAIT, what, gone).await;
+    table.wait_all_sent(WAIT).await;
     // And an insert into the idle live relay notifies again.
     wait_for_waiter(&table, "wake-alive").await;
     let before = counter.get();
