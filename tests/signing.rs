@@ -187,14 +187,6 @@ fn signed(t: &TestTable, r: &RabbitFixture, label: &str, kid: &str, key: &str) -
     signing(RelayBuilder::for_test(t, r, label), kid, key)
 }
 
-/// The `destination` of the row of [`rows`] that has one: a routing key, or the second topic.
-fn custom_route(sink: &Sink) -> String {
-    match sink {
-        Sink::RabbitMq(_) => "custom.route".to_owned(),
-        Sink::Kafka { topics, .. } => topics[1].clone(),
-    }
-}
-
 /// Every message `sink` received, as a consumer reads it.
 fn received(sink: &Sink) -> Vec<Received> {
     match sink {
@@ -219,7 +211,11 @@ async fn verify_across_a_key_rotation(test: &str, transport: Transport) {
     // Topics `<prefix>-order` and `<prefix>-customer` on Kafka (the row types of [`rows`]).
     let sink = Sink::new(transport, test, "#", &["order", "customer"]).await;
     let key_b = format!("base64:{}", STANDARD.encode(KEY_B));
-    let route = custom_route(&sink);
+    // The `destination` of the row of [`rows`] that has one: a routing key, or the second topic.
+    let route = match &sink {
+        Sink::RabbitMq(_) => "custom.route".to_owned(),
+        Sink::Kafka { topics, .. } => topics[1].clone(),
+    };
 
     // Key A (text, from the environment), then the rotation: consumers already know key B; the
     // relay switches to it.
