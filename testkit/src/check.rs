@@ -121,25 +121,17 @@ pub fn not_sent_cleanly(rows: &[RowState]) -> Vec<String> {
 mod tests {
     use super::*;
 
+    /// A row sent on its first attempt, cleanly.
     fn row(seq: i64, aggregate: Option<&str>) -> RowState {
-        let now = chrono::Utc::now();
         RowState {
             id: Uuid::new_v4(),
             seq,
             aggregate_type: "t".into(),
             aggregate_id: aggregate.map(str::to_owned),
-            event_type: "e".into(),
-            payload: serde_json::Value::Null,
-            headers: serde_json::Value::Null,
-            destination: None,
             status: "sent".into(),
             attempts: 1,
-            available_at: now,
-            locked_at: None,
-            locked_by: None,
-            last_error: None,
-            created_at: now,
-            sent_at: Some(now),
+            sent_at: Some(chrono::Utc::now()),
+            ..RowState::default()
         }
     }
 

@@ -6,8 +6,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use serde_json::Value;
+use serde_json::{Value, json};
 use tokio::task::JoinHandle;
+use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, GenericClient, NoTls};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -69,12 +70,8 @@ pub fn spawn_paced_writer(
         let mut ids = Vec::new();
         for round in 0..rounds {
             let rows: Vec<NewRow> = (0..batch).map(|i| make(round, i)).collect();
-            ids.extend(
-                insert_rows(&client, &table, &rows)
-                    .await
-                    .into_iter()
-                    .map(|r| r.id),
-            );
+            let inserted = insert_rows(&client, &table, &rows).await;
+            ids.extend(inserted.iter().map(|r| r.id));
             tokio::time::sleep(every).await;
         }
         ids
@@ -106,12 +103,7 @@ pub fn spawn_steady_writer(
             let rows: Vec<NewRow> = (n..n + batch)
                 .map(|i| {
                     let aggregate = format!("{tag}-{}", i % aggregates);
-                    NewRow::new(
-                        &tag,
-                        Some(&aggregate),
-                        "tick",
-                        serde_json::json!({ "n": i }),
-                    )
+                    NewRow::new(&tag, Some(&aggregate), "tick", json!({ "n": i }))
                 })
                 .collect();
             if let Err(e) = try_insert_rows(c, &table, &rows).await {
@@ -236,12 +228,7 @@ impl NewRow {
                     1 => prefix.to_owned(),
                     k => format!("{prefix}{}", i % k),
                 });
-                Self::new(
-                    aggregate_type,
-                    id.as_deref(),
-                    event_type,
-                    serde_json::json!({ "i": i }),
-                )
+                Self::new(aggregate_type, id.as_deref(), event_type, json!({ "i": i }))
             })
             .collect()
     }
@@ -320,7 +307,7 @@ pub async fn try_insert_rows<C: GenericClient + Sync>(
 
 /// One outbox row as the database holds it (fields: the columns of the same name).
 #[allow(missing_docs)] // the fields are the table's columns
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct RowState {
     pub id: Uuid,
     pub seq: i64,
@@ -403,20 +390,13 @@ static GC_DONE: AtomicBool = AtomicBool::new(false);
 /// Drops the tables of test runs that ended more than an hour ago without cleaning up (a failed
 /// test leaves its table for inspection). Runs once per test process.
 async fn collect_old_tables(db: &Client) {
-    let old = db
-        .query(
-            "SELECT table_name FROM outbox_relay_schema_version \
-             WHERE table_name LIKE 'it\\_%' AND applied_at < now() - interval '1 hour'",
-            &[],
-        )
-        .await
-        .map(|rows| {
-            rows.iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect::<Vec<_>>()
-        })
-        .unwrap_or_default();
-    for name in old {
+    let sql = "SELECT table_name FROM outbox_relay_schema_version \
+               WHERE table_name LIKE 'it\\_%' AND applied_at < now() - interval '1 hour'";
+    let Ok(old) = db.query(sql, &[]).await else {
+        return;
+    };
+    for row in old {
+        let name: String = row.get(0);
         // Only names this harness makes: it_<slug>_<hex>, nothing to quote.
         if name
             .chars()
@@ -507,37 +487,31 @@ impl TestTable {
         row.expect("insert bytes").get(0)
     }
 
-    /// Every row, in `seq` order.
-    pub async fn rows(&self) -> Vec<RowState> {
-        let sql = format!("SELECT {ROW_COLUMNS} FROM {} ORDER BY seq", self.name);
-        self.db
-            .query(&sql, &[])
-            .await
-            .expect("select rows")
+    /// `SELECT <every column> FROM <table> <rest>` (`rest`: test-authored SQL).
+    async fn select(&self, rest: &str, params: &[&(dyn ToSql + Sync)]) -> Vec<RowState> {
+        let sql = format!("SELECT {ROW_COLUMNS} FROM {} {rest}", self.name);
+        let rows = self.db.query(&sql, params).await;
+        rows.unwrap_or_else(|e| panic!("{sql}: {e}"))
             .iter()
             .map(row_state)
             .collect()
     }
 
+    /// Every row, in `seq` order.
+    pub async fn rows(&self) -> Vec<RowState> {
+        self.select("ORDER BY seq", &[]).await
+    }
+
     /// One row by id.
     pub async fn row(&self, id: Uuid) -> RowState {
-        let sql = format!("SELECT {ROW_COLUMNS} FROM {} WHERE id = $1", self.name);
-        row_state(&self.db.query_one(&sql, &[&id]).await.expect("select row"))
+        let found = self.select("WHERE id = $1", &[&id]).await.pop();
+        found.unwrap_or_else(|| panic!("no row {id} in {}", self.name))
     }
 
     /// Rows matching `ids`, keyed by id.
     pub async fn rows_by_id(&self, ids: &[Uuid]) -> HashMap<Uuid, RowState> {
-        let sql = format!("SELECT {ROW_COLUMNS} FROM {} WHERE id = ANY($1)", self.name);
-        self.db
-            .query(&sql, &[&ids])
-            .await
-            .expect("select rows by id")
-            .iter()
-            .map(|r| {
-                let s = row_state(r);
-                (s.id, s)
-            })
-            .collect()
+        let rows = self.select("WHERE id = ANY($1)", &[&ids]).await;
+        rows.into_iter().map(|r| (r.id, r)).collect()
     }
 
     /// The database's clock (the one `sent_at` and `locked_at` are written with).
@@ -616,10 +590,8 @@ impl TestTable {
     /// Row counts by status (absent statuses are 0).
     pub async fn status_counts(&self) -> BTreeMap<String, i64> {
         let sql = format!("SELECT status, count(*) FROM {} GROUP BY status", self.name);
-        let mut out: BTreeMap<String, i64> = ["pending", "processing", "sent", "failed"]
-            .iter()
-            .map(|s| ((*s).to_owned(), 0))
-            .collect();
+        let statuses = ["pending", "processing", "sent", "failed"];
+        let mut out = BTreeMap::from(statuses.map(|s| (s.to_owned(), 0)));
         for r in self.db.query(&sql, &[]).await.expect("status counts") {
             out.insert(r.get(0), r.get(1));
         }
@@ -635,11 +607,11 @@ impl TestTable {
         done: impl Fn(&BTreeMap<String, i64>) -> bool,
     ) -> BTreeMap<String, i64> {
         wait_until(timeout, what, async || {
-            let c = self.status_counts().await;
-            if done(&c) {
-                Ok(c)
+            let counts = self.status_counts().await;
+            if done(&counts) {
+                Ok(counts)
             } else {
-                Err(format!("{c:?}"))
+                Err(format!("{counts:?}"))
             }
         })
         .await
@@ -668,38 +640,22 @@ impl TestTable {
         done: impl Fn(&RowState) -> bool,
     ) -> RowState {
         wait_until(timeout, what, async || {
-            let r = self.row(id).await;
-            if done(&r) {
-                Ok(r)
+            let row = self.row(id).await;
+            if done(&row) {
+                Ok(row)
             } else {
-                Err(format!(
-                    "{} attempts {} {:?}",
-                    r.status, r.attempts, r.last_error
-                ))
+                Err(row.describe())
             }
         })
         .await
     }
 
-    /// Waits until every row is `sent` (progress in the panic message otherwise).
+    /// Waits until every row is `sent` (the counts by status in the panic message otherwise).
     pub async fn wait_all_sent(&self, timeout: Duration) {
-        wait_until(
-            timeout,
-            &format!("every row of {} is sent", self.name),
-            async || {
-                let counts = self.status_counts().await;
-                let unsent: i64 = counts
-                    .iter()
-                    .filter(|(k, _)| *k != "sent")
-                    .map(|(_, v)| v)
-                    .sum();
-                if unsent == 0 {
-                    Ok(())
-                } else {
-                    Err(format!("{counts:?}"))
-                }
-            },
-        )
+        let what = format!("every row of {} is sent", self.name);
+        self.wait_for_counts(timeout, &what, |counts| {
+            counts.iter().all(|(status, n)| status == "sent" || *n == 0)
+        })
         .await;
     }
 

@@ -10,11 +10,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, KeyUsagePurpose,
+};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::process::{Child, Command};
@@ -22,6 +25,7 @@ use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 pub use crate::free_port;
+use crate::process::append_to;
 use crate::{RelayBuilder, RelayProcess, TestTable, hex8, wait_until};
 
 /// The shared broker.
@@ -114,31 +118,24 @@ pub async fn create_topic(broker: &str, topic: &str) {
     if let Err(e) = try_create_topic(&tansu_bin(), broker, topic, partitions).await {
         panic!("{topic} on {broker}: {e}");
     }
-    let (broker, topic_owned) = (broker.to_owned(), topic.to_owned());
-    let partitions = tokio::task::spawn_blocking(move || {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            // A fresh client each time: the request goes to `broker` itself, not to the
-            // advertised address (the restart test re-creates topics while the proxy is cut).
-            let client: BaseConsumer = consumer_config(&broker).create().expect("metadata client");
-            let found = client
-                .fetch_metadata(Some(&topic_owned), Duration::from_secs(5))
-                .ok()
-                .and_then(|m| {
-                    m.topics()
-                        .iter()
-                        .find(|t| t.name() == topic_owned && t.error().is_none())
-                        .map(|t| t.partitions().len())
-                });
-            match found {
-                Some(n) if n > 0 => return n,
-                _ if Instant::now() > deadline => return 0,
-                _ => std::thread::sleep(Duration::from_millis(50)),
-            }
+    let what = format!("{broker} lists the partitions of {topic}");
+    let partitions = wait_until(Duration::from_secs(20), &what, async || {
+        // A fresh client each time: the request goes to `broker` itself, not to the
+        // advertised address (the restart test re-creates topics while the proxy is cut).
+        let topic = topic.to_owned();
+        let found = with_client(broker, move |client| {
+            let metadata = client
+                .fetch_metadata(Some(&topic), Duration::from_secs(5))
+                .ok()?;
+            let listed = metadata.topics().iter().find(|t| t.name() == topic)?;
+            listed.error().is_none().then(|| listed.partitions().len())
+        });
+        match found.await {
+            Some(n) if n > 0 => Ok(n),
+            other => Err(format!("{other:?} partitions")),
         }
     })
-    .await
-    .unwrap();
+    .await;
     assert_eq!(
         partitions,
         usize::try_from(PARTITIONS).unwrap(),
@@ -153,9 +150,8 @@ pub async fn delete_topic(topic: &str) {
 
 /// High watermarks (next offset to be written) of every partition of `topic`.
 pub async fn high_watermarks(broker: &str, topic: &str) -> Vec<i64> {
-    let (broker, topic) = (broker.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let client: BaseConsumer = consumer_config(&broker).create().expect("watermark client");
+    let topic = topic.to_owned();
+    with_client(broker, move |client| {
         (0..PARTITIONS)
             .map(|p| {
                 client
@@ -166,7 +162,17 @@ pub async fn high_watermarks(broker: &str, topic: &str) -> Vec<i64> {
             .collect()
     })
     .await
-    .unwrap()
+}
+
+/// Runs `request` on a blocking thread with a fresh [`consumer_config`] client of `broker`.
+async fn with_client<T: Send + 'static>(
+    broker: &str,
+    request: impl FnOnce(&BaseConsumer) -> T + Send + 'static,
+) -> T {
+    let config = consumer_config(broker);
+    tokio::task::spawn_blocking(move || request(&config.create().expect("metadata client")))
+        .await
+        .unwrap()
 }
 
 /// A test consumer's configuration: a fresh group, no commits, from the earliest offset, short
@@ -203,6 +209,24 @@ pub struct Record {
 }
 
 impl Record {
+    fn of(m: &BorrowedMessage<'_>) -> Self {
+        let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+        let headers = m.headers().map(|headers| {
+            headers
+                .iter()
+                .map(|h| (h.key.to_owned(), h.value.map(text)))
+                .collect()
+        });
+        Self {
+            topic: m.topic().to_owned(),
+            partition: m.partition(),
+            offset: m.offset(),
+            key: m.key().map(text),
+            headers: headers.unwrap_or_default(),
+            payload: m.payload().unwrap_or_default().to_vec(),
+        }
+    }
+
     /// The first header called `name`.
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers
@@ -254,31 +278,7 @@ impl Collector {
                 match consumer.poll(Duration::from_millis(100)) {
                     None => {}
                     Some(Err(e)) => error_sink.lock().unwrap().push(e.to_string()),
-                    Some(Ok(m)) => {
-                        let headers = m
-                            .headers()
-                            .map(|h| {
-                                h.iter()
-                                    .map(|h| {
-                                        (
-                                            h.key.to_owned(),
-                                            h.value
-                                                .map(|v| String::from_utf8_lossy(v).into_owned()),
-                                        )
-                                    })
-                                    .collect()
-                            })
-                            .unwrap_or_default();
-                        let record = Record {
-                            topic: m.topic().to_owned(),
-                            partition: m.partition(),
-                            offset: m.offset(),
-                            key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
-                            headers,
-                            payload: m.payload().unwrap_or_default().to_vec(),
-                        };
-                        sink.lock().unwrap().push(record);
-                    }
+                    Some(Ok(m)) => sink.lock().unwrap().push(Record::of(&m)),
                 }
             }
         });
@@ -304,33 +304,21 @@ impl Collector {
     /// every record below them: everything the broker held at that moment has been received.
     pub async fn wait_caught_up(&self, broker: &str, topic: &str, timeout: Duration) {
         let high = &high_watermarks(broker, topic).await;
-        wait_until(
-            timeout,
-            &format!("the test consumer reads {topic} up to {high:?}"),
-            async || {
-                let mut next = vec![0i64; high.len()];
-                for r in self.records.lock().unwrap().iter() {
-                    if r.topic == topic {
-                        let p = usize::try_from(r.partition).unwrap();
-                        next[p] = next[p].max(r.offset + 1);
-                    }
-                }
-                if next.iter().zip(high).all(|(n, h)| n >= h) {
-                    Ok(())
-                } else {
-                    Err(format!(
-                        "read up to {next:?}; consumer errors: {:?}",
-                        self.errors
-                            .lock()
-                            .unwrap()
-                            .iter()
-                            .rev()
-                            .take(3)
-                            .collect::<Vec<_>>()
-                    ))
-                }
-            },
-        )
+        let what = format!("the test consumer reads {topic} up to {high:?}");
+        wait_until(timeout, &what, async || {
+            let mut next = vec![0i64; high.len()];
+            let records = self.records.lock().unwrap();
+            for r in records.iter().filter(|r| r.topic == topic) {
+                let p = usize::try_from(r.partition).unwrap();
+                next[p] = next[p].max(r.offset + 1);
+            }
+            if next.iter().zip(high).all(|(n, h)| n >= h) {
+                return Ok(());
+            }
+            let errors = self.errors.lock().unwrap();
+            let last = &errors[errors.len().saturating_sub(3)..];
+            Err(format!("read up to {next:?}; consumer errors: {last:?}"))
+        })
         .await;
     }
 
@@ -407,11 +395,7 @@ impl Tansu {
 
     /// Like [`Tansu::start`], with `extra` broker arguments (e.g. `--authentication`).
     pub async fn start_with(port: u16, advertised: SocketAddr, log: &Path, extra: &[&str]) -> Self {
-        let out = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .expect("tansu log file");
+        let out = append_to(log).expect("tansu log file");
         let mut child = Command::new(tansu_bin())
             .arg("broker")
             .arg("--listener-url")
@@ -428,26 +412,18 @@ impl Tansu {
             .kill_on_drop(true)
             .spawn()
             .expect("start tansu");
-        let started = Instant::now();
-        loop {
+        let what = format!("tansu listens on port {port}");
+        wait_until(Duration::from_secs(20), &what, async || {
             if let Some(status) = child.try_wait().expect("try_wait tansu") {
-                panic!(
-                    "tansu on port {port} exited at start with {status}:\n{}",
-                    std::fs::read_to_string(log).unwrap_or_default()
-                );
+                let output = std::fs::read_to_string(log).unwrap_or_default();
+                panic!("tansu on port {port} exited at start with {status}:\n{output}");
             }
-            if tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .is_ok()
-            {
-                break;
+            match TcpStream::connect(("127.0.0.1", port)).await {
+                Ok(_) => Ok(()),
+                Err(e) => Err(e.to_string()),
             }
-            assert!(
-                started.elapsed() < Duration::from_secs(20),
-                "tansu did not listen on port {port} within 20s"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
         Self { child, port }
     }
 
@@ -529,18 +505,13 @@ pub struct TlsFront {
 }
 
 /// A self-signed CA: (issuer, its certificate as PEM).
-fn test_ca(name: &str) -> (rcgen::CertifiedIssuer<'static, rcgen::KeyPair>, String) {
-    let key = rcgen::KeyPair::generate().expect("CA key");
-    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
-    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, name);
-    params.key_usages = vec![
-        rcgen::KeyUsagePurpose::KeyCertSign,
-        rcgen::KeyUsagePurpose::CrlSign,
-    ];
-    let ca = rcgen::CertifiedIssuer::self_signed(params, key).expect("self-sign CA");
+fn test_ca(name: &str) -> (CertifiedIssuer<'static, KeyPair>, String) {
+    let key = KeyPair::generate().expect("CA key");
+    let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca = CertifiedIssuer::self_signed(params, key).expect("self-sign CA");
     let pem = ca.pem();
     (ca, pem)
 }
@@ -558,12 +529,11 @@ impl TlsFront {
     /// Starts the front; the CA's PEM goes to `dir`. `upstream` need not listen yet.
     pub async fn start(upstream: u16, dir: &Path) -> Self {
         let (ca, ca_pem) = test_ca("outbox-relay test CA");
-        let leaf_key = rcgen::KeyPair::generate().expect("leaf key");
-        let leaf =
-            rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-                .expect("leaf params")
-                .signed_by(&leaf_key, &ca)
-                .expect("sign leaf");
+        let leaf_key = KeyPair::generate().expect("leaf key");
+        let leaf = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+            .expect("leaf params")
+            .signed_by(&leaf_key, &ca)
+            .expect("sign leaf");
         let path = dir.join("kafka-ca.pem");
         std::fs::write(&path, ca_pem).expect("write CA");
         let key = rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der())
@@ -588,12 +558,9 @@ impl TlsFront {
                 let acceptor = acceptor.clone();
                 let (ok_count, failed_count) = (Arc::clone(&ok_count), Arc::clone(&failed_count));
                 tokio::spawn(async move {
-                    let mut tls = match acceptor.accept(tcp).await {
-                        Ok(tls) => tls,
-                        Err(_) => {
-                            failed_count.fetch_add(1, Ordering::SeqCst);
-                            return;
-                        }
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        failed_count.fetch_add(1, Ordering::SeqCst);
+                        return;
                     };
                     ok_count.fetch_add(1, Ordering::SeqCst);
                     if let Ok(mut up) = TcpStream::connect(("127.0.0.1", upstream)).await {

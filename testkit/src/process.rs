@@ -11,7 +11,7 @@ use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
-use crate::{AMQP_URL, PG_URL, RabbitFixture, TestTable, hex8, slug, wait_until};
+use crate::{AMQP_URL, PG_URL, RabbitFixture, TestTable, hex8, slug, wait_for_count};
 
 /// The `outbox-relay` binary: `$OUTBOX_RELAY_BIN`, else the one next to the running executable
 /// (`target/<profile>/` holds the binaries, `target/<profile>/deps/` the test executables). Cargo
@@ -27,6 +27,14 @@ pub fn relay_bin() -> PathBuf {
         dir.pop();
     }
     dir.join(format!("outbox-relay{}", std::env::consts::EXE_SUFFIX))
+}
+
+/// `path` opened for appending (created if missing): a log that several runs share.
+pub(crate) fn append_to(path: &Path) -> std::io::Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
 }
 
 /// A directory under the system temp dir, removed on drop.
@@ -176,22 +184,8 @@ impl RelayBuilder {
     }
 
     /// Sets a config key (dotted, e.g. `relay.ordering`) through its `RELAY_*` variable.
-    pub fn set(mut self, key: &str, value: impl Into<String>) -> Self {
-        self.env.insert(env_key(key), value.into());
-        self
-    }
-
-    fn command(&self, dir: &Path, args: &[&str]) -> Command {
-        let mut cmd = Command::new(relay_bin());
-        cmd.args(args)
-            .current_dir(dir)
-            .env_clear()
-            .envs(&self.env)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        cmd
+    pub fn set(self, key: &str, value: impl Into<String>) -> Self {
+        self.env(&env_key(key), value)
     }
 
     /// Starts `outbox-relay run`.
@@ -209,15 +203,19 @@ impl RelayBuilder {
     pub fn try_spawn(self, args: &[&str]) -> std::io::Result<RelayProcess> {
         let dir = TempDir::new(&self.label);
         let log = match &self.log_file {
-            Some(path) => Some(Arc::new(Mutex::new(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(path)?,
-            ))),
+            Some(path) => Some(Arc::new(Mutex::new(append_to(path)?))),
             None => None,
         };
-        let mut child = self.command(dir.path(), args).spawn()?;
+        let mut child = Command::new(relay_bin())
+            .args(args)
+            .current_dir(dir.path())
+            .env_clear()
+            .envs(&self.env)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()?;
         let pid = child
             .id()
             .ok_or_else(|| std::io::Error::other("the child exited before its pid was read"))?;
@@ -257,15 +255,12 @@ impl RelayBuilder {
 
 /// Collects the lines of `r` into `sink`, echoing them on stderr under `label` (if any) and
 /// appending them to `log` (if any).
-fn spawn_reader<R>(
-    r: R,
+fn spawn_reader(
+    r: impl AsyncRead + Unpin + Send + 'static,
     sink: Arc<Mutex<Vec<String>>>,
     label: Option<String>,
     log: Option<Arc<Mutex<std::fs::File>>>,
-) -> JoinHandle<()>
-where
-    R: AsyncRead + Unpin + Send + 'static,
-{
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut lines = BufReader::new(r).lines();
         while let Ok(Some(line)) = lines.next_line().await {
@@ -327,19 +322,8 @@ impl RelayProcess {
 
     /// Waits until at least `n` log lines contain `needle`.
     pub async fn wait_for_log(&self, needle: &str, n: usize, timeout: Duration) {
-        wait_until(
-            timeout,
-            &format!("relay {} logs {needle:?} {n} time(s)", self.label),
-            async || {
-                let c = self.log_count(needle);
-                if c >= n {
-                    Ok(())
-                } else {
-                    Err(format!("seen {c} time(s)"))
-                }
-            },
-        )
-        .await;
+        let what = format!("relay {} logs {needle:?} {n} time(s)", self.label);
+        wait_for_count(timeout, &what, n, || self.log_count(needle)).await;
     }
 
     /// Whether the process is still running.

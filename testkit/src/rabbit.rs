@@ -40,22 +40,18 @@ impl Delivered {
     /// Headers as strings; a value that is not an AMQP long string is shown as
     /// `<non-string ...>` so an assertion comparing it with a string fails visibly.
     pub fn headers(&self) -> BTreeMap<String, String> {
-        self.properties
-            .headers()
-            .as_ref()
-            .map(|t| {
-                t.inner()
-                    .iter()
-                    .map(|(k, v)| {
-                        let v = match v {
-                            AMQPValue::LongString(s) => s.to_string(),
-                            other => format!("<non-string {other:?}>"),
-                        };
-                        (k.to_string(), v)
-                    })
-                    .collect()
-            })
-            .unwrap_or_default()
+        let Some(table) = self.properties.headers() else {
+            return BTreeMap::new();
+        };
+        let text = |value: &AMQPValue| match value {
+            AMQPValue::LongString(s) => s.to_string(),
+            other => format!("<non-string {other:?}>"),
+        };
+        table
+            .inner()
+            .iter()
+            .map(|(k, v)| (k.to_string(), text(v)))
+            .collect()
     }
 }
 
@@ -89,6 +85,10 @@ pub fn message_id(properties: &BasicProperties) -> String {
         .as_ref()
         .map(ToString::to_string)
         .unwrap_or_default()
+}
+
+async fn connect() -> lapin::Result<Connection> {
+    Connection::connect(AMQP_URL, ConnectionProperties::default()).await
 }
 
 /// What a queue survives.
@@ -144,6 +144,35 @@ pub async fn declare_bound_queue(
     Ok(())
 }
 
+/// Publishes a barrier marker to `exchange` with routing key `key` on `channel`, then waits up
+/// to `timeout` until the consumer has put it in `seen`: every message the broker had accepted
+/// into the queue before it has then been received (`received()` counts them, for the panic).
+async fn pass_barrier(
+    channel: &Channel,
+    exchange: &str,
+    key: &str,
+    seen: &Mutex<HashSet<String>>,
+    timeout: Duration,
+    received: impl Fn() -> usize,
+) {
+    let id = format!("{BARRIER_PREFIX}{}", hex8());
+    let properties = BasicProperties::default().with_message_id(id.as_str().into());
+    let options = BasicPublishOptions::default();
+    channel
+        .basic_publish(exchange.into(), key.into(), options, b"barrier", properties)
+        .await
+        .expect("publish barrier");
+    wait_until(timeout, "the barrier message arrives", async || {
+        if seen.lock().unwrap().contains(&id) {
+            Ok(())
+        } else {
+            Err(format!("{} received so far", received()))
+        }
+    })
+    .await;
+}
+
+/// The message id prefix of [`RabbitFixture::barrier`] and [`DurableQueue::barrier`] markers.
 const BARRIER_PREFIX: &str = "it-barrier-";
 
 /// A durable topic exchange, an exclusive queue bound to it and a consumer collecting every
@@ -168,7 +197,7 @@ impl RabbitFixture {
         let tag = format!("{}.{}", slug(test, 40), hex8());
         let exchange = format!("it.{tag}");
         let queue = format!("it.{tag}.q");
-        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+        let conn = connect()
             .await
             .unwrap_or_else(|e| panic!("cannot connect to RabbitMQ at {AMQP_URL}: {e}"));
         let channel = conn.create_channel().await.expect("channel");
@@ -192,12 +221,9 @@ impl RabbitFixture {
         let (sink, barrier_sink) = (Arc::clone(&received), Arc::clone(&barriers));
         tokio::spawn(async move {
             while let Some(delivery) = consumer.next().await {
-                let d = match delivery {
-                    Ok(d) => d,
-                    Err(e) => {
-                        eprintln!("test consumer stopped: {e}");
-                        return;
-                    }
+                let Ok(d) = delivery.inspect_err(|e| eprintln!("test consumer stopped: {e}"))
+                else {
+                    return;
                 };
                 let message_id = message_id(&d.properties);
                 if message_id.starts_with(BARRIER_PREFIX) {
@@ -225,23 +251,18 @@ impl RabbitFixture {
     }
 
     /// Binds the queue to the exchange with one more routing pattern (e.g. to make a route
-    /// that was unroutable deliverable).
+    /// that was unroutable deliverable). Declaring the same exchange and queue again changes
+    /// nothing.
     pub async fn bind(&self, pattern: &str) {
-        self.channel
-            .queue_bind(
-                self.queue.as_str().into(),
-                self.exchange.as_str().into(),
-                pattern.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "bind {} to {} with {pattern}: {e}",
-                    self.queue, self.exchange
-                )
-            });
+        declare_bound_queue(
+            &self.channel,
+            &self.exchange,
+            &self.queue,
+            Durability::Exclusive,
+            pattern,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("bind with {pattern}: {e}"));
     }
 
     /// Messages received so far (barriers excluded).
@@ -291,27 +312,13 @@ impl RabbitFixture {
     /// Publishes a marker to the exchange and waits for it: every message the broker had
     /// accepted into the queue before this call has then been received.
     pub async fn barrier(&self) {
-        let id = format!("{BARRIER_PREFIX}{}", hex8());
-        self.channel
-            .basic_publish(
-                self.exchange.as_str().into(),
-                self.barrier_key.as_str().into(),
-                BasicPublishOptions::default(),
-                b"barrier",
-                BasicProperties::default().with_message_id(id.as_str().into()),
-            )
-            .await
-            .expect("publish barrier");
-        wait_until(
+        pass_barrier(
+            &self.channel,
+            &self.exchange,
+            &self.barrier_key,
+            &self.barriers,
             Duration::from_secs(30),
-            "the barrier message arrives",
-            async || {
-                if self.barriers.lock().unwrap().contains(&id) {
-                    Ok(())
-                } else {
-                    Err(format!("{} deliveries so far", self.count()))
-                }
-            },
+            || self.count(),
         )
         .await;
     }
@@ -328,8 +335,6 @@ impl RabbitFixture {
         let _ = self.conn.close(200, "test done".into()).await;
     }
 }
-
-const QUEUE_BARRIER_PREFIX: &str = "fault-barrier-";
 
 /// A durable exchange and a durable, non-exclusive queue (both survive a broker restart) with a
 /// consumer that reconnects by itself and acknowledges each message after recording it.
@@ -365,9 +370,7 @@ impl DurableQueue {
     pub async fn new(test: &str) -> Self {
         let tag = format!("{test}.{}", hex8());
         let (exchange, queue) = (format!("it.{tag}"), format!("it.{tag}.q"));
-        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-            .await
-            .expect("connect to RabbitMQ");
+        let conn = connect().await.expect("connect to RabbitMQ");
         let ch = conn.create_channel().await.unwrap();
         declare_bound_queue(&ch, &exchange, &queue, Durability::Durable, "#")
             .await
@@ -408,13 +411,9 @@ impl DurableQueue {
             let session = async {
                 // Bounded: a broker in the middle of start_app may accept and not answer.
                 let setup = async {
-                    let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
-                    ch.basic_qos(500, BasicQosOptions::default())
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let conn = connect().await?;
+                    let ch = conn.create_channel().await?;
+                    ch.basic_qos(500, BasicQosOptions::default()).await?;
                     let consumer = ch
                         .basic_consume(
                             queue.as_str().into(),
@@ -422,13 +421,13 @@ impl DurableQueue {
                             BasicConsumeOptions::default(),
                             FieldTable::default(),
                         )
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    Ok::<_, String>((conn, ch, consumer))
+                        .await?;
+                    Ok::<_, lapin::Error>((conn, ch, consumer))
                 };
                 let (conn, ch, mut consumer) = tokio::time::timeout(Duration::from_secs(10), setup)
                     .await
-                    .map_err(|_| "connecting timed out".to_owned())??;
+                    .map_err(|_| "connecting timed out".to_owned())?
+                    .map_err(|e| e.to_string())?;
                 connects.fetch_add(1, Ordering::SeqCst);
                 // lapin's consumer stream does not always end when the connection dies (seen
                 // after a reset during stop_app): watch the connection as well.
@@ -450,7 +449,7 @@ impl DurableQueue {
                         None => return Err("consumer ended".to_owned()),
                     };
                     let id = message_id(&d.properties);
-                    if id.starts_with(QUEUE_BARRIER_PREFIX) {
+                    if id.starts_with(BARRIER_PREFIX) {
                         barriers.lock().unwrap().insert(id);
                     } else {
                         received.lock().unwrap().push((id, d.redelivered));
@@ -513,27 +512,16 @@ impl DurableQueue {
 
     /// Publishes a marker and waits for it: everything queued before it has been received.
     pub async fn barrier(&self) {
-        let id = format!("{QUEUE_BARRIER_PREFIX}{}", hex8());
-        let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-            .await
-            .expect("barrier connection");
+        let conn = connect().await.expect("barrier connection");
         let ch = conn.create_channel().await.unwrap();
-        ch.basic_publish(
-            self.exchange.as_str().into(),
-            "it.barrier".into(),
-            BasicPublishOptions::default(),
-            b"barrier",
-            BasicProperties::default().with_message_id(id.as_str().into()),
+        pass_barrier(
+            &ch,
+            &self.exchange,
+            "it.barrier",
+            &self.barriers,
+            Duration::from_secs(60),
+            || self.received.lock().unwrap().len(),
         )
-        .await
-        .expect("publish barrier");
-        wait_until(Duration::from_secs(60), "the barrier arrives", async || {
-            if self.barriers.lock().unwrap().contains(&id) {
-                Ok(())
-            } else {
-                Err(format!("{} received", self.received.lock().unwrap().len()))
-            }
-        })
         .await;
         let _ = conn.close(200, "barrier".into()).await;
     }
@@ -550,7 +538,7 @@ impl DurableQueue {
         if let Some(task) = self.task.take() {
             let _ = task.await;
         }
-        if let Ok(conn) = Connection::connect(AMQP_URL, ConnectionProperties::default()).await {
+        if let Ok(conn) = connect().await {
             if let Ok(ch) = conn.create_channel().await {
                 let _ = ch
                     .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
