@@ -315,11 +315,11 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
     };
 
     // No row after the bad one has been delivered so far (ahead of `it`).
-    let assert_none_ahead_of = |it: &str| {
+    let assert_none_ahead_of = |blocker: &str| {
         let after_bad = &a[BAD + 1..];
         let delivered = consumer.records().into_iter().filter_map(|r| r.id());
         let ahead: Vec<Uuid> = delivered.filter(|id| after_bad.contains(id)).collect();
-        assert!(ahead.is_empty(), "delivered ahead of {it}: {ahead:?}");
+        assert!(ahead.is_empty(), "delivered ahead of {blocker}: {ahead:?}");
     };
     // Through both attempts of the bad record, nothing after it arrives.
     let what = "the mid-run record is dead-lettered";

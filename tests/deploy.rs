@@ -27,10 +27,10 @@ fn yaml_docs(rel: &str) -> Vec<Yaml> {
     let text = repo_file(&format!("deploy/{rel}"));
     serde_yaml::Deserializer::from_str(&text)
         .map(|doc| {
-            let mut v =
-                Yaml::deserialize(doc).unwrap_or_else(|e| panic!("{rel} is not valid YAML: {e}"));
+            let mut v = Yaml::deserialize(doc)
+                .unwrap_or_else(|e| panic!("deploy/{rel} is not valid YAML: {e}"));
             v.apply_merge()
-                .unwrap_or_else(|e| panic!("{rel}: bad merge key: {e}"));
+                .unwrap_or_else(|e| panic!("deploy/{rel}: bad merge key: {e}"));
             v
         })
         .filter(|v| !v.is_null())
@@ -39,7 +39,7 @@ fn yaml_docs(rel: &str) -> Vec<Yaml> {
 
 fn yaml(rel: &str) -> Yaml {
     let mut docs = yaml_docs(rel);
-    assert_eq!(docs.len(), 1, "{rel} should hold one YAML document");
+    assert_eq!(docs.len(), 1, "deploy/{rel} should hold one YAML document");
     docs.remove(0)
 }
 
@@ -524,7 +524,7 @@ fn panel_exprs(p: &Json) -> Vec<String> {
 #[test]
 fn dashboard_covers_every_metric_and_names_no_other() {
     let d: Json = serde_json::from_str(&repo_file("deploy/grafana/outbox-relay.json"))
-        .unwrap_or_else(|e| panic!("the dashboard is not valid JSON: {e}"));
+        .unwrap_or_else(|e| panic!("deploy/grafana/outbox-relay.json is not valid JSON: {e}"));
     assert_eq!(d["uid"], "outbox-relay");
     let all = panels(&d);
     let vars = d["templating"]["list"].as_array().expect("templating");

@@ -114,8 +114,9 @@ async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_g
 
     // Publishes go into a black hole: the rows are claimed before their deadline and wait.
     proxy.stall();
+    let deadline_secs = 3.0;
     let expiring = table
-        .insert_expiring(Some("b-1"), "expiring", Some(3.0))
+        .insert_expiring(Some("b-1"), "expiring", Some(deadline_secs))
         .await;
     let after = table.insert_expiring(Some("b-1"), "after", None).await;
     let plain = table.insert_expiring(Some("b-2"), "plain", None).await;

@@ -375,8 +375,8 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
             subject.or_default().push(body["version"].as_i64().unwrap());
         }
     }
-    let last_versions = format!("SELECT id, version::int8 FROM {}_versions", table.name);
-    for row in table.db.query(&last_versions, &[]).await.unwrap() {
+    let versions_sql = format!("SELECT id, version::int8 FROM {}_versions", table.name);
+    for row in table.db.query(&versions_sql, &[]).await.unwrap() {
         let aggregate: String = row.get(0);
         let arrived = versions.remove(&aggregate).unwrap_or_default();
         let expected: Vec<i64> = (1..=row.get(1)).collect();
@@ -1078,9 +1078,12 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     let table = TestTable::new("f_kafka_poison").await;
     let topic = topic_name("fpoison");
     create_topic(KAFKA, &topic).await;
-    let invalid = |name: &str, topic: &str| {
+    let invalid = |name: &str, destination: &str| {
         let row = NewRow::new("kp", Some(name), "bad", json!({}));
-        (row.destination(topic), Some("not a valid Kafka topic"))
+        (
+            row.destination(destination),
+            Some("not a valid Kafka topic"),
+        )
     };
     let cases = vec![
         invalid("slash", "bad/topic"),

@@ -4,8 +4,7 @@
 //! with per-aggregate order checked are in `faults.rs`
 //! (`sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order`).
 
-// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod common;
 
@@ -18,7 +17,7 @@ use common::{
 use serde_json::json;
 use uuid::Uuid;
 
-/// How long a message or row state may take to show up.
+/// How long a message or row state may take to show up, and a CLI command to finish.
 const WAIT: Duration = Duration::from_secs(30);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -226,7 +226,10 @@ async fn a_burst_in_one_outbox_does_not_starve_another() {
          FROM generate_series(1, {BURST}) AS i",
         busy.name
     );
-    busy.db.batch_execute(&burst).await.unwrap();
+    busy.db
+        .batch_execute(&burst)
+        .await
+        .expect("insert the burst");
 
     let (relay, _dir) = spawn(
         "multi-burst",

@@ -60,7 +60,11 @@ impl Pair {
             .set("database.url", PG_URL)
             .output(&all, Duration::from_secs(60))
             .await;
-        assert_eq!(out.status.code(), Some(code), "{args:?}: {out:?}");
+        let printed = format!(
+            "--- stdout ---\n{}\n--- stderr ---\n{}",
+            out.stdout, out.stderr
+        );
+        assert_eq!(out.status.code(), Some(code), "{args:?}\n{printed}");
         out
     }
 
@@ -195,9 +199,12 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
     let want: Vec<(String, String)> = want.map(|(o, id)| (o.to_owned(), id.to_string())).into();
     assert_eq!(rows, want);
     assert_eq!(list[0]["last_error"], "nack: boom");
-    let text = p.ok(&["dead-letters", "list"]).await.stdout;
+    let listing = p.ok(&["dead-letters", "list"]).await.stdout;
     let beta_line = format!("beta  {fb2}");
-    assert!(text.lines().any(|l| l.starts_with(&beta_line)), "{text}");
+    assert!(
+        listing.lines().any(|l| l.starts_with(&beta_line)),
+        "{listing}"
+    );
     let only_beta = p
         .json(&["dead-letters", "list", "--json", "--outbox", "beta"])
         .await;

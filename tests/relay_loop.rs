@@ -16,8 +16,7 @@
 //! tests. So the tests use short real durations (`poll_interval = "100ms"`, `retry.base_delay`
 //! in tens to hundreds of ms) and wait for conditions, never for a fixed time.
 
-// Tests fail by panicking: unwrap/expect are the clearest way to say "this must work here".
-#![allow(clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
 mod common;
 
@@ -263,8 +262,14 @@ async fn ordered_claim(config: &Config, limit: usize) -> Vec<i64> {
 }
 
 async fn wait_for(what: &str, check: impl Fn() -> bool) {
-    let check = async || check().then_some(()).ok_or_else(|| "not yet".to_owned());
-    wait_until(WAIT, what, check).await;
+    let ready = async || {
+        if check() {
+            Ok(())
+        } else {
+            Err("not yet".to_owned())
+        }
+    };
+    wait_until(WAIT, what, ready).await;
 }
 
 // Scenarios.

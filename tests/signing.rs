@@ -114,6 +114,7 @@ fn python_verify(keys: &Keys, messages: &[Received]) -> Vec<bool> {
     let request = json!({"keys": keys, "messages": messages}).to_string();
     let stdin = child.stdin.as_mut().unwrap();
     stdin.write_all(request.as_bytes()).unwrap();
+    // wait_with_output closes stdin first: the script reads its request to end of input.
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "verify-signature.py failed: {stderr}");

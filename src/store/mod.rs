@@ -7,7 +7,9 @@
 //! - `operator`: `status`, dead-letter commands and retention cleanup;
 //! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
 //! - `connect`: the URL, TLS, the pool and its session settings, and the
-//!   LISTEN session's statements.
+//!   LISTEN session's statements;
+//! - `bench` (the `bench` feature only): the hot-path statements and session settings, for the
+//!   benchmark's pgbench ceiling.
 //!
 //! Each file renders its statements once for the configured table ([`TableName`] is
 //! validated, so splicing it is safe) and runs them through [`Store`].
@@ -21,6 +23,9 @@ mod waiting;
 
 pub use claim::{Claim, Expired, ExpirySweep, FailOutcome, Failure, WriterSnapshot};
 pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use maintenance::TableHealth;
+pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
+pub use schema::SchemaState;
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`), whose
 /// pgbench ceiling replays them outside the relay. Behind the `bench` feature, which only the
@@ -30,9 +35,6 @@ pub mod bench {
     pub use super::claim::{HotPathSql, hot_path_sql, scan_window};
     pub use super::connect::SESSION_SETTINGS;
 }
-pub use maintenance::TableHealth;
-pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
-pub use schema::SchemaState;
 
 use deadpool_postgres::Pool;
 use uuid::Uuid;

@@ -251,18 +251,23 @@ impl RabbitFixture {
     }
 
     /// Binds the queue to the exchange with one more routing pattern (e.g. to make a route
-    /// that was unroutable deliverable). Declaring the same exchange and queue again changes
-    /// nothing.
+    /// that was unroutable deliverable).
     pub async fn bind(&self, pattern: &str) {
-        declare_bound_queue(
-            &self.channel,
-            &self.exchange,
-            &self.queue,
-            Durability::Exclusive,
-            pattern,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("bind with {pattern}: {e}"));
+        self.channel
+            .queue_bind(
+                self.queue.as_str().into(),
+                self.exchange.as_str().into(),
+                pattern.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "bind {} to {} with {pattern}: {e}",
+                    self.queue, self.exchange
+                )
+            });
     }
 
     /// Messages received so far (barriers excluded).
