@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, anyhow, bail};
 use clap::ValueEnum;
 use outbox_relay::config::TableName;
-use outbox_relay::store::bench::{hot_path_sql, scan_window};
+use outbox_relay::store::bench::{SESSION_SETTINGS, hot_path_sql, scan_window};
 use serde_json::{Value, json};
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -348,7 +348,6 @@ struct RunResult {
     // Seconds after the start when the retention window has filled (see `filled_after_s`):
     // growth is measured from the first sample at or after it.
     filled_s: f64,
-    claim_label: &'static str,
     cpu: CpuUsage,
     relay_cpu_s_per_100k: Option<f64>,
     relay_metrics: Value,
@@ -422,7 +421,7 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     let table = ctx
         .new_table(&format!("st_{}_{}", case.short(), mode.short()))
         .await?;
-    let (claim_label, probe) = claim_probe(ctx, &table).await?;
+    let probe = claim_probe(ctx, &table).await?;
     let batch = if mode.batched() { a.steady_batch } else { 1 };
     let insert_sql = format!(
         "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
@@ -569,7 +568,6 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
         lag_gauge_max_s: gauge_max,
         health,
         filled_s: filled_after_s(a.steady_retention.as_deref()),
-        claim_label,
         cpu: usage,
         relay_cpu_s_per_100k: relay_cpu,
         relay_metrics,
@@ -759,11 +757,14 @@ async fn write(client: Client, k: usize, plan: Arc<WriterPlan>) -> Result<Writer
 // ---------------------------------------------------------------------------------------------
 // Table health and the claim probe
 
+/// The statement the claim probe times: the relay's claim in its default ordering.
+const PROBED_CLAIM: &str = "claim_aggregate";
+
 /// The relay's claim for `table` in its default ordering (aggregate), to run with EXPLAIN as
-/// the relay runs it: the library's own text (`store::bench::hot_path_sql`) prepared on `ctx.pg` with
-/// its placeholders, executed with a generic plan and the relay's default parameters, unsplit.
-/// Returns the setup to run in the probe's transaction and the statement.
-async fn claim_probe(ctx: &Ctx, table: &str) -> Result<(&'static str, Probe)> {
+/// the relay runs it: the library's own text (`store::bench::hot_path_sql`) prepared on
+/// `ctx.pg` with its placeholders, executed with the relay's session settings (a generic plan)
+/// and default parameters, unsplit.
+async fn claim_probe(ctx: &Ctx, table: &str) -> Result<Probe> {
     let batch = ctx.config(table, |_| {})?.relay.batch_size;
     let name = TableName::parse(table).map_err(|e| anyhow!("table name {table}: {e}"))?;
     let claim = hot_path_sql(&name).claim_aggregate;
@@ -782,8 +783,13 @@ async fn claim_probe(ctx: &Ctx, table: &str) -> Result<(&'static str, Probe)> {
         i64::MAX,
         scan_window(limit)
     );
-    let setup = "SET LOCAL plan_cache_mode = force_generic_plan".to_owned();
-    Ok(("claim_aggregate", Probe { setup, execute }))
+    // The relay's own session settings, for the probe's transaction only.
+    let setup: Vec<String> = SESSION_SETTINGS
+        .iter()
+        .map(|(name, value)| format!("SET LOCAL {name} = {value}"))
+        .collect();
+    let setup = setup.join("; ");
+    Ok(Probe { setup, execute })
 }
 
 /// The claim probe: a setup run in its transaction, then the statement EXPLAINed.
@@ -1004,7 +1010,7 @@ fn report_run(ctx: &mut Ctx, r: &RunResult) {
             "worst_start_late_s": r.writes.max_late.as_secs_f64(), "behind_at_end_s": behind,
             "commit_to_consume": consumed,
             "lag_max_s": r.lag_max_s, "relay_oldest_ready_age_max_s": r.lag_gauge_max_s,
-            "claim_statement": r.claim_label,
+            "claim_statement": PROBED_CLAIM,
             "health": r.health.iter().map(Health::json).collect::<Vec<_>>(),
             "cpu": r.cpu, "relay_cpu_s_per_100k": r.relay_cpu_s_per_100k,
             "relay_metrics": r.relay_metrics,
