@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Checks outbox-relay's `outbox-signature` header (contract section 4) with the Python
-standard library only: the consumer's recipe the README shows (`verify` below), and the
+"""Checks outbox-relay's `outbox-signature` header (docs/wire-format.md) with the Python
+standard library only: the consumer's recipe docs/wire-format.md shows (`verify` below), and the
 implementation tests/signing.rs checks real messages with, independent of the relay's own.
 
 stdin:  {"keys": {"<key id>": "<key, standard base64>"},
@@ -15,7 +15,7 @@ import json
 import sys
 
 
-# README: begin python
+# docs: begin python
 def verify(header, keys, id, source, type, subject, route, time, content_type, body):
     """True if `header` is a valid v1 signature of this message under `keys` (key id -> bytes)."""
     version, _, rest = header.partition(";")
@@ -27,7 +27,7 @@ def verify(header, keys, id, source, type, subject, route, time, content_type, b
                            hashlib.sha256(body).hexdigest()])
     mac = hmac.new(key, canonical.encode("utf-8"), hashlib.sha256).digest()
     return hmac.compare_digest(base64.b64encode(mac).decode("ascii"), fields.get("sig", ""))
-# README: end python
+# docs: end python
 
 
 def main():

@@ -1,7 +1,7 @@
-//! Signed messages (contract §4, §5): real messages consumed from RabbitMQ and Kafka carry
+//! Signed messages (docs/wire-format.md, docs/configuration.md): real messages consumed from RabbitMQ and Kafka carry
 //! `outbox-signature`, and two implementations independent of the relay's — a Python
 //! standard-library script (`scripts/verify-signature.py`) and RustCrypto (`signing/verify.rs`),
-//! both shown in the README — accept them, while a tampered body, a changed routing key or
+//! both shown in docs/wire-format.md — accept them, while a tampered body, a changed routing key or
 //! type, and an unknown key id fail. Key rotation, a retried message's unchanged signature, and
 //! the key's absence from every output are checked on the way.
 
@@ -376,14 +376,14 @@ async fn the_key_stays_out_of_check_and_bad_keys_are_refused_at_start() {
 }
 
 #[test]
-fn the_readme_shows_the_verifiers_the_tests_use() {
-    let readme = repo_file("README.md");
-    // The part of `text` between its `README: begin <lang>` and `README: end <lang>` lines.
+fn the_docs_show_the_verifiers_the_tests_use() {
+    let doc = repo_file("docs/wire-format.md");
+    // The part of `text` between its `docs: begin <lang>` and `docs: end <lang>` lines.
     let between = |text: &str, lang: &str| -> String {
-        let begin = format!("README: begin {lang}\n");
+        let begin = format!("docs: begin {lang}\n");
         let start = text.find(&begin).expect("begin marker") + begin.len();
         let end = text[start..]
-            .find(&format!("README: end {lang}"))
+            .find(&format!("docs: end {lang}"))
             .expect("end marker");
         // Up to the end marker's own line.
         let block = &text[start..start + end];
@@ -395,8 +395,8 @@ fn the_readme_shows_the_verifiers_the_tests_use() {
     ] {
         let code = between(&repo_file(path), lang);
         assert!(
-            readme.contains(&code),
-            "README.md does not show the {lang} verifier exactly as tested:\n{code}"
+            doc.contains(&code),
+            "docs/wire-format.md does not show the {lang} verifier exactly as tested:\n{code}"
         );
     }
 }

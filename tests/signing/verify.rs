@@ -1,10 +1,10 @@
 //! A consumer's verification of `outbox-signature` in Rust, with the RustCrypto `hmac` and
 //! `sha2` crates (the relay signs with aws-lc-rs: a second, independent implementation). The
-//! README shows the part between the markers.
+//! docs/wire-format.md shows the part between the markers.
 
 use std::collections::HashMap;
 
-// README: begin rust
+// docs: begin rust
 use base64::{Engine, engine::general_purpose::STANDARD};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
@@ -40,4 +40,4 @@ pub fn verify(header: &str, keys: &HashMap<&str, &[u8]>, attrs: [&str; 7], body:
     mac.update(lines.join("\n").as_bytes());
     mac.verify_slice(&sig).is_ok()
 }
-// README: end rust
+// docs: end rust

@@ -1,0 +1,133 @@
+//! The manual stays true to the code: every configuration key the relay accepts has a row in
+//! `docs/configuration.md`, and every row names a key it accepts; every metric the relay
+//! exports has a row in `docs/operations.md`, and every row names one it exports.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::repo_file;
+use outbox_relay::config::{RawConfig, RawOutbox};
+use outbox_relay::telemetry::names;
+use serde_json::Value;
+
+/// The dotted paths of the leaves of `value` under `prefix`. A map the user fills with keys of
+/// their own (`publisher.kafka.properties`, `publisher.http.headers`: empty by default) is one
+/// leaf.
+fn leaves(prefix: &str, value: &Value, out: &mut BTreeSet<String>) {
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (key, v) in map {
+                let path = if prefix.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{prefix}.{key}")
+                };
+                leaves(&path, v, out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_owned());
+        }
+    }
+}
+
+/// Every key `relay.toml` accepts, `[[outboxes]]` entries' as `outboxes[].<key>`.
+fn config_keys() -> BTreeSet<String> {
+    let mut config = serde_json::to_value(RawConfig::default()).unwrap();
+    config.as_object_mut().unwrap().remove("outboxes");
+    let mut keys = BTreeSet::new();
+    leaves("", &config, &mut keys);
+    let entry: RawOutbox = serde_json::from_value(serde_json::json!({ "table": "t" })).unwrap();
+    leaves(
+        "outboxes[]",
+        &serde_json::to_value(entry).unwrap(),
+        &mut keys,
+    );
+    keys
+}
+
+/// The first cells of `doc`'s table rows that are one backticked name matching `is_name`.
+fn table_names(doc: &str, is_name: impl Fn(&str) -> bool) -> BTreeSet<String> {
+    doc.lines()
+        .filter_map(|line| line.strip_prefix("| `"))
+        .filter_map(|rest| rest.split_once("` |"))
+        .map(|(name, _)| name.to_owned())
+        .filter(|name| is_name(name))
+        .collect()
+}
+
+#[test]
+fn every_configuration_key_is_documented_and_every_documented_key_exists() {
+    let doc = repo_file("docs/configuration.md");
+    let is_key = |name: &str| {
+        name.contains('.')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || "._[]".contains(c))
+    };
+    let documented = table_names(&doc, is_key);
+    let accepted = config_keys();
+    assert!(accepted.len() > 40, "too few keys found: {accepted:?}");
+    let missing: Vec<_> = accepted.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&accepted).collect();
+    assert!(
+        missing.is_empty(),
+        "keys without a row in docs/configuration.md: {missing:?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "docs/configuration.md documents keys the relay does not accept: {unknown:?}"
+    );
+}
+
+#[test]
+fn every_configuration_key_row_names_its_environment_variable() {
+    let doc = repo_file("docs/configuration.md");
+    for line in doc.lines().filter(|l| l.starts_with("| `")) {
+        let cells: Vec<&str> = line.split(" | ").collect();
+        let key = cells[0].trim_start_matches("| `").trim_end_matches('`');
+        if key.starts_with("outboxes[]") || !key.contains('.') {
+            continue;
+        }
+        let env = format!("`RELAY_{}`", key.to_uppercase().replace('.', "__"));
+        assert_eq!(cells.get(1), Some(&env.as_str()), "{line}");
+    }
+}
+
+#[test]
+fn every_metric_is_documented_and_every_documented_metric_exists() {
+    let doc = repo_file("docs/operations.md");
+    let documented = table_names(&doc, |name| name.starts_with("outbox_"));
+    let exported: BTreeSet<String> = names::ALL.iter().map(|n| (*n).to_owned()).collect();
+    let missing: Vec<_> = exported.difference(&documented).collect();
+    let unknown: Vec<_> = documented.difference(&exported).collect();
+    assert!(
+        missing.is_empty(),
+        "metrics without a row in docs/operations.md: {missing:?}"
+    );
+    assert!(
+        unknown.is_empty(),
+        "docs/operations.md documents metrics the relay does not export: {unknown:?}"
+    );
+}
+
+#[test]
+fn the_readme_is_a_short_manual_that_links_every_page_of_docs() {
+    let readme = repo_file("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= 350,
+        "README.md has {lines} lines: depth goes in docs/"
+    );
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    for page in std::fs::read_dir(&dir).unwrap() {
+        let name = page.unwrap().file_name().into_string().unwrap();
+        assert!(
+            readme.contains(&format!("(docs/{name}")),
+            "README.md does not link docs/{name}"
+        );
+    }
+}
