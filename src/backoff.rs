@@ -51,12 +51,31 @@ pub async fn sleep_or_cancel(d: Duration, token: &CancellationToken) -> bool {
 mod tests {
     use super::*;
 
+    /// Whether `d` is `nominal` minus at most 20% jitter.
+    fn jittered(d: Duration, nominal_ms: u64) -> bool {
+        let nominal = Duration::from_millis(nominal_ms);
+        d <= nominal && d >= nominal.mul_f64(0.8)
+    }
+
     #[test]
     fn doubles_and_caps() {
         let mut b = Backoff::new(Duration::from_millis(100), Duration::from_millis(350));
-        let d: Vec<Duration> = (0..4).map(|_| b.next_delay()).collect();
-        assert!(d[0] <= Duration::from_millis(100) && d[0] >= Duration::from_millis(80));
-        assert!(d[1] <= Duration::from_millis(200) && d[1] >= Duration::from_millis(160));
-        assert!(d[3] <= Duration::from_millis(350) && d[3] >= Duration::from_millis(280));
+        let delays: Vec<Duration> = (0..5).map(|_| b.next_delay()).collect();
+        for (d, nominal) in delays.iter().zip([100, 200, 350, 350, 350]) {
+            assert!(jittered(*d, nominal), "{d:?} for {nominal} ms: {delays:?}");
+        }
+    }
+
+    #[test]
+    fn a_new_backoff_starts_over_after_success() {
+        // The callers reset by replacing theirs with a fresh one once connected.
+        let mut b = Backoff::reconnect();
+        for _ in 0..10 {
+            b.next_delay();
+        }
+        assert!(jittered(b.next_delay(), 30_000));
+        b = Backoff::reconnect();
+        assert!(jittered(b.next_delay(), 100));
+        assert!(jittered(Backoff::session().next_delay(), 200));
     }
 }

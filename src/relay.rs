@@ -861,8 +861,32 @@ mod tests {
     }
 
     #[test]
-    fn unordered_chains_are_single_rows() {
-        let rows = vec![row(1, Some("a")), row(2, Some("a"))];
-        assert_eq!(chains(rows, Ordering::None).len(), 2);
+    fn unordered_chains_are_single_rows_in_claim_order() {
+        let rows = vec![row(2, Some("a")), row(1, Some("a")), row(3, None)];
+        let seqs: Vec<Vec<i64>> = chains(rows, Ordering::None)
+            .iter()
+            .map(|ch| ch.iter().map(|m| m.seq).collect())
+            .collect();
+        assert_eq!(seqs, vec![vec![2], vec![1], vec![3]]);
+    }
+
+    #[test]
+    fn aggregates_of_one_id_but_different_types_are_different_chains() {
+        let mut other = row(2, Some("a"));
+        other.aggregate_type = "u".into();
+        let rows = vec![row(1, Some("a")), other, row(3, Some("a"))];
+        let keys: Vec<Vec<(String, i64)>> = chains(rows, Ordering::Aggregate)
+            .iter()
+            .map(|ch| {
+                ch.iter()
+                    .map(|m| (m.aggregate_type.clone(), m.seq))
+                    .collect()
+            })
+            .collect();
+        let key = |t: &str, seq| (t.to_owned(), seq);
+        assert_eq!(
+            keys,
+            vec![vec![key("t", 1), key("t", 3)], vec![key("u", 2)]]
+        );
     }
 }

@@ -1,4 +1,4 @@
-//! Message signatures (contract §4): an HMAC-SHA256 over the identity of a message, so that a
+//! Message signatures (docs/wire-format.md): an HMAC-SHA256 over the identity of a message, so that a
 //! consumer can tell a relayed event from one published by anyone else holding broker
 //! credentials.
 //!

@@ -17,7 +17,7 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
-/// Metric names (contract §7).
+/// Metric names (docs/operations.md).
 pub mod names {
     /// Gauge: pending rows, labelled `state` = `ready` | `waiting`.
     pub const PENDING: &str = "outbox_pending_messages";
@@ -134,7 +134,7 @@ pub struct Backlog {
     pub blocked_aggregates: i64,
 }
 
-/// One outbox's metrics: every per-table metric carries its `outbox` label (contract §7).
+/// One outbox's metrics: every per-table metric carries its `outbox` label (docs/operations.md).
 #[derive(Clone)]
 pub struct OutboxMetrics {
     outbox: metrics::SharedString,

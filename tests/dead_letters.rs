@@ -1,4 +1,4 @@
-//! Retries and dead letters (contract §2, §3), end to end: a row that cannot be delivered
+//! Retries and dead letters (docs/design.md), end to end: a row that cannot be delivered
 //! (unroutable on RabbitMQ; for a missing topic, or an oversize record, on Kafka) backs off on
 //! the configured schedule, is dead-lettered after `retry.max_attempts`, holds back the rest of
 //! its aggregate only (also when it fails in the middle of an aggregate's run), and never

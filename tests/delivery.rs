@@ -1,4 +1,4 @@
-//! Delivery (contract §3, §4), end to end on both brokers: 10,000 rows from concurrent writers
+//! Delivery (docs/design.md, docs/wire-format.md), end to end on both brokers: 10,000 rows from concurrent writers
 //! arrive exactly once with the contract's envelope (AMQP properties and `cloudEvents:` headers
 //! on RabbitMQ; key, `ce_` headers, one partition per key on Kafka), each aggregate in `seq`
 //! order, the CloudEvents header prefix for each consumer convention, and RabbitMQ returns
@@ -45,7 +45,7 @@ fn expect<T: PartialEq + Debug>(problems: &mut Vec<String>, name: &str, got: T, 
     }
 }
 
-/// The contract's §4 checks of `message` against `row` that both brokers share: each header
+/// The docs/wire-format.md checks of `message` against `row` that both brokers share: each header
 /// once and with a value; the CloudEvents attributes (the prefix's headers) with the row's
 /// values and `source`; the fixed headers with theirs; the other headers without the prefix
 /// exactly the row's headers; the body the row's JSON payload. Returns the problems found.
@@ -214,7 +214,7 @@ async fn bulk(
     (rows, sink)
 }
 
-/// Contract §3 on Kafka, for the records of [`bulk_row`] rows: each key's records on one
+/// docs/design.md: on Kafka, for the records of [`bulk_row`] rows: each key's records on one
 /// partition, their offsets increasing with `seq`; and the fixture covers what it claims to
 /// (100 keys over more than 2 partitions, records without key, keyed ones without headers).
 fn assert_ordered_per_key(rows: &[RowState], records: &[Record]) {

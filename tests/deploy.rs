@@ -1,4 +1,4 @@
-//! Checks of `deploy/` that need no running service (contract §8): the compose file, the
+//! Checks of `deploy/` that need no running service (docs/operations.md): the compose file, the
 //! Kubernetes example, the container's relay.toml and the Dockerfile hang together; the Grafana
 //! dashboard and the Prometheus rules parse and name only metrics the relay exports; the alert
 //! rules pass `promtool check rules` and their unit tests (`promtool test rules`).

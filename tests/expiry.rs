@@ -1,4 +1,4 @@
-//! Messages that expire (contract §1, §2): a row past its `expires_at` when it would be claimed
+//! Messages that expire (docs/operations.md, docs/design.md): a row past its `expires_at` when it would be claimed
 //! is `expired`, never published, counted and shown, and does not hold back its aggregate;
 //! a row handed back by a broker outage expires when it is claimed anew; RabbitMQ messages of
 //! rows with a deadline carry the AMQP `expiration` property; retention removes expired rows.

@@ -919,7 +919,7 @@ async fn insert_poisons(
 
 /// Once every failing poison row is dead-lettered: waits until the followers behind them are
 /// released, checks that the relay is alive, and asserts how each of `poisons` ended. A dead
-/// letter holds the rest of its aggregate (contract §3): its follower stays untouched.
+/// letter holds the rest of its aggregate (docs/design.md): its follower stays untouched.
 async fn assert_poisons(table: &TestTable, relay: &mut RelayProcess, poisons: &[Poison]) {
     // A batch settles its failures, then hands back the rows behind them: let that finish.
     let blocked: Vec<Uuid> = poisons
@@ -1391,7 +1391,7 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
         assert!(last.contains(blame), "{why}");
     }
     // The follower was in the crasher's first batch (the first crash spent that attempt); it
-    // then waits behind the dead letter (contract §3) and is never published.
+    // then waits behind the dead letter (docs/design.md) and is never published.
     let waiting = table.row(follower).await;
     let why = "the crasher's follower waits behind the dead letter";
     assert_eq!(status_attempts(&waiting), ("pending", 1), "{why}");

@@ -1,4 +1,4 @@
-//! Operations, end to end against the local PostgreSQL and RabbitMQ (contract §6, §7): what an
+//! Operations, end to end against the local PostgreSQL and RabbitMQ (docs/operations.md): what an
 //! operator sees on `/metrics`, `/healthz` and `/readyz` (also through a broker outage), the
 //! `status` and `dead-letters` commands against rows in known states, what `check`, `migrate`
 //! and `run` do with a missing, dropped or version-1 table (upgraded in place with rows
@@ -278,7 +278,7 @@ async fn metrics_and_probes_show_publishing_and_a_broker_outage() {
     for state in ["ready", "waiting"] {
         assert!(sample(&text, names::PENDING, &[("state", state)]).is_some());
     }
-    // Every per-table metric carries the outbox's name (contract §7): here, the table's.
+    // Every per-table metric carries the outbox's name (docs/operations.md): here, the table's.
     let outbox = [("outbox", table.name.as_str())];
     for name in [
         names::PENDING,
@@ -476,7 +476,7 @@ async fn the_relay_analyzes_a_backlog_the_statistics_have_not_seen() {
 
 // ---- status -----------------------------------------------------------------------------------
 
-/// The integer counts of `status --json` (contract §6), in the human table's column order.
+/// The integer counts of `status --json` (docs/operations.md), in the human table's column order.
 const COUNT_KEYS: [&str; 8] = [
     "pending",
     "ready",
@@ -503,7 +503,7 @@ fn counts(v: &Value, top: bool) -> ([i64; 8], f64) {
         // `by_outbox` is always there (here one, named after the table): one shape for scripts.
         want.extend(["by_aggregate_type", "by_outbox"]);
     }
-    assert_eq!(keys(v), want, "status --json keys (contract §6)");
+    assert_eq!(keys(v), want, "status --json keys (docs/operations.md)");
     let ints = COUNT_KEYS.map(|k| v[k].as_i64().expect("an integer count"));
     let age = v["oldest_pending_age_seconds"].as_f64();
     (ints, age.expect("a number"))

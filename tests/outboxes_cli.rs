@@ -1,4 +1,4 @@
-//! The operator commands with several outboxes (contract §6), end to end against the local
+//! The operator commands with several outboxes (docs/operations.md), end to end against the local
 //! PostgreSQL: `status`, `dead-letters` and `migrate` act on every `[[outboxes]]` entry or on
 //! the one `--outbox NAME` selects, and an unknown name is a usage error.
 //!

@@ -1,6 +1,6 @@
 //! `[[outboxes]]`: the tables one relay serves, each with its own table and optionally its own
 //! database URL, CloudEvents source, ordering and routing template; whatever an entry leaves
-//! out it inherits from `[database]`, `[relay]` and the publisher (contract §5).
+//! out it inherits from `[database]`, `[relay]` and the publisher (docs/configuration.md).
 
 use std::collections::HashMap;
 

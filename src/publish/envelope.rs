@@ -1,5 +1,5 @@
 //! The wire format shared by every transport: CloudEvents binary-mode attributes and the
-//! row's own headers (contract §4).
+//! row's own headers (docs/wire-format.md).
 
 use chrono::SecondsFormat;
 use serde_json::Value;

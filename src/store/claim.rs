@@ -268,19 +268,15 @@ impl ClaimSql {
             // window and starve the others. Aggregates with a row in flight (`busy`, from the
             // small processing index, hashed) are skipped before that head probe: in a
             // steady drain most blocked rows are behind an in-flight head, and a hash lookup
-            // costs a fraction of an index probe (bench: a claim over 98k blocked rows went
-            // from 480 ms to 26 ms). `busy` is capped so that it stays hashable; aggregates left
-            // out of it fall through to the head probe, which decides alone.
+            // costs a fraction of an index probe. `busy` is capped so that it stays hashable;
+            // aggregates left out of it fall through to the head probe, which decides alone.
             // The head probe is a lateral join on the aggregate, which the planner memoizes:
-            // the candidates of one aggregate share one probe. As a subquery per candidate, with
-            // one aggregate's backlog (10,000 rows sent, 10,000 pending) every candidate walked
-            // the index entries of the rows already sent, and the gap probe below, bounded only
-            // from above, did too (or the planner scanned the table for it): 1,175 ms per claim,
-            // 9.5 ms now; over 1,000 aggregates the same as before. The conditions on the
+            // the candidates of one aggregate share one probe, so one aggregate's backlog does
+            // not make every candidate walk the index entries of its rows already sent (the gap
+            // probe below is bounded on both sides for the same reason). The conditions on the
             // candidate alone (watermark, `busy`) stand apart from the one on the head, so the
-            // planner filters the scan with them before the join: in an OR with the head's,
-            // every row of an aggregate in flight was joined first (1,000 aggregates all in
-            // flight, 99,000 rows behind them: 78 ms per claim against 33 ms before).
+            // planner filters the scan with them before the join (in one OR with the head's,
+            // every row of an aggregate in flight would be joined first).
             // A candidate is claimable when every unsent row of its aggregate with a smaller seq
             // is itself a candidate locked by this statement (so the whole run goes to one
             // relay, published in seq order) — the first candidate of its aggregate when it is

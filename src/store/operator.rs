@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::{OPEN_E, Result, Store, StoreError};
 use crate::config::TableName;
 
-/// Row counts for `status` (contract §6).
+/// Row counts for `status` (docs/operations.md).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct StatusCounts {
     /// `ready + waiting`.

@@ -30,7 +30,7 @@ pub fn repo_file(relative: &str) -> String {
 /// The binary under test (the kit finds the same file next to the test executable).
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
-/// The contract's §4 rule for row headers: strings as they are, other values as their JSON
+/// The docs/wire-format.md rule for row headers: strings as they are, other values as their JSON
 /// text, nulls omitted.
 pub fn expected_row_headers(headers: &Value) -> BTreeMap<String, String> {
     headers
@@ -64,7 +64,7 @@ pub fn bulk_row(n: usize) -> NewRow {
     }))
 }
 
-/// The contract's §4 checks of the time attribute `name` (`cloudEvents:time`, `ce_time`):
+/// The docs/wire-format.md checks of the time attribute `name` (`cloudEvents:time`, `ce_time`):
 /// RFC 3339 with at least millisecond precision, equal to `created_at`; the problem found.
 pub fn time_problem(name: &str, value: Option<&str>, created_at: DateTime<Utc>) -> Option<String> {
     let Some(t) = value else {
