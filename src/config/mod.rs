@@ -462,7 +462,7 @@ pub(super) mod tests {
             panic!("default publisher is rabbitmq")
         };
         assert_eq!(q.exchange, "outbox");
-        assert_eq!(q.exchange_type, "topic");
+        assert_eq!(q.exchange_type, ExchangeType::Topic);
         assert!(q.declare_exchange);
         assert_eq!(q.routing_key.as_str(), "{aggregate_type}.{event_type}");
         assert_eq!(q.confirm_timeout, Duration::from_secs(30));

@@ -134,7 +134,7 @@ pub struct RabbitMqConfig {
     /// Exchange name (empty: the default exchange).
     pub exchange: String,
     /// Exchange type for the declaration.
-    pub exchange_type: String,
+    pub exchange_type: ExchangeType,
     /// Declare the exchange.
     pub declare_exchange: bool,
     /// Routing key template.
@@ -221,7 +221,7 @@ impl RawPublisher {
                 PublisherConfig::RabbitMq(RabbitMqConfig {
                     url: q.url,
                     exchange: q.exchange,
-                    exchange_type: q.exchange_type.as_str().to_owned(),
+                    exchange_type: q.exchange_type,
                     declare_exchange: q.declare_exchange,
                     routing_key,
                     confirm_timeout: q.confirm_timeout.0,
@@ -417,7 +417,7 @@ mod tests {
         let PublisherConfig::RabbitMq(q) = c.publisher else {
             panic!("rabbitmq")
         };
-        assert_eq!(q.exchange_type, "fanout");
+        assert_eq!(q.exchange_type, ExchangeType::Fanout);
         let c = load_str("[publisher]\nkind = \"kafka\"\n", &[]).unwrap();
         assert_eq!(c.publisher.kind(), "kafka");
     }

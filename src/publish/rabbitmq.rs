@@ -43,7 +43,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
-use crate::config::RabbitMqConfig;
+use crate::config::{ExchangeType, RabbitMqConfig};
 use crate::message::OutboxMessage;
 use crate::redact::redact_url;
 
@@ -384,12 +384,12 @@ async fn declare_dev_queue(
         })
 }
 
-fn exchange_kind(name: &str) -> ExchangeKind {
-    match name {
-        "direct" => ExchangeKind::Direct,
-        "fanout" => ExchangeKind::Fanout,
-        "headers" => ExchangeKind::Headers,
-        _ => ExchangeKind::Topic,
+fn exchange_kind(exchange_type: ExchangeType) -> ExchangeKind {
+    match exchange_type {
+        ExchangeType::Direct => ExchangeKind::Direct,
+        ExchangeType::Topic => ExchangeKind::Topic,
+        ExchangeType::Fanout => ExchangeKind::Fanout,
+        ExchangeType::Headers => ExchangeKind::Headers,
     }
 }
 
@@ -720,7 +720,7 @@ impl Publisher for RabbitMqPublisher {
             channel
                 .exchange_declare(
                     ShortString::from(self.cfg.exchange.clone()),
-                    exchange_kind(&self.cfg.exchange_type),
+                    exchange_kind(self.cfg.exchange_type),
                     ExchangeDeclareOptions {
                         durable: true,
                         ..ExchangeDeclareOptions::default()
@@ -731,7 +731,7 @@ impl Publisher for RabbitMqPublisher {
                 .map_err(|e| {
                     ConnectError(format!(
                         "cannot declare exchange {:?} ({}): {e}; if it exists with other settings, set publisher.rabbitmq.declare_exchange = false",
-                        self.cfg.exchange, self.cfg.exchange_type
+                        self.cfg.exchange, self.cfg.exchange_type.as_str()
                     ))
                 })?;
         }
