@@ -377,16 +377,43 @@ fn names(targets: &[Target<'_>]) -> String {
     }
 }
 
+/// What `dead-letters retry|discard` does to the dead letters it selects.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadLetterAction {
+    /// Back to `pending`, `attempts = 0`, `available_at = now()`.
+    Retry,
+    /// Deleted.
+    Discard,
+}
+
+impl DeadLetterAction {
+    /// The subcommand's name.
+    fn verb(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::Discard => "discard",
+        }
+    }
+
+    /// What became of the rows, for the summary line.
+    fn done(self) -> &'static str {
+        match self {
+            Self::Retry => "set back to pending",
+            Self::Discard => "discarded",
+        }
+    }
+}
+
 /// `dead-letters retry|discard (--id ID… | --all) [--outbox NAME]`: all or nothing. Each id
 /// is looked up in every selected outbox; when one is a dead letter in none of them, nothing
 /// is changed and the error names it.
 pub async fn dead_letters_apply(
     config: &Config,
-    retry: bool,
+    action: DeadLetterAction,
     sel: Selection,
     only: Option<&str>,
 ) -> Result<()> {
-    let verb = if retry { "retry" } else { "discard" };
+    let verb = action.verb();
     let targets = targets(config, only)?;
     let context = || format!("{verb} in {}", names(&targets));
     // Which outbox holds which id.
@@ -422,10 +449,9 @@ pub async fn dead_letters_apply(
     }
     let mut changed = 0;
     for (t, sel) in plan {
-        let done = if retry {
-            t.store.retry_dead_letters(&sel).await
-        } else {
-            t.store.discard_dead_letters(&sel).await
+        let done = match action {
+            DeadLetterAction::Retry => t.store.retry_dead_letters(&sel).await,
+            DeadLetterAction::Discard => t.store.discard_dead_letters(&sel).await,
         };
         changed += done
             .with_context(|| {
@@ -437,12 +463,7 @@ pub async fn dead_letters_apply(
             })?
             .len();
     }
-    let verb = if retry {
-        "set back to pending"
-    } else {
-        "discarded"
-    };
-    println!("{changed} dead letter(s) {verb}");
+    println!("{changed} dead letter(s) {}", action.done());
     Ok(())
 }
 

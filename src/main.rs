@@ -10,6 +10,8 @@ use tokio_util::sync::CancellationToken;
 
 mod cli;
 
+use cli::DeadLetterAction;
+
 /// Transactional outbox relay: PostgreSQL outbox table → RabbitMQ or Kafka.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version, about)]
@@ -205,10 +207,12 @@ fn main() -> ExitCode {
                 cli::dead_letters_list(&config, limit, json, only).await
             }
             Command::DeadLetters(DeadLetters::Retry { which, .. }) => {
-                cli::dead_letters_apply(&config, true, which.selection(), only).await
+                cli::dead_letters_apply(&config, DeadLetterAction::Retry, which.selection(), only)
+                    .await
             }
             Command::DeadLetters(DeadLetters::Discard { which, .. }) => {
-                cli::dead_letters_apply(&config, false, which.selection(), only).await
+                cli::dead_letters_apply(&config, DeadLetterAction::Discard, which.selection(), only)
+                    .await
             }
         }
     });
