@@ -37,6 +37,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_wakeup_and_storage.sql",
         sql: include_str!("../../sql/0003_wakeup_and_storage.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_bulk_wakeup.sql",
+        sql: include_str!("../../sql/0004_bulk_wakeup.sql"),
+    },
 ];
 
 /// The table that records which version each outbox table is at.
@@ -322,6 +327,24 @@ mod tests {
                 "EXECUTE FUNCTION app.events_wakeup()",
                 "DROP FUNCTION IF EXISTS app.events_notify();",
                 "ALTER TABLE app.events SET (",
+            ],
+        );
+    }
+
+    #[test]
+    fn bulk_wakeup_renders_its_once_per_transaction_condition_for_a_qualified_table() {
+        let v4 = MIGRATIONS.iter().find(|m| m.version == 4).unwrap();
+        assert_renders_for_app_events(
+            v4.sql,
+            &[
+                "CREATE OR REPLACE FUNCTION app.events_wakeup()",
+                "SELECT 1 FROM app.events_waiters WHERE alive_until > now()",
+                "pg_notify('app.events', '')",
+                "DROP TRIGGER IF EXISTS events_wakeup ON app.events;",
+                "CREATE CONSTRAINT TRIGGER events_wakeup\n    AFTER INSERT ON app.events",
+                "current_setting('outbox.woke_' || 'app.events'::regclass::oid::text, true)",
+                "set_config('outbox.woke_' || 'app.events'::regclass::oid::text, '1', true)",
+                "EXECUTE FUNCTION app.events_wakeup()",
             ],
         );
     }
