@@ -9,9 +9,12 @@
 -- rolled-back savepoint resets along with the event it queued), so one event is queued per
 -- transaction and the function runs once, at commit.
 --
--- SECURITY DEFINER: the application's role needs no rights on the waiters table (an INSERT
--- grant on the outbox table stays all it needs); search_path is pinned so that definer rights
--- cannot be steered through the caller's search_path.
+-- SECURITY DEFINER: the application's role needs no rights on the waiters table (INSERT on the
+-- outbox table and USAGE on its sequence stay all it needs). search_path is pinned to the one
+-- the function was created with; `outbox-relay migrate` creates it with the table's schema then
+-- pg_temp (pg_catalog is searched first), so neither the caller's search_path nor its temporary
+-- tables can steer what the function reads. When applying this file by hand, run it with
+-- `SET search_path = <the table's schema>, pg_temp`.
 CREATE OR REPLACE FUNCTION outbox_messages_wakeup() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN

@@ -174,6 +174,16 @@ impl Store {
         )
         .await?;
         tx.batch_execute(VERSION_TABLE_DDL).await?;
+        if self.table.schema.is_none() {
+            // The wake-up function keeps the search_path it is created with: the table's
+            // schema, then pg_temp (pg_catalog is searched first anyway), so neither a caller's
+            // search_path nor its temporary tables can steer what it reads.
+            tx.batch_execute(
+                "SELECT set_config('search_path', \
+                   quote_ident(coalesce(current_schema(), 'public')) || ', pg_temp', true)",
+            )
+            .await?;
+        }
         let key = self.table.qualified();
         let current = current_version(&tx, &self.table).await?.version;
         if let Some(schema) = &self.table.schema {
