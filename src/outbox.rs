@@ -180,6 +180,12 @@ async fn prepare(
                 tracing::warn!(outbox = %outbox.name, error = %e, retry_in = ?delay, "database unavailable at start; retrying");
                 delay
             }
+            // A long transaction holds the table: the application's inserts must not queue
+            // behind the migration, so it gave up; try again later rather than exit.
+            Err(e @ StoreError::Locked(_)) => {
+                tracing::warn!(outbox = %outbox.name, error = %e, retry_in = ?SCHEMA_RETRY, "schema migration postponed");
+                SCHEMA_RETRY
+            }
             Err(e) if alone => return Err(e),
             Err(e) => {
                 tracing::error!(outbox = %outbox.name, error = %e, retry_in = ?SCHEMA_RETRY, "this outbox cannot start; the others run meanwhile");

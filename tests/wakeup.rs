@@ -1,8 +1,9 @@
-//! The wake-up of schema version 3, against the real binary, PostgreSQL and RabbitMQ: an idle
+//! The wake-up (schema versions 3 and 4), against the real binary, PostgreSQL and RabbitMQ: an idle
 //! relay is woken within milliseconds, one that keeps up with a steady writer costs the
 //! application no NOTIFY (it lingers before it waits), nor does a busy one; a relay that only
 //! polls never makes a commit notify, a row that commits while the relay goes idle is not left
-//! for the poll, and a relay that dies while waiting stops costing NOTIFYs. (A version-1 table
+//! for the poll, a relay that dies while waiting stops costing NOTIFYs, and a bulk load (COPY,
+//! INSERT … SELECT) runs the wake-up once per transaction, not once per row. (A version-1 table
 //! upgraded in place to the wake-up trigger: tests/ops.rs.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use common::{
     NewRow, PG_URL, RabbitFixture, RelayBuilder, TestTable, finish, insert_rows, pg_connect,
-    table_and_exchange,
+    table_and_exchange, wait_for_count, wait_until,
 };
 use futures::StreamExt;
 use serde_json::json;
@@ -271,4 +272,100 @@ async fn a_relay_that_dies_waiting_stops_costing_notifies() {
     rabbit.wait_for_ids(&[id], WAIT).await;
     assert!(counter.get() > before, "no NOTIFY for a live waiting relay");
     finish(other, table, rabbit).await;
+}
+
+/// Times the wake-up function `<table>_wakeup` has run, as PostgreSQL's function statistics
+/// count them (sessions that set `track_functions`; flushed within about a second).
+async fn wakeup_calls(table: &TestTable) -> i64 {
+    let sql = "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_user_functions \
+               WHERE funcid = to_regproc($1)::oid";
+    let function = format!("{}_wakeup", table.name);
+    table.db.query_one(sql, &[&function]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_load_fires_the_wake_up_once_per_transaction() {
+    let (table, rabbit) = table_and_exchange("wake_bulk").await;
+    // A long poll: only the wake-up brings the rows out within seconds.
+    let relay = relay(&table, &rabbit, "wake-bulk", "10s").spawn();
+    relay
+        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
+        .await;
+    wait_for_waiter(&table, "wake-bulk").await;
+    let counter = NotifyCounter::start(&table.name).await;
+
+    // One transaction: a COPY of 2,000 rows, then an INSERT … SELECT of 2,000 more.
+    let mut app = pg_connect().await;
+    app.batch_execute("SET track_functions = 'pl'")
+        .await
+        .unwrap();
+    let tx = app.transaction().await.unwrap();
+    let copy = format!(
+        "COPY {} (aggregate_type, aggregate_id, event_type, payload) FROM STDIN",
+        table.name
+    );
+    let lines: String = (0..2_000)
+        .map(|i| format!("bulk\ta{}\tcopied\t{{\"i\": {i}}}\n", i % 7))
+        .collect();
+    let sink = tx.copy_in::<_, &'static [u8]>(&copy).await.unwrap();
+    futures::pin_mut!(sink);
+    futures::SinkExt::send(&mut sink, Box::leak(lines.into_boxed_str()).as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(sink.finish().await.unwrap(), 2_000);
+    let select = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'bulk', 'b' || (i % 7), 'selected', jsonb_build_object('i', i) \
+         FROM generate_series(1, 2000) i",
+        table.name
+    );
+    assert_eq!(tx.execute(&select, &[]).await.unwrap(), 2_000);
+    tx.commit().await.unwrap();
+
+    // The relay is woken and relays every row.
+    let received = || rabbit.count();
+    wait_for_count(Duration::from_secs(3), "the first rows arrive", 1, received).await;
+    table.wait_all_sent(Duration::from_secs(60)).await;
+    assert_eq!(rabbit.count(), 4_000);
+    // The trigger's WHEN queued one event for the whole transaction: its function ran once.
+    let calls = wait_until(
+        WAIT,
+        "the wake-up's call is counted",
+        async || match wakeup_calls(&table).await {
+            0 => Err("no call counted yet".to_owned()),
+            n => Ok(n),
+        },
+    )
+    .await;
+    assert_eq!(
+        calls, 1,
+        "wake-up function calls for one 4,000-row transaction"
+    );
+    assert_eq!(counter.get(), 1, "NOTIFYs for one transaction");
+
+    // A savepoint rolled back after the first row takes its event along: the next row of the
+    // transaction queues one again.
+    let tx = app.transaction().await.unwrap();
+    let one = format!(
+        "INSERT INTO {} (event_type, payload) VALUES ('undone', '{{}}')",
+        table.name
+    );
+    tx.batch_execute(&format!("SAVEPOINT s; {one}; ROLLBACK TO SAVEPOINT s"))
+        .await
+        .unwrap();
+    let kept = one.replace("undone", "kept");
+    tx.batch_execute(&format!("{kept}; {kept}")).await.unwrap();
+    tx.commit().await.unwrap();
+    let calls = wait_until(
+        WAIT,
+        "the second transaction's call is counted",
+        async || match wakeup_calls(&table).await {
+            1 => Err("still one call".to_owned()),
+            n => Ok(n),
+        },
+    )
+    .await;
+    assert_eq!(calls, 2, "one more call for the second transaction");
+    table.wait_all_sent(WAIT).await;
+    finish(relay, table, rabbit).await;
 }

@@ -17,7 +17,8 @@ pub struct TableHealth {
     pub autovacuum: bool,
     /// Table + indexes + TOAST, bytes.
     pub total_bytes: i64,
-    /// Whether this session may vacuum the table (owner or superuser).
+    /// Whether this session may vacuum and analyze the table (owner, superuser, or the
+    /// `MAINTAIN` privilege on PostgreSQL 17+).
     pub may_vacuum: bool,
     /// Whether a vacuum or an analyze of the table (autovacuum's or another relay's) is
     /// running now.
@@ -63,7 +64,9 @@ impl MaintenanceSql {
                        FROM {t} WHERE status = 'pending') p"
             ),
             // $1 the table's oid. Dead tuples and vacuum history of the table; whether
-            // autovacuum may run on it (server setting and the table's own option).
+            // autovacuum may run on it (server setting and the table's own option); whether this
+            // role may vacuum it (`MAINTAIN` exists from PostgreSQL 17 on: the CASE keeps older
+            // servers from parsing the privilege name).
             table_health: "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), \
                    extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8, \
                    current_setting('autovacuum') = 'on' \
@@ -71,7 +74,9 @@ impl MaintenanceSql {
                                    WHERE option_name = 'autovacuum_enabled'), 'true')::bool, \
                    pg_total_relation_size(c.oid), \
                    pg_has_role(c.relowner, 'MEMBER') \
-                     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user), \
+                     OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) \
+                     OR CASE WHEN current_setting('server_version_num')::int >= 170000 \
+                          THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END, \
                    EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
                      OR EXISTS (SELECT 1 FROM pg_stat_progress_analyze a WHERE a.relid = c.oid), \
                    CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END \

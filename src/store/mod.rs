@@ -56,6 +56,10 @@ pub enum StoreError {
     /// The URL could not be turned into a pool.
     #[error("cannot build the connection pool: {0}")]
     Build(String),
+    /// `migrate` could not have a lock it needs on the table within its `lock_timeout`; the
+    /// sentence names who holds it and says to run `migrate` again.
+    #[error("{0}")]
+    Locked(String),
     /// Some ids given to a dead-letter command are not dead letters; nothing was changed.
     #[error("not dead letters (nothing was changed): {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
     NotDeadLetters(Vec<Uuid>),
@@ -83,7 +87,7 @@ impl StoreError {
         match self {
             Self::Pool(_) => true,
             Self::Db(e) => e.is_closed() || e.code().is_none(),
-            Self::Schema(_) | Self::Build(_) | Self::NotDeadLetters(_) => false,
+            Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
     }
 }

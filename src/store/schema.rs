@@ -5,9 +5,28 @@
 //! written, index and trigger names (which PostgreSQL does not let us qualify) get the bare
 //! name, and every other reference gets the schema-qualified name.
 
+use std::time::Duration;
+
+use tokio_postgres::error::SqlState;
+
 use super::{Result, Store, StoreError};
 use crate::config::TableName;
 use crate::message::PayloadKind;
+
+/// How long each lock `migrate` needs is waited for (PostgreSQL's `lock_timeout`). While
+/// `migrate` waits for a lock on the table, every insert queues behind it: this bounds how
+/// long the application can stall on a transaction that holds the table.
+pub const LOCK_TIMEOUT: &str = "3s";
+
+/// How many times a version whose locks were not granted is tried before `migrate` fails.
+pub const LOCK_TRIES: u32 = 3;
+
+/// The pause between two tries of a version (the application's inserts run meanwhile).
+const LOCK_RETRY_PAUSE: Duration = Duration::from_secs(1);
+
+/// Serialises concurrent `migrate`s across versions (a session-level advisory lock).
+const MIGRATE_LOCK: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay:migrate'))";
+const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay:migrate'))";
 
 /// One versioned migration file.
 #[derive(Debug, Clone, Copy)]
@@ -37,7 +56,17 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_wakeup_and_storage.sql",
         sql: include_str!("../../sql/0003_wakeup_and_storage.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_bulk_wakeup.sql",
+        sql: include_str!("../../sql/0004_bulk_wakeup.sql"),
+    },
 ];
+
+/// `text` as an SQL string literal.
+fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
 
 /// The table that records which version each outbox table is at.
 pub const VERSION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_schema_version (\n    \
@@ -155,41 +184,177 @@ async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
 }
 
 impl Store {
-    /// Applies pending migrations under an advisory lock; returns the versions applied.
+    /// Applies pending migrations; returns the versions applied.
     ///
     /// What is pending is decided by what exists, not only by what was recorded: when the
     /// table is missing (never created, or dropped since) every file is applied again (they
     /// are idempotent), whatever `outbox_relay_schema_version` says.
+    ///
+    /// Concurrent `migrate`s are serialised by a session-level advisory lock. Each version is
+    /// applied and recorded in its own transaction, so the table's locks are held for one
+    /// version at most, and every lock is requested under [`LOCK_TIMEOUT`]: a version whose
+    /// locks cannot be had is tried [`LOCK_TRIES`] times in all, then `migrate` fails with
+    /// [`StoreError::Locked`] naming the sessions that hold the table (the versions applied
+    /// before it stay applied and recorded).
     pub async fn migrate(&self) -> Result<Vec<i32>> {
         let mut client = self.client().await?;
-        let tx = client.transaction().await?;
-        tx.execute(
-            "SELECT pg_advisory_xact_lock(hashtext('outbox-relay:migrate'))",
-            &[],
-        )
-        .await?;
-        tx.batch_execute(VERSION_TABLE_DDL).await?;
+        client.execute(MIGRATE_LOCK, &[]).await?;
+        let applied = self.migrate_locked(&mut client).await;
+        // On a lost connection the session, and with it the lock, is gone already.
+        let unlocked = client.execute(MIGRATE_UNLOCK, &[]).await;
+        let applied = applied?;
+        unlocked?;
+        Ok(applied)
+    }
+
+    async fn migrate_locked(&self, client: &mut deadpool_postgres::Object) -> Result<Vec<i32>> {
         let key = self.table.qualified();
-        let current = current_version(&tx, &self.table).await?.version;
-        if let Some(schema) = &self.table.schema {
-            tx.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {schema}"))
-                .await?;
-        }
+        let schema: String = match &self.table.schema {
+            Some(schema) => schema.clone(),
+            // Where the table is, or where version 1 will create it.
+            None => client
+                .query_one(
+                    "SELECT coalesce((SELECT n.nspname::text FROM pg_class c \
+                       JOIN pg_namespace n ON n.oid = c.relnamespace WHERE c.oid = to_regclass($1)), \
+                       current_schema()::text, 'public')",
+                    &[&key],
+                )
+                .await?
+                .try_get(0)?,
+        };
+        let setup = match &self.table.schema {
+            Some(schema) => format!("CREATE SCHEMA IF NOT EXISTS {schema};\n{VERSION_TABLE_DDL}"),
+            None => VERSION_TABLE_DDL.to_owned(),
+        };
+        self.in_lock_timeout(client, None, 0, &setup).await?;
+        // Named with its schema: each version runs with its own search_path.
+        let versions: String = client
+            .query_one(
+                "SELECT quote_ident(n.nspname) || '.outbox_relay_schema_version' FROM pg_class c \
+                   JOIN pg_namespace n ON n.oid = c.relnamespace \
+                  WHERE c.oid = to_regclass('outbox_relay_schema_version')",
+                &[],
+            )
+            .await?
+            .try_get(0)?;
+        let current = current_version(&*client, &self.table).await?.version;
         let mut applied = Vec::new();
         for m in MIGRATIONS.iter().filter(|m| m.version > current) {
-            tx.batch_execute(&render(m.sql, &self.table)).await?;
+            let sql = format!(
+                "{}\n;INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
+                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now()",
+                render(m.sql, &self.table),
+                quote_literal(&key),
+                m.version
+            );
+            self.in_lock_timeout(client, Some(&schema), m.version, &sql)
+                .await?;
             applied.push(m.version);
         }
-        if let Some(&version) = applied.last() {
+        Ok(applied)
+    }
+
+    /// Runs `sql` (version `version`, 0 for the set-up) in one transaction whose locks are
+    /// each requested under [`LOCK_TIMEOUT`], with `search_path` set to `schema, pg_temp`
+    /// when given (what the wake-up function pins). Tried [`LOCK_TRIES`] times when a lock
+    /// cannot be had.
+    async fn in_lock_timeout(
+        &self,
+        client: &mut deadpool_postgres::Object,
+        schema: Option<&str>,
+        version: i32,
+        sql: &str,
+    ) -> Result<()> {
+        let mut attempt = 1;
+        loop {
+            let tx = client.transaction().await?;
             tx.execute(
-                "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, $2) \
-                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now()",
-                &[&key, &version],
+                "SELECT set_config('lock_timeout', $1, true), \
+                        CASE WHEN $2::text IS NOT NULL \
+                          THEN set_config('search_path', quote_ident($2) || ', pg_temp', true) END",
+                &[&LOCK_TIMEOUT, &schema],
             )
             .await?;
+            match tx.batch_execute(sql).await {
+                Ok(()) => {
+                    tx.commit().await?;
+                    return Ok(());
+                }
+                Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                    drop(tx); // rolled back
+                    let holders = self.lock_holders(&*client).await?;
+                    if attempt >= LOCK_TRIES {
+                        let t = &self.table;
+                        let what = if version == 0 {
+                            format!("create outbox_relay_schema_version for {t}")
+                        } else {
+                            format!("apply schema version {version} to {t}")
+                        };
+                        return Err(StoreError::Locked(format!(
+                            "could not {what}: a lock it needs was not granted within \
+                             {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; nothing of that \
+                             version was applied: end or wait for that transaction and run \
+                             `outbox-relay migrate` again"
+                        )));
+                    }
+                    tracing::warn!(
+                        table = %self.table,
+                        version,
+                        attempt,
+                        "migrate: a lock was not granted within {LOCK_TIMEOUT}, {holders}; retrying"
+                    );
+                    attempt += 1;
+                    tokio::time::sleep(LOCK_RETRY_PAUSE).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
-        tx.commit().await?;
-        Ok(applied)
+    }
+
+    /// Who holds a lock on the table (or its other objects), as a phrase: "held by pid 123
+    /// (RowExclusiveLock, transaction open 42 s, idle in transaction, application \"psql\")".
+    async fn lock_holders<C: deadpool_postgres::GenericClient + Sync>(
+        &self,
+        client: &C,
+    ) -> Result<String> {
+        let rows = client
+            .query(
+                "SELECT a.pid, string_agg(DISTINCT l.mode, '/'), \
+                        extract(epoch FROM now() - min(a.xact_start))::float8, \
+                        min(a.state), min(a.application_name) \
+                   FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                  WHERE l.locktype = 'relation' AND l.granted AND a.pid <> pg_backend_pid() \
+                    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                    AND l.relation IN (SELECT c.oid FROM pg_class c WHERE c.oid = to_regclass($1) \
+                          OR c.oid IN (SELECT i.indexrelid FROM pg_index i WHERE i.indrelid = to_regclass($1)) \
+                          OR c.oid = to_regclass($1 || '_waiters') OR c.oid = to_regclass($1 || '_seq')) \
+                  GROUP BY a.pid ORDER BY 3 DESC NULLS LAST LIMIT 3",
+                &[&self.table.qualified()],
+            )
+            .await?;
+        if rows.is_empty() {
+            return Ok("held by a session that has ended since".to_owned());
+        }
+        let mut parts = Vec::new();
+        for r in rows {
+            let pid: i32 = r.try_get(0)?;
+            let modes: Option<String> = r.try_get(1)?;
+            let age: Option<f64> = r.try_get(2)?;
+            let state: Option<String> = r.try_get(3)?;
+            let app: Option<String> = r.try_get(4)?;
+            let mut what = vec![modes.unwrap_or_default()];
+            if let Some(age) = age {
+                what.push(format!("transaction open {age:.0} s"));
+            }
+            if let Some(state) = state {
+                what.push(state);
+            }
+            if let Some(app) = app.filter(|a| !a.is_empty()) {
+                what.push(format!("application \"{app}\""));
+            }
+            parts.push(format!("pid {pid} ({})", what.join(", ")));
+        }
+        Ok(format!("held by {}", parts.join(" and ")))
     }
 
     /// Whether the table exists and which schema versions `migrate` would apply, read
@@ -322,6 +487,24 @@ mod tests {
                 "EXECUTE FUNCTION app.events_wakeup()",
                 "DROP FUNCTION IF EXISTS app.events_notify();",
                 "ALTER TABLE app.events SET (",
+            ],
+        );
+    }
+
+    #[test]
+    fn bulk_wakeup_renders_its_once_per_transaction_condition_for_a_qualified_table() {
+        let v4 = MIGRATIONS.iter().find(|m| m.version == 4).unwrap();
+        assert_renders_for_app_events(
+            v4.sql,
+            &[
+                "CREATE OR REPLACE FUNCTION app.events_wakeup()",
+                "SELECT 1 FROM app.events_waiters WHERE alive_until > now()",
+                "pg_notify('app.events', '')",
+                "DROP TRIGGER IF EXISTS events_wakeup ON app.events;",
+                "CREATE CONSTRAINT TRIGGER events_wakeup\n    AFTER INSERT ON app.events",
+                "current_setting('outbox.woke_' || 'app.events'::regclass::oid::text, true)",
+                "set_config('outbox.woke_' || 'app.events'::regclass::oid::text, '1', true)",
+                "EXECUTE FUNCTION app.events_wakeup()",
             ],
         );
     }

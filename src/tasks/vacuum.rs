@@ -100,9 +100,10 @@ pub async fn vacuum_loop(
                     }
                     if !h.may_vacuum && !told_owner {
                         told_owner = true;
+                        // Once per process: the role's privileges do not change by waiting.
                         tracing::warn!(
                             table = %store.table(),
-                            "the relay's database user does not own the table, so it cannot vacuum it; make sure autovacuum runs on it"
+                            "VACUUM and ANALYZE of the outbox table need its ownership (or the MAINTAIN privilege on PostgreSQL 17+), which the relay's database role lacks: the relay skips them and goes on relaying; make sure autovacuum runs on the table"
                         );
                     }
                     unremovable = unremovable.min(h.dead_tuples);

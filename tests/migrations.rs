@@ -1,0 +1,130 @@
+//! `migrate` beside a live application and the start-up's refusal of an old table, against the
+//! binary and the local PostgreSQL: a transaction holding the table makes `migrate` give up
+//! within its bounded tries (never queueing the application's inserts behind it for long),
+//! naming the holder and telling the user to run it again, and it succeeds once that
+//! transaction ends; `run` refuses a table without `expires_at` (hand-applied version-1 DDL)
+//! and tells the user to run `migrate`, which fixes it.
+//!
+//! Each test has its own `it_mig_…` table.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    CmdOutput, NewRow, PG_URL, RelayBuilder, TestTable, hex8, migrate_table, pg_connect,
+    try_pg_connect,
+};
+use outbox_relay::config::TableName;
+use outbox_relay::store::schema::{self, MIGRATIONS};
+
+/// Bound for one run of the binary (`migrate` gives up within a few tries of 3 s).
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A table at schema version 1 (its DDL only), recorded at version 1 when `record`, holding
+/// 10 pending rows.
+async fn version_1_table(record: bool) -> TestTable {
+    let (name, db) = (format!("it_mig_{}", hex8()), pg_connect().await);
+    let table = TestTable { name, db };
+    let t = TableName::parse(&table.name).unwrap();
+    let db = &table.db;
+    db.batch_execute(schema::VERSION_TABLE_DDL).await.unwrap();
+    let ddl = schema::render(MIGRATIONS[0].sql, &t);
+    db.batch_execute(&ddl).await.expect("version 1 DDL");
+    if record {
+        let sql = "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, 1)";
+        db.execute(sql, &[&table.name]).await.unwrap();
+    }
+    table
+        .insert(&NewRow::numbered(10, "order", Some(("o-", 3)), "created"))
+        .await;
+    table
+}
+
+/// The version recorded for `table`.
+async fn recorded_version(table: &TestTable) -> Option<i32> {
+    let sql = "SELECT version FROM outbox_relay_schema_version WHERE table_name = $1";
+    let row = table.db.query_opt(sql, &[&table.name]).await.unwrap();
+    row.map(|r| r.get(0))
+}
+
+/// Runs the binary for `table` with `args` (no metrics server, `auto_migrate` off).
+async fn run_cli(table: &TestTable, args: &[&str]) -> CmdOutput {
+    RelayBuilder::operator(&table.name)
+        .set("database.auto_migrate", "false")
+        .set("metrics.listen", "")
+        .output(args, WAIT)
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_gives_up_on_a_held_table_naming_the_holder_and_succeeds_once_it_ends() {
+    let table = version_1_table(true).await;
+    // An application transaction that inserted a row and stays open: its ROW EXCLUSIVE lock
+    // conflicts with the ACCESS EXCLUSIVE lock version 2 needs.
+    let mut app = try_pg_connect(PG_URL, "held-by-test").await.unwrap();
+    let tx = app.transaction().await.unwrap();
+    let pid: i32 = tx
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let insert = format!(
+        "INSERT INTO {} (event_type, payload) VALUES ('held', '{{}}')",
+        table.name
+    );
+    tx.batch_execute(&insert).await.unwrap();
+
+    let out = run_cli(&table, &["migrate"]).await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    for words in [
+        "could not apply schema version 2 to",
+        &format!("held by pid {pid} (RowExclusiveLock"),
+        "application \"held-by-test\"",
+        "run `outbox-relay migrate` again",
+    ] {
+        assert!(out.stderr.contains(words), "{words:?} in {}", out.stderr);
+    }
+    // It tried a bounded number of times, saying so between tries.
+    let retries = out.stderr.matches("retrying").count();
+    assert_eq!(retries, 2, "{}", out.stderr);
+    // Nothing of version 2 was applied, and the application's transaction is intact.
+    assert_eq!(recorded_version(&table).await, Some(1));
+    tx.commit().await.unwrap();
+    assert_eq!(table.count_where("event_type = 'held'").await, 1);
+
+    let applied = migrate_table(&table.name).await;
+    let want: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).skip(1).collect();
+    assert_eq!(applied, want);
+    assert_eq!(recorded_version(&table).await, want.last().copied());
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_refuses_a_table_without_expires_at_and_migrate_fixes_it() {
+    // Applied by hand from the version-1 file, nothing recorded: no expires_at column.
+    let table = version_1_table(false).await;
+    let out = run_cli(&table, &["run"]).await;
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let fix = format!(
+        "table {} predates schema version 2 (no expires_at column): run `outbox-relay migrate`",
+        table.name
+    );
+    assert!(out.stderr.contains(&fix), "{fix:?} in {}", out.stderr);
+    // Refused at once, not retried as if the database were down.
+    assert!(!out.stderr.contains("retrying"), "{}", out.stderr);
+
+    // Doing as told: `migrate` applies every file (they are idempotent), and `run` starts.
+    let applied = migrate_table(&table.name).await;
+    assert_eq!(applied.first(), Some(&1), "{applied:?}");
+    let relay = RelayBuilder::operator(&table.name)
+        .set("metrics.listen", "")
+        .set("publisher.kind", "stdout")
+        .spawn();
+    relay.wait_for_log("relaying outbox", 1, WAIT).await;
+    table.wait_all_sent(WAIT).await;
+    relay.stop().await;
+    table.drop_table().await;
+}
