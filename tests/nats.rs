@@ -22,8 +22,8 @@ use std::time::Duration;
 
 use common::nats::{NATS_ADDR, NATS_URL, NatsStream, StreamMessage, nats_relay};
 use common::{
-    NewRow, Proxy, RowState, TestTable, analyse, assert_none, free_port, http_get, local,
-    not_sent_once, wait_for_sample, wait_until,
+    NewRow, Proxy, RelayBuilder, RowState, TestTable, analyse, assert_none, free_port, http_get,
+    local, not_sent_once, wait_for_sample, wait_until,
 };
 use serde_json::{Value, json};
 
@@ -321,6 +321,65 @@ async fn a_10s_outage_loses_nothing_spends_no_attempt_and_shows_on_readyz() {
     table.drop_table().await;
 }
 
+#[tokio::test]
+async fn check_connects_hides_credentials_and_rejects_a_bad_url_with_exit_2() {
+    let table = TestTable::new("nats_check").await;
+    let check = |url: &str| {
+        RelayBuilder::operator(&table.name)
+            .set("publisher.kind", "nats")
+            .set("publisher.nats.url", url)
+            .output(&["check"], Duration::from_secs(60))
+    };
+    // The test server has no authorization: it ignores the credentials.
+    let ok = check("nats://app:hunter2@127.0.0.1:4222").await;
+    assert!(ok.status.success(), "{ok:?}");
+    ok.assert_stdout_has("broker: ok (nats nats://app:***@127.0.0.1:4222");
+    let token = check("nats://s3cr3t-token@127.0.0.1:4222").await;
+    token.assert_stdout_has("broker: ok (nats nats://***@127.0.0.1:4222");
+    let down = check(&format!("nats://127.0.0.1:{}", free_port())).await;
+    assert_eq!(down.status.code(), Some(1), "{down:?}");
+    down.assert_stdout_has("broker: FAILED");
+    let bad = check("http://app:hunter2@127.0.0.1:4222").await;
+    assert_eq!(bad.status.code(), Some(2), "{bad:?}");
+    assert!(bad.stderr.contains("publisher.nats.url"), "{bad:?}");
+    for out in [&ok, &token, &down, &bad] {
+        let all = format!("{}{}", out.stdout, out.stderr);
+        assert!(!all.contains("hunter2") && !all.contains("s3cr3t"), "{all}");
+    }
+    table.drop_table().await;
+}
+
+#[tokio::test]
+async fn a_server_unreachable_at_start_is_waited_for() {
+    let table = TestTable::new("nats_late").await;
+    let stream = NatsStream::new("nats_late").await;
+    let proxy = Proxy::start(NATS_ADDR).await;
+    proxy.cut();
+    let ids = table
+        .insert_ids(&NewRow::numbered(50, "order", Some(("l-", 5)), "created"))
+        .await;
+    let mut relay = nats_relay(
+        &table,
+        &stream,
+        &format!("nats://{}", proxy.addr()),
+        "nats-late",
+    )
+    .spawn();
+    relay.wait_for_log("broker unavailable", 2, WAIT).await;
+    assert!(relay.is_running(), "the relay waits for the server");
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&ids).await;
+    assert_none(
+        "rows",
+        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
+    );
+    assert_eq!(stream.count().await, 50);
+    relay.stop().await;
+    stream.teardown().await;
+    table.drop_table().await;
+}
+
 /// Waits until `/readyz` answers `want`.
 async fn wait_ready(port: u16, want: u16) {
     wait_until(
@@ -361,6 +420,12 @@ async fn kill_9_three_times_during_a_20k_drain_leaves_no_duplicate_in_the_stream
     table.wait_all_sent(Duration::from_secs(300)).await;
     let rows = table.rows().await;
     let messages = stream.messages().await;
+    // Rows the killed relays held were claimed again (and those already published were
+    // dropped by the duplicate window, or the stream would hold more than 20,000).
+    assert!(
+        table.count_where("attempts >= 2").await > 0,
+        "no row was reclaimed after a kill"
+    );
     assert_eq!(messages.len(), 20_000, "the stream holds each row once");
     assert_exactly_once_in_order("3 kill -9 during a 20k drain", &rows, &messages);
     relay.stop().await;

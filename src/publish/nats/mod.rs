@@ -49,6 +49,9 @@ use crate::message::OutboxMessage;
 /// the broker still away (the relay then backs off and asks again).
 const RECONNECT_WAIT: Duration = Duration::from_secs(2);
 
+/// The JetStream API subject answering with the account's information.
+const JS_INFO: &str = "$JS.API.INFO";
+
 /// The longest wait to open a TCP connection and finish the NATS handshake.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -134,24 +137,40 @@ impl NatsPublisher {
         Ok(Live { client, js })
     }
 
-    /// Asks JetStream for the account's information: proof that it runs and answers.
+    /// Asks JetStream for the account's information (`$JS.API.INFO`): proof that it runs and
+    /// answers. Read as plain JSON: only whether it is an error matters here.
     async fn probe(&self, live: &Live) -> Result<(), ConnectError> {
         let wait = CONNECTION_TIMEOUT.min(self.cfg.ack_timeout);
-        match tokio::time::timeout(wait, live.js.query_account()).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(ConnectError(format!(
-                "NATS at {} is reachable but JetStream does not answer ({e}); is nats-server running with JetStream (-js)?",
-                self.shown()
-            ))),
+        let asked = live.client.request(JS_INFO, "".into());
+        let reply = match tokio::time::timeout(wait, asked).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => {
+                return Err(ConnectError(format!(
+                    "NATS at {} is reachable but JetStream does not answer ({e}); is nats-server running with JetStream (-js)?",
+                    self.shown()
+                )));
+            }
             Err(_) => {
                 // A connection that carries nothing (a black hole): start over.
                 let _ = live.client.force_reconnect().await;
-                Err(ConnectError(format!(
+                return Err(ConnectError(format!(
                     "JetStream at {} did not answer within {}",
                     self.shown(),
                     humantime::format_duration(wait)
-                )))
+                )));
             }
+        };
+        match serde_json::from_slice::<serde_json::Value>(&reply.payload) {
+            Ok(v) if v.get("error").is_none() => Ok(()),
+            Ok(v) => Err(ConnectError(format!(
+                "JetStream at {} refused the account information request: {}",
+                self.shown(),
+                v["error"]
+            ))),
+            Err(e) => Err(ConnectError(format!(
+                "JetStream at {} answered the account information request with something that is not JSON: {e}",
+                self.shown()
+            ))),
         }
     }
 
