@@ -2,7 +2,7 @@
 # Starts what the relay and its tests need on a development machine, idempotently:
 # PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
 # (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
-# Prometheus's promtool for the deploy/ checks, and OpenSSL's headers for rdkafka.
+# NATS with JetStream (127.0.0.1:4222, store in /var/lib/nats-server), Prometheus's promtool for the deploy/ checks, and OpenSSL's headers for rdkafka.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +25,20 @@ if ! port_open 5672; then
     say "starting RabbitMQ"
     rabbitmq-server -detached
     wait_port 5672 RabbitMQ 1200
+fi
+
+# NATS JetStream (publisher.kind = "nats", tests/nats.rs): Debian's `nats-server`, JetStream on.
+if ! port_open 4222; then
+    if ! command -v nats-server >/dev/null && [ ! -x /usr/sbin/nats-server ]; then
+        say "installing nats-server from Debian's packages"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nats-server >/dev/null
+    fi
+    say "starting nats-server with JetStream"
+    mkdir -p /var/lib/nats-server
+    start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server || echo /usr/sbin/nats-server)" -- \
+        -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log
+    wait_port 4222 nats-server
 fi
 
 # rdkafka's Kafka TLS/SASL links the system OpenSSL: its headers must be there to build.

@@ -469,6 +469,12 @@ pub async fn dead_letters_apply(
 
 /// The queue `tail` reads and the broker URL, or why there is none (a usage error).
 pub fn tail_queue(config: &Config, queue: Option<&str>) -> Result<(String, String)> {
+    if let PublisherConfig::Nats(n) = &config.publisher {
+        bail!(
+            "tail reads a RabbitMQ queue; to watch a NATS stream, subscribe to its subjects (e.g. `nats sub 'outbox.>'`, {:?} here) or read the stream (`nats stream view STREAM`): see docs/nats.md",
+            n.subject.as_str()
+        );
+    }
     let PublisherConfig::RabbitMq(q) = &config.publisher else {
         bail!(
             "tail reads a RabbitMQ queue, but publisher.kind is {:?}",

@@ -121,6 +121,10 @@ pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
             ))
         }
         PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new()),
+        PublisherConfig::Nats(c) => Arc::new(publish::nats::NatsPublisher::new(
+            c.clone(),
+            config.relay.max_in_flight,
+        )),
     }
 }
 

@@ -22,6 +22,10 @@
 //! 10. `outboxes`: one busy outbox drained alone and beside 19 idle ones; a 20-outbox relay's
 //!     idle CPU and peak RSS.
 //!
+//! 11. `nats` (only when named in `--only`): the relay draining N rows into a JetStream stream,
+//!     ordering none and aggregate, beside a bare async-nats client publishing the same messages
+//!     with the same number of acks outstanding; relay CPU per 100k.
+//!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
 //! One file per phase under `phases/`; the relay process, topics and tables come from
 //! `outbox-testkit`, shared with the integration tests. See `bench/README.md`.
@@ -144,6 +148,8 @@ enum Phase {
     Outboxes,
     /// 9. Steady state beside a live application (not part of the default run).
     Steady,
+    /// 11. NATS JetStream: the relay against a bare client (only when named in `--only`).
+    Nats,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -652,9 +658,15 @@ async fn setup(args: Args) -> Result<Ctx> {
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let relay_bin = outbox_testkit::relay_bin();
     let needs_relay = args.only.is_empty()
-        || [Phase::Relay, Phase::Latency, Phase::Outboxes, Phase::Steady]
-            .iter()
-            .any(|p| args.only.contains(p));
+        || [
+            Phase::Relay,
+            Phase::Latency,
+            Phase::Outboxes,
+            Phase::Steady,
+            Phase::Nats,
+        ]
+        .iter()
+        .any(|p| args.only.contains(p));
     if needs_relay && !relay_bin.is_file() {
         bail!(
             "{} not found: build both binaries with `cargo build --release --workspace`",
@@ -684,7 +696,7 @@ async fn setup(args: Args) -> Result<Ctx> {
 async fn run(ctx: &mut Ctx) {
     let selected = |p: Phase| {
         if ctx.args.only.is_empty() {
-            !(p == Phase::Claim && ctx.args.quick) && p != Phase::Steady
+            !(p == Phase::Claim && ctx.args.quick) && p != Phase::Steady && p != Phase::Nats
         } else {
             ctx.args.only.contains(&p)
         }
@@ -699,6 +711,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Claim,
         Phase::Outboxes,
         Phase::Steady,
+        Phase::Nats,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -734,6 +747,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Claim => phases::claim(ctx).await,
                     Phase::Outboxes => phases::outboxes(ctx).await,
                     Phase::Steady => phases::steady(ctx).await,
+                    Phase::Nats => phases::nats(ctx).await,
                 },
             )
             .await;

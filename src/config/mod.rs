@@ -31,8 +31,8 @@ pub use database::{DatabaseConfig, RawDatabase, TableName, validate_identifier};
 pub use metrics::RawMetrics;
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
-    CloudEventsPrefix, ExchangeType, KafkaConfig, PublisherConfig, PublisherKind, RabbitMqConfig,
-    RawKafka, RawPublisher, RawRabbitMq,
+    CloudEventsPrefix, ExchangeType, KafkaConfig, NatsConfig, PublisherConfig, PublisherKind,
+    RabbitMqConfig, RawKafka, RawNats, RawPublisher, RawRabbitMq,
 };
 pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
 pub use retry::RawRetry;
@@ -178,6 +178,7 @@ impl Default for RawConfig {
                     message_timeout: dur("30s"),
                     properties: BTreeMap::new(),
                 },
+                nats: RawNats::default(),
             },
             metrics: RawMetrics {
                 listen: "127.0.0.1:9187".into(),

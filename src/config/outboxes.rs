@@ -34,6 +34,9 @@ pub struct RawOutbox {
     /// Kafka topic template (default `publisher.kafka.topic`).
     #[serde(default)]
     pub topic: Option<String>,
+    /// NATS subject template (default `publisher.nats.subject`).
+    #[serde(default)]
+    pub subject: Option<String>,
 }
 
 /// One validated outbox.
@@ -120,7 +123,13 @@ pub(super) fn validate(
                 table
             ),
         };
-        let route = route(&o.routing_key, &o.topic, inherited.publisher, &key)?;
+        let route = match &o.subject {
+            Some(subject) => {
+                let others = o.routing_key.is_some() || o.topic.is_some();
+                Some(nats_subject(subject, others, inherited.publisher, &key)?)
+            }
+            None => route(&o.routing_key, &o.topic, inherited.publisher, &key)?,
+        };
         out.push(OutboxConfig {
             name,
             database: DatabaseConfig {
@@ -178,6 +187,45 @@ fn route(
         .map_err(|e| ConfigError::invalid(key(field), e.to_string()))
 }
 
+/// The entry's NATS `subject` override: only with `publisher.kind = "nats"`, alone, and a
+/// template that renders to a subject.
+fn nats_subject(
+    subject: &str,
+    others: bool,
+    publisher: &PublisherConfig,
+    key: &dyn Fn(&str) -> String,
+) -> Result<Template, ConfigError> {
+    if others {
+        return Err(ConfigError::invalid(
+            key("subject"),
+            "set one of routing_key (RabbitMQ), topic (Kafka) or subject (NATS), not several",
+        ));
+    }
+    if !matches!(publisher, PublisherConfig::Nats(_)) {
+        return Err(ConfigError::invalid(
+            key("subject"),
+            format!(
+                "applies only with publisher.kind = \"nats\" (this relay publishes with {:?})",
+                publisher.kind()
+            ),
+        ));
+    }
+    let template = Template::parse(subject)
+        .map_err(|e| ConfigError::invalid(key("subject"), e.to_string()))?;
+    let sample = template.render(&crate::template::Fields {
+        aggregate_type: "a",
+        event_type: "e",
+        aggregate_id: Some("i"),
+    });
+    crate::publish::nats::check_subject(&sample).map_err(|why| {
+        ConfigError::invalid(
+            key("subject"),
+            format!("{subject:?} does not render to a NATS subject: {why}"),
+        )
+    })?;
+    Ok(template)
+}
+
 /// The same error under the entry's own key.
 fn rename(e: ConfigError, key: String) -> ConfigError {
     match e {
@@ -213,6 +261,39 @@ mod tests {
         assert_eq!(b.ordering, super::Ordering::None);
         assert_eq!(b.source, "/billing");
         assert_eq!(b.route.as_ref().unwrap().as_str(), "billing.{event_type}");
+    }
+
+    #[test]
+    fn a_nats_outbox_may_have_its_own_subject() {
+        let nats = "[publisher]\nkind = \"nats\"\n[[outboxes]]\ntable = \"a\"\n";
+        let c = load_str(
+            &format!("{nats}subject = \"billing.{{event_type}}\"\n"),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.outboxes[0].route.as_ref().unwrap().as_str(),
+            "billing.{event_type}"
+        );
+        for (extra, want) in [
+            (
+                "subject = \"a b.{event_type}\"",
+                "does not render to a NATS subject",
+            ),
+            ("subject = \"{nope}\"", "nope"),
+            ("subject = \"s\"\ntopic = \"t\"", "not several"),
+        ] {
+            let e = err(&format!("{nats}{extra}\n"));
+            assert!(
+                e.starts_with("invalid value for outboxes[0].subject:") && e.contains(want),
+                "{e}"
+            );
+        }
+        let e = err("[[outboxes]]\ntable = \"a\"\nsubject = \"s\"\n");
+        assert!(
+            e.contains("applies only with publisher.kind = \"nats\""),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! `[publisher]`: which broker, and each transport's settings (`[publisher.rabbitmq]`,
-//! `[publisher.kafka]`).
+//! `[publisher.kafka]`, `[publisher.nats]`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -20,6 +20,8 @@ pub enum PublisherKind {
     Kafka,
     /// CloudEvents JSON lines on standard output (development).
     Stdout,
+    /// NATS JetStream via async-nats.
+    Nats,
 }
 
 /// `publisher.rabbitmq.exchange_type`: the AMQP exchange types the relay declares.
@@ -124,6 +126,44 @@ pub struct RawPublisher {
     pub rabbitmq: RawRabbitMq,
     /// Kafka settings.
     pub kafka: RawKafka,
+    /// NATS JetStream settings.
+    #[serde(default)]
+    pub nats: RawNats,
+}
+
+/// `[publisher.nats]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawNats {
+    /// Server URL, `nats://` or `tls://`, optionally with `user:password@` or `token@`
+    /// (default `nats://127.0.0.1:4222`).
+    pub url: String,
+    /// Subject template (default `outbox.{aggregate_type}.{event_type}`).
+    pub subject: String,
+    /// How long to wait for a stream's publish acknowledgement (default 30s).
+    pub ack_timeout: HumanDuration,
+}
+
+impl Default for RawNats {
+    fn default() -> Self {
+        Self {
+            url: "nats://127.0.0.1:4222".into(),
+            subject: "outbox.{aggregate_type}.{event_type}".into(),
+            ack_timeout: HumanDuration(Duration::from_secs(30)),
+        }
+    }
+}
+
+/// The validated NATS JetStream settings.
+#[derive(Debug, Clone)]
+pub struct NatsConfig {
+    /// Server URL (may hold a password or token: print it only through
+    /// [`crate::publish::nats::redact`]).
+    pub url: String,
+    /// Subject template.
+    pub subject: Template,
+    /// Publish-acknowledgement wait.
+    pub ack_timeout: Duration,
 }
 
 /// The validated RabbitMQ settings.
@@ -171,15 +211,18 @@ pub enum PublisherConfig {
     Kafka(KafkaConfig),
     /// CloudEvents JSON lines on standard output (development, piping).
     Stdout,
+    /// NATS JetStream via async-nats.
+    Nats(NatsConfig),
 }
 
 impl PublisherConfig {
-    /// `rabbitmq`, `kafka` or `stdout`.
+    /// `rabbitmq`, `kafka`, `stdout` or `nats`.
     pub fn kind(&self) -> &'static str {
         match self {
             Self::RabbitMq(_) => "rabbitmq",
             Self::Kafka(_) => "kafka",
             Self::Stdout => "stdout",
+            Self::Nats(_) => "nats",
         }
     }
 
@@ -190,6 +233,7 @@ impl PublisherConfig {
             Self::RabbitMq(c) => c.routing_key.clone(),
             Self::Kafka(c) => c.topic.clone(),
             Self::Stdout => crate::template::Template::aggregate_type(),
+            Self::Nats(c) => c.subject.clone(),
         }
     }
 }
@@ -249,8 +293,37 @@ impl RawPublisher {
                 })
             }
             PublisherKind::Stdout => PublisherConfig::Stdout,
+            PublisherKind::Nats => PublisherConfig::Nats(validate_nats(p.nats)?),
         })
     }
+}
+
+/// `[publisher.nats]`: a `nats://` or `tls://` URL with a host, a subject template that renders
+/// to a valid publish subject, a positive `ack_timeout`.
+fn validate_nats(n: RawNats) -> Result<NatsConfig, ConfigError> {
+    crate::publish::nats::ServerUrl::parse(&n.url)
+        .map_err(|reason| ConfigError::invalid("publisher.nats.url", reason))?;
+    let subject = Template::parse(&n.subject)
+        .map_err(|e| ConfigError::invalid("publisher.nats.subject", e.to_string()))?;
+    // Literal parts must make a subject whatever the row says (placeholders are checked per
+    // message: a row whose values break the subject is one failed row).
+    let sample = subject.render(&crate::template::Fields {
+        aggregate_type: "a",
+        event_type: "e",
+        aggregate_id: Some("i"),
+    });
+    if let Err(why) = crate::publish::nats::check_subject(&sample) {
+        return Err(ConfigError::invalid(
+            "publisher.nats.subject",
+            format!("{:?} does not render to a NATS subject: {why}", n.subject),
+        ));
+    }
+    positive("publisher.nats.ack_timeout", n.ack_timeout)?;
+    Ok(NatsConfig {
+        url: n.url,
+        subject,
+        ack_timeout: n.ack_timeout.0,
+    })
 }
 
 /// `publisher.rabbitmq.declare_queue` and `queue_binding`: `None` when no queue is declared.
@@ -404,10 +477,60 @@ mod tests {
     }
 
     #[test]
+    fn nats_defaults_and_rejections_name_their_keys() {
+        let c = load_str("[publisher]\nkind = \"nats\"\n", &[]).unwrap();
+        let PublisherConfig::Nats(n) = &c.publisher else {
+            panic!("nats")
+        };
+        assert_eq!(n.url, "nats://127.0.0.1:4222");
+        assert_eq!(n.subject.as_str(), "outbox.{aggregate_type}.{event_type}");
+        assert_eq!(n.ack_timeout, Duration::from_secs(30));
+        assert_eq!(c.publisher.kind(), "nats");
+        assert_eq!(c.publisher.route().as_str(), n.subject.as_str());
+        let nats = "[publisher]\nkind = \"nats\"\n[publisher.nats]\n";
+        rejects(
+            &format!("{nats}ack_timeout = \"0s\"\n"),
+            "invalid value for publisher.nats.ack_timeout: must be greater than zero",
+        );
+        err_has(
+            &format!("{nats}url = \"http://u:hunter2@x:4222\"\n"),
+            &["publisher.nats.url", "nats://", "u:***@x"],
+            &["hunter2"],
+        );
+        err_has(
+            &format!("{nats}url = \"nats://s3cr3t-token@\"\n"),
+            &["publisher.nats.url", "host"],
+            &["s3cr3t"],
+        );
+        err_has(
+            &format!("{nats}subject = \"outbox.{{tenant}}\"\n"),
+            &["publisher.nats.subject", "tenant"],
+            &[],
+        );
+        for bad in [
+            "outbox events.{event_type}",
+            "outbox..{event_type}",
+            "outbox.>",
+            "a.*.{event_type}",
+        ] {
+            err_has(
+                &format!("{nats}subject = \"{bad}\"\n"),
+                &["publisher.nats.subject", "NATS subject"],
+                &[],
+            );
+        }
+        // Another publisher's section is not checked.
+        load_str("[publisher.nats]\nurl = \"http://x\"\n", &[]).unwrap();
+        let env = [("PUBLISHER__NATS__SUBJECT", "env.{aggregate_type}")];
+        let c = load_str("[publisher]\nkind = \"nats\"\n", &env).unwrap();
+        assert_eq!(c.publisher.route().as_str(), "env.{aggregate_type}");
+    }
+
+    #[test]
     fn kind_and_exchange_type_are_closed_sets_with_the_same_messages() {
         rejects(
             "[publisher]\nkind = \"sqs\"\n",
-            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\"",
+            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\", \"nats\"",
         );
         rejects(
             "[publisher.rabbitmq]\nexchange_type = \"x-delayed\"\n",

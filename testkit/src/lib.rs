@@ -10,6 +10,7 @@
 //!   exchange + queue pairs ([`DurableBinding`]);
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
 //!   front;
+//! - [`nats`]: a JetStream stream per test, read back in stream order;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
@@ -26,6 +27,7 @@ pub mod check;
 pub mod db;
 pub mod http;
 pub mod kafka;
+pub mod nats;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;

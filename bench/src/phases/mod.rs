@@ -9,6 +9,7 @@ mod drain;
 mod insert;
 mod latency;
 mod naive;
+mod nats;
 mod outboxes;
 mod steady;
 
@@ -19,6 +20,7 @@ pub use drain::relay_runs;
 pub use insert::insert_cost;
 pub use latency::latency;
 pub use naive::naive;
+pub use nats::nats;
 pub use outboxes::outboxes;
 pub use steady::{SteadyArgs, steady};
 

@@ -1,0 +1,379 @@
+//! NATS JetStream transport (async-nats): each message is published to the subject rendered
+//! from `publisher.nats.subject` (or the row's `destination`) and confirmed by the stream's
+//! publish acknowledgement. Many publishes await their acks at once (one per aggregate run,
+//! up to `relay.max_in_flight` in all); `Nats-Msg-Id` = row id, so the stream's duplicate
+//! window drops a republish after a crash.
+//!
+//! Order within an aggregate: [`Publisher::publish_run`] keeps the default, one message at a
+//! time, each after the previous was acknowledged. JetStream acknowledges each message on its
+//! own: a message that fails (no stream captures its subject, the stream refuses it) does not
+//! stop the next one of the same run from being stored, so sending a run without waiting
+//! could land n+1 ahead of a failed n. Throughput comes from the many aggregates in flight.
+//!
+//! Connection: async-nats reconnects by itself with backoff. A lost connection fails every
+//! publish still waiting for its ack at once (connection-level, handed back): the ack of a
+//! message sent on the old connection can never arrive. Handing such a message back is safe:
+//! if it was stored, its republish is dropped by the duplicate window. Messages go through the
+//! client's single command queue in order, so one sent before the loss is stored, if at all,
+//! before anything sent after it.
+//!
+//! Files: `url` (the server URL and its credentials), `wire` (subject and headers),
+//! `classify` (errors to outcomes).
+
+mod classify;
+mod url;
+mod wire;
+
+pub use classify::classify;
+pub use url::{Credentials, ServerUrl, redact};
+pub use wire::{check_subject, is_own};
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream::context::ContextBuilder;
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::{Client, ConnectOptions, Event};
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use super::envelope::{self, EnvelopeConfig};
+use super::{ConnectError, Outcome, Publisher};
+use crate::config::NatsConfig;
+use crate::message::OutboxMessage;
+
+/// How long `connect` waits for a client that is reconnecting on its own before it reports
+/// the broker still away (the relay then backs off and asks again).
+const RECONNECT_WAIT: Duration = Duration::from_secs(2);
+
+/// The JetStream API subject answering with the account's information.
+const JS_INFO: &str = "$JS.API.INFO";
+
+/// The longest wait to open a TCP connection and finish the NATS handshake.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A connected client and its JetStream context.
+#[derive(Clone)]
+struct Live {
+    client: Client,
+    js: async_nats::jetstream::Context,
+}
+
+/// Publishes to NATS JetStream streams.
+pub struct NatsPublisher {
+    cfg: NatsConfig,
+    /// `cfg.url` taken apart (validated with the configuration).
+    server: Result<ServerUrl, String>,
+    /// Publish acks the context lets wait at once: above the relay's window, so that acks
+    /// abandoned on a lost connection (the client keeps them until `ack_timeout`) never make a
+    /// new publish wait.
+    max_acks: usize,
+    live: RwLock<Option<Live>>,
+    // Serialises connects so concurrent callers open one client, not many.
+    connecting: tokio::sync::Mutex<()>,
+    /// Whether the relay may publish: cleared when the connection drops or a publish finds no
+    /// answer, set again by `connect` once JetStream answers.
+    up: Arc<AtomicBool>,
+    /// Counts lost connections: a publish waiting for its ack gives up when it changes.
+    lost: Arc<watch::Sender<u64>>,
+    /// Row header names already warned about (dropped because the relay sets them): one
+    /// warning per name.
+    warned: Mutex<HashSet<String>>,
+}
+
+impl NatsPublisher {
+    /// A publisher that connects on the first [`Publisher::connect`]; `max_in_flight` is the
+    /// relay's window.
+    pub fn new(cfg: NatsConfig, max_in_flight: usize) -> Self {
+        Self {
+            server: ServerUrl::parse(&cfg.url),
+            cfg,
+            max_acks: max_in_flight.saturating_mul(4).max(5_000),
+            live: RwLock::new(None),
+            connecting: tokio::sync::Mutex::new(()),
+            up: Arc::new(AtomicBool::new(false)),
+            lost: Arc::new(watch::channel(0).0),
+            warned: Mutex::new(HashSet::new()),
+        }
+    }
+
+    fn live(&self) -> Option<Live> {
+        self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn shown(&self) -> String {
+        redact(&self.cfg.url)
+    }
+
+    /// Opens a client (no retry: a server that is down at start is the relay's to wait for).
+    async fn open(&self) -> Result<Live, ConnectError> {
+        let server = self.server.clone().map_err(ConnectError)?;
+        let (up, lost) = (Arc::clone(&self.up), Arc::clone(&self.lost));
+        let options = server
+            .authenticate(ConnectOptions::new())
+            .name(crate::message::APPLICATION_NAME)
+            .connection_timeout(CONNECTION_TIMEOUT.min(self.cfg.ack_timeout))
+            .max_reconnects(None)
+            .reconnect_delay_callback(reconnect_delay)
+            .event_callback(move |event| {
+                let (up, lost) = (Arc::clone(&up), Arc::clone(&lost));
+                async move { on_event(&event, &up, &lost) }
+            });
+        let client = options
+            .connect(server.address.as_str())
+            .await
+            .map_err(|e| {
+                ConnectError(format!("cannot connect to NATS at {}: {e}", self.shown()))
+            })?;
+        let js = ContextBuilder::new()
+            .timeout(self.cfg.ack_timeout)
+            .ack_timeout(self.cfg.ack_timeout)
+            .max_ack_inflight(self.max_acks)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        Ok(Live { client, js })
+    }
+
+    /// Asks JetStream for the account's information (`$JS.API.INFO`): proof that it runs and
+    /// answers. Read as plain JSON: only whether it is an error matters here.
+    async fn probe(&self, live: &Live) -> Result<(), ConnectError> {
+        let wait = CONNECTION_TIMEOUT.min(self.cfg.ack_timeout);
+        let asked = live.client.request(JS_INFO, "".into());
+        let reply = match tokio::time::timeout(wait, asked).await {
+            Ok(Ok(reply)) => reply,
+            Ok(Err(e)) => {
+                return Err(ConnectError(format!(
+                    "NATS at {} is reachable but JetStream does not answer ({e}); is nats-server running with JetStream (-js)?",
+                    self.shown()
+                )));
+            }
+            Err(_) => {
+                // A connection that carries nothing (a black hole): start over.
+                let _ = live.client.force_reconnect().await;
+                return Err(ConnectError(format!(
+                    "JetStream at {} did not answer within {}",
+                    self.shown(),
+                    humantime::format_duration(wait)
+                )));
+            }
+        };
+        match serde_json::from_slice::<serde_json::Value>(&reply.payload) {
+            Ok(v) if v.get("error").is_none() => Ok(()),
+            Ok(v) => Err(ConnectError(format!(
+                "JetStream at {} refused the account information request: {}",
+                self.shown(),
+                v["error"]
+            ))),
+            Err(e) => Err(ConnectError(format!(
+                "JetStream at {} answered the account information request with something that is not JSON: {e}",
+                self.shown()
+            ))),
+        }
+    }
+
+    /// A connection-level outcome: the relay stops claiming until `connect` succeeds again.
+    fn unavailable(&self, reason: String) -> Outcome {
+        self.up.store(false, Ordering::Relaxed);
+        Outcome::Unavailable(reason)
+    }
+
+    /// Logs, once per name, a row header dropped because the relay sets it.
+    fn warn_dropped(&self, msg: &OutboxMessage, dropped: Vec<String>) {
+        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
+        for name in dropped {
+            if warned.len() < 1_000 && warned.insert(name.to_ascii_lowercase()) {
+                tracing::warn!(id = %msg.id, header = %name, "the row's header is set by the relay on NATS messages; the row's value is dropped (warned once per name)");
+            }
+        }
+    }
+}
+
+/// Delay before the client's reconnect attempt number `attempts`: 0, then doubling from
+/// 100 ms up to 5 s.
+fn reconnect_delay(attempts: usize) -> Duration {
+    if attempts <= 1 {
+        return Duration::ZERO;
+    }
+    let exp = u32::try_from(attempts - 2).unwrap_or(u32::MAX).min(6);
+    Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(5))
+}
+
+/// The client's connection events: a lost connection fails the publishes waiting for acks
+/// and stops claiming (see the module docs).
+fn on_event(event: &Event, up: &AtomicBool, lost: &watch::Sender<u64>) {
+    match event {
+        Event::Disconnected => {
+            up.store(false, Ordering::Relaxed);
+            lost.send_modify(|n| *n += 1);
+            tracing::warn!("NATS connection lost; the client reconnects with backoff");
+        }
+        Event::Connected => tracing::info!("NATS connection (re)established"),
+        Event::Closed => {
+            up.store(false, Ordering::Relaxed);
+            lost.send_modify(|n| *n += 1);
+        }
+        Event::LameDuckMode => {
+            tracing::warn!("the NATS server is entering lame duck mode (shutting down)")
+        }
+        Event::ServerError(e) => tracing::warn!(error = %e, "NATS server error"),
+        Event::ClientError(e) => tracing::warn!(error = %e, "NATS client error"),
+        other => tracing::debug!(event = %other, "NATS event"),
+    }
+}
+
+#[async_trait]
+impl Publisher for NatsPublisher {
+    fn kind(&self) -> &'static str {
+        "nats"
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "nats {} subject {:?}",
+            self.shown(),
+            self.cfg.subject.as_str()
+        )
+    }
+
+    async fn connect(&self) -> Result<(), ConnectError> {
+        let _serial = self.connecting.lock().await;
+        if self.is_connected() {
+            return Ok(());
+        }
+        let live = match self.live() {
+            Some(live) => {
+                // The client reconnects on its own: wait for it a little.
+                let deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
+                while live.client.connection_state() != State::Connected {
+                    if tokio::time::Instant::now() >= deadline {
+                        return Err(ConnectError(format!(
+                            "NATS at {} is not reachable yet; the client keeps reconnecting",
+                            self.shown()
+                        )));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                live
+            }
+            None => {
+                let live = self.open().await?;
+                *self.live.write().unwrap_or_else(|p| p.into_inner()) = Some(live.clone());
+                live
+            }
+        };
+        self.probe(&live).await?;
+        self.up.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn is_connected(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+            && self
+                .live()
+                .is_some_and(|l| l.client.connection_state() == State::Connected)
+    }
+
+    async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
+        let subject = envelope::destination(msg, &env.route);
+        if let Err(why) = check_subject(&subject) {
+            return Outcome::Rejected(format!(
+                "subject {subject:.200?} cannot be published to: {why}"
+            ));
+        }
+        let headers = match wire::headers(msg, env, &subject) {
+            Ok(h) => h,
+            Err(why) => return Outcome::Rejected(why),
+        };
+        if !headers.dropped.is_empty() {
+            self.warn_dropped(msg, headers.dropped);
+        }
+        let Some(live) = self.live() else {
+            return self.unavailable("not connected to NATS yet".to_owned());
+        };
+        // Subscribed before the state check: a loss after it is seen below.
+        let mut lost = self.lost.subscribe();
+        let epoch = *lost.borrow_and_update();
+        if live.client.connection_state() != State::Connected {
+            return self.unavailable("the NATS connection is down; reconnecting".to_owned());
+        }
+        let message = PublishMessage::build()
+            .payload(msg.payload.clone().into())
+            .headers(headers.map);
+        let publishing = async {
+            let ack = live.js.send_publish(subject.clone(), message).await?;
+            ack.await
+        };
+        let answer = tokio::select! {
+            a = publishing => a,
+            _ = lost.wait_for(|n| *n != epoch) => {
+                return self.unavailable("the NATS connection was lost before the publish was acknowledged".to_owned());
+            }
+        };
+        match answer {
+            Ok(ack) => {
+                if ack.duplicate {
+                    tracing::debug!(id = %msg.id, stream = %ack.stream, "already in the stream (duplicate window); confirmed");
+                }
+                Outcome::Confirmed
+            }
+            Err(e) => match classify(&e, &subject, self.cfg.ack_timeout) {
+                Outcome::Unavailable(why) => self.unavailable(why),
+                other => other,
+            },
+        }
+    }
+
+    async fn close(&self) {
+        let live = self.live.write().unwrap_or_else(|p| p.into_inner()).take();
+        self.up.store(false, Ordering::Relaxed);
+        if let Some(live) = live {
+            // Short: the drain is over by now and shutdown_timeout is the operator's budget.
+            let _ = tokio::time::timeout(Duration::from_secs(2), live.client.drain()).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reconnects_back_off_to_five_seconds() {
+        let delays: Vec<u128> = (0..12).map(|a| reconnect_delay(a).as_millis()).collect();
+        assert_eq!(
+            delays,
+            [0, 0, 100, 200, 400, 800, 1600, 3200, 5000, 5000, 5000, 5000]
+        );
+    }
+
+    #[test]
+    fn a_lost_connection_stops_claiming_and_wakes_the_waiting_publishes() {
+        let up = AtomicBool::new(true);
+        let lost = watch::channel(0).0;
+        let waiting = lost.subscribe();
+        on_event(&Event::Connected, &up, &lost);
+        assert!(up.load(Ordering::Relaxed));
+        on_event(&Event::Disconnected, &up, &lost);
+        assert!(!up.load(Ordering::Relaxed));
+        assert!(waiting.has_changed().unwrap());
+    }
+
+    #[test]
+    fn describe_hides_the_password() {
+        let cfg = NatsConfig {
+            url: "nats://app:hunter2@127.0.0.1:4222".into(),
+            subject: crate::template::Template::parse("outbox.{aggregate_type}").unwrap(),
+            ack_timeout: Duration::from_secs(30),
+        };
+        let p = NatsPublisher::new(cfg, 1000);
+        let d = p.describe();
+        assert!(
+            d.contains("app:***@127.0.0.1:4222") && !d.contains("hunter2"),
+            "{d}"
+        );
+        assert!(!p.is_connected());
+    }
+}

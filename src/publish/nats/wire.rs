@@ -1,0 +1,198 @@
+//! What a JetStream message carries (contract §4): the subject, and headers per the
+//! CloudEvents NATS binding (binary mode), `Nats-Msg-Id` = row id, the signature, and the
+//! row's own headers.
+
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::message::OutboxMessage;
+use crate::publish::envelope::{self, EnvelopeConfig};
+
+/// The header JetStream de-duplicates on, within the stream's duplicate window.
+pub const MSG_ID: &str = "Nats-Msg-Id";
+/// The content type header of the NATS binding.
+pub const CONTENT_TYPE: &str = "Content-Type";
+/// The CloudEvents attribute header prefix of the NATS binding.
+pub const CE_PREFIX: &str = "ce-";
+
+/// Whether the relay sets a header of this name itself (compared without case, so a row's
+/// `content-type` does not ride beside ours).
+pub fn is_own(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    (lower.starts_with(CE_PREFIX)
+        && matches!(
+            &lower[CE_PREFIX.len()..],
+            "id" | "source" | "specversion" | "type" | "subject" | "time" | "aggregatetype"
+        ))
+        || lower == "content-type"
+        || lower == "nats-msg-id"
+        || lower == crate::signing::HEADER
+}
+
+/// Why `subject` cannot be published to, if it cannot: empty, whitespace or control
+/// characters, an empty token (`a..b`, a leading or trailing `.`), or a wildcard token.
+pub fn check_subject(subject: &str) -> Result<(), String> {
+    if subject.is_empty() {
+        return Err("it is empty".to_owned());
+    }
+    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err("it contains whitespace or control characters".to_owned());
+    }
+    for token in subject.split('.') {
+        match token {
+            "" => {
+                return Err("it has an empty token (a leading, trailing or double '.')".to_owned());
+            }
+            "*" | ">" => {
+                return Err(format!(
+                    "{token:?} is a wildcard, not a subject to publish to"
+                ));
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A message's headers, and the row headers dropped because the relay sets them itself.
+#[derive(Debug)]
+pub struct Headers {
+    /// What goes on the wire.
+    pub map: HeaderMap,
+    /// Names of row headers dropped (the relay's value won).
+    pub dropped: Vec<String>,
+}
+
+/// The headers of `msg` published to `subject`. An error when a name or value cannot be
+/// carried by NATS (a name with `:` or a non-printable character, a value with CR or LF): the
+/// message cannot be sent as written, so it is a message-level failure.
+pub fn headers(
+    msg: &OutboxMessage,
+    env: &EnvelopeConfig,
+    subject: &str,
+) -> Result<Headers, String> {
+    let mut map = HeaderMap::new();
+    let mut dropped = Vec::new();
+    let (row, note) = envelope::row_headers(msg);
+    if let Some(note) = note {
+        tracing::warn!(id = %msg.id, "{note}");
+    }
+    for (name, value) in row {
+        if is_own(&name) {
+            dropped.push(name);
+            continue;
+        }
+        insert(&mut map, &name, &value, "row header")?;
+    }
+    for (attr, value) in envelope::cloud_event_attributes(msg, env) {
+        insert(&mut map, &format!("{CE_PREFIX}{attr}"), &value, "attribute")?;
+    }
+    insert(
+        &mut map,
+        CONTENT_TYPE,
+        env.payload_kind.content_type(),
+        "header",
+    )?;
+    insert(&mut map, MSG_ID, &msg.id.to_string(), "header")?;
+    if let Some(sig) = envelope::signature(msg, env, subject) {
+        insert(&mut map, crate::signing::HEADER, &sig, "header")?;
+    }
+    Ok(Headers { map, dropped })
+}
+
+fn insert(map: &mut HeaderMap, name: &str, value: &str, what: &str) -> Result<(), String> {
+    let n: HeaderName = name.parse().map_err(|_| {
+        format!("{what} name {name:.60?} cannot be a NATS header name (no ':', spaces or control characters)")
+    })?;
+    let v: HeaderValue = value.parse().map_err(|_| {
+        format!("{what} {name:.60?} has a value with CR or LF, which NATS headers cannot carry")
+    })?;
+    map.insert(n, v);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::PayloadKind;
+    use crate::publish::envelope::tests::message;
+    use crate::template::Template;
+
+    fn env(signed: bool) -> EnvelopeConfig {
+        EnvelopeConfig {
+            route: Template::parse("outbox.{aggregate_type}.{event_type}").unwrap(),
+            source: "/outbox/test/outbox_messages".into(),
+            payload_kind: PayloadKind::Json,
+            signer: signed
+                .then(|| std::sync::Arc::new(crate::signing::Signer::new("k1", &[7u8; 32]))),
+        }
+    }
+
+    fn get<'a>(h: &'a Headers, name: &str) -> Option<&'a str> {
+        h.map.get(name).map(|v| v.as_str())
+    }
+
+    #[test]
+    fn headers_follow_the_nats_binding_and_ours_win() {
+        let m = message(
+            r#"{"ce-id":"forged","Content-Type":"text/plain","nats-msg-id":"x","outbox-signature":"no","trace":"t-1","n":1,"gone":null}"#,
+        );
+        let h = headers(&m, &env(true), "outbox.order.created").unwrap();
+        assert_eq!(
+            get(&h, "ce-id"),
+            Some("00000000-0000-0000-0000-000000000000")
+        );
+        assert_eq!(get(&h, "Nats-Msg-Id"), get(&h, "ce-id"));
+        assert_eq!(get(&h, "ce-source"), Some("/outbox/test/outbox_messages"));
+        assert_eq!(get(&h, "ce-specversion"), Some("1.0"));
+        assert_eq!(get(&h, "ce-type"), Some("created"));
+        assert_eq!(get(&h, "ce-subject"), Some("42"));
+        assert_eq!(get(&h, "ce-time"), Some("2026-01-02T03:04:05.000000Z"));
+        assert_eq!(get(&h, "ce-aggregatetype"), Some("order"));
+        assert_eq!(get(&h, "Content-Type"), Some("application/json"));
+        assert_eq!(get(&h, "trace"), Some("t-1"));
+        assert_eq!(get(&h, "n"), Some("1"));
+        assert_eq!(get(&h, "gone"), None);
+        assert_eq!(get(&h, "nats-msg-id"), None);
+        let sig = get(&h, "outbox-signature").unwrap();
+        assert_eq!(
+            Some(sig.to_owned()),
+            envelope::signature(&m, &env(true), "outbox.order.created")
+        );
+        let mut dropped = h.dropped.clone();
+        dropped.sort();
+        assert_eq!(
+            dropped,
+            ["Content-Type", "ce-id", "nats-msg-id", "outbox-signature"]
+        );
+        let unsigned = headers(&m, &env(false), "s").unwrap();
+        assert_eq!(get(&unsigned, "outbox-signature"), None);
+    }
+
+    #[test]
+    fn headers_nats_cannot_carry_are_a_message_level_error() {
+        let bad_name = message(r#"{"a:b":"x"}"#);
+        assert!(
+            headers(&bad_name, &env(false), "s")
+                .unwrap_err()
+                .contains("a:b")
+        );
+        let bad_value = message(r#"{"x":"line\r\nbreak"}"#);
+        assert!(
+            headers(&bad_value, &env(false), "s")
+                .unwrap_err()
+                .contains("CR or LF")
+        );
+        let mut bad_type = message("{}");
+        bad_type.event_type = "created\nx".into();
+        assert!(headers(&bad_type, &env(false), "s").is_err());
+    }
+
+    #[test]
+    fn subjects_are_checked_before_publishing() {
+        assert!(check_subject("outbox.order.created").is_ok());
+        assert!(check_subject("a-b_c.é").is_ok());
+        for bad in ["", "a..b", ".a", "a.", "a b", "a.*.b", "a.>", "a\tb"] {
+            assert!(check_subject(bad).is_err(), "{bad:?}");
+        }
+    }
+}
