@@ -2,6 +2,7 @@
 # Starts what the relay and its tests need on a development machine, idempotently:
 # PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
 # (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
+# Redis (127.0.0.1:6379, no persistence: a test server),
 # Prometheus's promtool for the deploy/ checks, and OpenSSL's headers for rdkafka.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,20 @@ if ! port_open 5672; then
     say "starting RabbitMQ"
     rabbitmq-server -detached
     wait_port 5672 RabbitMQ 1200
+fi
+
+# Redis Streams (publisher.kind = "redis"; tests/redis.rs): Debian's redis-server, in memory only.
+if ! port_open 6379; then
+    if ! command -v redis-server >/dev/null; then
+        say "installing redis-server from Debian's packages"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+    fi
+    say "starting Redis"
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    wait_port 6379 Redis
 fi
 
 # rdkafka's Kafka TLS/SASL links the system OpenSSL: its headers must be there to build.

@@ -448,6 +448,12 @@ pub async fn dead_letters_apply(
 
 /// The queue `tail` reads and the broker URL, or why there is none (a usage error).
 pub fn tail_queue(config: &Config, queue: Option<&str>) -> Result<(String, String)> {
+    if let PublisherConfig::Redis(r) = &config.publisher {
+        bail!(
+            "tail reads a RabbitMQ queue; with publisher.kind = \"redis\" watch the stream with `redis-cli -u <url> XREAD BLOCK 0 STREAMS <key> $` (keys from {:?}; see docs/redis.md)",
+            r.stream.as_str()
+        );
+    }
     let PublisherConfig::RabbitMq(q) = &config.publisher else {
         bail!(
             "tail reads a RabbitMQ queue, but publisher.kind is {:?}",

@@ -32,7 +32,7 @@ pub use metrics::RawMetrics;
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
     CloudEventsPrefix, ExchangeType, KafkaConfig, PublisherConfig, PublisherKind, RabbitMqConfig,
-    RawKafka, RawPublisher, RawRabbitMq,
+    RawKafka, RawPublisher, RawRabbitMq, RawRedis, RedisConfig,
 };
 pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
 pub use retry::RawRetry;
@@ -177,6 +177,12 @@ impl Default for RawConfig {
                     topic: "{aggregate_type}".into(),
                     message_timeout: dur("30s"),
                     properties: BTreeMap::new(),
+                },
+                redis: RawRedis {
+                    url: "redis://127.0.0.1:6379".into(),
+                    stream: "outbox.{aggregate_type}".into(),
+                    max_len: None,
+                    timeout: dur("10s"),
                 },
             },
             metrics: RawMetrics {

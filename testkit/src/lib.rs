@@ -10,6 +10,8 @@
 //!   exchange + queue pairs ([`DurableBinding`]);
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
 //!   front;
+//! - [`redis`]: a test's own stream keys read back with `XRANGE` ([`RedisStreams`]), the
+//!   relay configured for Redis;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
@@ -29,9 +31,11 @@ pub mod kafka;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;
+pub mod redis;
 
 use std::time::{Duration, Instant};
 
+pub use self::redis::{Entry, REDIS_ADDR, REDIS_URL, RedisStreams, redis_relay};
 pub use check::*;
 pub use db::*;
 pub use http::*;
