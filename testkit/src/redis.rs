@@ -50,8 +50,12 @@ impl RedisStreams {
     /// A fresh prefix for `test` and a connection to the test server.
     pub async fn new(test: &str) -> Self {
         let client = ::redis::Client::open(REDIS_URL).expect("redis URL");
+        // The client's default reply timeout (500 ms) is shorter than a loaded test machine
+        // may take to page through a 20k-entry stream.
+        let config = ::redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(30)));
         let conn = client
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .unwrap_or_else(|e| panic!("cannot connect to {REDIS_URL}: {e}"));
         Self {
