@@ -7,8 +7,9 @@
 //! of them fail with `WRONGTYPE` mid-run, a `WRONGTYPE` row dead-lettered without holding back
 //! other aggregates, a 10 s outage (a proxy cut with rows flowing: nothing lost, no attempt
 //! spent, `/readyz` and `outbox_broker_connected` follow), a relay SIGKILLed three times during
-//! a 20k drain (nothing lost or reordered, duplicates within `max_in_flight` per kill), and
-//! `check` against a reachable and an unreachable server.
+//! a 20k drain (nothing lost or reordered, duplicates within `max_in_flight` per kill), a
+//! server unreachable at start, a row over the server's `proto-max-bulk-len`, and `check`
+//! against a reachable and an unreachable server.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -483,4 +484,109 @@ async fn check_reports_redis_and_never_prints_its_password() {
     assert_eq!(bad.status.code(), Some(2), "{}", bad.stderr);
     assert!(bad.stderr.contains("publisher.redis.url"), "{}", bad.stderr);
     table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_at_start_is_waited_for() {
+    let test = "redis_late";
+    let table = TestTable::new(test).await;
+    let streams = RedisStreams::new(test).await;
+    let proxy = Proxy::start(REDIS_ADDR).await;
+    proxy.cut();
+    let url = format!("redis://{}", proxy.addr());
+    let mut relay = redis_relay(&table, &url, &streams.template(), test)
+        .set("retry.base_delay", "100ms")
+        .spawn();
+    let ids = table
+        .insert_ids(&NewRow::numbered(50, "late", Some(("X", 5)), "e"))
+        .await;
+    relay
+        .wait_for_log("broker unavailable", 2, Duration::from_secs(20))
+        .await;
+    assert!(relay.is_running(), "the relay exited:\n{}", relay.stderr());
+    assert_eq!(
+        table.count_where("attempts > 0").await,
+        0,
+        "nothing claimed"
+    );
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&ids).await;
+    let rows: Vec<RowState> = rows.into_values().collect();
+    assert_none("rows not sent once", &not_sent_once(&rows));
+    streams
+        .analyse(&rows)
+        .await
+        .assert_exactly_once("after a late start");
+    relay.stop().await;
+    teardown(table, streams).await;
+}
+
+/// Sets the server's `proto-max-bulk-len` and puts the old value back on drop (synchronously,
+/// so a failing test restores it too).
+struct BulkLimit(String);
+
+impl BulkLimit {
+    fn set(bytes: &str) -> Self {
+        let mut conn = redis::Client::open(REDIS_URL)
+            .unwrap()
+            .get_connection()
+            .unwrap();
+        let old: Vec<String> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("proto-max-bulk-len")
+            .query(&mut conn)
+            .unwrap();
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("proto-max-bulk-len")
+            .arg(bytes)
+            .query(&mut conn)
+            .unwrap();
+        Self(old[1].clone())
+    }
+}
+
+impl Drop for BulkLimit {
+    fn drop(&mut self) {
+        if let Ok(mut conn) = redis::Client::open(REDIS_URL).and_then(|c| c.get_connection()) {
+            let _: Result<(), _> = redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("proto-max-bulk-len")
+                .arg(&self.0)
+                .query(&mut conn);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_over_the_servers_bulk_limit_is_one_failed_row() {
+    // 1 MB is the least Redis accepts; only this test sends anything near it.
+    let _limit = BulkLimit::set("1mb");
+    let (table, streams, relay) = setup("redis_huge").await;
+    let relay = relay
+        .set("retry.base_delay", "100ms")
+        .set("retry.max_delay", "200ms")
+        .set("retry.max_attempts", "2")
+        .spawn();
+    let big = "x".repeat(1_100_000);
+    let huge = table
+        .insert_one(NewRow::new("huge", Some("H"), "e", json!({ "big": big })))
+        .await;
+    let ok = table
+        .insert_ids(&NewRow::numbered(100, "ok", Some(("Y", 10)), "e"))
+        .await;
+    let what = "the huge row is dead-lettered";
+    let row = table
+        .wait_row(huge, WAIT, what, |r| r.status == "failed")
+        .await;
+    let error = row.last_error.unwrap_or_default();
+    assert!(error.contains("proto-max-bulk-len"), "{error}");
+    table
+        .wait_count("aggregate_type = 'ok' AND status <> 'sent'", 0, WAIT)
+        .await;
+    assert_eq!(streams.len(&streams.key("ok")).await, ok.len());
+    assert_eq!(streams.len(&streams.key("huge")).await, 0);
+    relay.stop().await;
+    teardown(table, streams).await;
 }

@@ -1,7 +1,7 @@
-//! Redis Streams transport (the `redis` crate): each message is one `XADD <stream> [MAXLEN ~ n]
-//! * field value …` on one multiplexed connection, confirmed by its reply (the entry id). Many
-//! `XADD`s are in flight at once on that connection (the relay publishes many aggregates
-//! concurrently); Redis answers them in the order it executed them.
+//! Redis Streams transport (the `redis` crate): each message is one
+//! `XADD <stream> [MAXLEN ~ n] * field value …` on one multiplexed connection, confirmed by its
+//! reply (the entry id). Many `XADD`s are in flight at once on that connection (the relay
+//! publishes many aggregates concurrently); Redis answers them in the order it executed them.
 //!
 //! Per-aggregate order (`relay.ordering = "aggregate"`): a run of one aggregate is published
 //! one message at a time, each `XADD` sent only after the previous one's reply said it was
@@ -18,6 +18,10 @@
 //! back without spending an attempt and the connection is replaced. After a server-state
 //! reply the next [`Publisher::connect`] fails once, so the relay waits its reconnect backoff
 //! instead of claiming again at once.
+//!
+//! A message with a field longer than the server's `proto-max-bulk-len` (read with `CONFIG
+//! GET` at connect) is refused before it is sent, message-level ([`too_large`]): Redis would
+//! drop the connection over it, and the row would come back for ever.
 //!
 //! The connection speaks RESP3 so that the client reports a lost connection at once (a
 //! `Disconnection` push): [`Publisher::is_connected`] turns false, `/readyz` fails and the
@@ -169,6 +173,49 @@ struct Live {
     connection: MultiplexedConnection,
     /// Cleared by the client's `Disconnection` push and by a connection-level failure.
     up: Arc<AtomicBool>,
+    /// The server's `proto-max-bulk-len`: a longer field makes Redis drop the connection
+    /// (see [`too_large`]).
+    max_bulk: u64,
+}
+
+/// Redis's default `proto-max-bulk-len` (512 MB), assumed when `CONFIG GET` is not allowed.
+const DEFAULT_MAX_BULK: u64 = 512 * 1024 * 1024;
+
+/// Why `cmd` cannot be sent to a server whose `proto-max-bulk-len` is `max_bulk`, if it
+/// cannot. Redis answers an argument longer than that with a protocol error and closes the
+/// connection, which the client may see as a lost connection before it reads the error: the
+/// row would be handed back and sent again for ever. Refused here, it is one failed row.
+pub fn too_large(cmd: &Cmd, max_bulk: u64) -> Option<String> {
+    let longest = cmd
+        .args_iter()
+        .map(|a| match a {
+            ::redis::Arg::Simple(b) => b.len(),
+            _ => 0,
+        })
+        .max()
+        .unwrap_or(0);
+    (u64::try_from(longest).unwrap_or(u64::MAX) > max_bulk).then(|| {
+        format!(
+            "the message has a {longest}-byte field, over the server's proto-max-bulk-len ({max_bulk} bytes)"
+        )
+    })
+}
+
+/// The `proto-max-bulk-len` of `CONFIG GET proto-max-bulk-len`'s reply (a RESP3 map or a
+/// RESP2 pair), if it holds one.
+fn max_bulk_of(reply: &::redis::Value) -> Option<u64> {
+    use ::redis::Value as V;
+    let value = match reply {
+        V::Map(pairs) => pairs.first().map(|(_, v)| v),
+        V::Array(items) => items.get(1),
+        _ => None,
+    }?;
+    match value {
+        V::BulkString(b) => std::str::from_utf8(b).ok()?.parse().ok(),
+        V::SimpleString(s) => s.parse().ok(),
+        V::Int(n) => u64::try_from(*n).ok(),
+        _ => None,
+    }
 }
 
 /// Publishes to Redis Streams with `XADD`.
@@ -214,8 +261,12 @@ impl RedisPublisher {
         ConnectError(format!("{what} {}: {e}", redact_url(&self.cfg.url)))
     }
 
-    /// Opens a RESP3 connection whose loss clears `up`, and checks it with `PING`.
-    async fn open(&self, up: &Arc<AtomicBool>) -> Result<MultiplexedConnection, ConnectError> {
+    /// Opens a RESP3 connection whose loss clears `up`, checks it with `PING` and reads the
+    /// server's `proto-max-bulk-len`.
+    async fn open(
+        &self,
+        up: &Arc<AtomicBool>,
+    ) -> Result<(MultiplexedConnection, u64), ConnectError> {
         let client =
             Client::open(self.cfg.url.as_str()).map_err(|e| self.fail("invalid Redis URL", &e))?;
         let info = client.get_connection_info().clone();
@@ -244,7 +295,17 @@ impl RedisPublisher {
             .query_async::<::redis::Value>(&mut connection)
             .await
             .map_err(|e| self.fail("no answer to PING from", &e))?;
-        Ok(connection)
+        // Managed services often forbid CONFIG: then Redis's default is assumed.
+        let max_bulk = ::redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("proto-max-bulk-len")
+            .query_async::<::redis::Value>(&mut connection)
+            .await
+            .ok()
+            .as_ref()
+            .and_then(max_bulk_of)
+            .unwrap_or(DEFAULT_MAX_BULK);
+        Ok((connection, max_bulk))
     }
 }
 
@@ -287,11 +348,12 @@ impl Publisher for RedisPublisher {
             )));
         }
         let up = Arc::new(AtomicBool::new(true));
-        let connection = self.open(&up).await?;
+        let (connection, max_bulk) = self.open(&up).await?;
         let live = Live {
             generation: self.generations.fetch_add(1, Ordering::Relaxed) + 1,
             connection,
             up,
+            max_bulk,
         };
         *self.state.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(live));
         Ok(())
@@ -306,6 +368,9 @@ impl Publisher for RedisPublisher {
             return Outcome::Unavailable("not connected to Redis".to_owned());
         };
         let cmd = xadd(msg, env, self.cfg.max_len);
+        if let Some(why) = too_large(&cmd, live.max_bulk) {
+            return Outcome::Rejected(why);
+        }
         let mut connection = live.connection.clone();
         match cmd.query_async::<::redis::Value>(&mut connection).await {
             Ok(_) => Outcome::Confirmed,
@@ -421,6 +486,28 @@ mod tests {
             trimmed[..7],
             ["XADD", "special", "MAXLEN", "~", "500", "*", "id"]
         );
+    }
+
+    #[test]
+    fn a_field_over_the_servers_bulk_limit_is_refused_before_sending() {
+        let mut m = message("{}");
+        m.payload = vec![b'x'; 2000];
+        let cmd = xadd(&m, &env(false), None);
+        let why = too_large(&cmd, 1999).unwrap();
+        assert!(why.contains("2000-byte") && why.contains("1999"), "{why}");
+        assert_eq!(too_large(&cmd, 2000), None);
+        use ::redis::Value as V;
+        let name = || V::BulkString(b"proto-max-bulk-len".to_vec());
+        let value = || V::BulkString(b"1048576".to_vec());
+        assert_eq!(
+            max_bulk_of(&V::Map(vec![(name(), value())])),
+            Some(1_048_576)
+        );
+        assert_eq!(
+            max_bulk_of(&V::Array(vec![name(), value()])),
+            Some(1_048_576)
+        );
+        assert_eq!(max_bulk_of(&V::Array(vec![])), None);
     }
 
     #[test]
