@@ -10,6 +10,7 @@ mod insert;
 mod latency;
 mod naive;
 mod outboxes;
+mod redis;
 mod steady;
 
 pub use broker::broker_ceiling;
@@ -20,6 +21,7 @@ pub use insert::insert_cost;
 pub use latency::latency;
 pub use naive::naive;
 pub use outboxes::outboxes;
+pub use redis::redis_runs;
 pub use steady::{SteadyArgs, steady};
 
 use std::time::Duration;
