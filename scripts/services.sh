@@ -2,7 +2,9 @@
 # Starts what the relay and its tests need on a development machine, idempotently:
 # PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
 # (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
-# NATS with JetStream (127.0.0.1:4222, store in /var/lib/nats-server), Prometheus's promtool for the deploy/ checks, and OpenSSL's headers for rdkafka.
+# NATS with JetStream (127.0.0.1:4222, store in /var/lib/nats-server), Redis (127.0.0.1:6379,
+# no persistence: a test server), Prometheus's promtool for the deploy/ checks, and OpenSSL's
+# headers for rdkafka.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +41,20 @@ if ! port_open 4222; then
     start-stop-daemon --start --oknodo --background --exec "$(command -v nats-server || echo /usr/sbin/nats-server)" -- \
         -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log
     wait_port 4222 nats-server
+fi
+
+# Redis Streams (publisher.kind = "redis"; tests/redis.rs): Debian's redis-server, in memory only.
+if ! port_open 6379; then
+    if ! command -v redis-server >/dev/null; then
+        say "installing redis-server from Debian's packages"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+    fi
+    say "starting Redis"
+    mkdir -p /var/lib/redis /var/log/redis
+    redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 --save "" --appendonly no \
+        --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    wait_port 6379 Redis
 fi
 
 # rdkafka's Kafka TLS/SASL links the system OpenSSL: its headers must be there to build.

@@ -475,6 +475,12 @@ pub fn tail_queue(config: &Config, queue: Option<&str>) -> Result<(String, Strin
             n.subject.as_str()
         );
     }
+    if let PublisherConfig::Redis(r) = &config.publisher {
+        bail!(
+            "tail reads a RabbitMQ queue; with publisher.kind = \"redis\" watch the stream with `redis-cli -u <url> XREAD BLOCK 0 STREAMS <key> $` (keys from {:?}; see docs/redis.md)",
+            r.stream.as_str()
+        );
+    }
     let PublisherConfig::RabbitMq(q) = &config.publisher else {
         bail!(
             "tail reads a RabbitMQ queue, but publisher.kind is {:?}",

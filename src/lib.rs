@@ -125,6 +125,7 @@ pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
             c.clone(),
             config.relay.max_in_flight,
         )),
+        PublisherConfig::Redis(c) => Arc::new(publish::redis::RedisPublisher::new(c.clone())),
     }
 }
 

@@ -150,6 +150,8 @@ enum Phase {
     Steady,
     /// 11. NATS JetStream: the relay against a bare client (only when named in `--only`).
     Nats,
+    /// 11. Redis Streams, bare XADDs vs the relay (not part of the default run).
+    Redis,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -664,6 +666,7 @@ async fn setup(args: Args) -> Result<Ctx> {
             Phase::Outboxes,
             Phase::Steady,
             Phase::Nats,
+            Phase::Redis,
         ]
         .iter()
         .any(|p| args.only.contains(p));
@@ -696,7 +699,10 @@ async fn setup(args: Args) -> Result<Ctx> {
 async fn run(ctx: &mut Ctx) {
     let selected = |p: Phase| {
         if ctx.args.only.is_empty() {
-            !(p == Phase::Claim && ctx.args.quick) && p != Phase::Steady && p != Phase::Nats
+            !(p == Phase::Claim && ctx.args.quick)
+                && p != Phase::Steady
+                && p != Phase::Nats
+                && p != Phase::Redis
         } else {
             ctx.args.only.contains(&p)
         }
@@ -712,6 +718,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Outboxes,
         Phase::Steady,
         Phase::Nats,
+        Phase::Redis,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -748,6 +755,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Outboxes => phases::outboxes(ctx).await,
                     Phase::Steady => phases::steady(ctx).await,
                     Phase::Nats => phases::nats(ctx).await,
+                    Phase::Redis => phases::redis_runs(ctx).await,
                 },
             )
             .await;

@@ -32,7 +32,7 @@ pub use metrics::RawMetrics;
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
     CloudEventsPrefix, ExchangeType, KafkaConfig, NatsConfig, PublisherConfig, PublisherKind,
-    RabbitMqConfig, RawKafka, RawNats, RawPublisher, RawRabbitMq,
+    RabbitMqConfig, RawKafka, RawNats, RawPublisher, RawRabbitMq, RawRedis, RedisConfig,
 };
 pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
 pub use retry::RawRetry;
@@ -179,6 +179,12 @@ impl Default for RawConfig {
                     properties: BTreeMap::new(),
                 },
                 nats: RawNats::default(),
+                redis: RawRedis {
+                    url: "redis://127.0.0.1:6379".into(),
+                    stream: "outbox.{aggregate_type}".into(),
+                    max_len: None,
+                    timeout: dur("10s"),
+                },
             },
             metrics: RawMetrics {
                 listen: "127.0.0.1:9187".into(),

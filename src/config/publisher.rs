@@ -1,5 +1,5 @@
 //! `[publisher]`: which broker, and each transport's settings (`[publisher.rabbitmq]`,
-//! `[publisher.kafka]`, `[publisher.nats]`).
+//! `[publisher.kafka]`, `[publisher.nats]`, `[publisher.redis]`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -22,6 +22,8 @@ pub enum PublisherKind {
     Stdout,
     /// NATS JetStream via async-nats.
     Nats,
+    /// Redis Streams (`XADD`) via the `redis` crate.
+    Redis,
 }
 
 /// `publisher.rabbitmq.exchange_type`: the AMQP exchange types the relay declares.
@@ -116,6 +118,21 @@ pub struct RawKafka {
     pub properties: BTreeMap<String, String>,
 }
 
+/// `[publisher.redis]` as written.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRedis {
+    /// `redis://[user:password@]host[:port][/db]` (default `redis://127.0.0.1:6379`).
+    pub url: String,
+    /// Stream key template (default `outbox.{aggregate_type}`).
+    pub stream: String,
+    /// Trims each stream to about this many entries (`XADD … MAXLEN ~ n`); unset: no trimming.
+    pub max_len: Option<u64>,
+    /// How long to wait for the reply to an `XADD` before the connection is given up
+    /// (default 10s).
+    pub timeout: HumanDuration,
+}
+
 /// `[publisher]` as written.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -129,6 +146,8 @@ pub struct RawPublisher {
     /// NATS JetStream settings.
     #[serde(default)]
     pub nats: RawNats,
+    /// Redis Streams settings.
+    pub redis: RawRedis,
 }
 
 /// `[publisher.nats]` as written.
@@ -202,6 +221,19 @@ pub struct KafkaConfig {
     pub properties: BTreeMap<String, String>,
 }
 
+/// The validated Redis Streams settings.
+#[derive(Debug, Clone)]
+pub struct RedisConfig {
+    /// Server URL (may hold a password).
+    pub url: String,
+    /// Stream key template.
+    pub stream: Template,
+    /// `MAXLEN ~` of every `XADD`, if any.
+    pub max_len: Option<u64>,
+    /// Reply wait of one command.
+    pub timeout: Duration,
+}
+
 /// Which broker to publish to.
 #[derive(Debug, Clone)]
 pub enum PublisherConfig {
@@ -213,6 +245,8 @@ pub enum PublisherConfig {
     Stdout,
     /// NATS JetStream via async-nats.
     Nats(NatsConfig),
+    /// Redis Streams.
+    Redis(RedisConfig),
 }
 
 impl PublisherConfig {
@@ -223,6 +257,7 @@ impl PublisherConfig {
             Self::Kafka(_) => "kafka",
             Self::Stdout => "stdout",
             Self::Nats(_) => "nats",
+            Self::Redis(_) => "redis",
         }
     }
 
@@ -234,6 +269,7 @@ impl PublisherConfig {
             Self::Kafka(c) => c.topic.clone(),
             Self::Stdout => crate::template::Template::aggregate_type(),
             Self::Nats(c) => c.subject.clone(),
+            Self::Redis(c) => c.stream.clone(),
         }
     }
 }
@@ -294,6 +330,49 @@ impl RawPublisher {
             }
             PublisherKind::Stdout => PublisherConfig::Stdout,
             PublisherKind::Nats => PublisherConfig::Nats(validate_nats(p.nats)?),
+            PublisherKind::Redis => PublisherConfig::Redis(p.redis.validate()?),
+        })
+    }
+}
+
+impl RawRedis {
+    /// `[publisher.redis]`: a `redis://` or `rediss://` URL with a host, a template, a
+    /// positive `max_len` and `timeout`.
+    fn validate(self) -> Result<RedisConfig, ConfigError> {
+        let key = "publisher.redis.url";
+        let shown = redact_url(&self.url);
+        let parsed = url::Url::parse(&self.url)
+            .map_err(|e| ConfigError::invalid(key, format!("{shown} is not a URL: {e}")))?;
+        if !matches!(parsed.scheme(), "redis" | "rediss") {
+            return Err(ConfigError::invalid(
+                key,
+                format!("{shown} must start with redis:// or rediss://"),
+            ));
+        }
+        if parsed.host_str().is_none_or(str::is_empty) {
+            return Err(ConfigError::invalid(key, format!("{shown} names no host")));
+        }
+        let db = parsed.path().trim_start_matches('/');
+        if !db.is_empty() && db.parse::<u32>().is_err() {
+            return Err(ConfigError::invalid(
+                key,
+                format!("{shown}: the path must be a database number, not {db:?}"),
+            ));
+        }
+        let stream = Template::parse(&self.stream)
+            .map_err(|e| ConfigError::invalid("publisher.redis.stream", e.to_string()))?;
+        if self.max_len == Some(0) {
+            return Err(ConfigError::invalid(
+                "publisher.redis.max_len",
+                "must be at least 1 (leave it unset for no trimming)",
+            ));
+        }
+        positive("publisher.redis.timeout", self.timeout)?;
+        Ok(RedisConfig {
+            url: self.url,
+            stream,
+            max_len: self.max_len,
+            timeout: self.timeout.0,
         })
     }
 }
@@ -527,10 +606,63 @@ mod tests {
     }
 
     #[test]
+    fn redis_section_is_checked_and_its_password_never_shown() {
+        let redis = "[publisher]\nkind = \"redis\"\n[publisher.redis]\n";
+        let c = load_str(redis, &[]).unwrap();
+        let PublisherConfig::Redis(r) = &c.publisher else {
+            panic!("redis")
+        };
+        assert_eq!(r.url, "redis://127.0.0.1:6379");
+        assert_eq!(r.stream.as_str(), "outbox.{aggregate_type}");
+        assert_eq!((r.max_len, r.timeout), (None, Duration::from_secs(10)));
+        assert_eq!(c.publisher.kind(), "redis");
+        let c = load_str(
+            &format!("{redis}url = \"rediss://:pw@h:6380/2\"\nstream = \"s.{{event_type}}\"\nmax_len = 1000\n"),
+            &[],
+        )
+        .unwrap();
+        let PublisherConfig::Redis(r) = &c.publisher else {
+            panic!("redis")
+        };
+        assert_eq!(
+            (r.max_len, r.stream.as_str()),
+            (Some(1000), "s.{event_type}")
+        );
+        rejects(
+            &format!("{redis}url = \"http://u:hunter2@h\"\n"),
+            "invalid value for publisher.redis.url: http://u:***@h must start with redis:// or rediss://",
+        );
+        err_has(
+            &format!("{redis}url = \"redis://:hunter2@h/x\"\n"),
+            &["publisher.redis.url", "database number", ":***@"],
+            &["hunter2"],
+        );
+        err_has(
+            &format!("{redis}url = \"not a url hunter2\"\n"),
+            &["publisher.redis.url", "is not a URL"],
+            &[],
+        );
+        err_has(
+            &format!("{redis}stream = \"{{tenant}}\"\n"),
+            &["publisher.redis.stream", "tenant"],
+            &[],
+        );
+        rejects(
+            &format!("{redis}max_len = 0\n"),
+            "invalid value for publisher.redis.max_len: must be at least 1 (leave it unset for no trimming)",
+        );
+        rejects(
+            &format!("{redis}timeout = \"0s\"\n"),
+            "invalid value for publisher.redis.timeout: must be greater than zero",
+        );
+        err_has(&format!("{redis}maxlen = 5\n"), &["maxlen"], &[]);
+    }
+
+    #[test]
     fn kind_and_exchange_type_are_closed_sets_with_the_same_messages() {
         rejects(
             "[publisher]\nkind = \"sqs\"\n",
-            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\", \"nats\"",
+            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\", \"nats\", \"redis\"",
         );
         rejects(
             "[publisher.rabbitmq]\nexchange_type = \"x-delayed\"\n",

@@ -9,6 +9,7 @@ pub mod envelope;
 pub mod kafka;
 pub mod nats;
 pub mod rabbitmq;
+pub mod redis;
 pub mod stdout;
 
 use async_trait::async_trait;
@@ -37,7 +38,7 @@ pub struct ConnectError(pub String);
 /// A broker the relay can publish to.
 #[async_trait]
 pub trait Publisher: Send + Sync + 'static {
-    /// `rabbitmq`, `kafka`, `stdout` or `nats` (for logs and metrics).
+    /// `rabbitmq`, `kafka`, `nats`, `redis` or `stdout` (for logs and metrics).
     fn kind(&self) -> &'static str;
 
     /// Where it publishes, with secrets masked (for logs).

@@ -11,6 +11,8 @@
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
 //!   front;
 //! - [`nats`]: a JetStream stream per test, read back in stream order;
+//! - [`redis`]: a test's own stream keys read back with `XRANGE` ([`RedisStreams`]), the
+//!   relay configured for Redis;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
@@ -31,9 +33,11 @@ pub mod nats;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;
+pub mod redis;
 
 use std::time::{Duration, Instant};
 
+pub use self::redis::{Entry, REDIS_ADDR, REDIS_URL, RedisStreams, redis_relay};
 pub use check::*;
 pub use db::*;
 pub use http::*;

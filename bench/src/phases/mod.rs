@@ -11,6 +11,7 @@ mod latency;
 mod naive;
 mod nats;
 mod outboxes;
+mod redis;
 mod steady;
 
 pub use broker::broker_ceiling;
@@ -22,6 +23,7 @@ pub use latency::latency;
 pub use naive::naive;
 pub use nats::nats;
 pub use outboxes::outboxes;
+pub use redis::redis_runs;
 pub use steady::{SteadyArgs, steady};
 
 use std::time::Duration;
