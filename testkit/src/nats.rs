@@ -71,6 +71,9 @@ impl NatsStream {
             prefix: format!("it.{s}.{hex}"),
             js: nats_connect().await,
         };
+        if !GC_DONE.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            collect_old_streams(&stream.js).await;
+        }
         stream.create(&[format!("{}.>", stream.prefix)]).await;
         stream
     }
@@ -168,6 +171,27 @@ impl NatsStream {
     /// Deletes the stream.
     pub async fn teardown(self) {
         let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+/// Whether this process has removed the streams earlier runs left behind.
+static GC_DONE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Deletes test streams (`IT_…`) created more than an hour ago: a test that panicked before
+/// its teardown leaves its memory stream on the shared server.
+async fn collect_old_streams(js: &Context) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let mut streams = js.streams();
+    let mut old = Vec::new();
+    while let Some(Ok(info)) = streams.next().await {
+        if info.config.name.starts_with("IT_") && now - info.created.unix_timestamp() > 3600 {
+            old.push(info.config.name);
+        }
+    }
+    for name in old {
+        let _ = js.delete_stream(&name).await;
     }
 }
 
