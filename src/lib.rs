@@ -121,6 +121,7 @@ pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
             ))
         }
         PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new()),
+        PublisherConfig::Http(c) => Arc::new(publish::http::HttpPublisher::new(c.clone())),
     }
 }
 

@@ -20,6 +20,8 @@ pub enum PublisherKind {
     Kafka,
     /// CloudEvents JSON lines on standard output (development).
     Stdout,
+    /// One HTTP request per message (webhooks), via reqwest.
+    Http,
 }
 
 /// `publisher.rabbitmq.exchange_type`: the AMQP exchange types the relay declares.
@@ -118,12 +120,15 @@ pub struct RawKafka {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPublisher {
-    /// `rabbitmq` (default), `kafka` or `stdout` (JSON lines, for development).
+    /// `rabbitmq` (default), `kafka`, `stdout` (JSON lines, for development) or `http`.
     pub kind: PublisherKind,
     /// RabbitMQ settings.
     pub rabbitmq: RawRabbitMq,
     /// Kafka settings.
     pub kafka: RawKafka,
+    /// HTTP webhook settings.
+    #[serde(default)]
+    pub http: super::http::RawHttp,
 }
 
 /// The validated RabbitMQ settings.
@@ -171,6 +176,8 @@ pub enum PublisherConfig {
     Kafka(KafkaConfig),
     /// CloudEvents JSON lines on standard output (development, piping).
     Stdout,
+    /// HTTP webhooks via reqwest.
+    Http(super::http::HttpConfig),
 }
 
 impl PublisherConfig {
@@ -180,6 +187,7 @@ impl PublisherConfig {
             Self::RabbitMq(_) => "rabbitmq",
             Self::Kafka(_) => "kafka",
             Self::Stdout => "stdout",
+            Self::Http(_) => "http",
         }
     }
 
@@ -190,6 +198,7 @@ impl PublisherConfig {
             Self::RabbitMq(c) => c.routing_key.clone(),
             Self::Kafka(c) => c.topic.clone(),
             Self::Stdout => crate::template::Template::aggregate_type(),
+            Self::Http(c) => c.url.clone(),
         }
     }
 }
@@ -249,6 +258,7 @@ impl RawPublisher {
                 })
             }
             PublisherKind::Stdout => PublisherConfig::Stdout,
+            PublisherKind::Http => PublisherConfig::Http(p.http.validate()?),
         })
     }
 }
@@ -407,7 +417,7 @@ mod tests {
     fn kind_and_exchange_type_are_closed_sets_with_the_same_messages() {
         rejects(
             "[publisher]\nkind = \"sqs\"\n",
-            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\"",
+            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\", \"http\"",
         );
         rejects(
             "[publisher.rabbitmq]\nexchange_type = \"x-delayed\"\n",

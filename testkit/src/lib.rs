@@ -12,6 +12,7 @@
 //!   front;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
+//! - [`webhook`]: a scripted HTTP endpoint (plain or TLS) that records every request;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
 //!
 //! The kit does not depend on the `outbox-relay` library: it talks to the binary, the database
@@ -29,6 +30,7 @@ pub mod kafka;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;
+pub mod webhook;
 
 use std::time::{Duration, Instant};
 
