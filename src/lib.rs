@@ -126,6 +126,7 @@ pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
             config.relay.max_in_flight,
         )),
         PublisherConfig::Redis(c) => Arc::new(publish::redis::RedisPublisher::new(c.clone())),
+        PublisherConfig::Http(c) => Arc::new(publish::http::HttpPublisher::new(c.clone())),
     }
 }
 

@@ -108,6 +108,28 @@ impl Signer {
     }
 }
 
+/// The Standard Webhooks headers (HTTP sink): the message id, the unix time of the attempt
+/// and the signature, as the Standard Webhooks libraries verify them.
+pub const WEBHOOK_ID: &str = "webhook-id";
+/// See [`WEBHOOK_ID`].
+pub const WEBHOOK_TIMESTAMP: &str = "webhook-timestamp";
+/// See [`WEBHOOK_ID`].
+pub const WEBHOOK_SIGNATURE: &str = "webhook-signature";
+
+impl Signer {
+    /// The Standard Webhooks `webhook-signature` value: `v1,<base64 HMAC-SHA256 of
+    /// "<id>.<timestamp>.<body>">`, with this signer's key bytes as the secret.
+    pub fn webhook_signature(&self, id: &str, timestamp: i64, body: &[u8]) -> String {
+        let mut ctx = hmac::Context::with_key(&self.key);
+        ctx.update(id.as_bytes());
+        ctx.update(b".");
+        ctx.update(timestamp.to_string().as_bytes());
+        ctx.update(b".");
+        ctx.update(body);
+        format!("v1,{}", STANDARD.encode(ctx.sign().as_ref()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,6 +184,23 @@ mod tests {
         // Same input, same signature (a retry); another body, another signature.
         assert_eq!(signer.sign(&fields(b"{}")), header);
         assert_ne!(signer.sign(&fields(b"{ }")), header);
+    }
+
+    #[test]
+    fn webhook_signature_matches_the_standard_webhooks_example() {
+        // The example of the Standard Webhooks specification: secret
+        // whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw (its base64 decoded), id msg_p5jXN8AQM9LWM0D4loKWxJek,
+        // timestamp 1614265330, body {"test": 2432232314}.
+        let key = STANDARD.decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let signer = Signer::new("k1", &key);
+        assert_eq!(
+            signer.webhook_signature(
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_330,
+                br#"{"test": 2432232314}"#
+            ),
+            "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+        );
     }
 
     #[test]

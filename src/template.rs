@@ -138,6 +138,38 @@ impl Template {
         out
     }
 
+    /// Renders the template for one message, each placeholder's value passed through
+    /// `encode` (which appends it to the output), literals as written: the HTTP sink
+    /// percent-encodes values into a URL this way.
+    pub fn render_with(&self, fields: &Fields<'_>, encode: impl Fn(&str, &mut String)) -> String {
+        let mut out = String::with_capacity(self.source.len() + 16);
+        for part in &self.parts {
+            match part {
+                Part::Literal(s) => out.push_str(s),
+                Part::Field(Placeholder::AggregateType) => encode(fields.aggregate_type, &mut out),
+                Part::Field(Placeholder::EventType) => encode(fields.event_type, &mut out),
+                Part::Field(Placeholder::AggregateId) => {
+                    encode(fields.aggregate_id.unwrap_or_default(), &mut out)
+                }
+            }
+        }
+        out
+    }
+
+    /// The literal text before the first placeholder (the whole template when it has none).
+    pub fn literal_prefix(&self) -> &str {
+        let end = self
+            .parts
+            .iter()
+            .take_while(|p| matches!(p, Part::Literal(_)))
+            .map(|p| match p {
+                Part::Literal(s) => s.len(),
+                Part::Field(_) => 0,
+            })
+            .sum();
+        &self.source[..end]
+    }
+
     /// The template as written in the configuration.
     pub fn as_str(&self) -> &str {
         &self.source
@@ -181,6 +213,19 @@ mod tests {
             ..FIELDS
         };
         assert_eq!(t.render(&f), "order/");
+    }
+
+    #[test]
+    fn render_with_encodes_values_and_keeps_literals() {
+        let t = Template::parse("a/{aggregate_type}/{aggregate_id}?b").unwrap();
+        let f = Fields {
+            aggregate_id: Some("x/y"),
+            ..FIELDS
+        };
+        let out = t.render_with(&f, |v, out| out.push_str(&v.replace('/', "%2F")));
+        assert_eq!(out, "a/order/x%2Fy?b");
+        assert_eq!(t.literal_prefix(), "a/");
+        assert_eq!(Template::parse("plain").unwrap().literal_prefix(), "plain");
     }
 
     #[test]

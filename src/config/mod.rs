@@ -11,6 +11,7 @@
 
 mod cleanup;
 mod database;
+mod http;
 mod metrics;
 mod outboxes;
 mod publisher;
@@ -28,6 +29,7 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub use cleanup::{CleanupConfig, RawCleanup};
 pub use database::{DatabaseConfig, RawDatabase, TableName, validate_identifier};
+pub use http::{HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp};
 pub use metrics::RawMetrics;
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
@@ -185,6 +187,7 @@ impl Default for RawConfig {
                     max_len: None,
                     timeout: dur("10s"),
                 },
+                http: RawHttp::default(),
             },
             metrics: RawMetrics {
                 listen: "127.0.0.1:9187".into(),

@@ -24,6 +24,8 @@ pub enum PublisherKind {
     Nats,
     /// Redis Streams (`XADD`) via the `redis` crate.
     Redis,
+    /// One HTTP request per message (webhooks), via reqwest.
+    Http,
 }
 
 /// `publisher.rabbitmq.exchange_type`: the AMQP exchange types the relay declares.
@@ -137,7 +139,7 @@ pub struct RawRedis {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawPublisher {
-    /// `rabbitmq` (default), `kafka` or `stdout` (JSON lines, for development).
+    /// `rabbitmq` (default), `kafka`, `stdout` (JSON lines, for development) or `http`.
     pub kind: PublisherKind,
     /// RabbitMQ settings.
     pub rabbitmq: RawRabbitMq,
@@ -148,6 +150,9 @@ pub struct RawPublisher {
     pub nats: RawNats,
     /// Redis Streams settings.
     pub redis: RawRedis,
+    /// HTTP webhook settings.
+    #[serde(default)]
+    pub http: super::http::RawHttp,
 }
 
 /// `[publisher.nats]` as written.
@@ -247,6 +252,8 @@ pub enum PublisherConfig {
     Nats(NatsConfig),
     /// Redis Streams.
     Redis(RedisConfig),
+    /// HTTP webhooks via reqwest.
+    Http(super::http::HttpConfig),
 }
 
 impl PublisherConfig {
@@ -258,6 +265,7 @@ impl PublisherConfig {
             Self::Stdout => "stdout",
             Self::Nats(_) => "nats",
             Self::Redis(_) => "redis",
+            Self::Http(_) => "http",
         }
     }
 
@@ -270,6 +278,7 @@ impl PublisherConfig {
             Self::Stdout => crate::template::Template::aggregate_type(),
             Self::Nats(c) => c.subject.clone(),
             Self::Redis(c) => c.stream.clone(),
+            Self::Http(c) => c.url.clone(),
         }
     }
 }
@@ -331,6 +340,7 @@ impl RawPublisher {
             PublisherKind::Stdout => PublisherConfig::Stdout,
             PublisherKind::Nats => PublisherConfig::Nats(validate_nats(p.nats)?),
             PublisherKind::Redis => PublisherConfig::Redis(p.redis.validate()?),
+            PublisherKind::Http => PublisherConfig::Http(p.http.validate()?),
         })
     }
 }
@@ -662,7 +672,7 @@ mod tests {
     fn kind_and_exchange_type_are_closed_sets_with_the_same_messages() {
         rejects(
             "[publisher]\nkind = \"sqs\"\n",
-            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\", \"nats\", \"redis\"",
+            "invalid value for publisher.kind: \"sqs\" is not one of \"rabbitmq\", \"kafka\", \"stdout\", \"nats\", \"redis\", \"http\"",
         );
         rejects(
             "[publisher.rabbitmq]\nexchange_type = \"x-delayed\"\n",

@@ -40,7 +40,8 @@ pub struct RawSigning {
     /// Key id written into every signature (`kid=`), so consumers know which key to check.
     #[serde(default, deserialize_with = "text_or_number")]
     pub key_id: Option<String>,
-    /// HMAC-SHA256 key: at least 32 bytes; `base64:<standard base64>` for binary keys. Best
+    /// HMAC-SHA256 key: at least 32 bytes; `base64:<standard base64>` or `whsec_<standard
+    /// base64>` (a Standard Webhooks secret) for binary keys. Best
     /// given as `RELAY_SIGNING__KEY` rather than in the file.
     pub key: Option<Secret>,
 }
@@ -68,6 +69,9 @@ pub const MIN_SIGNING_KEY_BYTES: usize = 32;
 
 /// The prefix of a `signing.key` written as standard base64.
 pub const BASE64_PREFIX: &str = "base64:";
+
+/// The prefix of a `signing.key` written as a Standard Webhooks secret (`whsec_<base64>`).
+pub const WHSEC_PREFIX: &str = "whsec_";
 
 /// The environment variable that may hold `signing.key`, read as is (figment would parse a
 /// key that looks like a number or a list, and echo it in its error).
@@ -108,15 +112,19 @@ impl RawSigning {
             ));
         }
         // Never echo the key in an error: only its length and what is expected.
-        let bytes = match key.0.strip_prefix(BASE64_PREFIX) {
-            Some(b64) => {
+        // `whsec_<base64>` is how Standard Webhooks libraries write a secret: the same bytes.
+        let encoded = [BASE64_PREFIX, WHSEC_PREFIX]
+            .into_iter()
+            .find_map(|prefix| Some((prefix, key.0.strip_prefix(prefix)?)));
+        let bytes = match encoded {
+            Some((prefix, b64)) => {
                 use base64::Engine;
                 base64::engine::general_purpose::STANDARD
                     .decode(b64.trim())
                     .map_err(|_| {
                         ConfigError::invalid(
                             "signing.key",
-                            "the text after \"base64:\" is not standard base64 (A-Z, a-z, 0-9, '+', '/', padded with '='); the value is not shown",
+                            format!("the text after {prefix:?} is not standard base64 (A-Z, a-z, 0-9, '+', '/', padded with '='); the value is not shown"),
                         )
                     })?
             }
@@ -163,6 +171,14 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.signing.unwrap().key, vec![0u8; 32]);
+        // A Standard Webhooks secret: the bytes of its base64.
+        let whsec = "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+        let c = load_str(
+            &format!("[signing]\nkey_id = \"k4\"\nkey = \"{whsec}\"\n"),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(c.signing.unwrap().key, (0u8..32).collect::<Vec<u8>>());
         // A numeric key id from the environment is a key id.
         let c = load_str(
             &format!("[signing]\nkey = \"{KEY32}\"\n"),
@@ -188,6 +204,15 @@ mod tests {
         err_has(&key(short), &["signing.key", "17 bytes"], &[short]);
         let not_base64 = "base64:hunter2!!not*base64";
         err_has(&key(not_base64), &["signing.key", "base64"], &["hunter2"]);
+        let not_whsec = "whsec_hunter2!!not*base64";
+        err_has(&key(not_whsec), &["signing.key", "whsec_"], &["hunter2"]);
+        // 24 bytes, as some webhook platforms generate: below the minimum.
+        let short_whsec = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        err_has(
+            &key(short_whsec),
+            &["signing.key", "24 bytes"],
+            &["MfKQ9r8"],
+        );
         let no_id = signing(&format!("key = \"{KEY32}\""));
         err_has(&no_id, &["signing.key_id"], &[KEY32]);
         err_has(&signing("key_id = \"k\""), &["signing.key"], &[]);

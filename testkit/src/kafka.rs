@@ -505,7 +505,7 @@ pub struct TlsFront {
 }
 
 /// A self-signed CA: (issuer, its certificate as PEM).
-fn test_ca(name: &str) -> (CertifiedIssuer<'static, KeyPair>, String) {
+pub(crate) fn test_ca(name: &str) -> (CertifiedIssuer<'static, KeyPair>, String) {
     let key = KeyPair::generate().expect("CA key");
     let mut params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
     params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);

@@ -15,6 +15,7 @@
 //!   relay configured for Redis;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
+//! - [`webhook`]: a scripted HTTP endpoint (plain or TLS) that records every request;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
 //!
 //! The kit does not depend on the `outbox-relay` library: it talks to the binary, the database
@@ -34,6 +35,7 @@ pub mod process;
 pub mod proxy;
 pub mod rabbit;
 pub mod redis;
+pub mod webhook;
 
 use std::time::{Duration, Instant};
 
