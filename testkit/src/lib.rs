@@ -12,6 +12,7 @@
 //!   front;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
+//! - [`otlp`]: an OTLP/HTTP trace receiver that decodes what the relay exports;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
 //!
 //! The kit does not depend on the `outbox-relay` library: it talks to the binary, the database
@@ -26,6 +27,7 @@ pub mod check;
 pub mod db;
 pub mod http;
 pub mod kafka;
+pub mod otlp;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;
