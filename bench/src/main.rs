@@ -144,6 +144,8 @@ enum Phase {
     Outboxes,
     /// 9. Steady state beside a live application (not part of the default run).
     Steady,
+    /// 11. Drains with tracing off, on, and its receiver down (not in the default run).
+    Tracing,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -652,9 +654,15 @@ async fn setup(args: Args) -> Result<Ctx> {
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let relay_bin = outbox_testkit::relay_bin();
     let needs_relay = args.only.is_empty()
-        || [Phase::Relay, Phase::Latency, Phase::Outboxes, Phase::Steady]
-            .iter()
-            .any(|p| args.only.contains(p));
+        || [
+            Phase::Relay,
+            Phase::Latency,
+            Phase::Outboxes,
+            Phase::Steady,
+            Phase::Tracing,
+        ]
+        .iter()
+        .any(|p| args.only.contains(p));
     if needs_relay && !relay_bin.is_file() {
         bail!(
             "{} not found: build both binaries with `cargo build --release --workspace`",
@@ -684,7 +692,7 @@ async fn setup(args: Args) -> Result<Ctx> {
 async fn run(ctx: &mut Ctx) {
     let selected = |p: Phase| {
         if ctx.args.only.is_empty() {
-            !(p == Phase::Claim && ctx.args.quick) && p != Phase::Steady
+            !(p == Phase::Claim && ctx.args.quick) && p != Phase::Steady && p != Phase::Tracing
         } else {
             ctx.args.only.contains(&p)
         }
@@ -699,6 +707,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Claim,
         Phase::Outboxes,
         Phase::Steady,
+        Phase::Tracing,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -734,6 +743,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Claim => phases::claim(ctx).await,
                     Phase::Outboxes => phases::outboxes(ctx).await,
                     Phase::Steady => phases::steady(ctx).await,
+                    Phase::Tracing => phases::tracing_runs(ctx).await,
                 },
             )
             .await;

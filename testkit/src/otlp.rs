@@ -71,6 +71,10 @@ impl ReceivedSpan {
 struct Received {
     spans: Vec<ReceivedSpan>,
     requests: usize,
+    /// Spans received, kept or not.
+    count: usize,
+    /// Only count the spans (the benchmark's receiver: 100k spans kept would cost memory).
+    count_only: bool,
 }
 
 /// The receiver. Dropping it stops the server.
@@ -83,13 +87,27 @@ pub struct OtlpReceiver {
 impl OtlpReceiver {
     /// Listens on a free port of 127.0.0.1.
     pub async fn start() -> Self {
+        Self::start_with(false).await
+    }
+
+    /// Listens on a free port of 127.0.0.1, decoding every request but keeping only the count
+    /// of spans ([`OtlpReceiver::span_count`]).
+    pub async fn start_counting() -> Self {
+        Self::start_with(true).await
+    }
+
+    async fn start_with(count_only: bool) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the OTLP receiver");
         let addr = listener.local_addr().expect("receiver address");
+        let received = Received {
+            count_only,
+            ..Received::default()
+        };
         let mut receiver = Self {
             addr,
-            received: Arc::default(),
+            received: Arc::new(Mutex::new(received)),
             running: None,
         };
         receiver.serve(listener);
@@ -135,6 +153,11 @@ impl OtlpReceiver {
     /// Every span received so far.
     pub fn spans(&self) -> Vec<ReceivedSpan> {
         self.lock().spans.clone()
+    }
+
+    /// How many spans arrived (kept or not).
+    pub fn span_count(&self) -> usize {
+        self.lock().count
     }
 
     /// How many export requests arrived.
@@ -225,7 +248,10 @@ async fn export(State(received): State<Arc<Mutex<Received>>>, body: Bytes) -> im
     {
         let mut r = received.lock().unwrap_or_else(|p| p.into_inner());
         r.requests += 1;
-        r.spans.extend(spans);
+        r.count += spans.len();
+        if !r.count_only {
+            r.spans.extend(spans);
+        }
     }
     (
         [(header::CONTENT_TYPE, "application/x-protobuf")],
