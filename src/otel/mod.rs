@@ -17,7 +17,7 @@
 pub mod attempt;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use opentelemetry::trace::TracerProvider as _;
@@ -151,28 +151,47 @@ impl Tracing {
 }
 
 /// Drop accounting shared by the processor and the exporter: the metric, and one warning per
-/// stretch of failures rather than one per span.
+/// stretch of drops (a stretch ends at the next successful export), at most one every
+/// [`WARN_EVERY`] (a slow collector that keeps up now and then does not log every few seconds).
 #[derive(Debug, Default)]
-struct Drops {
-    /// A warning was logged and export has not worked since.
-    warned: AtomicBool,
+struct Drops(std::sync::Mutex<DropState>);
+
+#[derive(Debug, Default)]
+struct DropState {
+    /// Spans were dropped since the last successful export.
+    dropping: bool,
+    /// This stretch's warning was logged.
+    warned: bool,
+    last_warning: Option<std::time::Instant>,
 }
+
+/// The least time between two warnings about dropped spans.
+const WARN_EVERY: Duration = Duration::from_secs(300);
 
 impl Drops {
     fn dropped(&self, n: usize, why: &'static str, detail: &dyn std::fmt::Display) {
         telemetry::record_trace_spans_dropped(why, n as u64);
-        if !self.warned.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                spans = n,
-                reason = why,
-                detail = %detail,
-                "trace spans are being dropped (relaying goes on; they are counted in outbox_trace_spans_dropped_total, and this is not logged again until export works)"
-            );
+        let mut s = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if s.dropping {
+            return;
         }
+        s.dropping = true;
+        if s.last_warning.is_some_and(|t| t.elapsed() < WARN_EVERY) {
+            return;
+        }
+        s.warned = true;
+        s.last_warning = Some(std::time::Instant::now());
+        tracing::warn!(
+            spans = n,
+            reason = why,
+            detail = %detail,
+            "trace spans are being dropped (relaying goes on; they are counted in outbox_trace_spans_dropped_total, and this is not logged again until export works)"
+        );
     }
 
     fn exported(&self) {
-        if self.warned.swap(false, Ordering::Relaxed) {
+        let mut s = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if std::mem::take(&mut s.dropping) && std::mem::take(&mut s.warned) {
             tracing::info!("trace export works again");
         }
     }
@@ -248,5 +267,30 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
 
     fn set_resource(&mut self, resource: &Resource) {
         self.inner.set_resource(resource);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_warning_per_stretch_of_drops_and_at_most_one_every_five_minutes() {
+        let drops = Drops::default();
+        let state = |d: &Drops| {
+            let s = d.0.lock().unwrap();
+            (s.dropping, s.warned)
+        };
+        drops.dropped(1, "queue_full", &"full");
+        drops.dropped(3, "export_failed", &"refused");
+        assert_eq!(state(&drops), (true, true), "warned once for the stretch");
+        drops.exported();
+        assert_eq!(state(&drops), (false, false), "the stretch ended");
+        drops.dropped(1, "queue_full", &"full");
+        assert_eq!(
+            state(&drops),
+            (true, false),
+            "a new stretch within five minutes is counted, not logged"
+        );
     }
 }
