@@ -27,6 +27,8 @@
 //! - [`retry`]: the backoff policy of rejected messages (pure).
 //! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
 //! - [`template`]: routing-key / topic templates.
+//! - [`otel`]: OpenTelemetry traces: the OTLP export pipeline and the span of each publish
+//!   attempt, whose context the message carries as `traceparent` (every sink).
 //! - [`telemetry`]: metric names, each outbox's labelled metrics ([`telemetry::OutboxMetrics`]),
 //!   the `/metrics` + health server.
 //! - [`redact`]: masking passwords before anything is logged.
@@ -51,6 +53,7 @@ pub mod config;
 #[cfg(feature = "fault-injection")]
 mod fault_injection;
 pub mod message;
+pub mod otel;
 pub mod outbox;
 pub mod publish;
 pub mod redact;
@@ -87,6 +90,9 @@ pub enum RunError {
     /// The database refused a schema step (not a connection problem).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The OTLP trace exporter could not be built.
+    #[error(transparent)]
+    Tracing(#[from] otel::OtelError),
     /// The metrics address could not be bound.
     #[error("cannot listen on metrics.listen {addr}: {source}")]
     MetricsBind {
@@ -203,9 +209,22 @@ pub async fn run_with(
         notify = config.relay.notify,
         "outbox-relay starting"
     );
+    // Built (and later shut down) off the async workers: the HTTP exporter's client blocks.
+    let tracing = match config.tracing.clone() {
+        Some(cfg) => Some(
+            tokio::task::spawn_blocking(move || otel::Tracing::install(&cfg))
+                .await
+                .map_err(|e| otel::OtelError::Exporter {
+                    endpoint: String::new(),
+                    reason: e.to_string(),
+                })??,
+        ),
+        None => None,
+    };
     let shared = outbox::Shared {
         publisher: Arc::clone(&publisher),
         health,
+        tracing: tracing.clone(),
     };
     let window = window::Window::new(config.relay.max_in_flight);
     // One pool per database: outboxes in the same database share it.
@@ -242,6 +261,10 @@ pub async fn run_with(
     }
     tasks.stop(TASKS_STOP_DEADLINE).await;
     publisher.close().await;
+    if let Some(tracing) = tracing {
+        drop(shared);
+        let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
+    }
     if let Some(server) = server {
         if failed.is_some() {
             shutdown.cancel();

@@ -34,6 +34,8 @@ pub struct Shared {
     pub publisher: Arc<dyn Publisher>,
     /// The process's health flags.
     pub health: Arc<Health>,
+    /// The tracer when tracing is on.
+    pub tracing: Option<crate::otel::Tracing>,
 }
 
 /// An outbox table to relay.
@@ -141,6 +143,7 @@ impl Outbox {
             lane,
             wake,
             held,
+            tracer: shared.tracing.as_ref().map(|t| t.for_outbox(&outbox.name)),
         });
         engine.run(shutdown, waiter).await;
         Ok(())

@@ -114,6 +114,9 @@ pub struct RelayParts {
     pub wake: Arc<Notify>,
     /// The ids this loop holds (renewed by the lease task).
     pub held: Held,
+    /// This outbox's tracer when tracing is on: every publish attempt gets a span and its
+    /// message that span's `traceparent` ([`crate::otel`]).
+    pub tracer: Option<crate::otel::Outbox>,
 }
 
 /// The claim/publish/settle engine shared by the dispatcher and its batch tasks: one
@@ -196,7 +199,12 @@ impl Relay {
         self.held.hold(rows.iter().map(|r| r.id));
         let relay = Arc::clone(self);
         let hard_stop = hard_stop.clone();
-        tasks.spawn(async move { relay.process_batch(rows, permit, hard_stop).await });
+        let claimed_at = chrono::Utc::now();
+        tasks.spawn(async move {
+            relay
+                .process_batch(rows, permit, claimed_at, hard_stop)
+                .await
+        });
     }
 
     /// Publishes one claimed batch and records every row's outcome. Each chain gives its
@@ -206,6 +214,7 @@ impl Relay {
         self: Arc<Self>,
         rows: Vec<OutboxMessage>,
         mut permit: Permit,
+        claimed_at: chrono::DateTime<chrono::Utc>,
         hard_stop: CancellationToken,
     ) {
         let chains = chains(rows, self.settings.relay.ordering);
@@ -213,7 +222,7 @@ impl Relay {
             .into_iter()
             .map(|chain| {
                 let share = permit.split(chain.len());
-                let publishing = self.publish_chain(chain, &hard_stop);
+                let publishing = self.publish_chain(chain, claimed_at, &hard_stop);
                 async move {
                     let results = publishing.await;
                     drop(share);
@@ -232,11 +241,13 @@ impl Relay {
         self.wake.notify_one();
     }
 
-    /// Publishes a chain in order ([`Publisher::publish_run`]), stopping at the first row that
-    /// does not go through: the rows after it are handed back unspent.
+    /// Publishes a chain in order ([`Publisher::publish_run`], or its traced form when tracing
+    /// is on), stopping at the first row that does not go through: the rows after it are
+    /// handed back unspent.
     async fn publish_chain(
         &self,
-        chain: Vec<OutboxMessage>,
+        mut chain: Vec<OutboxMessage>,
+        claimed_at: chrono::DateTime<chrono::Utc>,
         hard_stop: &CancellationToken,
     ) -> Vec<(OutboxMessage, RowResult)> {
         #[cfg(feature = "fault-injection")]
@@ -244,10 +255,32 @@ impl Relay {
             crate::fault_injection::crash_switch(msg);
         }
         let started = Instant::now();
+        let mut spans = Vec::new();
+        let publishing = async {
+            match &self.tracer {
+                None => self.publisher.publish_run(&chain, &self.envelope).await,
+                Some(tracer) => {
+                    let publisher = &*self.publisher;
+                    tracer
+                        .publish_run(
+                            publisher,
+                            &mut chain,
+                            &self.envelope,
+                            claimed_at,
+                            &mut spans,
+                        )
+                        .await
+                }
+            }
+        };
         let outcomes = tokio::select! {
-            o = self.publisher.publish_run(&chain, &self.envelope) => o,
+            o = publishing => o,
             () = hard_stop.cancelled() => vec![Outcome::Unavailable("shutting down".into())],
         };
+        // Spans still open: the run was cut short (shutdown) before their answer.
+        for (i, span) in spans.iter_mut().enumerate() {
+            span.finish(outcomes.get(i));
+        }
         let mut outcomes = outcomes.into_iter();
         let mut stopped = false;
         let mut out = Vec::with_capacity(chain.len());

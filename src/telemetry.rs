@@ -56,7 +56,10 @@ pub mod names {
     pub const WATERMARK_LAG: &str = "outbox_watermark_lag_seconds";
     /// Gauge (1): version, instance and publisher.
     pub const RELAY_INFO: &str = "outbox_relay_info";
-    /// Every name above, for tests and docs.
+    /// Counter: trace spans dropped instead of exported, labelled `reason` = `queue_full` |
+    /// `export_failed` (only with tracing on, so not in [`ALL`]: see [`crate::otel`]).
+    pub const TRACE_SPANS_DROPPED: &str = "outbox_trace_spans_dropped_total";
+    /// Every name above that the relay always exports, for tests and docs.
     pub const ALL: &[&str] = &[
         PENDING,
         OLDEST_PENDING_AGE,
@@ -108,6 +111,18 @@ pub fn install() -> Option<PrometheusHandle> {
 pub fn record_info(instance: &str, publisher: &str) {
     metrics::gauge!(names::RELAY_INFO, "version" => env!("CARGO_PKG_VERSION"), "instance" => instance.to_owned(), "publisher" => publisher.to_owned()).set(1.0);
     metrics::gauge!(names::BROKER_CONNECTED).set(0.0);
+}
+
+/// Registers the dropped-spans counter (tracing is on) so `/metrics` lists it from the start.
+pub fn register_trace_drops() {
+    for reason in ["queue_full", "export_failed"] {
+        metrics::counter!(names::TRACE_SPANS_DROPPED, "reason" => reason).increment(0);
+    }
+}
+
+/// `n` trace spans were dropped for `reason` (`queue_full` or `export_failed`).
+pub fn record_trace_spans_dropped(reason: &'static str, n: u64) {
+    metrics::counter!(names::TRACE_SPANS_DROPPED, "reason" => reason).increment(n);
 }
 
 /// The relay (re)connected to the broker.

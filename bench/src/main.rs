@@ -150,8 +150,10 @@ enum Phase {
     Steady,
     /// 11. NATS JetStream: the relay against a bare client (only when named in `--only`).
     Nats,
-    /// 11. Redis Streams, bare XADDs vs the relay (not part of the default run).
+    /// 12. Redis Streams, bare XADDs vs the relay (not part of the default run).
     Redis,
+    /// 13. Drains with tracing off, on, and its receiver down (not in the default run).
+    Tracing,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -667,6 +669,7 @@ async fn setup(args: Args) -> Result<Ctx> {
             Phase::Steady,
             Phase::Nats,
             Phase::Redis,
+            Phase::Tracing,
         ]
         .iter()
         .any(|p| args.only.contains(p));
@@ -703,6 +706,7 @@ async fn run(ctx: &mut Ctx) {
                 && p != Phase::Steady
                 && p != Phase::Nats
                 && p != Phase::Redis
+                && p != Phase::Tracing
         } else {
             ctx.args.only.contains(&p)
         }
@@ -719,6 +723,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Steady,
         Phase::Nats,
         Phase::Redis,
+        Phase::Tracing,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -756,6 +761,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Steady => phases::steady(ctx).await,
                     Phase::Nats => phases::nats(ctx).await,
                     Phase::Redis => phases::redis_runs(ctx).await,
+                    Phase::Tracing => phases::tracing_runs(ctx).await,
                 },
             )
             .await;

@@ -3,7 +3,7 @@
 //!
 //! The raw structs mirror `relay.toml` one to one (unknown keys are rejected), a file per
 //! section: `database`, `relay`, `retry`, `publisher`, `metrics`, `cleanup`,
-//! `signing`; each validates its own section. Closed sets are serde enums
+//! `signing`, `traces` (`[tracing]`); each validates its own section. Closed sets are serde enums
 //! (`publisher.rabbitmq.exchange_type`, `cloudevents_prefix`) or, where the raw field stays a
 //! string (`relay.ordering`, `publisher.kind`: the benchmark sets them as text), matched by one
 //! helper that names every choice. [`Config`] holds parsed durations, templates and
@@ -18,6 +18,7 @@ mod publisher;
 mod relay;
 mod retry;
 mod signing;
+mod traces;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -40,6 +41,10 @@ pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
 pub use retry::RawRetry;
 pub use signing::{
     BASE64_PREFIX, MIN_SIGNING_KEY_BYTES, RawSigning, SIGNING_KEY_ENV, Secret, SigningConfig,
+};
+pub use traces::{
+    DEFAULT_SERVICE_NAME, OTEL_ENDPOINT_ENV, OTEL_PROTOCOL_ENV, OTEL_SERVICE_NAME_ENV, OtelEnv,
+    OtlpProtocol, RawTracing, TracingConfig,
 };
 
 use crate::redact::redact_url;
@@ -130,6 +135,9 @@ pub struct RawConfig {
     /// `[signing]`
     #[serde(default)]
     pub signing: RawSigning,
+    /// `[tracing]`
+    #[serde(default)]
+    pub tracing: RawTracing,
     /// `[[outboxes]]`: the tables this relay serves (none: one, `database.table`).
     #[serde(default)]
     pub outboxes: Vec<RawOutbox>,
@@ -198,6 +206,7 @@ impl Default for RawConfig {
                 batch_size: 5000,
             },
             signing: RawSigning::default(),
+            tracing: RawTracing::default(),
             outboxes: Vec::new(),
         }
     }
@@ -220,6 +229,8 @@ pub struct Config {
     pub cleanup: CleanupConfig,
     /// `[signing]`; `None`: messages are not signed.
     pub signing: Option<SigningConfig>,
+    /// `[tracing]`; `None`: tracing is off (no endpoint configured).
+    pub tracing: Option<TracingConfig>,
     /// The outboxes served: `[[outboxes]]`, or the one table of `[database]` (never empty).
     /// With `[[outboxes]]`, `database.table` above is the first outbox's table.
     pub outboxes: Vec<OutboxConfig>,
@@ -273,7 +284,7 @@ impl Config {
         if let Ok(key) = std::env::var(SIGNING_KEY_ENV) {
             raw.signing.key = Some(Secret(key));
         }
-        raw.validate()
+        raw.validate_with(&OtelEnv::from_process())
     }
 }
 
@@ -345,8 +356,14 @@ pub(super) fn choose<T: Copy>(
 }
 
 impl RawConfig {
-    /// Checks every value and converts the file's shape into [`Config`].
+    /// Checks every value and converts the file's shape into [`Config`] (the standard `OTEL_*`
+    /// variables are not consulted: see [`RawConfig::validate_with`]).
     pub fn validate(self) -> Result<Config, ConfigError> {
+        self.validate_with(&OtelEnv::default())
+    }
+
+    /// [`RawConfig::validate`], with the standard `OTEL_*` variables `[tracing]` honours.
+    pub fn validate_with(self, otel: &OtelEnv) -> Result<Config, ConfigError> {
         let table_set = self.database.table.is_some();
         let table_as_written = self
             .database
@@ -360,6 +377,7 @@ impl RawConfig {
         let publisher = self.publisher.validate()?;
         let metrics_listen = self.metrics.validate()?;
         let signing = self.signing.validate()?;
+        let tracing = self.tracing.validate(otel)?;
         let cleanup = self.cleanup.validate()?;
         let outboxes = if self.outboxes.is_empty() {
             vec![OutboxConfig {
@@ -395,6 +413,7 @@ impl RawConfig {
             metrics_listen,
             cleanup,
             signing,
+            tracing,
         })
     }
 }

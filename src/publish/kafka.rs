@@ -596,6 +596,10 @@ impl Publisher for KafkaPublisher {
     /// Stretches for different topics go one after the other. After a record that failed,
     /// the later reports are still read so that one confirmed anyway is recorded as sent
     /// (the relay logs it as a broken promise) rather than published twice.
+    fn pipelines_runs(&self) -> bool {
+        self.ordered
+    }
+
     async fn publish_run(&self, run: &[OutboxMessage], env: &EnvelopeConfig) -> Vec<Outcome> {
         if !self.ordered {
             // librdkafka's own timeout could let a later record through: one at a time.

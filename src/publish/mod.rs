@@ -69,6 +69,22 @@ pub trait Publisher: Send + Sync + 'static {
 
     /// Closes the connection cleanly (best effort).
     async fn close(&self);
+
+    /// Whether [`Publisher::publish_run`] sends a run without waiting for each answer. Tracing
+    /// ([`crate::otel`]) then hands it whole runs (every span from the run's start to its
+    /// end); otherwise it publishes one message at a time through [`Publisher::publish`], as
+    /// the default `publish_run` does, each span from its own send to its confirm. A transport
+    /// that overrides `publish_run` to pipeline says so here, or traced runs lose its pipelining.
+    fn pipelines_runs(&self) -> bool {
+        false
+    }
+
+    /// `messaging.destination.name` of a message's publish span: where it goes, in the
+    /// transport's terms (exchange, topic, subject, stream key, URL host and path). This default
+    /// is the rendered route (the row's `destination`, or the outbox's template).
+    fn destination_name(&self, msg: &OutboxMessage, envelope: &EnvelopeConfig) -> String {
+        envelope::destination(msg, &envelope.route)
+    }
 }
 
 /// Publishes `run` one message at a time, each after the previous was confirmed, stopping at

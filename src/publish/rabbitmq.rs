@@ -674,6 +674,16 @@ impl Publisher for RabbitMqPublisher {
         "rabbitmq"
     }
 
+    /// The exchange (`amq.default` for the nameless default exchange, as the messaging
+    /// conventions name it); the routing key is not a destination there.
+    fn destination_name(&self, _msg: &OutboxMessage, _env: &EnvelopeConfig) -> String {
+        if self.cfg.exchange.is_empty() {
+            "amq.default".to_owned()
+        } else {
+            self.cfg.exchange.clone()
+        }
+    }
+
     fn describe(&self) -> String {
         format!(
             "rabbitmq {} exchange {:?} routing key {:?}",

@@ -97,6 +97,10 @@ impl Publisher for StdoutPublisher {
         "stdout (CloudEvents JSON lines)".to_owned()
     }
 
+    fn destination_name(&self, _msg: &OutboxMessage, _env: &EnvelopeConfig) -> String {
+        "stdout".to_owned()
+    }
+
     async fn connect(&self) -> Result<(), ConnectError> {
         if self.is_connected() {
             Ok(())

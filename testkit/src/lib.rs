@@ -16,6 +16,7 @@
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
 //! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
 //! - [`webhook`]: a scripted HTTP endpoint (plain or TLS) that records every request;
+//! - [`otlp`]: an OTLP/HTTP trace receiver that decodes what the relay exports;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
 //!
 //! The kit does not depend on the `outbox-relay` library: it talks to the binary, the database
@@ -31,6 +32,7 @@ pub mod db;
 pub mod http;
 pub mod kafka;
 pub mod nats;
+pub mod otlp;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;

@@ -17,7 +17,7 @@ mod steady;
 pub use broker::broker_ceiling;
 pub use claim::claim;
 pub use db::db_ceiling;
-pub use drain::relay_runs;
+pub use drain::{relay_runs, tracing_runs};
 pub use insert::insert_cost;
 pub use latency::latency;
 pub use naive::naive;

@@ -1,0 +1,313 @@
+//! OpenTelemetry traces (contract §4 "Trace context", §7 "Tracing") over the real wire: the
+//! relay binary exports OTLP/HTTP protobuf to the test kit's receiver (`otlp::OtlpReceiver`,
+//! decoded with `opentelemetry-proto`), and the consumers on RabbitMQ and Kafka read the
+//! `traceparent` each message carries. Span and trace ids are checked against the row's
+//! `traceparent` and against what the consumer received.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::kafka::Record;
+use common::otlp::{KIND_PRODUCER, OtlpReceiver, ReceivedSpan, STATUS_ERROR};
+use common::transport::{Sink, Transport};
+use common::{
+    NewRow, RelayBuilder, TestTable, free_port, sample, scrape, spawn_paced_writer,
+    table_and_exchange, wait_for_sample, wait_until,
+};
+use serde_json::json;
+use uuid::Uuid;
+
+/// How long a message, a row state or a span may take to show up.
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A sampled W3C context as an application's instrumentation writes it into the row.
+const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const PARENT_SPAN: &str = "00f067aa0ba902b7";
+
+fn traceparent(flags: &str) -> String {
+    format!("00-{TRACE}-{PARENT_SPAN}-{flags}")
+}
+
+/// `builder` exporting to `receiver` every 200 ms (the batch processor's delay).
+fn traced(builder: RelayBuilder, receiver: &OtlpReceiver) -> RelayBuilder {
+    builder
+        .set("tracing.otlp_endpoint", receiver.endpoint())
+        .set("tracing.service_name", "relay-under-test")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+}
+
+/// The headers a message arrived with, on either broker.
+async fn received_headers(sink: &Sink, id: Uuid) -> BTreeMap<String, String> {
+    match sink {
+        Sink::RabbitMq(rabbit) => rabbit.wait_for_delivery(id, WAIT).await.headers(),
+        Sink::Kafka { consumer, .. } => {
+            let record: Record = wait_until(WAIT, "the record reaches the consumer", async || {
+                let records = consumer.records();
+                let found = records.into_iter().find(|r| r.id() == Some(id));
+                found.ok_or_else(|| "not yet".to_owned())
+            })
+            .await;
+            let headers = record.headers.into_iter();
+            headers.filter_map(|(k, v)| Some((k, v?))).collect()
+        }
+    }
+}
+
+/// The one span of `id`'s first attempt.
+async fn span_of(receiver: &OtlpReceiver, id: Uuid) -> ReceivedSpan {
+    let spans = receiver
+        .wait_for_spans_with("messaging.message.id", &id.to_string(), 1, WAIT)
+        .await;
+    assert_eq!(spans.len(), 1, "{spans:#?}");
+    spans.into_iter().next().unwrap()
+}
+
+async fn continues_the_rows_trace(transport: Transport, test: &str) {
+    let receiver = OtlpReceiver::start().await;
+    let table = TestTable::new(test).await;
+    let sink = Sink::new(transport, test, "#", &["order"]).await;
+    let relay = traced(sink.relay(&table, test), &receiver).spawn();
+
+    let with_context = NewRow::new("order", Some("o-1"), "created", json!({"n": 1})).headers(
+        json!({"traceparent": traceparent("01"), "tracestate": "vendor=abc", "tenant": "t1"}),
+    );
+    let without = NewRow::new("order", Some("o-2"), "created", json!({"n": 2}));
+    let garbled = NewRow::new("order", Some("o-3"), "created", json!({"n": 3}))
+        .headers(json!({"traceparent": "not-a-traceparent"}));
+    let ids = table.insert_ids(&[with_context, without, garbled]).await;
+    table.wait_all_sent(WAIT).await;
+
+    // The row's context is the span's parent; the consumer gets the span's context.
+    let span = span_of(&receiver, ids[0]).await;
+    assert_eq!(
+        (span.trace_id.as_str(), span.parent_span_id.as_str()),
+        (TRACE, PARENT_SPAN)
+    );
+    assert_eq!(span.kind, KIND_PRODUCER);
+    assert_eq!(span.status_code, 0, "{span:?}");
+    assert_eq!(span.service_name, "relay-under-test");
+    let (system, destination) = match &sink {
+        Sink::RabbitMq(rabbit) => ("rabbitmq", rabbit.exchange.clone()),
+        Sink::Kafka { topics, .. } => ("kafka", topics[0].clone()),
+    };
+    assert_eq!(span.name, format!("publish {destination}"));
+    assert_eq!(span.attr("messaging.system"), system);
+    assert_eq!(span.attr("messaging.destination.name"), destination);
+    assert_eq!(span.attr("outbox.name"), table.name);
+    assert_eq!(span.attr("outbox.aggregate_type"), "order");
+    assert_eq!(span.attr("outbox.attempt"), "1");
+    let queued: f64 = span.attr("outbox.queued_seconds").parse().unwrap();
+    assert!((0.0..30.0).contains(&queued), "{queued}");
+    let headers = received_headers(&sink, ids[0]).await;
+    assert_eq!(headers["traceparent"], span.traceparent());
+    assert_eq!(headers["tracestate"], "vendor=abc");
+    assert_eq!(headers["tenant"], "t1");
+
+    // No context: the span starts a trace, and the message carries it.
+    let root = span_of(&receiver, ids[1]).await;
+    assert!(
+        root.parent_span_id.is_empty() && root.trace_id != TRACE,
+        "{root:?}"
+    );
+    let headers = received_headers(&sink, ids[1]).await;
+    assert_eq!(headers["traceparent"], root.traceparent());
+
+    // An unparsable context: a trace of its own, the header passed through as written.
+    let fresh = span_of(&receiver, ids[2]).await;
+    assert!(fresh.parent_span_id.is_empty(), "{fresh:?}");
+    let headers = received_headers(&sink, ids[2]).await;
+    assert_eq!(headers["traceparent"], "not-a-traceparent");
+
+    sink.finish(relay, table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_messages_continue_the_rows_trace() {
+    continues_the_rows_trace(Transport::RabbitMq, "trace_rabbit").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_messages_continue_the_rows_trace() {
+    continues_the_rows_trace(Transport::Kafka, "trace_kafka").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_row_has_a_span_per_attempt_in_its_trace() {
+    let receiver = OtlpReceiver::start().await;
+    let table = TestTable::new("trace_retry").await;
+    // Only `ok.#` reaches the queue: `parked.created` is unroutable until bound below.
+    let sink = Sink::new(Transport::RabbitMq, "trace_retry", "ok.#", &[]).await;
+    let Sink::RabbitMq(rabbit) = &sink else {
+        unreachable!()
+    };
+    let relay = traced(sink.relay(&table, "trace_retry"), &receiver)
+        .set("retry.base_delay", "300ms")
+        .set("retry.jitter", "0")
+        .spawn();
+    let row = NewRow::new("parked", Some("p-1"), "created", json!({}))
+        .headers(json!({"traceparent": traceparent("01")}));
+    let id = table.insert_one(row).await;
+    let failed = table
+        .wait_row(id, WAIT, "the first attempt failed", |r| {
+            r.attempts >= 1 && r.status == "pending"
+        })
+        .await;
+    assert!(failed.last_error.is_some(), "{failed:?}");
+    rabbit.bind("parked.#").await;
+    table.wait_all_sent(WAIT).await;
+
+    let mut spans = receiver
+        .wait_for_spans_with("messaging.message.id", &id.to_string(), 2, WAIT)
+        .await;
+    spans.sort_by_key(|s| s.attr("outbox.attempt").to_owned());
+    let [first, second] = &spans[..] else {
+        panic!("{spans:#?}")
+    };
+    for span in [first, second] {
+        assert_eq!(
+            (span.trace_id.as_str(), span.parent_span_id.as_str()),
+            (TRACE, PARENT_SPAN),
+            "every attempt is a child of the row's context"
+        );
+    }
+    assert_eq!(
+        (first.attr("outbox.attempt"), second.attr("outbox.attempt")),
+        ("1", "2")
+    );
+    assert_eq!(first.status_code, STATUS_ERROR, "{first:?}");
+    assert!(
+        first.status_message.contains("unroutable") || first.status_message.contains("NO_ROUTE"),
+        "{first:?}"
+    );
+    assert_eq!(second.status_code, 0, "{second:?}");
+    let headers = received_headers(&sink, id).await;
+    assert_eq!(headers["traceparent"], second.traceparent());
+    sink.finish(relay, table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsampled_context_records_nothing_but_propagates() {
+    let receiver = OtlpReceiver::start().await;
+    let (table, rabbit) = table_and_exchange("trace_unsampled").await;
+    // Configured by the standard variables alone.
+    let relay = RelayBuilder::for_test(&table, &rabbit, "trace_unsampled")
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.endpoint())
+        .env("OTEL_SERVICE_NAME", "from-otel-env")
+        .env("OTEL_BSP_SCHEDULE_DELAY", "200")
+        .spawn();
+    let unsampled = NewRow::new("order", Some("u-1"), "created", json!({}))
+        .headers(json!({"traceparent": traceparent("00")}));
+    let id = table.insert_one(unsampled).await;
+    let headers = rabbit.wait_for_delivery(id, WAIT).await.headers();
+    let tp = &headers["traceparent"];
+    let parts: Vec<&str> = tp.split('-').collect();
+    assert_eq!(parts.len(), 4, "{tp}");
+    assert_eq!((parts[0], parts[1], parts[3]), ("00", TRACE, "00"), "{tp}");
+    assert_ne!(
+        parts[2], PARENT_SPAN,
+        "the relay's span, not the row's: {tp}"
+    );
+
+    // A sampled row published after it: once its span arrived, the unsampled one would have.
+    let marker = table
+        .insert_one(NewRow::new("order", Some("u-2"), "created", json!({})))
+        .await;
+    let marker_span = span_of(&receiver, marker).await;
+    assert_eq!(marker_span.service_name, "from-otel-env");
+    assert!(
+        receiver
+            .spans_with("messaging.message.id", &id.to_string())
+            .is_empty()
+    );
+    assert!(receiver.spans().iter().all(|s| s.trace_id != TRACE));
+    common::finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tracing_off_leaves_the_rows_headers_as_they_are() {
+    let (table, rabbit) = table_and_exchange("trace_off").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "trace_off").spawn();
+    let row_headers = json!({"traceparent": traceparent("01"), "tracestate": "vendor=abc", "n": 1});
+    let id = table
+        .insert_one(
+            NewRow::new("order", Some("x"), "created", json!({})).headers(row_headers.clone()),
+        )
+        .await;
+    let headers = rabbit.wait_for_delivery(id, WAIT).await.headers();
+    let row: BTreeMap<String, String> = common::expected_row_headers(&row_headers);
+    let sent: BTreeMap<String, String> = headers
+        .into_iter()
+        .filter(|(k, _)| !k.starts_with("cloudEvents:"))
+        .collect();
+    assert_eq!(sent, row);
+    common::finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collector_down_during_a_drain_loses_no_row() {
+    let mut receiver = OtlpReceiver::start().await;
+    let (table, rabbit) = table_and_exchange("trace_collector_down").await;
+    let metrics = free_port();
+    let relay = traced(
+        RelayBuilder::for_test(&table, &rabbit, "trace_down"),
+        &receiver,
+    )
+    .set("metrics.listen", format!("127.0.0.1:{metrics}"))
+    .spawn();
+    let first = table
+        .insert_one(NewRow::new("order", Some("d-0"), "created", json!({})))
+        .await;
+    span_of(&receiver, first).await;
+
+    // The collector goes away for 10 s while rows keep coming.
+    receiver.stop().await;
+    let writer = spawn_paced_writer(&table.name, 20, 100, Duration::from_millis(500), |r, i| {
+        NewRow::new(
+            "order",
+            Some(&format!("d-{}", i % 20)),
+            "created",
+            json!({"r": r, "i": i}),
+        )
+    });
+    let dropped = wait_for_sample(
+        metrics,
+        WAIT,
+        "outbox_trace_spans_dropped_total",
+        &[("reason", "export_failed")],
+        |v| v > 0.0,
+    )
+    .await;
+    assert!(dropped > 0.0);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    receiver.restart().await;
+    let ids = writer.await.unwrap();
+    assert_eq!(ids.len(), 2000);
+    rabbit.wait_for_ids(&ids, WAIT).await;
+    table.wait_all_sent(WAIT).await;
+    assert_eq!(
+        relay.log_count("trace spans are being dropped"),
+        1,
+        "one warning for the whole outage"
+    );
+
+    // Export works again.
+    let after = table
+        .insert_one(NewRow::new("order", Some("d-after"), "created", json!({})))
+        .await;
+    span_of(&receiver, after).await;
+    let text = scrape(metrics).await.unwrap();
+    let failed = sample(
+        &text,
+        "outbox_trace_spans_dropped_total",
+        &[("reason", "export_failed")],
+    );
+    assert!(failed.unwrap_or(0.0) >= dropped);
+    relay
+        .wait_for_log("trace export works again", 1, WAIT)
+        .await;
+    common::finish(relay, table, rabbit).await;
+}
