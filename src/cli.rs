@@ -149,7 +149,7 @@ pub async fn check(config: &Config) -> Result<()> {
             }
         }
     }
-    let publisher = outbox_relay::build_publisher(config);
+    let publisher = outbox_relay::publish::build(config);
     match tokio::time::timeout(std::time::Duration::from_secs(15), publisher.connect()).await {
         Ok(Ok(())) => println!("broker: ok ({})", publisher.describe()),
         Ok(Err(e)) => {
@@ -179,7 +179,9 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
     if let Err(e) = t.store.ping().await {
         return Err(format!("database: FAILED ({url}): {e}"));
     }
-    let plan = outbox_relay::plan_schema(&t.store, auto_migrate)
+    let plan = t
+        .store
+        .plan_schema(auto_migrate)
         .await
         .map_err(|e| format!("database: reachable, but {e}"))?;
     if !plan.table_exists {

@@ -74,7 +74,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{Config, PublisherConfig};
+use crate::config::Config;
 use crate::outbox::Outbox;
 use crate::publish::Publisher;
 use crate::store::{Store, StoreError};
@@ -103,60 +103,6 @@ pub enum RunError {
     },
 }
 
-/// Builds the configured publisher (not yet connected). One publisher serves every outbox:
-/// each publish names its outbox's envelope.
-pub fn build_publisher(config: &Config) -> Arc<dyn Publisher> {
-    match &config.publisher {
-        PublisherConfig::RabbitMq(c) => {
-            Arc::new(publish::rabbitmq::RabbitMqPublisher::new(c.clone()))
-        }
-        PublisherConfig::Kafka(c) => {
-            // One producer serves every outbox: pipelined (ordered) if any outbox is.
-            let ordering = if config
-                .outboxes
-                .iter()
-                .any(|o| o.ordering == config::Ordering::Aggregate)
-            {
-                config::Ordering::Aggregate
-            } else {
-                config::Ordering::None
-            };
-            Arc::new(publish::kafka::KafkaPublisher::for_ordering(
-                c.clone(),
-                ordering,
-            ))
-        }
-        PublisherConfig::Stdout => Arc::new(publish::stdout::StdoutPublisher::new()),
-        PublisherConfig::Nats(c) => Arc::new(publish::nats::NatsPublisher::new(
-            c.clone(),
-            config.relay.max_in_flight,
-        )),
-        PublisherConfig::Redis(c) => Arc::new(publish::redis::RedisPublisher::new(c.clone())),
-        PublisherConfig::Http(c) => Arc::new(publish::http::HttpPublisher::new(c.clone())),
-    }
-}
-
-/// The envelope of `outbox`'s messages: its source and route (or the publisher's), the
-/// payload type found in its table, and the `[signing]` key.
-pub fn envelope(
-    config: &Config,
-    outbox: &config::OutboxConfig,
-    payload_kind: message::PayloadKind,
-) -> publish::envelope::EnvelopeConfig {
-    publish::envelope::EnvelopeConfig {
-        route: outbox
-            .route
-            .clone()
-            .unwrap_or_else(|| config.publisher.route()),
-        source: outbox.source.clone(),
-        payload_kind,
-        signer: config
-            .signing
-            .as_ref()
-            .map(|s| Arc::new(signing::Signer::new(&s.key_id, &s.key))),
-    }
-}
-
 /// Runs the relay until `shutdown` is cancelled, then drains within `relay.shutdown_timeout`.
 ///
 /// A database may be down at start or at any time: the relay waits and reconnects. Only
@@ -166,7 +112,7 @@ pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), RunE
     run_with(config, None, shutdown).await
 }
 
-/// Makes the publisher (instead of [`build_publisher`]).
+/// Makes the publisher (instead of [`publish::build`]).
 pub type PublisherFactory = Box<dyn FnOnce() -> Arc<dyn Publisher> + Send>;
 
 /// [`run`] with the publisher supplied by the caller instead of built from the configuration
@@ -198,7 +144,7 @@ pub async fn run_with(
 
     let publisher = match publisher {
         Some(make) => make(),
-        None => build_publisher(&config),
+        None => publish::build(&config),
     };
     tracing::info!(
         instance = %config.relay.instance_id,
@@ -276,34 +222,4 @@ pub async fn run_with(
     }
     tracing::info!("outbox-relay stopped");
     Ok(())
-}
-
-/// The start-up decision about the schema, shared by `run` (which acts on it) and `check`
-/// (which reports it): a missing table is fine when `database.auto_migrate` will create it,
-/// and an error naming the fix otherwise.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SchemaPlan {
-    /// The table exists now.
-    pub table_exists: bool,
-    /// Schema versions start-up applies (empty without `auto_migrate`).
-    pub apply: Vec<i32>,
-}
-
-/// Decides what start-up does about the schema; an error when `run` could not start.
-pub async fn plan_schema(store: &Store, auto_migrate: bool) -> Result<SchemaPlan, StoreError> {
-    let state = store.schema_state().await?;
-    if !state.table_exists && !auto_migrate {
-        return Err(StoreError::Schema(format!(
-            "table {} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true",
-            store.table()
-        )));
-    }
-    Ok(SchemaPlan {
-        table_exists: state.table_exists,
-        apply: if auto_migrate {
-            state.pending
-        } else {
-            Vec::new()
-        },
-    })
 }

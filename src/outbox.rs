@@ -15,6 +15,7 @@ use crate::backoff::Backoff;
 use crate::config::{Config, OutboxConfig};
 use crate::message::PayloadKind;
 use crate::publish::Publisher;
+use crate::publish::envelope::EnvelopeConfig;
 use crate::relay::{LoopSettings, Relay, RelayParts};
 use crate::store::{Store, StoreError};
 use crate::tasks::lease::Held;
@@ -126,7 +127,7 @@ impl Outbox {
         let mut relay = config.relay.clone();
         relay.ordering = outbox.ordering;
         relay.source = outbox.source.clone();
-        let envelope = crate::envelope(config, &outbox, payload_kind);
+        let envelope = EnvelopeConfig::for_outbox(config, &outbox, payload_kind);
         let engine = Relay::new(RelayParts {
             store,
             publisher: shared.publisher,
@@ -163,7 +164,7 @@ async fn prepare(
     let mut backoff = Backoff::session();
     loop {
         let attempt = async {
-            let plan = crate::plan_schema(store, config.database.auto_migrate).await?;
+            let plan = store.plan_schema(config.database.auto_migrate).await?;
             if !plan.apply.is_empty() {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {

@@ -4,6 +4,7 @@
 use chrono::SecondsFormat;
 use serde_json::Value;
 
+use crate::config::{Config, OutboxConfig};
 use crate::message::{OutboxMessage, PayloadKind};
 use crate::template::{Fields, Template};
 
@@ -21,6 +22,25 @@ pub struct EnvelopeConfig {
     pub payload_kind: PayloadKind,
     /// Signs every message when `[signing]` is configured.
     pub signer: Option<std::sync::Arc<crate::signing::Signer>>,
+}
+
+impl EnvelopeConfig {
+    /// The envelope of `outbox`'s messages: its source and route (or the publisher's), the
+    /// payload type found in its table, and the `[signing]` key.
+    pub fn for_outbox(config: &Config, outbox: &OutboxConfig, payload_kind: PayloadKind) -> Self {
+        Self {
+            route: outbox
+                .route
+                .clone()
+                .unwrap_or_else(|| config.publisher.route()),
+            source: outbox.source.clone(),
+            payload_kind,
+            signer: config
+                .signing
+                .as_ref()
+                .map(|s| std::sync::Arc::new(crate::signing::Signer::new(&s.key_id, &s.key))),
+        }
+    }
 }
 
 /// CloudEvents `time`: `created_at` in RFC 3339 with microseconds, UTC (`Z`).

@@ -13,10 +13,41 @@ pub mod rabbitmq;
 pub mod redis;
 pub mod stdout;
 
+use std::sync::Arc;
+
 use async_trait::async_trait;
 
+use crate::config::{Config, Ordering, PublisherConfig};
 use crate::message::OutboxMessage;
 use crate::publish::envelope::EnvelopeConfig;
+
+/// Builds the configured publisher (not yet connected). One publisher serves every outbox:
+/// each publish names its outbox's envelope.
+pub fn build(config: &Config) -> Arc<dyn Publisher> {
+    match &config.publisher {
+        PublisherConfig::RabbitMq(c) => Arc::new(rabbitmq::RabbitMqPublisher::new(c.clone())),
+        PublisherConfig::Kafka(c) => {
+            // One producer serves every outbox: pipelined (ordered) if any outbox is.
+            let ordering = if config
+                .outboxes
+                .iter()
+                .any(|o| o.ordering == Ordering::Aggregate)
+            {
+                Ordering::Aggregate
+            } else {
+                Ordering::None
+            };
+            Arc::new(kafka::KafkaPublisher::for_ordering(c.clone(), ordering))
+        }
+        PublisherConfig::Stdout => Arc::new(stdout::StdoutPublisher::new()),
+        PublisherConfig::Nats(c) => Arc::new(nats::NatsPublisher::new(
+            c.clone(),
+            config.relay.max_in_flight,
+        )),
+        PublisherConfig::Redis(c) => Arc::new(redis::RedisPublisher::new(c.clone())),
+        PublisherConfig::Http(c) => Arc::new(http::HttpPublisher::new(c.clone())),
+    }
+}
 
 /// The result of publishing one message.
 #[derive(Debug, Clone, PartialEq, Eq)]

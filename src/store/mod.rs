@@ -25,7 +25,7 @@ pub use claim::{Claim, Expired, ExpirySweep, FailOutcome, Failure, WriterSnapsho
 pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
 pub use maintenance::TableHealth;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
-pub use schema::SchemaState;
+pub use schema::{SchemaPlan, SchemaState};
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`), whose
 /// pgbench ceiling replays them outside the relay. Behind the `bench` feature, which only the

@@ -415,6 +415,39 @@ impl Store {
     }
 }
 
+/// The start-up decision about the schema, shared by `run` (which acts on it) and `check`
+/// (which reports it): a missing table is fine when `database.auto_migrate` will create it,
+/// and an error naming the fix otherwise.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchemaPlan {
+    /// The table exists now.
+    pub table_exists: bool,
+    /// Schema versions start-up applies (empty without `auto_migrate`).
+    pub apply: Vec<i32>,
+}
+
+impl Store {
+    /// Decides what start-up does about the schema; an error when `run` could not start.
+    pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
+        let store = self;
+        let state = store.schema_state().await?;
+        if !state.table_exists && !auto_migrate {
+            return Err(StoreError::Schema(format!(
+                "table {} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true",
+                store.table()
+            )));
+        }
+        Ok(SchemaPlan {
+            table_exists: state.table_exists,
+            apply: if auto_migrate {
+                state.pending
+            } else {
+                Vec::new()
+            },
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -105,7 +105,7 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
             cfg.publisher.kind()
         );
     };
-    let envelope = outbox_relay::envelope(&cfg, &cfg.outboxes[0], PayloadKind::Json);
+    let envelope = EnvelopeConfig::for_outbox(&cfg, &cfg.outboxes[0], PayloadKind::Json);
     let as_the_relay = Props::AsTheRelay {
         envelope: &envelope,
         prefix: rabbitmq.cloudevents_prefix.as_str(),
@@ -131,7 +131,7 @@ enum Broker {
     Kafka,
 }
 
-/// One publisher ceiling: the relay's own publisher for `broker` (as `build_publisher` makes
+/// One publisher ceiling: the relay's own publisher for `broker` (as `publish::build` makes
 /// it, `ordering = "none"`), every message, ≤1000 in flight.
 async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]) -> Result<()> {
     let n = msgs.len();
@@ -162,8 +162,8 @@ async fn publisher_ceiling(ctx: &mut Ctx, broker: Broker, msgs: &[OutboxMessage]
             }
         }
     })?;
-    let p = outbox_relay::build_publisher(&cfg);
-    let envelope = outbox_relay::envelope(&cfg, &cfg.outboxes[0], PayloadKind::Json);
+    let p = outbox_relay::publish::build(&cfg);
+    let envelope = EnvelopeConfig::for_outbox(&cfg, &cfg.outboxes[0], PayloadKind::Json);
     p.connect().await.map_err(|e| anyhow!("{e}"))?;
     ctx.progress(format!("broker: {name}, {n} messages, ≤1000 in flight"));
     let sentinel = ctx.sentinel().await;
