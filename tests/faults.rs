@@ -16,8 +16,8 @@
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind (numbers
 //!    beyond i64/u64/f64 kept exact), headers that are not an object, names and routing keys
 //!    over AMQP's 255 bytes, a `bytea` payload of arbitrary bytes, a message over RabbitMQ's
-//!    `max_message_size`, Kafka topics that cannot exist, and a 10,000-row aggregate ahead of
-//!    50 small ones.
+//!    `max_message_size`, Kafka topics that cannot exist, a Kafka produce batch the broker
+//!    rejects for one record in it, and a 10,000-row aggregate ahead of 50 small ones.
 //! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
 //!    tests' dev-dependency turns on) under a supervisor that restarts it: dead-lettered after
 //!    `retry.max_attempts` crash cycles, its batch-mates sent, each charged for one crash at most.
@@ -47,12 +47,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use common::kafka::{KAFKA, create_topic, finish_topics, kafka_relay, read_ids, topic_name};
+use common::kafka::{KAFKA, Tansu, create_topic, finish_topics, kafka_relay, read_ids, topic_name};
 use common::{
     AMQP_URL, Analysis, DurableQueue, Inserted, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
-    RelayBuilder, RelayProcess, RowState, TestTable, analyse, assert_none, drop_both, finish, hex8,
-    insert_rows, listening_addrs, local, not_sent_once, pg_connect, scrape, spawn_steady_writer,
-    table_and_exchange, wait_for_count, wait_until,
+    RelayBuilder, RelayProcess, RowState, TempDir, TestTable, analyse, assert_none, drop_both,
+    finish, free_port, hex8, insert_rows, listening_addrs, local, not_sent_once, pg_connect,
+    scrape, spawn_steady_writer, table_and_exchange, wait_for_count, wait_until,
 };
 use lapin::{Connection, ConnectionProperties};
 use rand::seq::SliceRandom;
@@ -1114,6 +1114,71 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     let fault = "kafka-invalid-topics";
     summary(fault, poisons.len(), all.len(), &analysis, &note);
     finish_topics(relay, table, &[&topic]).await;
+}
+
+/// A broker rejects a whole produce batch for one record in it: a private tansu that validates
+/// every record of a batch against the topic's JSON schema and answers INVALID_RECORD for the
+/// batch when one does not conform. The rows of other aggregates batched with it (a 100 ms
+/// linger puts them together) are sent on their first attempt; only the offending row spends
+/// one (and, with one attempt allowed, is dead-lettered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_batch_rejected_for_one_record_charges_only_that_record() {
+    let _shared = SERVICES.read().await;
+    let dir = TempDir::new("kafka-schema");
+    let topic = topic_name("fbatch");
+    let schema =
+        r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["ok"]}}}"#;
+    dir.write(&format!("{topic}.json"), schema);
+    let port = free_port();
+    let registry = format!("file://{}", dir.path().display());
+    let log = dir.path().join("tansu.log");
+    let extra = ["--schema-registry", registry.as_str()];
+    let tansu = Tansu::start_with(port, local(port), &log, &extra).await;
+    let broker = tansu.direct();
+    create_topic(&broker, &topic).await;
+    let table = TestTable::new("f_kafka_batch").await;
+    let mut rows: Vec<NewRow> = (0..20)
+        .map(|i| {
+            let aggregate = format!("a{i}");
+            NewRow::new("kb", Some(&aggregate), "e", json!({"ok": true, "i": i}))
+        })
+        .collect();
+    rows.insert(10, NewRow::new("kb", Some("bad"), "e", json!({"i": "bad"})));
+    let ids = table.insert_ids(&rows).await;
+    let bad = ids[10];
+    let config = dir.write(
+        "linger.toml",
+        "[publisher.kafka.properties]\n\"linger.ms\" = \"100\"\n",
+    );
+    let config = config.to_str().unwrap().to_owned();
+    let relay = kafka_relay(&table, &broker, &topic, "kafka-batch")
+        .set("retry.max_attempts", "1")
+        .spawn_with(&["--config", &config, "run"]);
+    let what = "the offending row dead-lettered, the others sent";
+    let done = |c: &Counts| c["failed"] == 1 && c["sent"] == 20;
+    table.wait_for_counts(secs(60), what, done).await;
+    let all = table.rows().await;
+    let (failed, good): (Vec<RowState>, Vec<RowState>) = all.into_iter().partition(|r| r.id == bad);
+    assert_eq!(failed[0].status, "failed", "{failed:?}");
+    assert_none("good rows not sent once", &not_sent_once(&good));
+    // The scenario happened: some good row shared the offending row's batch.
+    let alone = relay.log_count("published alone, it was accepted");
+    assert!(
+        alone > 0,
+        "no batch-mate was rejected with it:\n{}",
+        relay.stderr()
+    );
+    let note = format!("batch_mates_published_alone={alone}");
+    summary(
+        "kafka-batch-rejected",
+        1,
+        good.len() + 1,
+        &Analysis::default(),
+        &note,
+    );
+    relay.stop().await;
+    table.drop_table().await;
+    drop(tansu);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
