@@ -114,8 +114,9 @@ impl Outbox {
             lease::lease_loop(s, m, h, lease_timeout, retry, w, token)
         });
         let (s, m, clean_waiters) = (store.clone(), metrics.clone(), waiter.is_some());
+        let ordering = outbox.ordering;
         tasks.spawn(name("backlog"), move |token| {
-            backlog::backlog_loop(s, m, clean_waiters, token)
+            backlog::backlog_loop(s, m, ordering, clean_waiters, token)
         });
         if !config.cleanup.retention.is_zero() {
             let (s, cfg) = (store.clone(), config.cleanup.clone());

@@ -546,3 +546,112 @@ async fn cloudevents_prefix_names_the_headers_for_each_consumer_convention() {
     }
     drop_both(table, rabbit).await;
 }
+
+/// Row headers named like headers the relay sets itself (CloudEvents attribute headers in any
+/// letter case, Kafka's `content-type`) on rows with and without an aggregate: every message
+/// carries the relay's header once with the relay's value, the row's other headers (a
+/// CloudEvents extension the relay does not set among them) as they are, and the relay warns
+/// once per colliding name, however many rows carry it (contract §4).
+async fn colliding_row_headers(transport: Transport) {
+    let (prefix, test) = match transport {
+        Transport::RabbitMq => ("cloudEvents:", "hdr_collide_amqp"),
+        Transport::Kafka => ("ce_", "hdr_collide_kafka"),
+    };
+    let mut headers = serde_json::Map::new();
+    headers.insert(format!("{prefix}id"), json!("spoofed-id"));
+    headers.insert(format!("{prefix}SUBJECT"), json!("spoofed-subject"));
+    headers.insert(format!("{prefix}extension"), json!("kept"));
+    headers.insert("custom".to_owned(), json!("kept"));
+    let mut colliding = 2;
+    if transport == Transport::Kafka {
+        headers.insert("Content-Type".to_owned(), json!("text/plain"));
+        colliding += 1;
+    }
+    let rows: Vec<NewRow> = [Some("o-1"), Some("o-2"), None, Some("o-1")]
+        .into_iter()
+        .map(|a| NewRow::new("order", a, "order.created", json!({"n": 1})))
+        .map(|r| r.headers(Value::Object(headers.clone())))
+        .collect();
+    let table = TestTable::new(test).await;
+    let sink = Sink::new(transport, test, "#", &["order"]).await;
+    let relay = sink.relay(&table, test).spawn();
+    let ids = table.insert_ids(&rows).await;
+    table.wait_all_sent(LONG).await;
+    sink.wait_received(LONG).await;
+    // (message id or key, headers in wire order) of each message.
+    type Received = Vec<(String, Vec<(String, Option<String>)>)>;
+    let received: Received = match &sink {
+        Sink::RabbitMq(rabbit) => rabbit
+            .deliveries()
+            .into_iter()
+            .map(|d| {
+                let headers = d.headers().into_iter().map(|(k, v)| (k, Some(v)));
+                (d.message_id.clone(), headers.collect())
+            })
+            .collect(),
+        Sink::Kafka { consumer, .. } => consumer
+            .records()
+            .into_iter()
+            .map(|r| (r.key.clone().unwrap_or_default(), r.headers))
+            .collect(),
+    };
+    assert_eq!(received.len(), ids.len(), "{received:?}");
+    let mut problems = Vec::new();
+    for (row, id) in rows.iter().zip(&ids) {
+        let want_id = id.to_string();
+        // The message of this row: by message id on RabbitMQ; on Kafka by the one `ce_id`
+        // that carries the row's id (the key is the aggregate).
+        let Some((_, got)) = received.iter().find(|(mid, h)| {
+            *mid == want_id
+                || h.iter()
+                    .any(|(k, v)| k == "ce_id" && *v == Some(want_id.clone()))
+        }) else {
+            problems.push(format!("row {id} not received"));
+            continue;
+        };
+        let named = |name: &str| -> Vec<Option<String>> {
+            let hits = got.iter().filter(|(k, _)| k.eq_ignore_ascii_case(name));
+            hits.map(|(_, v)| v.clone()).collect()
+        };
+        let subject = row.aggregate_id.clone();
+        for (name, want) in [
+            (format!("{prefix}id"), vec![Some(want_id.clone())]),
+            (
+                format!("{prefix}subject"),
+                subject.into_iter().map(Some).collect(),
+            ),
+            (format!("{prefix}extension"), vec![Some("kept".to_owned())]),
+            ("custom".to_owned(), vec![Some("kept".to_owned())]),
+        ] {
+            expect(&mut problems, &format!("{id} {name}"), named(&name), want);
+        }
+        if transport == Transport::Kafka {
+            let want = vec![Some(JSON.to_owned())];
+            expect(
+                &mut problems,
+                &format!("{id} content-type"),
+                named("content-type"),
+                want,
+            );
+        }
+    }
+    assert_none("messages with colliding row headers", &problems);
+    let warned = relay.log_count("named like one the relay sets itself");
+    assert_eq!(
+        warned,
+        colliding,
+        "one warning per colliding name:\n{}",
+        relay.stderr()
+    );
+    sink.finish(relay, table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_row_headers_named_like_ours_are_dropped_with_one_warning_per_name() {
+    colliding_row_headers(Transport::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_row_headers_named_like_ours_are_dropped_with_one_warning_per_name() {
+    colliding_row_headers(Transport::Kafka).await;
+}

@@ -16,8 +16,8 @@
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind (numbers
 //!    beyond i64/u64/f64 kept exact), headers that are not an object, names and routing keys
 //!    over AMQP's 255 bytes, a `bytea` payload of arbitrary bytes, a message over RabbitMQ's
-//!    `max_message_size`, Kafka topics that cannot exist, and a 10,000-row aggregate ahead of
-//!    50 small ones.
+//!    `max_message_size`, Kafka topics that cannot exist, a Kafka produce batch the broker
+//!    rejects for one record in it, and a 10,000-row aggregate ahead of 50 small ones.
 //! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
 //!    tests' dev-dependency turns on) under a supervisor that restarts it: dead-lettered after
 //!    `retry.max_attempts` crash cycles, its batch-mates sent, each charged for one crash at most.
@@ -47,12 +47,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use common::kafka::{KAFKA, create_topic, finish_topics, kafka_relay, read_ids, topic_name};
+use common::kafka::{KAFKA, Tansu, create_topic, finish_topics, kafka_relay, read_ids, topic_name};
 use common::{
     AMQP_URL, Analysis, DurableQueue, Inserted, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
-    RelayBuilder, RelayProcess, RowState, TestTable, analyse, assert_none, drop_both, finish, hex8,
-    insert_rows, local, not_sent_once, pg_connect, scrape, spawn_steady_writer, table_and_exchange,
-    wait_for_count, wait_until,
+    RelayBuilder, RelayProcess, RowState, TempDir, TestTable, analyse, assert_none, drop_both,
+    finish, free_port, hex8, insert_rows, listening_addrs, local, not_sent_once, pg_connect,
+    scrape, spawn_steady_writer, table_and_exchange, wait_for_count, wait_until,
 };
 use lapin::{Connection, ConnectionProperties};
 use rand::seq::SliceRandom;
@@ -1116,6 +1116,71 @@ async fn kafka_rows_for_invalid_topics_dead_letter_alone() {
     finish_topics(relay, table, &[&topic]).await;
 }
 
+/// A broker rejects a whole produce batch for one record in it: a private tansu that validates
+/// every record of a batch against the topic's JSON schema and answers INVALID_RECORD for the
+/// batch when one does not conform. The rows of other aggregates batched with it (a 100 ms
+/// linger puts them together) are sent on their first attempt; only the offending row spends
+/// one (and, with one attempt allowed, is dead-lettered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_batch_rejected_for_one_record_charges_only_that_record() {
+    let _shared = SERVICES.read().await;
+    let dir = TempDir::new("kafka-schema");
+    let topic = topic_name("fbatch");
+    let schema =
+        r#"{"type": "object", "properties": {"value": {"type": "object", "required": ["ok"]}}}"#;
+    dir.write(&format!("{topic}.json"), schema);
+    let port = free_port();
+    let registry = format!("file://{}", dir.path().display());
+    let log = dir.path().join("tansu.log");
+    let extra = ["--schema-registry", registry.as_str()];
+    let tansu = Tansu::start_with(port, local(port), &log, &extra).await;
+    let broker = tansu.direct();
+    create_topic(&broker, &topic).await;
+    let table = TestTable::new("f_kafka_batch").await;
+    let mut rows: Vec<NewRow> = (0..20)
+        .map(|i| {
+            let aggregate = format!("a{i}");
+            NewRow::new("kb", Some(&aggregate), "e", json!({"ok": true, "i": i}))
+        })
+        .collect();
+    rows.insert(10, NewRow::new("kb", Some("bad"), "e", json!({"i": "bad"})));
+    let ids = table.insert_ids(&rows).await;
+    let bad = ids[10];
+    let config = dir.write(
+        "linger.toml",
+        "[publisher.kafka.properties]\n\"linger.ms\" = \"100\"\n",
+    );
+    let config = config.to_str().unwrap().to_owned();
+    let relay = kafka_relay(&table, &broker, &topic, "kafka-batch")
+        .set("retry.max_attempts", "1")
+        .spawn_with(&["--config", &config, "run"]);
+    let what = "the offending row dead-lettered, the others sent";
+    let done = |c: &Counts| c["failed"] == 1 && c["sent"] == 20;
+    table.wait_for_counts(secs(60), what, done).await;
+    let all = table.rows().await;
+    let (failed, good): (Vec<RowState>, Vec<RowState>) = all.into_iter().partition(|r| r.id == bad);
+    assert_eq!(failed[0].status, "failed", "{failed:?}");
+    assert_none("good rows not sent once", &not_sent_once(&good));
+    // The scenario happened: some good row shared the offending row's batch.
+    let alone = relay.log_count("published alone, it was accepted");
+    assert!(
+        alone > 0,
+        "no batch-mate was rejected with it:\n{}",
+        relay.stderr()
+    );
+    let note = format!("batch_mates_published_alone={alone}");
+    summary(
+        "kafka-batch-rejected",
+        1,
+        good.len() + 1,
+        &Analysis::default(),
+        &note,
+    );
+    relay.stop().await;
+    table.drop_table().await;
+    drop(tansu);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytea_payloads_arrive_byte_for_byte_as_octet_stream() {
     let _shared = SERVICES.read().await;
@@ -1617,18 +1682,16 @@ async fn the_metrics_server_binds_loopback_by_default() {
     let note = match outcome {
         Some(line) => {
             assert!(line.contains("addr=127.0.0.1:9187"), "{line}");
-            // Reachable on loopback; not on this host's other addresses.
+            // Reachable on loopback; bound there only: the relay's listening sockets, read
+            // from /proc (no packet leaves loopback to prove it).
             let text = scrape(9187).await.unwrap();
             assert!(text.contains("outbox_relay_info"), "{text}");
-            let outside = non_loopback_ip();
-            if let Some(ip) = outside {
-                let connect = tokio::net::TcpStream::connect((ip, 9187));
-                let connected = tokio::time::timeout(secs(2), connect).await;
-                let refused = connected.map_or(true, |r| r.is_err());
-                assert!(refused, "metrics reachable on {ip}:9187");
-            }
+            let bound = listening_addrs(relay.pid());
+            assert!(bound.contains(&local(9187)), "listening on {bound:?}");
+            let exposed: Vec<_> = bound.iter().filter(|a| !a.ip().is_loopback()).collect();
+            assert!(exposed.is_empty(), "listening beyond loopback: {exposed:?}");
             relay.stop().await;
-            format!("served_on=127.0.0.1:9187 refused_on={outside:?}")
+            format!("bound={bound:?}")
         }
         None => {
             let status = relay.wait_exit(secs(5)).await;
@@ -1641,12 +1704,4 @@ async fn the_metrics_server_binds_loopback_by_default() {
     };
     summary("metrics-default-bind", 0, 0, &Analysis::default(), &note);
     table.drop_table().await;
-}
-
-/// An address of this host other than loopback (the one a default route would use), if any.
-fn non_loopback_ip() -> Option<std::net::IpAddr> {
-    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
-    s.connect("192.0.2.1:9").ok()?; // no packet is sent
-    let ip = s.local_addr().ok()?.ip();
-    (!ip.is_loopback() && !ip.is_unspecified()).then_some(ip)
 }

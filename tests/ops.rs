@@ -22,7 +22,8 @@ use common::{
     finish, free_port, hex8, http_get, local, migrate_table, pg_connect, sample, scrape,
     table_and_exchange, wait_for_sample, wait_until,
 };
-use outbox_relay::config::TableName;
+use outbox_relay::config::{Ordering, TableName};
+use outbox_relay::store::Store;
 use outbox_relay::store::schema::{self, MIGRATIONS};
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
@@ -388,19 +389,96 @@ async fn lag_gauges_tell_rows_ready_now_from_rows_in_backoff() {
         state_row("invoice", None, "pending", 10.0),
     ];
     insert_states(&table, &rows).await;
-    let mut raw = outbox_relay::config::RawConfig::default();
-    raw.database.url = PG_URL.to_owned();
-    raw.database.table = Some(table.name.clone());
-    raw.metrics.listen = String::new();
-    let config = raw.validate().unwrap();
-    let store =
-        outbox_relay::store::Store::new(&config.database, &config.relay.instance_id).unwrap();
-    let b = store.backlog().await.unwrap();
+    let store = store_for(&table);
+    let b = store.backlog(Ordering::Aggregate).await.unwrap();
     let near = |got: f64, want: f64| (got - want).abs() < 5.0;
     assert_eq!((b.ready, b.waiting), (2, 1), "{b:?}");
     assert!(near(b.oldest_ready_age, 30.0), "{b:?}");
     assert!(near(b.oldest_waiting_age, 200.0), "{b:?}");
     assert!(near(b.oldest_pending_age, 500.0), "{b:?}");
+    table.drop_table().await;
+}
+
+#[tokio::test]
+async fn rows_inserted_while_the_broker_is_unreachable_show_in_the_backlog_gauges() {
+    let table = ops_table().await;
+    let (port, closed) = (free_port(), free_port());
+    // Nothing listens on `closed`: the relay never connects, so it never claims.
+    let broker = format!("amqp://guest:guest@127.0.0.1:{closed}/%2f");
+    let relay = RelayBuilder::for_table(&table, &format!("{}-relay", table.name))
+        .set("publisher.rabbitmq.url", broker)
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .spawn();
+    let ready = [("state", "ready")];
+    // The first refresh found the outbox empty; the broker is refused.
+    wait_for_sample(port, WAIT, names::PENDING, &ready, |v| v == 0.0).await;
+    relay
+        .wait_for_log("broker unavailable; not claiming rows", 1, WAIT)
+        .await;
+    let rows: Vec<NewRow> = (0..5)
+        .map(|i| event("order", Some(&format!("o{i}")), "created"))
+        .collect();
+    table.insert_ids(&rows).await;
+    // Generous against the few seconds they take, and below the 30 s an idle outbox's
+    // gauges once waited for a claim that an outage never makes.
+    let shown = Duration::from_secs(20);
+    wait_for_sample(port, shown, names::PENDING, &ready, |v| v == 5.0).await;
+    wait_for_sample(port, shown, names::OLDEST_READY_AGE, &[], |v| v > 0.0).await;
+    let untried = table.count_where("attempts = 0").await;
+    assert_eq!(untried, 5, "nothing was claimed");
+    relay.stop().await;
+    table.drop_table().await;
+}
+
+/// A store on `table` with the defaults, metrics off.
+fn store_for(table: &TestTable) -> Store {
+    let mut raw = outbox_relay::config::RawConfig::default();
+    raw.database.url = PG_URL.to_owned();
+    raw.database.table = Some(table.name.clone());
+    raw.metrics.listen = String::new();
+    let config = raw.validate().unwrap();
+    Store::new(&config.database, &config.relay.instance_id).unwrap()
+}
+
+#[tokio::test]
+async fn the_ready_age_counts_only_rows_a_claim_would_take_now() {
+    let table = ops_table().await;
+    let rows = [
+        // (A row's ready age counts from its `available_at`.) A dead letter with two followers
+        // ready for 600 s: its aggregate is blocked, nothing
+        // of it can be claimed.
+        state_row("order", Some("dead"), "failed", 900.0).failed_after(5, "rejected"),
+        state_row("order", Some("dead"), "pending", 600.0).available_in(-600.0),
+        state_row("order", Some("dead"), "pending", 600.0).available_in(-600.0),
+        // Behind a row in flight (another relay's) for 400 s: not claimable either.
+        state_row("order", Some("busy"), "processing", 450.0),
+        state_row("order", Some("busy"), "pending", 400.0).available_in(-400.0),
+        // Behind its own head backing off: that head is waiting, its follower is not claimable.
+        state_row("order", Some("slow"), "pending", 350.0).available_in(300.0),
+        state_row("order", Some("slow"), "pending", 300.0).available_in(-300.0),
+    ];
+    insert_states(&table, &rows).await;
+    let store = store_for(&table);
+    let b = store.backlog(Ordering::Aggregate).await.unwrap();
+    assert_eq!(b.oldest_ready_age, 0.0, "nothing is claimable: {b:?}");
+    assert_eq!((b.failed, b.blocked_aggregates), (1, 1), "{b:?}");
+    assert_eq!(
+        (b.ready, b.waiting),
+        (4, 1),
+        "ready counts rows not backing off: {b:?}"
+    );
+    // Without ordering every ready row is claimable: the oldest has waited 600 s.
+    let none = store.backlog(Ordering::None).await.unwrap();
+    assert!((none.oldest_ready_age - 600.0).abs() < 5.0, "{none:?}");
+
+    // A claimable row: the ready age is its own, not the blocked rows'.
+    insert_states(
+        &table,
+        &[state_row("order", Some("free"), "pending", 20.0).available_in(-20.0)],
+    )
+    .await;
+    let b = store.backlog(Ordering::Aggregate).await.unwrap();
+    assert!((b.oldest_ready_age - 20.0).abs() < 5.0, "{b:?}");
     table.drop_table().await;
 }
 

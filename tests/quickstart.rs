@@ -7,9 +7,10 @@
 //!
 //! Leftovers from earlier runs (rows in `outbox_messages`, messages in `outbox.dev`) do not
 //! matter: `tail` prints them too, and the test looks for the id of the row this run inserted.
-//! The one deviation from a user's terminal: `metrics.listen` is moved off 9187 (through its
+//! The deviations from a user's terminal: `metrics.listen` is moved off 9187 (through its
 //! `RELAY_*` variable, not by editing a command), because a relay a developer runs, or another
-//! test's, may hold that port.
+//! test's, may hold that port; and cargo runs offline (`CARGO_NET_OFFLINE`), so the test never
+//! reaches beyond loopback.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -136,6 +137,9 @@ fn shell(command: &str, metrics_port: u16) -> Command {
         cmd.env_remove(k);
     }
     cmd.env("RELAY_METRICS__LISTEN", format!("127.0.0.1:{metrics_port}"));
+    // Tests send traffic to loopback only: `cargo run` builds from what the test build already
+    // fetched, and fails rather than reaching for the registry.
+    cmd.env("CARGO_NET_OFFLINE", "true");
     cmd
 }
 

@@ -540,21 +540,42 @@ fn with_metrics_port(env: &mut Vec<(String, String)>) -> Result<u16> {
     Ok(port)
 }
 
-/// `env` as the bench may echo it (progress, JSON): the value of every variable whose name
-/// contains KEY, PASSWORD, SECRET or TOKEN (e.g. `RELAY_SIGNING__KEY`) masked.
+/// Words that mark a variable's value as a secret when its name contains one of them.
+const SECRET_WORDS: [&str; 4] = ["KEY", "PASSWORD", "SECRET", "TOKEN"];
+
+/// `value` of the variable `name` as the bench may echo it: `<masked>` when the name contains
+/// KEY, PASSWORD, SECRET or TOKEN (e.g. `RELAY_SIGNING__KEY`), otherwise the value with any URL
+/// password redacted.
+fn masked_value(name: &str, value: &str) -> String {
+    let upper = name.to_ascii_uppercase();
+    if SECRET_WORDS.iter().any(|w| upper.contains(w)) {
+        "<masked>".to_owned()
+    } else {
+        outbox_relay::redact::redact_url(value)
+    }
+}
+
+/// `env` as the bench may echo it (progress, JSON), each value through [`masked_value`].
 fn masked_env(env: &[(String, String)]) -> Vec<(String, String)> {
     env.iter()
-        .map(|(k, v)| {
-            let upper = k.to_ascii_uppercase();
-            let secret = ["KEY", "PASSWORD", "SECRET", "TOKEN"]
-                .iter()
-                .any(|w| upper.contains(w));
-            let v = if secret {
-                "<masked>".to_owned()
-            } else {
-                v.clone()
-            };
-            (k.clone(), v)
+        .map(|(k, v)| (k.clone(), masked_value(k, v)))
+        .collect()
+}
+
+/// The `--relay-env` arguments as (name, value) pairs; a rejected argument is named with its
+/// value masked as [`masked_value`] does.
+fn parse_relay_env(args: &[String]) -> Result<Vec<(String, String)>> {
+    args.iter()
+        .map(|kv| match kv.split_once('=') {
+            None => {
+                let shown = masked_value(kv, kv);
+                bail!("--relay-env {shown:?}: expected KEY=VALUE")
+            }
+            Some((k, v)) if !k.starts_with("RELAY_") => {
+                let shown = format!("{k}={}", masked_value(k, v));
+                bail!("--relay-env {shown:?}: the name must start with RELAY_")
+            }
+            Some((k, v)) => Ok((k.to_owned(), v.to_owned())),
         })
         .collect()
 }
@@ -649,16 +670,7 @@ async fn setup(args: Args) -> Result<Ctx> {
         .latency_rate
         .unwrap_or(if args.quick { 200 } else { 1000 });
     let lat_secs = args.latency_secs.unwrap_or(if args.quick { 5 } else { 10 });
-    let mut extra_env = Vec::new();
-    for kv in &args.relay_env {
-        let (k, v) = kv
-            .split_once('=')
-            .ok_or_else(|| anyhow!("--relay-env {kv:?}: expected KEY=VALUE"))?;
-        if !k.starts_with("RELAY_") {
-            bail!("--relay-env {kv:?}: the name must start with RELAY_");
-        }
-        extra_env.push((k.to_owned(), v.to_owned()));
-    }
+    let extra_env = parse_relay_env(&args.relay_env)?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let relay_bin = outbox_testkit::relay_bin();
     let needs_relay = args.only.is_empty()
@@ -991,4 +1003,54 @@ fn group_thousands(n: i64) -> String {
         out.push(c);
     }
     if n < 0 { format!("-{out}") } else { out }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{masked_env, parse_relay_env};
+
+    fn pair(k: &str, v: &str) -> (String, String) {
+        (k.to_owned(), v.to_owned())
+    }
+
+    #[test]
+    fn secret_values_are_masked_wherever_the_bench_echoes_them() {
+        let env = [
+            pair("RELAY_SIGNING__KEY", "k3y-value"),
+            pair("RELAY_SIGNING__PREVIOUS_KEYS", "old-k3y"),
+            pair("RELAY_X__PASSWORD", "pw-value"),
+            pair("RELAY_X__client_secret", "s3cret-value"),
+            pair("RELAY_X__TOKEN", "t0ken-value"),
+            pair("RELAY_RELAY__MAX_IN_FLIGHT", "4000"),
+            pair(
+                "RELAY_DATABASE__URL",
+                "postgres://app:hunter2@127.0.0.1/test",
+            ),
+        ];
+        let shown = format!("{:?}", masked_env(&env));
+        for secret in [
+            "k3y-value",
+            "old-k3y",
+            "pw-value",
+            "s3cret-value",
+            "t0ken-value",
+        ] {
+            assert!(!shown.contains(secret), "{secret} echoed: {shown}");
+        }
+        assert!(!shown.contains("hunter2"), "URL password echoed: {shown}");
+        assert!(shown.contains("\"4000\""), "plain values kept: {shown}");
+        assert!(shown.contains("app:***@127.0.0.1"), "{shown}");
+
+        let rejected = ["SIGNING_KEY=k3y-value".to_owned()];
+        let err = parse_relay_env(&rejected).unwrap_err().to_string();
+        assert!(
+            !err.contains("k3y-value") && err.contains("SIGNING_KEY"),
+            "{err}"
+        );
+        let rejected = ["RELAY_SIGNING__KEY:k3y-value".to_owned()];
+        let err = parse_relay_env(&rejected).unwrap_err().to_string();
+        assert!(!err.contains("k3y-value"), "{err}");
+        let ok = parse_relay_env(&["RELAY_A=b=c".to_owned()]).unwrap();
+        assert_eq!(ok, [pair("RELAY_A", "b=c")]);
+    }
 }

@@ -119,6 +119,81 @@ pub fn row_headers(msg: &OutboxMessage) -> (Vec<(String, String)>, Option<String
     }
 }
 
+/// The names of the CloudEvents attributes the relay may set ([`cloud_event_attributes`]):
+/// a sink reserves its header for each, whether or not this message carries it (a row's
+/// `subject` header must not stand in for the one a row without aggregate leaves out).
+pub const CLOUD_EVENT_ATTRIBUTES: [&str; 7] = [
+    "specversion",
+    "id",
+    "type",
+    "source",
+    "time",
+    "aggregatetype",
+    "subject",
+];
+
+/// How many distinct colliding header names are logged; rows cannot grow the log's memory
+/// beyond this.
+const COLLISIONS_LOGGED: usize = 256;
+
+/// Whether the header `name` is, ASCII case-insensitively, `<prefix><attribute>` for one of
+/// [`CLOUD_EVENT_ATTRIBUTES`]: the header a sink with that prefix sets for the attribute.
+pub fn is_attribute_header(name: &str, prefix: &str) -> bool {
+    name.get(..prefix.len())
+        .is_some_and(|p| p.eq_ignore_ascii_case(prefix))
+        && name.get(prefix.len()..).is_some_and(|attr| {
+            CLOUD_EVENT_ATTRIBUTES
+                .iter()
+                .any(|a| a.eq_ignore_ascii_case(attr))
+        })
+}
+
+/// The row's headers a sink sends beside its own: [`row_headers`] without those for which
+/// `is_ours` holds, the names the sink sets itself on this message (compare them ASCII
+/// case-insensitively). The relay's value wins; a dropped name is logged once per process
+/// (a warning), and a `headers` value that is not an object is logged with the row's id.
+pub fn row_headers_beside(
+    msg: &OutboxMessage,
+    is_ours: impl Fn(&str) -> bool,
+) -> Vec<(String, String)> {
+    let (mut headers, note) = row_headers(msg);
+    if let Some(note) = note {
+        tracing::warn!(id = %msg.id, "{note}");
+    }
+    headers.retain(|(name, _)| {
+        let collides = is_ours(name);
+        if collides {
+            warn_collision(msg, name);
+        }
+        !collides
+    });
+    headers
+}
+
+/// Whether `name` is the signature header and `cfg` signs (the header a signing sink sets).
+pub fn is_signature_header(name: &str, cfg: &EnvelopeConfig) -> bool {
+    cfg.signer.is_some() && name.eq_ignore_ascii_case(crate::signing::HEADER)
+}
+
+/// Warns once per process that row headers named `name` are dropped.
+fn warn_collision(msg: &OutboxMessage, name: &str) {
+    static LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut logged = LOGGED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let lower = name.to_ascii_lowercase();
+    if logged.contains(&lower) || logged.len() >= COLLISIONS_LOGGED {
+        return;
+    }
+    logged.push(lower);
+    tracing::warn!(
+        header = %name,
+        id = %msg.id,
+        "a row header is named like one the relay sets itself; the relay's value is sent and \
+         the row's dropped (logged once per header name)"
+    );
+}
+
 fn json_kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -189,6 +264,34 @@ pub(crate) mod tests {
             ]
         );
         assert!(note.is_none());
+    }
+
+    #[test]
+    fn row_headers_named_like_ours_are_dropped_and_ours_win() {
+        let m = message(
+            r#"{"ce_id":"spoof","CE_Type":"x","ce_other":"ext","outbox-signature":"forged","keep":"1"}"#,
+        );
+        let ours = |name: &str| is_attribute_header(name, "ce_") || name == "content-type";
+        let mut kept = row_headers_beside(&m, ours);
+        kept.sort();
+        let names: Vec<&str> = kept.iter().map(|(k, _)| k.as_str()).collect();
+        // A `ce_` extension the relay does not set passes; so does a signature header when
+        // the sink does not sign.
+        assert_eq!(names, ["ce_other", "keep", "outbox-signature"]);
+        let mut cfg = EnvelopeConfig {
+            source: "/s".into(),
+            payload_kind: PayloadKind::Json,
+            signer: None,
+            route: Template::parse("r").unwrap(),
+        };
+        assert!(!is_signature_header("outbox-signature", &cfg));
+        cfg.signer = Some(std::sync::Arc::new(crate::signing::Signer::new(
+            "k", &[1u8; 32],
+        )));
+        assert!(is_signature_header("Outbox-Signature", &cfg));
+        assert!(is_attribute_header("cloudEvents:subject", "cloudEvents:"));
+        assert!(!is_attribute_header("cloudEvents:", "cloudEvents:"));
+        assert!(!is_attribute_header("ce", "ce_"));
     }
 
     #[test]

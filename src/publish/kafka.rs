@@ -20,6 +20,12 @@
 //!   one producer takes a whole stretch of a run: if it is replaced while the stretch is being
 //!   queued, the rest of the stretch is refused and handed back.
 //!
+//! The broker answers a produce request per partition batch: a record it rejects (too large
+//! for the topic, invalid for its schema) fails every record batched with it, of any
+//! aggregate. A record rejected that way is published again alone, one record to a batch on a
+//! separate solo producer, and that answer is its own: only the record at fault spends an
+//! attempt.
+//!
 //! Each producer has a generation. What a replaced producer still reports (its purged records,
 //! the timeouts of records it held, the fatal error its purge raises) is handed back like any
 //! connection-level outcome but says nothing about its successor: it never marks the broker
@@ -167,6 +173,44 @@ pub struct KafkaPublisher {
     /// Some outbox has `ordering = "aggregate"`: runs are pipelined, librdkafka has no
     /// message timeout and the relay enforces `message_timeout` (see the module docs).
     ordered: bool,
+    /// The producer that publishes a record alone, one record to a batch, when the broker
+    /// rejected the batch it was in ([`KafkaPublisher::judged_alone`]); created on first use.
+    solo: Mutex<Option<FutureProducer<Context>>>,
+}
+
+/// A delivery report: its outcome, and whether the broker's verdict may be about another
+/// record of the same produce batch.
+struct Reported {
+    outcome: Outcome,
+    batch_wide: bool,
+}
+
+impl From<Outcome> for Reported {
+    fn from(outcome: Outcome) -> Self {
+        Self {
+            outcome,
+            batch_wide: false,
+        }
+    }
+}
+
+/// Whether the broker returns `err` for a whole produce batch (the records of one partition
+/// sent in one request) when one record is the cause: a record too large for the topic, one
+/// the broker finds invalid (a schema, a compacted topic's missing key), a policy. The other
+/// records of the batch are not at fault and must not spend an attempt.
+fn batch_wide(err: &KafkaError) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        err.rdkafka_error_code(),
+        Some(
+            C::MessageSizeTooLarge
+                | C::InvalidMessageSize
+                | C::InvalidMessage
+                | C::InvalidRecord
+                | C::PolicyViolation
+                | C::UnsupportedForMessageFormat
+        )
+    )
 }
 
 /// The producer in use and its generation.
@@ -198,6 +242,7 @@ impl KafkaPublisher {
             replace: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(()),
             ordered: false,
+            solo: Mutex::new(None),
         }
     }
 
@@ -340,37 +385,133 @@ impl KafkaPublisher {
         &self,
         (delivery, generation): (DeliveryFuture, u64),
         queued: Instant,
-    ) -> Outcome {
+    ) -> Reported {
         if !self.ordered {
             return self.delivered(delivery.await, generation);
         }
         let deadline = tokio::time::Instant::from_std(queued + self.cfg.message_timeout);
-        let outcome = match tokio::time::timeout_at(deadline, delivery).await {
+        let reported = match tokio::time::timeout_at(deadline, delivery).await {
             Ok(report) => self.delivered(report, generation),
             Err(_) => Outcome::Unavailable(format!(
                 "no delivery report within {} (publisher.kafka.message_timeout)",
                 humantime::format_duration(self.cfg.message_timeout)
-            )),
+            ))
+            .into(),
         };
-        if matches!(outcome, Outcome::Unavailable(_)) {
+        if matches!(reported.outcome, Outcome::Unavailable(_)) {
             self.note(generation, false, true);
         }
-        outcome
+        reported
     }
 
     /// The outcome of a delivery report from the producer of `generation`.
-    fn delivered(&self, report: Result<OwnedDeliveryResult, Canceled>, generation: u64) -> Outcome {
+    fn delivered(
+        &self,
+        report: Result<OwnedDeliveryResult, Canceled>,
+        generation: u64,
+    ) -> Reported {
         match report {
             Ok(Ok(_)) => {
                 self.note(generation, true, false);
-                Outcome::Confirmed
+                Outcome::Confirmed.into()
             }
-            Ok(Err((err, _))) => self.failed(&err, generation),
+            Ok(Err((err, _))) => {
+                let outcome = self.failed(&err, generation);
+                let batch_wide = matches!(outcome, Outcome::Rejected(_)) && batch_wide(&err);
+                Reported {
+                    outcome,
+                    batch_wide,
+                }
+            }
             Err(Canceled) => {
                 self.note(generation, false, false);
-                Outcome::Unavailable("the producer went away before reporting".to_owned())
+                Outcome::Unavailable("the producer went away before reporting".to_owned()).into()
             }
         }
+    }
+
+    /// The outcome to give for `msg` after its delivery report: when the broker rejected the
+    /// whole batch the record was in, the record is published again alone (its own batch on
+    /// the solo producer) and that verdict is the record's, so only the record at fault
+    /// spends an attempt. Should the record alone get no answer, the batch's verdict stands.
+    /// The caller must not have sent a later record of the aggregate that could be delivered
+    /// meanwhile (an ordered producer's rejected batch makes it fatal: nothing it holds is
+    /// delivered after).
+    async fn judged_alone(
+        &self,
+        msg: &OutboxMessage,
+        env: &EnvelopeConfig,
+        reported: Reported,
+    ) -> Outcome {
+        if !reported.batch_wide {
+            return reported.outcome;
+        }
+        match self.publish_alone(msg, env).await {
+            Outcome::Unavailable(why) => {
+                tracing::debug!(id = %msg.id, reason = %why, "the record alone got no answer; the batch's verdict stands");
+                reported.outcome
+            }
+            alone => {
+                if alone == Outcome::Confirmed {
+                    tracing::info!(id = %msg.id, "the broker rejected a batch this record was in; published alone, it was accepted");
+                }
+                alone
+            }
+        }
+    }
+
+    /// Publishes `msg` on the solo producer, alone in its batch, and waits for the report.
+    async fn publish_alone(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
+        let producer = match self.solo_producer() {
+            Ok(p) => p,
+            Err(e) => return Outcome::Unavailable(e),
+        };
+        let topic = envelope::destination(msg, &env.route);
+        let mut record = FutureRecord::to(&topic)
+            .payload(&msg.payload)
+            .headers(self.record_headers(msg, env, &topic));
+        if let Some(key) = &msg.aggregate_id {
+            record = record.key(key);
+        }
+        match producer.send_result(record) {
+            Ok(delivery) => match delivery.await {
+                Ok(Ok(_)) => Outcome::Confirmed,
+                Ok(Err((err, _))) => classify_error(&err),
+                Err(Canceled) => {
+                    Outcome::Unavailable("the solo producer went away before reporting".to_owned())
+                }
+            },
+            Err((err, _)) => classify_error(&err),
+        }
+    }
+
+    /// The solo producer, created (or replaced after a fatal error) as needed: the user's
+    /// properties, one record to a batch, no linger, one request in flight. Not idempotent:
+    /// it sends one record at a time and waits for its report, so there is nothing for
+    /// idempotence to keep in order, and a broker's rejection does not leave it fatal.
+    fn solo_producer(&self) -> Result<FutureProducer<Context>, String> {
+        let mut solo = self.solo.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = solo.as_ref().filter(|p| p.client().fatal_error().is_none()) {
+            return Ok(p.clone());
+        }
+        let mut config = Self::client_config(&self.cfg, false);
+        config
+            .remove("queue.buffering.max.ms")
+            .set("linger.ms", "0")
+            .set("batch.num.messages", "1")
+            .set("enable.idempotence", "false")
+            .set("max.in.flight.requests.per.connection", "1");
+        let ctx = Context {
+            up: Arc::new(AtomicBool::new(true)),
+            last_error: Arc::new(Mutex::new(None)),
+            generation: 0,
+            current: Arc::new(AtomicU64::new(0)),
+        };
+        let p: FutureProducer<Context> = config
+            .create_with_context(ctx)
+            .map_err(|e| format!("cannot create the Kafka solo producer: {e}"))?;
+        *solo = Some(p.clone());
+        Ok(p)
     }
 
     /// Classifies a record that the producer of `generation` failed, noting a producer that
@@ -393,10 +534,12 @@ impl KafkaPublisher {
         env: &EnvelopeConfig,
         topic: &str,
     ) -> OwnedHeaders {
-        let (row_headers, note) = envelope::row_headers(msg);
-        if let Some(note) = note {
-            tracing::warn!(id = %msg.id, "{note}");
-        }
+        let ours = |name: &str| {
+            envelope::is_attribute_header(name, "ce_")
+                || name.eq_ignore_ascii_case("content-type")
+                || envelope::is_signature_header(name, env)
+        };
+        let row_headers = envelope::row_headers_beside(msg, ours);
         let mut headers = OwnedHeaders::new_with_capacity(row_headers.len() + 8);
         for (k, v) in &row_headers {
             headers = headers.insert(Header {
@@ -584,7 +727,10 @@ impl Publisher for KafkaPublisher {
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
         let queued = Instant::now();
         match self.enqueue(msg, env, None).await {
-            Ok(queued_record) => self.report(queued_record, queued).await,
+            Ok(queued_record) => {
+                let reported = self.report(queued_record, queued).await;
+                self.judged_alone(msg, env, reported).await
+            }
             Err(outcome) => outcome,
         }
     }
@@ -619,7 +765,7 @@ impl Publisher for KafkaPublisher {
                 match self.enqueue(msg, env, pinned).await {
                     Ok(delivery) => {
                         pinned = Some(delivery.1);
-                        deliveries.push((delivery, queued));
+                        deliveries.push((delivery, queued, msg));
                     }
                     Err(outcome) => {
                         refused = Some(outcome);
@@ -627,8 +773,15 @@ impl Publisher for KafkaPublisher {
                     }
                 }
             }
-            for (delivery, queued) in deliveries {
-                let outcome = self.report(delivery, queued).await;
+            for (delivery, queued, msg) in deliveries {
+                let reported = self.report(delivery, queued).await;
+                // Alone only while everything before it was confirmed: after a failure the
+                // aggregate's later records are not sent again.
+                let outcome = if outcomes.iter().all(|o| *o == Outcome::Confirmed) {
+                    self.judged_alone(msg, env, reported).await
+                } else {
+                    reported.outcome
+                };
                 let replaced = matches!(outcome, Outcome::Unavailable(_));
                 outcomes.push(outcome);
                 if replaced {

@@ -291,18 +291,17 @@ impl RabbitMqPublisher {
         route: &str,
     ) -> Result<BasicProperties, String> {
         let mut headers = FieldTable::default();
-        let (row_headers, note) = envelope::row_headers(msg);
-        if let Some(note) = note {
-            tracing::warn!(id = %msg.id, "{note}");
-        }
-        for (k, v) in row_headers {
+        // CloudEvents binary mode: attributes as `<prefix><name>` headers (`cloudEvents:` is the
+        // AMQP binding; `publisher.rabbitmq.cloudevents_prefix` picks the consumers' convention).
+        let prefix = self.cfg.cloudevents_prefix.as_str();
+        let ours = |name: &str| {
+            envelope::is_attribute_header(name, prefix) || envelope::is_signature_header(name, env)
+        };
+        for (k, v) in envelope::row_headers_beside(msg, ours) {
             let key = ShortString::try_new(k.clone())
                 .map_err(|_| format!("header name {k:.40}… is longer than 255 bytes"))?;
             headers.insert(key, AMQPValue::LongString(LongString::from(v)));
         }
-        // CloudEvents binary mode: attributes as `<prefix><name>` headers (`cloudEvents:` is the
-        // AMQP binding; `publisher.rabbitmq.cloudevents_prefix` picks the consumers' convention).
-        let prefix = self.cfg.cloudevents_prefix.as_str();
         for (name, value) in envelope::cloud_event_attributes(msg, env) {
             headers.insert(
                 ShortString::from(format!("{prefix}{name}")),

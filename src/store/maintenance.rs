@@ -2,7 +2,7 @@
 //! autovacuum) and the relay's own `VACUUM`.
 
 use super::{OPEN_E, Result, Store};
-use crate::config::TableName;
+use crate::config::{Ordering, TableName};
 
 /// The outbox table's health as PostgreSQL's statistics see it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -31,38 +31,71 @@ pub struct TableHealth {
 /// The background tasks' SQL text, rendered once for the configured table.
 #[derive(Debug, Clone)]
 pub(super) struct MaintenanceSql {
-    pub(super) backlog: String,
+    pub(super) backlog_none: String,
+    pub(super) backlog_aggregate: String,
+    pub(super) any_pending: String,
     pub(super) table_health: String,
     pub(super) vacuum: String,
     pub(super) analyze: String,
+}
+
+/// Which pending rows `outbox_oldest_ready_age_seconds` looks at: those a claim would take now.
+#[derive(Debug, Clone, Copy)]
+enum ReadyAge {
+    /// `ordering = "none"`: every ready row.
+    Any,
+    /// `ordering = "aggregate"`: ready rows without an aggregate, and ready heads of their
+    /// aggregate (no open row before them). A row behind a dead letter, a row in flight or
+    /// one backing off is not claimable, so it is not lag the relay could catch up on
+    /// (`outbox_blocked_aggregates` and the other gauges show it). The rows behind a
+    /// claimable head go out with it; they have been claimable no longer than it has.
+    Head,
+}
+
+/// The backlog statement. Cheap on a large table: each part walks a partial index. The
+/// oldest unsent row is approximated by the lowest seq among pending and processing rows. A
+/// ready row's age counts from when it became ready (its insert, or the end of its backoff);
+/// a row past its `expires_at` is never claimed, so it is not ready either.
+fn backlog(t: &str, ready: ReadyAge) -> String {
+    let head = match ready {
+        ReadyAge::Any => String::new(),
+        ReadyAge::Head => format!(
+            "AND (c.aggregate_id IS NULL OR NOT EXISTS ( \
+               SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
+                 AND e.aggregate_id = c.aggregate_id AND {OPEN_E} AND e.seq < c.seq)) "
+        ),
+    };
+    format!(
+        "SELECT p.ready, p.waiting, \
+           (SELECT coalesce(extract(epoch FROM now() - least( \
+               (SELECT created_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1), \
+               (SELECT min(created_at) FROM {t} WHERE status = 'processing'))), 0)::float8), \
+           (SELECT count(*) FROM {t} WHERE status = 'failed'), \
+           (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
+              WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
+                SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
+                  AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b), \
+           (SELECT coalesce(extract(epoch FROM now() \
+               - min(greatest(c.created_at, c.available_at))), 0)::float8 \
+            FROM {t} c WHERE c.status = 'pending' AND c.available_at <= now() \
+              AND (c.expires_at IS NULL OR c.expires_at > now()) {head}), \
+           p.waiting_age \
+         FROM (SELECT count(*) FILTER (WHERE available_at <= now()) AS ready, \
+                 count(*) FILTER (WHERE available_at > now()) AS waiting, \
+                 coalesce(extract(epoch FROM now() - min(created_at) \
+                   FILTER (WHERE available_at > now())), 0)::float8 AS waiting_age \
+               FROM {t} WHERE status = 'pending') p"
+    )
 }
 
 impl MaintenanceSql {
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
         Self {
-            // Cheap on a large table: each part walks a partial index. The oldest unsent row is
-            // approximated by the lowest seq among pending and processing rows. A ready row's
-            // age counts from when it became ready (its insert, or the end of its backoff).
-            backlog: format!(
-                "SELECT p.ready, p.waiting, \
-                   (SELECT coalesce(extract(epoch FROM now() - least( \
-                       (SELECT created_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT 1), \
-                       (SELECT min(created_at) FROM {t} WHERE status = 'processing'))), 0)::float8), \
-                   (SELECT count(*) FROM {t} WHERE status = 'failed'), \
-                   (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
-                      WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
-                        SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
-                          AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b), \
-                   p.ready_age, p.waiting_age \
-                 FROM (SELECT count(*) FILTER (WHERE available_at <= now()) AS ready, \
-                         count(*) FILTER (WHERE available_at > now()) AS waiting, \
-                         coalesce(extract(epoch FROM now() - min(greatest(created_at, available_at)) \
-                           FILTER (WHERE available_at <= now())), 0)::float8 AS ready_age, \
-                         coalesce(extract(epoch FROM now() - min(created_at) \
-                           FILTER (WHERE available_at > now())), 0)::float8 AS waiting_age \
-                       FROM {t} WHERE status = 'pending') p"
-            ),
+            backlog_none: backlog(&t, ReadyAge::Any),
+            backlog_aggregate: backlog(&t, ReadyAge::Head),
+            // One probe of the pending index: whether the idle backlog loop should refresh.
+            any_pending: format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending')"),
             // $1 the table's oid. Dead tuples and vacuum history of the table; whether
             // autovacuum may run on it (server setting and the table's own option); whether this
             // role may vacuum it (`MAINTAIN` exists from PostgreSQL 17 on: the CASE keeps older
@@ -127,11 +160,25 @@ impl Store {
         Ok(())
     }
 
-    /// The backlog gauges: pending (ready / waiting), oldest unsent, ready and waiting ages,
-    /// dead letters, blocked aggregates.
-    pub async fn backlog(&self) -> Result<crate::telemetry::Backlog> {
+    /// Whether the table has a pending row (one index probe).
+    pub async fn any_pending(&self) -> Result<bool> {
         let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.maintenance.backlog).await?;
+        let stmt = client
+            .prepare_cached(&self.q.maintenance.any_pending)
+            .await?;
+        Ok(client.query_one(&stmt, &[]).await?.try_get(0)?)
+    }
+
+    /// The backlog gauges: pending (ready / waiting), oldest unsent, ready and waiting ages,
+    /// dead letters, blocked aggregates. The ready age counts only rows a claim with
+    /// `ordering` would take now.
+    pub async fn backlog(&self, ordering: Ordering) -> Result<crate::telemetry::Backlog> {
+        let client = self.client().await?;
+        let sql = match ordering {
+            Ordering::None => &self.q.maintenance.backlog_none,
+            Ordering::Aggregate => &self.q.maintenance.backlog_aggregate,
+        };
+        let stmt = client.prepare_cached(sql).await?;
         let r = client.query_one(&stmt, &[]).await?;
         Ok(crate::telemetry::Backlog {
             ready: r.try_get(0)?,
@@ -154,13 +201,11 @@ mod tests {
         let q =
             MaintenanceSql::new(&TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}")));
         assert_eq!(q.vacuum, "VACUUM (ANALYZE, TRUNCATE false) app.events");
-        assert!(
-            q.backlog
-                .contains("FROM app.events WHERE status = 'pending'"),
-            "{}",
-            q.backlog
-        );
-        assert!(!q.backlog.contains("outbox_messages"));
+        for backlog in [&q.backlog_none, &q.backlog_aggregate, &q.any_pending] {
+            let pending = "FROM app.events WHERE status = 'pending'";
+            assert!(backlog.contains(pending), "{backlog}");
+            assert!(!backlog.contains("outbox_messages"), "{backlog}");
+        }
         assert!(q.table_health.contains("WHERE c.oid = $1"));
     }
 }

@@ -101,3 +101,73 @@ pub async fn wait_for_sample(
     })
     .await
 }
+
+/// The local addresses of the TCP sockets process `pid` listens on, read from its file
+/// descriptors and `/proc/net/tcp` and `/proc/net/tcp6`: where a server is bound, learned
+/// without sending a packet anywhere.
+pub fn listening_addrs(pid: u32) -> Vec<SocketAddr> {
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("read the process's fds");
+    let inodes: Vec<String> = fds
+        .filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+        })
+        .collect();
+    let mut found = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let text = std::fs::read_to_string(table).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode …
+            let (Some(local), Some(state), Some(inode)) = (f.get(1), f.get(3), f.get(9)) else {
+                continue;
+            };
+            if *state == "0A" && inodes.iter().any(|i| i == inode) {
+                found.push(parse_proc_addr(local).expect("a /proc/net/tcp address"));
+            }
+        }
+    }
+    found
+}
+
+/// A `/proc/net/tcp{,6}` address (`0100007F:23E3`): the IP as 32-bit words in host byte
+/// order (little-endian here), then the port in hex.
+fn parse_proc_addr(text: &str) -> Option<SocketAddr> {
+    let (ip, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let mut bytes = Vec::with_capacity(16);
+    for word in (0..ip.len()).step_by(8) {
+        let w = u32::from_str_radix(ip.get(word..word + 8)?, 16).ok()?;
+        bytes.extend_from_slice(&w.to_le_bytes());
+    }
+    let ip = match bytes.len() {
+        4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip, port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_net_addresses_parse() {
+        assert_eq!(parse_proc_addr("0100007F:23E3"), Some(local(9187)));
+        assert_eq!(
+            parse_proc_addr("00000000:0016"),
+            Some("0.0.0.0:22".parse().unwrap())
+        );
+        let v6 = parse_proc_addr("00000000000000000000000001000000:1F90").unwrap();
+        assert_eq!(v6, "[::1]:8080".parse().unwrap());
+    }
+
+    #[test]
+    fn a_listener_of_this_process_is_found_where_it_is_bound() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        assert!(listening_addrs(std::process::id()).contains(&addr));
+    }
+}
