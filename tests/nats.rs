@@ -124,7 +124,7 @@ async fn messages_carry_the_cloudevents_nats_binding_and_a_verifiable_signature(
     }
     assert_eq!(ids.len(), messages.len());
     // Two rows carry the same three clashing names: one warning per name.
-    let warned = "set by the relay on NATS messages";
+    let warned = "named like one the relay sets itself";
     assert_eq!(relay.log_count(warned), 3, "{}", relay.stderr());
     relay.stop().await;
     stream.teardown().await;

@@ -28,9 +28,8 @@ pub use classify::classify;
 pub use url::{Credentials, ServerUrl, redact};
 pub use wire::{check_subject, is_own};
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -79,9 +78,6 @@ pub struct NatsPublisher {
     up: Arc<AtomicBool>,
     /// Counts lost connections: a publish waiting for its ack gives up when it changes.
     lost: Arc<watch::Sender<u64>>,
-    /// Row header names already warned about (dropped because the relay sets them): one
-    /// warning per name.
-    warned: Mutex<HashSet<String>>,
 }
 
 impl NatsPublisher {
@@ -96,7 +92,6 @@ impl NatsPublisher {
             connecting: tokio::sync::Mutex::new(()),
             up: Arc::new(AtomicBool::new(false)),
             lost: Arc::new(watch::channel(0).0),
-            warned: Mutex::new(HashSet::new()),
         }
     }
 
@@ -178,16 +173,6 @@ impl NatsPublisher {
     fn unavailable(&self, reason: String) -> Outcome {
         self.up.store(false, Ordering::Relaxed);
         Outcome::Unavailable(reason)
-    }
-
-    /// Logs, once per name, a row header dropped because the relay sets it.
-    fn warn_dropped(&self, msg: &OutboxMessage, dropped: Vec<String>) {
-        let mut warned = self.warned.lock().unwrap_or_else(|p| p.into_inner());
-        for name in dropped {
-            if warned.len() < 1_000 && warned.insert(name.to_ascii_lowercase()) {
-                tracing::warn!(id = %msg.id, header = %name, "the row's header is set by the relay on NATS messages; the row's value is dropped (warned once per name)");
-            }
-        }
     }
 }
 
@@ -287,9 +272,6 @@ impl Publisher for NatsPublisher {
             Ok(h) => h,
             Err(why) => return Outcome::Rejected(why),
         };
-        if !headers.dropped.is_empty() {
-            self.warn_dropped(msg, headers.dropped);
-        }
         let Some(live) = self.live() else {
             return self.unavailable("not connected to NATS yet".to_owned());
         };
@@ -301,7 +283,7 @@ impl Publisher for NatsPublisher {
         }
         let message = PublishMessage::build()
             .payload(msg.payload.clone().into())
-            .headers(headers.map);
+            .headers(headers);
         let publishing = async {
             let ack = live.js.send_publish(subject.clone(), message).await?;
             ack.await

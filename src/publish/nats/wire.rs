@@ -17,15 +17,10 @@ pub const CE_PREFIX: &str = "ce-";
 /// Whether the relay sets a header of this name itself (compared without case, so a row's
 /// `content-type` does not ride beside ours).
 pub fn is_own(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    (lower.starts_with(CE_PREFIX)
-        && matches!(
-            &lower[CE_PREFIX.len()..],
-            "id" | "source" | "specversion" | "type" | "subject" | "time" | "aggregatetype"
-        ))
-        || lower == "content-type"
-        || lower == "nats-msg-id"
-        || lower == crate::signing::HEADER
+    envelope::is_attribute_header(name, CE_PREFIX)
+        || [CONTENT_TYPE, MSG_ID, crate::signing::HEADER]
+            .iter()
+            .any(|own| name.eq_ignore_ascii_case(own))
 }
 
 /// Why `subject` cannot be published to, if it cannot: empty, whitespace or control
@@ -53,15 +48,6 @@ pub fn check_subject(subject: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// A message's headers, and the row headers dropped because the relay sets them itself.
-#[derive(Debug)]
-pub struct Headers {
-    /// What goes on the wire.
-    pub map: HeaderMap,
-    /// Names of row headers dropped (the relay's value won).
-    pub dropped: Vec<String>,
-}
-
 /// The headers of `msg` published to `subject`. An error when a name or value cannot be
 /// carried by NATS (a name with `:` or a non-printable character, a value with CR or LF): the
 /// message cannot be sent as written, so it is a message-level failure.
@@ -69,18 +55,11 @@ pub fn headers(
     msg: &OutboxMessage,
     env: &EnvelopeConfig,
     subject: &str,
-) -> Result<Headers, String> {
+) -> Result<HeaderMap, String> {
     let mut map = HeaderMap::new();
-    let mut dropped = Vec::new();
-    let (row, note) = envelope::row_headers(msg);
-    if let Some(note) = note {
-        tracing::warn!(id = %msg.id, "{note}");
-    }
-    for (name, value) in row {
-        if is_own(&name) {
-            dropped.push(name);
-            continue;
-        }
+    // The relay's own headers win: a row header of one of their names is dropped (and
+    // warned about once per name).
+    for (name, value) in envelope::row_headers_beside(msg, is_own) {
         insert(&mut map, &name, &value, "row header")?;
     }
     for (attr, value) in envelope::cloud_event_attributes(msg, env) {
@@ -96,7 +75,7 @@ pub fn headers(
     if let Some(sig) = envelope::signature(msg, env, subject) {
         insert(&mut map, crate::signing::HEADER, &sig, "header")?;
     }
-    Ok(Headers { map, dropped })
+    Ok(map)
 }
 
 fn insert(map: &mut HeaderMap, name: &str, value: &str, what: &str) -> Result<(), String> {
@@ -127,8 +106,8 @@ mod tests {
         }
     }
 
-    fn get<'a>(h: &'a Headers, name: &str) -> Option<&'a str> {
-        h.map.get(name).map(|v| v.as_str())
+    fn get<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+        h.get(name).map(|v| v.as_str())
     }
 
     #[test]
@@ -157,12 +136,6 @@ mod tests {
         assert_eq!(
             Some(sig.to_owned()),
             envelope::signature(&m, &env(true), "outbox.order.created")
-        );
-        let mut dropped = h.dropped.clone();
-        dropped.sort();
-        assert_eq!(
-            dropped,
-            ["Content-Type", "ce-id", "nats-msg-id", "outbox-signature"]
         );
         let unsigned = headers(&m, &env(false), "s").unwrap();
         assert_eq!(get(&unsigned, "outbox-signature"), None);
