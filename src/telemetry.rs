@@ -59,6 +59,8 @@ pub mod names {
     /// Counter: trace spans dropped instead of exported, labelled `reason` = `queue_full` |
     /// `export_failed` (only with tracing on, so not in [`ALL`]: see [`crate::otel`]).
     pub const TRACE_SPANS_DROPPED: &str = "outbox_trace_spans_dropped_total";
+    /// The names above that the relay exports only when their feature is on (tracing).
+    pub const OPTIONAL: &[&str] = &[TRACE_SPANS_DROPPED];
     /// Every name above that the relay always exports, for tests and docs.
     pub const ALL: &[&str] = &[
         PENDING,

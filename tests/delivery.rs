@@ -551,7 +551,7 @@ async fn cloudevents_prefix_names_the_headers_for_each_consumer_convention() {
 /// letter case, Kafka's `content-type`) on rows with and without an aggregate: every message
 /// carries the relay's header once with the relay's value, the row's other headers (a
 /// CloudEvents extension the relay does not set among them) as they are, and the relay warns
-/// once per colliding name, however many rows carry it (contract §4).
+/// once per colliding name, however many rows carry it (docs/wire-format.md).
 async fn colliding_row_headers(transport: Transport) {
     let (prefix, test) = match transport {
         Transport::RabbitMq => ("cloudEvents:", "hdr_collide_amqp"),

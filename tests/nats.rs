@@ -1,4 +1,4 @@
-//! NATS JetStream end to end (contract §4, issue 29) against the real `nats-server -js` on
+//! NATS JetStream end to end (docs/nats.md) against the real `nats-server -js` on
 //! 127.0.0.1:4222: each test creates its own stream capturing its own subjects.
 //! - The message: CloudEvents NATS binding headers, `Nats-Msg-Id` = row id, the row's headers
 //!   (ours win), a signature that an independent verifier accepts.

@@ -1,4 +1,4 @@
-//! Least privilege (contract §1 "Roles"), against real PostgreSQL roles, the binary and
+//! Least privilege (docs/security.md), against real PostgreSQL roles, the binary and
 //! RabbitMQ: an application role with only `INSERT` on the outbox table and `USAGE` on its
 //! sequence inserts (in bulk too), wakes the idle relay and has its rows relayed; a relay
 //! running as a role that does not own the table, with the row-level grants of

@@ -1,4 +1,4 @@
-//! OpenTelemetry traces (contract §4 "Trace context", §7 "Tracing") over the real wire: the
+//! OpenTelemetry traces (docs/tracing.md) over the real wire: the
 //! relay binary exports OTLP/HTTP protobuf to the test kit's receiver (`otlp::OtlpReceiver`,
 //! decoded with `opentelemetry-proto`), and the consumers on RabbitMQ and Kafka read the
 //! `traceparent` each message carries. Span and trace ids are checked against the row's

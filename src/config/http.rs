@@ -140,8 +140,13 @@ impl std::fmt::Debug for HttpConfig {
     }
 }
 
+/// The W3C trace context: reserved for static headers, but a row's own (rewritten to the
+/// publish span's while tracing is on) travels as request headers.
+pub const TRACE_CONTEXT_HEADERS: &[&str] = &["traceparent", "tracestate"];
+
 /// Header names the relay sets itself or HTTP owns: a static header may not use them, and a
-/// row header with one of these names is dropped (the relay's value wins).
+/// row header with one of these names is dropped (the relay's value wins), but for
+/// [`TRACE_CONTEXT_HEADERS`].
 pub const RESERVED_HEADERS: &[&str] = &[
     "ce-id",
     "ce-source",

@@ -30,7 +30,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub use cleanup::{CleanupConfig, RawCleanup};
 pub use database::{DatabaseConfig, RawDatabase, TableName, validate_identifier};
-pub use http::{HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp};
+pub use http::{
+    HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp, TRACE_CONTEXT_HEADERS,
+};
 pub use metrics::RawMetrics;
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{

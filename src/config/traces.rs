@@ -1,4 +1,4 @@
-//! `[tracing]`: where OpenTelemetry spans go (contract §7). Off unless `otlp_endpoint` or the
+//! `[tracing]`: where OpenTelemetry spans go (docs/tracing.md). Off unless `otlp_endpoint` or the
 //! standard `OTEL_EXPORTER_OTLP_ENDPOINT` is set; the relay's own keys win over the standard
 //! `OTEL_*` variables, which fill in what the file and `RELAY_TRACING__*` leave unset.
 
@@ -160,6 +160,16 @@ fn endpoint_url(
     }
     if url.host_str().is_none_or(str::is_empty) {
         return Err(ConfigError::invalid(key, "has no host"));
+    }
+    // The exporter's errors quote the URL as they are logged: it must hold no secret.
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "{:?} carries credentials; export to a collector or agent beside the relay that needs none",
+                crate::redact::redact_url(endpoint)
+            ),
+        ));
     }
     if url.query().is_some() || url.fragment().is_some() {
         return Err(ConfigError::invalid(

@@ -1,7 +1,7 @@
-//! OpenTelemetry traces (contract §4 "Trace context", §7 "Tracing"): the export pipeline and the
+//! OpenTelemetry traces (docs/tracing.md): the export pipeline and the
 //! one span per publish attempt, for every sink.
 //!
-//! The relay loop hands each run to [`Tracing::publish_run`] instead of the publisher when
+//! The relay loop hands each run to [`attempt::Outbox::publish_run`] instead of the publisher when
 //! tracing is on ([`crate::config::TracingConfig`]); nothing here runs when it is off, and the
 //! row's headers then pass unchanged. Per attempt ([`attempt`]): a PRODUCER span, child of the
 //! row's `traceparent` (every attempt, so a message's retries sit in its producer's trace), whose

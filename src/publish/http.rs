@@ -1,4 +1,4 @@
-//! The webhook sink (`publisher.kind = "http"`, contract §4): one request per message to the
+//! The webhook sink (`publisher.kind = "http"`, docs/http.md): one request per message to the
 //! URL rendered from `publisher.http.url`, CloudEvents HTTP binding (binary or structured
 //! mode), with the Standard Webhooks headers beside `outbox-signature` when signing is on.
 //!
@@ -36,7 +36,7 @@ use super::envelope::{self, EnvelopeConfig};
 use super::stdout::structured_event;
 use super::{ConnectError, Outcome, Publisher};
 use crate::backoff::Backoff;
-use crate::config::{HttpConfig, HttpMode, RESERVED_HEADERS};
+use crate::config::{HttpConfig, HttpMode, RESERVED_HEADERS, TRACE_CONTEXT_HEADERS};
 use crate::message::OutboxMessage;
 use crate::redact::redact_url;
 use crate::template::Fields;
@@ -80,7 +80,7 @@ struct Pause {
     reason: String,
 }
 
-/// What an HTTP status means for the row (contract §4).
+/// What an HTTP status means for the row (docs/http.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StatusClass {
     /// 2xx: confirmed.
@@ -172,9 +172,9 @@ impl HttpPublisher {
                 self.drop_header(msg, &name, "it is not a valid HTTP header name");
                 continue;
             };
-            if RESERVED_HEADERS.contains(&parsed.as_str())
-                || self.static_headers.contains_key(&parsed)
-            {
+            let reserved = RESERVED_HEADERS.contains(&parsed.as_str())
+                && !TRACE_CONTEXT_HEADERS.contains(&parsed.as_str());
+            if reserved || self.static_headers.contains_key(&parsed) {
                 self.drop_header(
                     msg,
                     &name,
@@ -378,6 +378,14 @@ impl HttpPublisher {
 impl Publisher for HttpPublisher {
     fn kind(&self) -> &'static str {
         "http"
+    }
+
+    /// The URL's host and path: never its query (a token may ride there) or credentials.
+    fn destination_name(&self, msg: &OutboxMessage, _env: &EnvelopeConfig) -> String {
+        match self.url_for(msg) {
+            Ok(url) => format!("{}{}", url.host_str().unwrap_or_default(), url.path()),
+            Err(_) => "invalid URL".to_owned(),
+        }
     }
 
     fn describe(&self) -> String {
@@ -719,6 +727,27 @@ mod tests {
         assert!(h.get(crate::signing::WEBHOOK_SIGNATURE).is_none());
         // Secrets stay out of Debug output.
         assert!(!format!("{h:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn the_rows_trace_context_rides_as_request_headers_and_the_span_names_no_query() {
+        let p = publisher(
+            "https://u:pw@hooks.example.com/in/{aggregate_type}?token=s3cret",
+            HttpMode::Binary,
+            &[],
+        );
+        let traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let m = message(&format!(
+            r#"{{"traceparent":"{traceparent}","tracestate":"v=1"}}"#
+        ));
+        let url = p.url_for(&m).unwrap();
+        let (h, _) = p.request_parts(&m, &env(false), &url).unwrap();
+        assert_eq!(h.get("traceparent").unwrap(), traceparent);
+        assert_eq!(h.get("tracestate").unwrap(), "v=1");
+        assert_eq!(
+            p.destination_name(&m, &env(false)),
+            "hooks.example.com/in/order"
+        );
     }
 
     #[test]

@@ -433,7 +433,8 @@ impl KafkaPublisher {
     /// The outcome to give for `msg` after its delivery report: when the broker rejected the
     /// whole batch the record was in, the record is published again alone (its own batch on
     /// the solo producer) and that verdict is the record's, so only the record at fault
-    /// spends an attempt. Should the record alone get no answer, the batch's verdict stands.
+    /// spends an attempt. Should the record alone get no answer (the broker going away), the
+    /// record is handed back without spending one: an outage never charges a batch-mate.
     /// The caller must not have sent a later record of the aggregate that could be delivered
     /// meanwhile (an ordered producer's rejected batch makes it fatal: nothing it holds is
     /// delivered after).
@@ -448,8 +449,8 @@ impl KafkaPublisher {
         }
         match self.publish_alone(msg, env).await {
             Outcome::Unavailable(why) => {
-                tracing::debug!(id = %msg.id, reason = %why, "the record alone got no answer; the batch's verdict stands");
-                reported.outcome
+                tracing::debug!(id = %msg.id, reason = %why, "the record alone got no answer; handing it back");
+                Outcome::Unavailable(why)
             }
             alone => {
                 if alone == Outcome::Confirmed {

@@ -70,7 +70,7 @@ pub struct ConnectError(pub String);
 /// A broker the relay can publish to.
 #[async_trait]
 pub trait Publisher: Send + Sync + 'static {
-    /// `rabbitmq`, `kafka`, `nats`, `redis` or `stdout` (for logs and metrics).
+    /// `rabbitmq`, `kafka`, `nats`, `redis`, `http` or `stdout` (for logs and metrics).
     fn kind(&self) -> &'static str;
 
     /// Where it publishes, with secrets masked (for logs).

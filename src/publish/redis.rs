@@ -126,16 +126,10 @@ pub fn fields(
     ));
     out.push(("aggregatetype", msg.aggregate_type.clone().into_bytes()));
     let signature = envelope::signature(msg, env, stream);
-    let (row_headers, note) = envelope::row_headers(msg);
-    if let Some(note) = note {
-        tracing::warn!(id = %msg.id, "{note}");
-    }
+    let row_headers =
+        envelope::row_headers_beside(msg, |name| envelope::is_signature_header(name, env));
     let mut headers = serde_json::Map::with_capacity(row_headers.len());
     for (name, value) in row_headers {
-        if signature.is_some() && name == crate::signing::HEADER {
-            tracing::warn!(id = %msg.id, header = %name, "the row's header is replaced by the relay's own");
-            continue;
-        }
         headers.insert(name, serde_json::Value::String(value));
     }
     out.push((

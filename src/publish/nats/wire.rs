@@ -1,4 +1,4 @@
-//! What a JetStream message carries (contract §4): the subject, and headers per the
+//! What a JetStream message carries (docs/nats.md): the subject, and headers per the
 //! CloudEvents NATS binding (binary mode), `Nats-Msg-Id` = row id, the signature, and the
 //! row's own headers.
 
