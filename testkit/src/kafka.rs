@@ -406,6 +406,9 @@ impl Tansu {
             .arg("memory://tansu/")
             .args(extra)
             .env("RUST_LOG", "warn")
+            // tansu resolves a `file://` schema registry against its working directory
+            // (`file:///tmp/x` opens `<cwd>/tmp/x`): started from `/`, an absolute path is itself.
+            .current_dir("/")
             .stdin(Stdio::null())
             .stdout(Stdio::from(out.try_clone().expect("log fd")))
             .stderr(Stdio::from(out))
