@@ -33,6 +33,49 @@ use serde_json::json;
 
 use crate::util::CpuUsage;
 
+/// Runs the relay process with `env` until it has drained `table`, checks the run
+/// ([`stop_drained`]), and reports its rate and CPU per 100k messages as `<key>_msgs_per_s` and
+/// `<key>_cpu_s_per_100k` under `section`, described as `what`; msgs/s.
+async fn drain_and_report(
+    ctx: &mut crate::Ctx,
+    key: &str,
+    env: &[(String, String)],
+    table: &str,
+    (section, what): (&str, &str),
+) -> Result<f64> {
+    let log = ctx.dir.join(format!("{key}.log"));
+    let sentinel = ctx.sentinel().await;
+    let cpu = crate::util::CpuSample::take();
+    let started = std::time::Instant::now();
+    let mut relay = crate::util::Relay::spawn(key, env, &log)?;
+    let waited =
+        crate::util::wait_drained(&ctx.pg, table, ctx.timeout(), || relay.check_alive()).await;
+    let elapsed = started.elapsed();
+    let usage = cpu.usage();
+    stop_drained(ctx, &mut relay, sentinel, waited, table).await?;
+    let r = rate(ctx.rows, elapsed);
+    ctx.progress(format!(
+        "{key}: {r:.0} msgs/s in {elapsed:.2?}; {}",
+        cpu_text(&usage)
+    ));
+    ctx.report
+        .figure(section, &format!("{key}_msgs_per_s"), what, r, "msgs/s");
+    if let Some(cpu) = cpu_per_100k(&usage, "relay", elapsed, ctx.rows) {
+        ctx.report.figure(
+            section,
+            &format!("{key}_cpu_s_per_100k"),
+            &format!("{what}: relay CPU (user+sys) per 100k msgs"),
+            cpu,
+            "s",
+        );
+    }
+    ctx.report.detail(
+        key,
+        json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
+    );
+    Ok(r)
+}
+
 /// Stops a relay process that drained `table` and checks the run: the services survived it
 /// (`sentinel`), the drain finished (`waited`), the relay exited cleanly on SIGTERM, and every
 /// row is sent.

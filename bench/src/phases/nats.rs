@@ -12,11 +12,10 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::stream::{Config, StorageType};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use serde_json::json;
 
-use super::{cpu_per_100k, cpu_text, rate};
+use super::rate;
 use crate::Ctx;
-use crate::util::{CpuSample, Relay, fill, payload, wait_drained};
+use crate::util::{fill, payload};
 
 /// The relay's default window: acks outstanding in both the relay and the bare client.
 const IN_FLIGHT: usize = 1000;
@@ -143,20 +142,6 @@ async fn relay(ctx: &mut Ctx, url: &str, prefix: &str, ordering: &str) -> Result
         ),
     ]);
     env.extend(ctx.extra_env.iter().cloned());
-    let log = ctx.dir.join(format!("{key}.log"));
-    let sentinel = ctx.sentinel().await;
-    let cpu = CpuSample::take();
-    let started = Instant::now();
-    let mut relay = Relay::spawn(&key, &env, &log)?;
-    let waited = wait_drained(&ctx.pg, &table, ctx.timeout(), || relay.check_alive()).await;
-    let elapsed = started.elapsed();
-    let usage = cpu.usage();
-    super::stop_drained(ctx, &mut relay, sentinel, waited, &table).await?;
-    let r = rate(ctx.rows, elapsed);
-    ctx.progress(format!(
-        "{key}: {r:.0} msgs/s in {elapsed:.2?}; {}",
-        cpu_text(&usage)
-    ));
     let what = match ordering {
         "none" => "relay process → nats, ordering none".to_owned(),
         _ => format!(
@@ -164,20 +149,5 @@ async fn relay(ctx: &mut Ctx, url: &str, prefix: &str, ordering: &str) -> Result
             ctx.args.aggregates
         ),
     };
-    ctx.report
-        .figure("11 nats", &format!("{key}_msgs_per_s"), &what, r, "msgs/s");
-    if let Some(cpu) = cpu_per_100k(&usage, "relay", elapsed, ctx.rows) {
-        ctx.report.figure(
-            "11 nats",
-            &format!("{key}_cpu_s_per_100k"),
-            &format!("{what}: relay CPU (user+sys) per 100k msgs"),
-            cpu,
-            "s",
-        );
-    }
-    ctx.report.detail(
-        &key,
-        json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
-    );
-    Ok(r)
+    super::drain_and_report(ctx, &key, &env, &table, ("11 nats", &what)).await
 }

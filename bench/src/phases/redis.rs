@@ -12,11 +12,10 @@ use futures::stream::FuturesUnordered;
 use outbox_relay::message::{OutboxMessage, PayloadKind};
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::template::Template;
-use serde_json::json;
 
-use super::{cpu_per_100k, cpu_text, rate};
+use super::{cpu_text, rate};
 use crate::Ctx;
-use crate::util::{CpuSample, Relay, fill, payload, wait_drained};
+use crate::util::{CpuSample, fill, payload};
 
 /// The local Redis.
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -154,20 +153,6 @@ async fn relay_run(ctx: &mut Ctx, prefix: &str, ordering: &str) -> Result<f64> {
     ));
     env.extend(ctx.extra_env.iter().cloned());
     ctx.progress(format!("relay redis/{ordering}: relay process draining"));
-    let log = ctx.dir.join(format!("{key}.log"));
-    let sentinel = ctx.sentinel().await;
-    let cpu = CpuSample::take();
-    let started = Instant::now();
-    let mut relay = Relay::spawn(&key, &env, &log)?;
-    let waited = wait_drained(&ctx.pg, &table, ctx.timeout(), || relay.check_alive()).await;
-    let elapsed = started.elapsed();
-    let usage = cpu.usage();
-    super::stop_drained(ctx, &mut relay, sentinel, waited, &table).await?;
-    let r = rate(ctx.rows, elapsed);
-    ctx.progress(format!(
-        "relay redis/{ordering}: {r:.0} msgs/s in {elapsed:.2?}; {}",
-        cpu_text(&usage)
-    ));
     let what = match ordering {
         "none" => "relay process → redis, ordering none".to_owned(),
         _ => format!(
@@ -175,20 +160,5 @@ async fn relay_run(ctx: &mut Ctx, prefix: &str, ordering: &str) -> Result<f64> {
             ctx.args.aggregates
         ),
     };
-    ctx.report
-        .figure("11 redis", &format!("{key}_msgs_per_s"), &what, r, "msgs/s");
-    if let Some(cpu) = cpu_per_100k(&usage, "relay", elapsed, ctx.rows) {
-        ctx.report.figure(
-            "11 redis",
-            &format!("{key}_cpu_s_per_100k"),
-            &format!("{what}: relay CPU (user+sys) per 100k msgs"),
-            cpu,
-            "s",
-        );
-    }
-    ctx.report.detail(
-        &key,
-        json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
-    );
-    Ok(r)
+    super::drain_and_report(ctx, &key, &env, &table, ("11 redis", &what)).await
 }
