@@ -507,6 +507,34 @@ pub struct TlsFront {
     accept: JoinHandle<()>,
 }
 
+/// A TLS server configuration for `127.0.0.1` and `localhost`, its certificate signed by a
+/// fresh CA named `ca_name` whose PEM is written to `dir/<ca_file>`: (config, that path).
+pub(crate) fn loopback_tls(
+    dir: &Path,
+    ca_name: &str,
+    ca_file: &str,
+) -> (rustls::ServerConfig, PathBuf) {
+    let (ca, ca_pem) = test_ca(ca_name);
+    let leaf_key = KeyPair::generate().expect("leaf key");
+    let leaf = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
+        .expect("leaf params")
+        .signed_by(&leaf_key, &ca)
+        .expect("sign leaf");
+    let path = dir.join(ca_file);
+    std::fs::write(&path, ca_pem).expect("write CA");
+    let key =
+        rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der()).expect("leaf key DER");
+    let config = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::aws_lc_rs::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("TLS versions")
+    .with_no_client_auth()
+    .with_single_cert(vec![leaf.der().clone()], key)
+    .expect("server certificate");
+    (config, path)
+}
+
 /// A self-signed CA: (issuer, its certificate as PEM).
 pub(crate) fn test_ca(name: &str) -> (CertifiedIssuer<'static, KeyPair>, String) {
     let key = KeyPair::generate().expect("CA key");
@@ -531,24 +559,7 @@ pub fn write_unrelated_ca(dir: &Path) -> PathBuf {
 impl TlsFront {
     /// Starts the front; the CA's PEM goes to `dir`. `upstream` need not listen yet.
     pub async fn start(upstream: u16, dir: &Path) -> Self {
-        let (ca, ca_pem) = test_ca("outbox-relay test CA");
-        let leaf_key = KeyPair::generate().expect("leaf key");
-        let leaf = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-            .expect("leaf params")
-            .signed_by(&leaf_key, &ca)
-            .expect("sign leaf");
-        let path = dir.join("kafka-ca.pem");
-        std::fs::write(&path, ca_pem).expect("write CA");
-        let key = rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der())
-            .expect("leaf key DER");
-        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::aws_lc_rs::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![leaf.der().clone()], key)
-        .expect("server certificate");
+        let (config, path) = loopback_tls(dir, "outbox-relay test CA", "kafka-ca.pem");
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let listener = TcpListener::bind("127.0.0.1:0")
             .await

@@ -13,7 +13,6 @@ use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{HeaderMap, Method, Uri};
 use axum::response::Response;
-use rcgen::{CertificateParams, KeyPair};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
@@ -192,24 +191,8 @@ impl Endpoint {
         dir: &Path,
         script: impl Fn(&Received) -> Reply + Send + Sync + 'static,
     ) -> (Self, PathBuf) {
-        let (ca, ca_pem) = crate::kafka::test_ca("outbox-relay webhook test CA");
-        let leaf_key = KeyPair::generate().expect("leaf key");
-        let leaf = CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])
-            .expect("leaf params")
-            .signed_by(&leaf_key, &ca)
-            .expect("sign leaf");
-        let path = dir.join("webhook-ca.pem");
-        std::fs::write(&path, ca_pem).expect("write CA");
-        let key = rustls::pki_types::PrivateKeyDer::try_from(leaf_key.serialize_der())
-            .expect("leaf key DER");
-        let config = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::aws_lc_rs::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .expect("TLS versions")
-        .with_no_client_auth()
-        .with_single_cert(vec![leaf.der().clone()], key)
-        .expect("server certificate");
+        let (config, path) =
+            crate::kafka::loopback_tls(dir, "outbox-relay webhook test CA", "webhook-ca.pem");
         let tcp = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the webhook endpoint");
