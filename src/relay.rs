@@ -443,6 +443,10 @@ struct Dispatch<'a> {
     // and when the watermark was last observed (see `OBSERVE_IDLE_EVERY`).
     polled: bool,
     observed: Option<Instant>,
+    // A claim failed after it may have reached the database: it may have committed rows to
+    // this relay whose answer never came back. Cleared once they are handed back
+    // ([`Store::release_unheld`]).
+    answer_lost: bool,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -482,6 +486,7 @@ impl<'a> Dispatch<'a> {
             next_sweep: Instant::now(),
             polled: false,
             observed: None,
+            answer_lost: false,
         }
     }
 
@@ -496,6 +501,7 @@ impl<'a> Dispatch<'a> {
 
     async fn round(&mut self) -> Step<()> {
         self.reconnect().await?;
+        self.release_lost_claims().await?;
         let permit = self.take_window().await?;
         let (mark, permit) = self.observe_watermark(permit).await?;
         let Some(permit) = self.isolate_suspect(mark, permit).await? else {
@@ -540,6 +546,26 @@ impl<'a> Dispatch<'a> {
                 sleep_or_cancel(delay, self.shutdown).await;
                 Err(Exit::Again)
             }
+        }
+    }
+
+    /// After a claim whose answer was lost (the connection dropped while it ran), hands back
+    /// the rows it may have committed to this relay: every `processing` row in this relay's
+    /// name that no batch holds. Runs before the next claim, so no claim is in flight.
+    async fn release_lost_claims(&mut self) -> Step<()> {
+        if !self.answer_lost {
+            return Ok(());
+        }
+        let relay = self.relay;
+        match relay.store.release_unheld(&relay.held.ids()).await {
+            Ok(released) => {
+                self.answer_lost = false;
+                if released > 0 {
+                    tracing::warn!(released, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
+                }
+                Ok(())
+            }
+            Err(e) => Err(self.database_down(&e).await),
         }
     }
 
@@ -654,6 +680,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(window);
+                self.answer_lost = true;
                 self.database_down(&e).await;
             }
         }
@@ -699,6 +726,7 @@ impl<'a> Dispatch<'a> {
         // again next round).
         let (rows, swept_all, more) = match claimed {
             Ok(claim) => {
+                self.answer_lost |= claim.answer_lost;
                 record_expired(&relay.metrics, &claim.expired);
                 let swept_all = sweep != ExpirySweep::Skip && claim.expired.len() < limit;
                 if claim.uneven {
@@ -708,6 +736,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(permit);
+                self.answer_lost = true;
                 return Err(self.database_down(&e).await);
             }
         };

@@ -10,7 +10,8 @@
 //!    cut by a proxy (one scenario, the service a parameter), RabbitMQ restarted for real
 //!    (`rabbitmqctl stop_app`/`start_app`, a durable queue and a reconnecting consumer),
 //!    PostgreSQL restarted for real (`pg_ctlcluster … restart`), a database outage longer than
-//!    the lease, a claim whose answer was lost.
+//!    the lease, a claim whose answer was lost (made by hand: back after the lease; made by a
+//!    proxy that holds the answer back: handed back as soon as the database answers).
 //! 3. Kafka broker restarts are covered by `tests/shutdown_and_outages.rs`
 //!    (`broker_killed_and_restarted_mid_stream_spends_no_attempt`), not repeated here.
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind (numbers
@@ -799,6 +800,87 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
         took.as_millis()
     );
     summarise_all(&table, &rabbit, "postgres-lost-claim-answer", 1, &note).await;
+    finish(relay, table, rabbit).await;
+}
+
+/// The same state made by a real claim: the proxy forwards the relay's claim to the server and
+/// holds its answer back, then cuts the connection. The relay cannot know whether the claim
+/// committed; once the database answers again it hands back every row in its name that no
+/// batch holds, unspent, so the rows go out on their first attempt long before their 120 s
+/// lease would have let them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_whose_answer_was_lost_is_handed_back_when_the_database_answers_again() {
+    let _shared = SERVICES.read().await;
+    let (table, rabbit) = table_and_exchange("f_pg_lost_claim").await;
+    let database = Proxy::start("127.0.0.1:5432").await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "pg-lost-claim")
+        .set(
+            "database.url",
+            format!("postgres://postgres@{}/test", database.addr()),
+        )
+        // The claim is the loop's one statement: ordering `none` reads no watermark before
+        // it, and without NOTIFY no wake-up record is published around it. Few connections,
+        // so that the claim is soon prepared on each (a claim whose prepare is held back
+        // never runs).
+        .set("relay.ordering", "none")
+        .set("relay.notify", "false")
+        .set("database.pool_size", "2")
+        .set("relay.poll_interval", "200ms")
+        .set("relay.lease_timeout", "120s")
+        .spawn();
+    let warm = NewRow::new("lost", None, "warm", json!({}));
+    let warm = table.insert_one(warm).await;
+    rabbit.wait_for_ids(&[warm], secs(30)).await;
+
+    // The statement held back may be the claim's prepare on a connection new to it, or a
+    // background task's (the backlog gauges, the vacuum check: every 5 s) keeping the
+    // connections from the claim: then heal and try again.
+    let rows = NewRow::numbered(20, "lost", Some(("l-", 5)), "e");
+    for round in 1.. {
+        database.hold_answers();
+        table.insert(&rows).await;
+        let deadline = Instant::now() + secs(5);
+        let mut claimed = 0;
+        while claimed < 20 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            claimed = table.count_where("status = 'processing'").await;
+        }
+        if claimed == 20 {
+            break;
+        }
+        assert!(
+            round < 8,
+            "the relay's claim never reached the server in {round} tries"
+        );
+        database.heal();
+        table.wait_all_sent(secs(60)).await;
+    }
+    let down = relay.log_count(DATABASE_LOGS.0);
+    database.cut();
+    relay
+        .wait_for_log(DATABASE_LOGS.0, down + 1, secs(30))
+        .await;
+    let what = "the claimed rows are still processing while the database is away";
+    assert_eq!(
+        table.count_where("status = 'processing'").await,
+        20,
+        "{what}"
+    );
+    database.heal();
+    // Well within the 120 s lease.
+    table.wait_all_sent(secs(60)).await;
+    let handed_back = "handed back rows of a claim whose answer the database connection lost";
+    assert_eq!(relay.log_count(handed_back), 1, "{}", relay.stderr());
+    rabbit.barrier().await;
+    let rows = table.rows().await;
+    assert_none(
+        "rows not sent on their first attempt",
+        &not_sent_once(&rows),
+    );
+    // Ordering `none` promises no order.
+    let analysis = rabbit.analyse(&rows).ignoring_order();
+    let fault = "postgres-lost-claim-answer-released";
+    summary(fault, 1, rows.len(), &analysis, "");
     finish(relay, table, rabbit).await;
 }
 

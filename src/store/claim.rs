@@ -79,6 +79,9 @@ pub struct Claim {
     /// Some part filled its share while another came back short: the ready rows sit in fewer
     /// aggregates than there were parts, and splitting the next claim would not pay.
     pub uneven: bool,
+    /// A part of a split claim failed while other parts claimed rows: the failed part may
+    /// have committed before its answer was lost (see [`Store::release_unheld`]).
+    pub answer_lost: bool,
 }
 
 /// A message-level failure to record: back off, or dead-letter when out of attempts.
@@ -207,6 +210,7 @@ pub(super) struct ClaimSql {
     pub(super) delete_sent: String,
     pub(super) fail: String,
     pub(super) release: String,
+    pub(super) release_unheld: String,
     pub(super) heartbeat: String,
     pub(super) reclaim: String,
     pub(super) last_seq: String,
@@ -385,9 +389,18 @@ impl ClaimSql {
                    locked_by = NULL, locked_at = NULL \
                  WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
             ),
+            // Rows claimed in this relay's name that it does not hold: a claim committed whose
+            // answer the connection lost, so they were never published. Handed back unspent.
+            // $1 the ids the relay holds, $2 instance id.
+            release_unheld: format!(
+                "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
+                   locked_by = NULL, locked_at = NULL \
+                 WHERE status = 'processing' AND locked_by = $2 AND NOT (id = ANY($1))"
+            ),
             // Keeps this relay's leases alive while it waits for a slow broker, so only a relay
             // that stopped ever has its rows reclaimed. Only the ids the relay tracks: a row
-            // claimed in its name whose answer was lost must expire. $1 ids, $2 instance id.
+            // claimed in its name whose answer was lost is released ([`Store::release_unheld`])
+            // or, if this relay stops first, expires. $1 ids, $2 instance id.
             heartbeat: format!(
                 "UPDATE {t} SET locked_at = now() \
                  WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
@@ -511,13 +524,14 @@ impl Store {
         }
         // A part (or the sweep) that failed while another part claimed rows is a warning:
         // those rows are this relay's now and go out; the next round retries the rest.
-        match failed {
+        let answer_lost = match failed {
             Some(e) if rows.is_empty() => return Err(e),
             Some(e) => {
-                tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed")
+                tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed");
+                true
             }
-            None => {}
-        }
+            None => false,
+        };
         let expired = expired.and_then(|expired| {
             expired
                 .iter()
@@ -543,6 +557,7 @@ impl Store {
             expired,
             more,
             uneven: more && short,
+            answer_lost,
         })
     }
 
@@ -658,6 +673,17 @@ impl Store {
         let client = self.client().await?;
         let stmt = client.prepare_cached(&self.q.claim.release).await?;
         Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Hands back, unspent, the `processing` rows locked in this instance's name that are not
+    /// in `held`: rows of a claim that committed while its answer was lost with the
+    /// connection, which this relay therefore never published. Without this they would wait
+    /// out `relay.lease_timeout`, holding back the rest of their aggregates. Call only while
+    /// no claim is running, with every id a batch still holds in `held`.
+    pub async fn release_unheld(&self, held: &[Uuid]) -> Result<u64> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.claim.release_unheld).await?;
+        Ok(client.execute(&stmt, &[&held, &self.instance_id]).await?)
     }
 
     /// Renews the leases of `ids` where this instance still holds them; returns how many.
@@ -786,6 +812,7 @@ mod tests {
             ("mark_sent", &q.mark_sent),
             ("fail", &q.fail),
             ("release", &q.release),
+            ("release_unheld", &q.release_unheld),
             ("reclaim", &q.reclaim),
         ] {
             assert!(sql.contains("app.events "), "{name}: {sql}");
@@ -804,7 +831,13 @@ mod tests {
         ] {
             assert!(sql.contains("SKIP LOCKED"), "{sql}");
         }
-        for sql in [&q.mark_sent, &q.delete_sent, &q.release, &q.heartbeat] {
+        for sql in [
+            &q.mark_sent,
+            &q.delete_sent,
+            &q.release,
+            &q.release_unheld,
+            &q.heartbeat,
+        ] {
             assert!(
                 sql.contains("status = 'processing' AND locked_by = $2"),
                 "{sql}"

@@ -1,4 +1,4 @@
-//! A TCP proxy that the test controls: forward, stall (a black hole) or cut.
+//! A TCP proxy that the test controls: forward, stall (a black hole), hold answers or cut.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -15,7 +15,16 @@ use tokio_util::sync::CancellationToken;
 enum Mode {
     Forward,
     Stall,
+    /// Forwards what the client sends; holds back what the server answers.
+    HoldAnswers,
     Cut,
+}
+
+impl Mode {
+    /// Whether bytes flow towards the server (`upstream`) or the client in this mode.
+    fn flows(self, upstream: bool) -> bool {
+        self == Mode::Forward || (upstream && self == Mode::HoldAnswers)
+    }
 }
 
 struct ProxyShared {
@@ -92,6 +101,13 @@ impl Proxy {
         self.shared.mode.send_replace(Mode::Stall);
     }
 
+    /// Keeps forwarding what clients send but holds back every answer until `heal()` or
+    /// `cut()`: requests reach the server and take effect, their answers never arrive (cut
+    /// afterwards, the client cannot know whether they did).
+    pub fn hold_answers(&self) {
+        self.shared.mode.send_replace(Mode::HoldAnswers);
+    }
+
     /// Forwards again (new connections; a stalled connection resumes).
     pub fn heal(&self) {
         self.shared.mode.send_replace(Mode::Forward);
@@ -130,17 +146,24 @@ async fn forward(inbound: TcpStream, s: Arc<ProxyShared>) {
     let (ri, wi) = inbound.into_split();
     let (ro, wo) = outbound.into_split();
     tokio::select! {
-        () = pump(ri, wo, s.mode.subscribe()) => {}
-        () = pump(ro, wi, s.mode.subscribe()) => {}
+        () = pump(ri, wo, s.mode.subscribe(), true) => {}
+        () = pump(ro, wi, s.mode.subscribe(), false) => {}
         () = token.cancelled() => {}
     }
     // Dropping the halves closes both sockets.
 }
 
-async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut mode: watch::Receiver<Mode>) {
+/// Copies `from` to `to` while the mode lets bytes flow that way (`upstream`: towards the
+/// server).
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut mode: watch::Receiver<Mode>,
+    upstream: bool,
+) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
-        if mode.wait_for(|m| *m == Mode::Forward).await.is_err() {
+        if mode.wait_for(|m| m.flows(upstream)).await.is_err() {
             return;
         }
         let n = match from.read(&mut buf).await {
@@ -148,7 +171,7 @@ async fn pump(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, mut mode: watch::
             Ok(n) => n,
         };
         // A stall that began during the read holds these bytes back too.
-        if mode.wait_for(|m| *m == Mode::Forward).await.is_err() {
+        if mode.wait_for(|m| m.flows(upstream)).await.is_err() {
             return;
         }
         if to.write_all(&buf[..n]).await.is_err() {
