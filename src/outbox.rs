@@ -17,7 +17,7 @@ use crate::message::PayloadKind;
 use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::relay::{LoopSettings, Relay, RelayParts};
-use crate::store::{Store, StoreError};
+use crate::store::{OnConfirm, Store, StoreError};
 use crate::tasks::lease::Held;
 use crate::tasks::{Tasks, backlog, cleanup, lease, listen, vacuum};
 use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
@@ -136,7 +136,11 @@ impl Outbox {
             settings: LoopSettings {
                 relay,
                 retry: config.retry,
-                delete_on_confirm: config.cleanup.retention.is_zero(),
+                on_confirm: if config.cleanup.retention.is_zero() {
+                    OnConfirm::Delete
+                } else {
+                    OnConfirm::MarkSent
+                },
                 table_oid,
             },
             health: shared.health,

@@ -27,7 +27,7 @@ use crate::message::OutboxMessage;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
-use crate::store::{Expired, ExpirySweep, Failure, Store, StoreError};
+use crate::store::{Expired, ExpirySweep, Failure, OnConfirm, Store, StoreError};
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
@@ -83,8 +83,8 @@ pub struct LoopSettings {
     pub relay: RelayConfig,
     /// `[retry]`
     pub retry: RetryPolicy,
-    /// Delete rows on confirm instead of marking them sent (`cleanup.retention = "0s"`).
-    pub delete_on_confirm: bool,
+    /// What becomes of a confirmed row (deleted with `cleanup.retention = "0s"`).
+    pub on_confirm: OnConfirm,
     /// The outbox table's oid (for the ordering guard's lock query).
     pub table_oid: u32,
 }
@@ -359,12 +359,12 @@ impl Relay {
 
         let deadline = Instant::now() + self.settings.relay.lease_timeout;
         let mut backoff = Backoff::reconnect();
-        let delete = self.settings.delete_on_confirm;
+        let on_confirm = self.settings.on_confirm;
         let max_attempts = self.settings.retry.max_attempts;
         loop {
             let result = async {
                 if !sent.is_empty() {
-                    self.store.mark_sent(&sent, delete).await?;
+                    self.store.mark_sent(&sent, on_confirm).await?;
                     sent.clear();
                 }
                 if !failures.is_empty() {
@@ -707,7 +707,7 @@ impl<'a> Dispatch<'a> {
         let now = Instant::now();
         let sweep = if now < self.next_sweep {
             ExpirySweep::Skip
-        } else if settings.delete_on_confirm {
+        } else if settings.on_confirm == OnConfirm::Delete {
             ExpirySweep::Delete
         } else {
             ExpirySweep::Mark

@@ -1,19 +1,18 @@
-//! The hot path: claiming (the expiry sweep, the claim by ordering mode, a suspect on its
-//! own), settling (sent, failed, handed back), lease renewal and reclaim, and the ordering
-//! watermark's observation — the statements the claim loop and the lease task run on every
-//! round, their SQL text and their execution.
+//! Claiming: the claim by ordering mode, a suspect on its own, and the expiry sweep run with
+//! them — their SQL text and their execution. One function per statement, its invariant in
+//! its doc.
 //!
-//! Claiming is a state change (`pending` → `processing`) committed before anything is
-//! published, so no row lock is ever held across a call to the broker. Settling only touches
-//! rows still locked by this instance, so a row whose lease was reclaimed by another relay is
-//! never overwritten.
+//! Claiming is a state change (`pending` → `processing`, one attempt counted) committed
+//! before anything is published, so no row lock is ever held across a call to the broker.
+//! What happens to the rows afterwards is [`super::settle`]'s.
 
 use std::time::Duration;
 
 use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
-use super::{OPEN_E, OPEN_H, Result, Store};
+use super::predicates::{SUSPECT, no_open_row_before, not_due, not_suspect, open};
+use super::{Result, Store};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
 
@@ -84,35 +83,6 @@ pub struct Claim {
     pub answer_lost: bool,
 }
 
-/// A message-level failure to record: back off, or dead-letter when out of attempts.
-#[derive(Debug, Clone)]
-pub struct Failure {
-    /// Row id.
-    pub id: Uuid,
-    /// Why it failed (stored in `last_error`).
-    pub error: String,
-    /// Delay before the next attempt.
-    pub delay: Duration,
-}
-
-/// What [`Store::fail`] did with the failures.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct FailOutcome {
-    /// Rows scheduled for another attempt.
-    pub retried: u64,
-    /// Rows moved to `failed`.
-    pub dead_lettered: Vec<Uuid>,
-}
-
-/// One observation for the ordering watermark (see [`crate::watermark`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct WriterSnapshot {
-    /// Transactions (xid as text) that hold a lock on the outbox table, other than relays.
-    pub writers: Vec<String>,
-    /// Age in seconds of the oldest of those transactions.
-    pub oldest_writer_age: Option<f64>,
-}
-
 /// The fewest candidates an ordered claim looks at beyond its batch (see [`scan_window`]).
 const SCAN_SLACK: i64 = 100;
 
@@ -137,16 +107,6 @@ fn part_key(alias: &str) -> String {
     )
 }
 
-/// `last_error` prefix of rows reclaimed from a relay that died while holding them.
-const SUSPECT: &str = "lease expired:";
-const NOT_SUSPECT: &str = "(last_error IS NULL OR last_error NOT LIKE 'lease expired:%')";
-const NOT_SUSPECT_C: &str = "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')";
-const NOT_SUSPECT_H: &str = "(h.last_error IS NULL OR h.last_error NOT LIKE 'lease expired:%')";
-/// Rows whose deadline has passed are never claimed, even in the moment before the expiry
-/// sweep marks them (a heap filter on rows the claim reads anyway: free when no row expires).
-const NOT_DUE: &str = "(expires_at IS NULL OR expires_at > now())";
-const NOT_DUE_C: &str = "(c.expires_at IS NULL OR c.expires_at > now())";
-const NOT_DUE_H: &str = "(h.expires_at IS NULL OR h.expires_at > now())";
 // Claims update `WHERE t.id = ANY(ARRAY(SELECT id FROM <picked>))` rather than joining the
 // picked ids: with a join the generic plan estimated the row count from LIMIT $1 and hashed the
 // whole table (a sequential scan per claim, 46 ms at 100k rows); the array form always probes
@@ -188,16 +148,16 @@ pub fn scan_window(limit: i64) -> i64 {
 /// Renders [`HotPathSql`] for `table`.
 #[cfg(any(test, feature = "bench"))]
 pub fn hot_path_sql(table: &TableName) -> HotPathSql {
-    let q = ClaimSql::new(table);
+    let t = table.qualified();
     HotPathSql {
-        claim: q.claim_none,
-        claim_aggregate: q.claim_aggregate,
-        mark_sent: q.mark_sent,
+        claim: claim_none(&t),
+        claim_aggregate: claim_aggregate(&t),
+        mark_sent: super::settle::mark_sent_sql(table),
         part_key: part_key(""),
     }
 }
 
-/// The hot path's SQL text, rendered once for the configured table.
+/// The claim's SQL text, rendered once for the configured table.
 #[derive(Debug, Clone)]
 pub(super) struct ClaimSql {
     pub(super) claim_none: String,
@@ -206,226 +166,191 @@ pub(super) struct ClaimSql {
     pub(super) claim_aggregate: String,
     pub(super) expire: String,
     pub(super) expire_delete: String,
-    pub(super) mark_sent: String,
-    pub(super) delete_sent: String,
-    pub(super) fail: String,
-    pub(super) release: String,
-    pub(super) release_unheld: String,
-    pub(super) heartbeat: String,
-    pub(super) reclaim: String,
-    pub(super) last_seq: String,
-    pub(super) writers: String,
 }
 
 impl ClaimSql {
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
-        let seq = table.prefixed("_seq");
-        let part_c = part_key("c");
-        // A ready row reclaimed from a dead relay that is the head of its aggregate (or has
-        // none) and at or below the watermark (`$W`).
-        let suspect_where = format!(
-            "c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
-             AND {NOT_DUE_C} \
-             AND (c.aggregate_id IS NULL OR (c.seq <= $W AND NOT EXISTS ( \
-               SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
-                 AND e.aggregate_id = c.aggregate_id AND {OPEN_E} AND e.seq < c.seq)))"
-        );
-        let suspect = suspect_where.replace("$W", "$1");
-        let suspect_2 = suspect_where.replace("$W", "$2");
         Self {
-            // $1 batch size, $2 instance id.
-            claim_none: format!(
-                "WITH cand AS ( \
-                   SELECT id FROM {t} \
-                   WHERE status = 'pending' AND available_at <= now() AND {NOT_SUSPECT} AND {NOT_DUE} \
-                   ORDER BY seq LIMIT $1 \
-                   FOR UPDATE SKIP LOCKED) \
-                 UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
-                   locked_by = $2, locked_at = now() \
-                 WHERE t.id = ANY(ARRAY(SELECT id FROM cand)) \
-                 RETURNING {RETURNING}"
-            ),
-            // $1 watermark. The same rows claim_suspect would take.
-            suspects_waiting: format!("SELECT EXISTS (SELECT 1 FROM {t} c WHERE {suspect})"),
-            // One row that was held by a relay that died (a suspect of the crash), claimed on its
-            // own so that a row which kills the relay spends only its own attempts, never those
-            // of rows that happened to share its batch. $1 instance id, $2 watermark.
-            claim_suspect: format!(
-                "WITH cand AS ( \
-                   SELECT c.id FROM {t} c WHERE {suspect_2} \
-                   ORDER BY c.seq LIMIT 1 \
-                   FOR UPDATE OF c SKIP LOCKED) \
-                 UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
-                   locked_by = $1, locked_at = now() \
-                 WHERE t.id = ANY(ARRAY(SELECT id FROM cand)) \
-                 RETURNING {RETURNING}"
-            ),
-            // $1 batch size, $2 instance id, $3 watermark (highest seq that is final), $4 scan
-            // window, $5 parts, $6 this part: of a claim split into parts run at once, this one
-            // takes only the aggregates that hash to it (rows without one by seq), so no two
-            // parts ever contend for one aggregate.
-            //
-            // Candidates skip aggregates whose head (first unsent row) is not ready (in flight
-            // elsewhere, backing off, dead, a reclaimed row that goes out on its own, or past
-            // its deadline until the sweep), so a long blocked aggregate cannot fill the scan
-            // window and starve the others. Aggregates with a row in flight (`busy`, from the
-            // small processing index, hashed) are skipped before that head probe: in a
-            // steady drain most blocked rows are behind an in-flight head, and a hash lookup
-            // costs a fraction of an index probe. `busy` is capped so that it stays hashable;
-            // aggregates left out of it fall through to the head probe, which decides alone.
-            // The head probe is a lateral join on the aggregate, which the planner memoizes:
-            // the candidates of one aggregate share one probe, so one aggregate's backlog does
-            // not make every candidate walk the index entries of its rows already sent (the gap
-            // probe below is bounded on both sides for the same reason). The conditions on the
-            // candidate alone (watermark, `busy`) stand apart from the one on the head, so the
-            // planner filters the scan with them before the join (in one OR with the head's,
-            // every row of an aggregate in flight would be joined first).
-            // A candidate is claimable when every unsent row of its aggregate with a smaller seq
-            // is itself a candidate locked by this statement (so the whole run goes to one
-            // relay, published in seq order) — the first candidate of its aggregate when it is
-            // the head, each later one when no open row lies between it and the previous one
-            // (both bounds in the index) — then required along the whole chain.
-            // Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap
-            // and so blocks everything after them: no two relays ever hold one aggregate.
-            // The batch is filled run by run: aggregates in the order of their oldest
-            // candidate, each with its claimable rows in seq order (a prefix of a run is still
-            // a run). Filled row by row in seq order instead, a backlog spread round robin over
-            // many aggregates gave each aggregate one row per claim → publish → settle round
-            // trip, and the claims stalled on aggregates in flight (Kafka, 1,000 aggregates:
-            // 18k → 22k msgs/s, median of 4 runs).
-            claim_aggregate: format!(
-                "WITH busy AS MATERIALIZED ( \
-                   SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
-                   WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
-                   LIMIT 10000), \
-                 cand AS ( \
-                   SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq FROM {t} c \
-                   LEFT JOIN LATERAL ( \
-                     SELECT CASE WHEN h.status = 'pending' AND h.available_at <= now() \
-                         AND {NOT_SUSPECT_H} AND {NOT_DUE_H} THEN h.seq END AS head_seq \
-                     FROM {t} h \
-                     WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
-                       AND {OPEN_H} ORDER BY h.seq LIMIT 1) h ON true \
-                   WHERE c.status = 'pending' AND c.available_at <= now() AND {NOT_SUSPECT_C} \
-                     AND {NOT_DUE_C} \
-                     AND {part_c} % $5 = $6 \
-                     AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
-                       AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy))) \
-                     AND (c.aggregate_id IS NULL OR h.head_seq IS NOT NULL) \
-                   ORDER BY c.seq LIMIT $4 \
-                   FOR UPDATE OF c SKIP LOCKED), \
-                 ranked AS ( \
-                   SELECT c.*, lag(c.seq) OVER (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.seq) AS prev_seq \
-                   FROM cand c), \
-                 checked AS ( \
-                   SELECT r.id, r.seq, r.aggregate_type, r.aggregate_id, \
-                     CASE WHEN r.aggregate_id IS NULL THEN true \
-                          WHEN r.prev_seq IS NULL THEN r.head_seq = r.seq \
-                          ELSE NOT EXISTS ( \
-                            SELECT 1 FROM {t} e \
-                            WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id \
-                              AND {OPEN_E} AND e.seq > r.prev_seq AND e.seq < r.seq) END AS free \
-                   FROM ranked r), \
-                 chained AS ( \
-                   SELECT id, seq, bool_and(free) OVER w AS ok, \
-                     CASE WHEN aggregate_id IS NULL THEN seq ELSE min(seq) OVER w END AS head \
-                   FROM checked \
-                   WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY seq)), \
-                 picked AS ( \
-                   SELECT id FROM chained WHERE ok ORDER BY head, seq LIMIT $1) \
-                 UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
-                   locked_by = $2, locked_at = now() \
-                 WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) \
-                 RETURNING {RETURNING}"
-            ),
-            // Pending rows past their deadline become `expired` (or are deleted, retention 0),
-            // oldest deadline first, through the small `<table>_expiry_idx`. Rows in flight
-            // are not touched: a row claimed before its deadline is published. $1 batch size.
-            expire: format!(
-                "WITH due AS ( \
-                   SELECT id FROM {t} \
-                   WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= now() \
-                   ORDER BY expires_at LIMIT $1 \
-                   FOR UPDATE SKIP LOCKED) \
-                 UPDATE {t} AS t SET status = 'expired', locked_by = NULL, locked_at = NULL, \
-                   last_error = 'expired: its deadline ' \
-                     || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
-                     || ' passed before it was published (after ' || t.attempts || ' attempts)' \
-                 WHERE t.id = ANY(ARRAY(SELECT id FROM due)) \
-                 RETURNING t.id, t.aggregate_type"
-            ),
-            expire_delete: format!(
-                "WITH due AS ( \
-                   SELECT id FROM {t} \
-                   WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= now() \
-                   ORDER BY expires_at LIMIT $1 \
-                   FOR UPDATE SKIP LOCKED) \
-                 DELETE FROM {t} AS t WHERE t.id = ANY(ARRAY(SELECT id FROM due)) \
-                 RETURNING t.id, t.aggregate_type"
-            ),
-            // $1 ids, $2 instance id.
-            mark_sent: format!(
-                "UPDATE {t} SET status = 'sent', sent_at = now(), locked_by = NULL, locked_at = NULL, last_error = NULL \
-                 WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
-            ),
-            delete_sent: format!(
-                "DELETE FROM {t} WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
-            ),
-            // $1 ids, $2 errors, $3 delays (ms), $4 instance id, $5 max attempts.
-            fail: format!(
-                "UPDATE {t} AS t SET \
-                   status = CASE WHEN t.attempts >= $5 THEN 'failed' ELSE 'pending' END, \
-                   available_at = CASE WHEN t.attempts >= $5 THEN t.available_at \
-                                  ELSE now() + f.delay_ms * interval '1 millisecond' END, \
-                   last_error = f.error, locked_by = NULL, locked_at = NULL \
-                 FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms) \
-                 WHERE t.id = f.id AND t.status = 'processing' AND t.locked_by = $4 \
-                 RETURNING t.id, t.status"
-            ),
-            // Hand back without spending the attempt the claim counted. $1 ids, $2 instance id.
-            release: format!(
-                "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
-                   locked_by = NULL, locked_at = NULL \
-                 WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
-            ),
-            // Rows claimed in this relay's name that it does not hold: a claim committed whose
-            // answer the connection lost, so they were never published. Handed back unspent.
-            // $1 the ids the relay holds, $2 instance id.
-            release_unheld: format!(
-                "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
-                   locked_by = NULL, locked_at = NULL \
-                 WHERE status = 'processing' AND locked_by = $2 AND NOT (id = ANY($1))"
-            ),
-            // Keeps this relay's leases alive while it waits for a slow broker, so only a relay
-            // that stopped ever has its rows reclaimed. Only the ids the relay tracks: a row
-            // claimed in its name whose answer was lost is released ([`Store::release_unheld`])
-            // or, if this relay stops first, expires. $1 ids, $2 instance id.
-            heartbeat: format!(
-                "UPDATE {t} SET locked_at = now() \
-                 WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
-            ),
-            // Rows whose lease expired: the claim already spent their attempt. $1 lease (ms), $2 max attempts.
-            reclaim: format!(
-                "UPDATE {t} SET \
-                   status = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
-                   last_error = '{SUSPECT} relay ' || coalesce(locked_by, '?') || ' stopped while holding the row', \
-                   available_at = now(), locked_by = NULL, locked_at = NULL \
-                 WHERE status = 'processing' AND locked_at < now() - $1::bigint * interval '1 millisecond' \
-                 RETURNING id, status"
-            ),
-            last_seq: format!("SELECT last_value, is_called FROM {seq}"),
-            // $1 the table's oid. Transactions that hold a lock on the table and may still commit
-            // rows; the relay's own sessions (application_name outbox-relay…) never insert.
-            writers:
-                "SELECT a.backend_xid::text, extract(epoch FROM now() - a.xact_start)::float8 \
-                      FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-                      WHERE l.locktype = 'relation' AND l.relation = $1 AND l.granted \
-                        AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
-                        AND a.application_name NOT LIKE 'outbox-relay%'"
-                    .to_owned(),
+            claim_none: claim_none(&t),
+            suspects_waiting: suspects_waiting(&t),
+            claim_suspect: claim_suspect(&t),
+            claim_aggregate: claim_aggregate(&t),
+            expire: expire(&t),
+            expire_delete: expire_delete(&t),
         }
     }
+}
+
+/// The claim with `ordering = "none"`: the oldest ready rows, skipping rows another claim
+/// holds; they become `processing` in this relay's name with one more attempt counted.
+/// Reclaimed rows (suspects) and rows past their deadline are never taken. `$1` batch size,
+/// `$2` instance id.
+fn claim_none(t: &str) -> String {
+    let (not_suspect, not_due) = (not_suspect(""), not_due(""));
+    format!(
+        "WITH cand AS ( \
+           SELECT id FROM {t} \
+           WHERE status = 'pending' AND available_at <= now() AND {not_suspect} AND {not_due} \
+           ORDER BY seq LIMIT $1 \
+           FOR UPDATE SKIP LOCKED) \
+         UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+           locked_by = $2, locked_at = now() \
+         WHERE t.id = ANY(ARRAY(SELECT id FROM cand)) \
+         RETURNING {RETURNING}"
+    )
+}
+
+/// A ready row reclaimed from a dead relay (a suspect of the crash) that is the head of its
+/// aggregate (or has none) and, with an aggregate, at or below the watermark `watermark` (a
+/// parameter such as `$1`).
+fn suspect_where(t: &str, watermark: &str) -> String {
+    let (not_due, head) = (not_due("c"), no_open_row_before(t, "c"));
+    format!(
+        "c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
+         AND {not_due} \
+         AND (c.aggregate_id IS NULL OR (c.seq <= {watermark} AND {head}))"
+    )
+}
+
+/// Whether a row [`claim_suspect`] would take is waiting. `$1` watermark.
+fn suspects_waiting(t: &str) -> String {
+    let suspect = suspect_where(t, "$1");
+    format!("SELECT EXISTS (SELECT 1 FROM {t} c WHERE {suspect})")
+}
+
+/// One row that was held by a relay that died (a suspect of the crash), claimed on its own so
+/// that a row which kills the relay spends only its own attempts, never those of rows that
+/// happened to share its batch. `$1` instance id, `$2` watermark.
+fn claim_suspect(t: &str) -> String {
+    let suspect = suspect_where(t, "$2");
+    format!(
+        "WITH cand AS ( \
+           SELECT c.id FROM {t} c WHERE {suspect} \
+           ORDER BY c.seq LIMIT 1 \
+           FOR UPDATE OF c SKIP LOCKED) \
+         UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+           locked_by = $1, locked_at = now() \
+         WHERE t.id = ANY(ARRAY(SELECT id FROM cand)) \
+         RETURNING {RETURNING}"
+    )
+}
+
+/// The claim with `ordering = "aggregate"`. `$1` batch size, `$2` instance id, `$3`
+/// watermark (the highest `seq` that is final), `$4` scan window ([`scan_window`]), `$5`
+/// parts, `$6` this part.
+///
+/// Invariant: a row with an aggregate is claimed only together with every open row of its
+/// aggregate before it, by this statement, so an aggregate's rows are held by one relay at a
+/// time and published in `seq` order. Candidates that another relay holds are skipped (SKIP
+/// LOCKED), which leaves a gap and so blocks every row after them.
+///
+/// How, step by step:
+/// - `busy`: aggregates with a row in flight (from the small processing index, capped so that
+///   it stays hashable) are skipped before any probe: in a steady drain most blocked rows are
+///   behind an in-flight head, and a hash lookup costs a fraction of an index probe.
+/// - `cand`: up to the scan window of ready rows at or below the watermark, in this part
+///   (the aggregates that hash to it, rows without one by `seq`: no two parts contend for an
+///   aggregate), whose aggregate's head (first open row) is ready. The head probe is a lateral
+///   join the planner memoizes per aggregate; the conditions on the candidate alone stand
+///   apart from the one on the head so the scan is filtered before the join. A blocked
+///   aggregate (head in flight elsewhere, backing off, dead, a suspect, past its deadline)
+///   thus cannot fill the window and starve the others.
+/// - `checked`, `chained`: a candidate is free when it is the head, or when no open row lies
+///   between it and the previous candidate of its aggregate (a probe bounded on both sides);
+///   it is claimable when it and every earlier candidate of its aggregate are free.
+/// - `picked`: the batch is filled run by run (aggregates in the order of their oldest
+///   candidate, each run in `seq` order; a prefix of a run is still a run), so a backlog
+///   spread over many aggregates goes out in long runs rather than one row per aggregate per
+///   claim.
+fn claim_aggregate(t: &str) -> String {
+    let part_c = part_key("c");
+    let (not_suspect_c, not_due_c) = (not_suspect("c"), not_due("c"));
+    let (not_suspect_h, not_due_h) = (not_suspect("h"), not_due("h"));
+    let (open_e, open_h) = (open("e"), open("h"));
+    format!(
+        "WITH busy AS MATERIALIZED ( \
+           SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
+           WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
+           LIMIT 10000), \
+         cand AS ( \
+           SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq FROM {t} c \
+           LEFT JOIN LATERAL ( \
+             SELECT CASE WHEN h.status = 'pending' AND h.available_at <= now() \
+                 AND {not_suspect_h} AND {not_due_h} THEN h.seq END AS head_seq \
+             FROM {t} h \
+             WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
+               AND {open_h} ORDER BY h.seq LIMIT 1) h ON true \
+           WHERE c.status = 'pending' AND c.available_at <= now() AND {not_suspect_c} \
+             AND {not_due_c} \
+             AND {part_c} % $5 = $6 \
+             AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
+               AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy))) \
+             AND (c.aggregate_id IS NULL OR h.head_seq IS NOT NULL) \
+           ORDER BY c.seq LIMIT $4 \
+           FOR UPDATE OF c SKIP LOCKED), \
+         ranked AS ( \
+           SELECT c.*, lag(c.seq) OVER (PARTITION BY c.aggregate_type, c.aggregate_id ORDER BY c.seq) AS prev_seq \
+           FROM cand c), \
+         checked AS ( \
+           SELECT r.id, r.seq, r.aggregate_type, r.aggregate_id, \
+             CASE WHEN r.aggregate_id IS NULL THEN true \
+                  WHEN r.prev_seq IS NULL THEN r.head_seq = r.seq \
+                  ELSE NOT EXISTS ( \
+                    SELECT 1 FROM {t} e \
+                    WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id \
+                      AND {open_e} AND e.seq > r.prev_seq AND e.seq < r.seq) END AS free \
+           FROM ranked r), \
+         chained AS ( \
+           SELECT id, seq, bool_and(free) OVER w AS ok, \
+             CASE WHEN aggregate_id IS NULL THEN seq ELSE min(seq) OVER w END AS head \
+           FROM checked \
+           WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY seq)), \
+         picked AS ( \
+           SELECT id FROM chained WHERE ok ORDER BY head, seq LIMIT $1) \
+         UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+           locked_by = $2, locked_at = now() \
+         WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) \
+         RETURNING {RETURNING}"
+    )
+}
+
+/// The pending rows past their deadline, oldest deadline first, through the small
+/// `<table>_expiry_idx`, skipping rows another sweep holds. Rows in flight are not touched:
+/// a row claimed before its deadline is published. `$1` batch size.
+fn due(t: &str) -> String {
+    format!(
+        "WITH due AS ( \
+           SELECT id FROM {t} \
+           WHERE status = 'pending' AND expires_at IS NOT NULL AND expires_at <= now() \
+           ORDER BY expires_at LIMIT $1 \
+           FOR UPDATE SKIP LOCKED)"
+    )
+}
+
+/// The expiry sweep: [`due`] rows become `expired` (terminal), with a `last_error` naming
+/// the deadline. `$1` batch size.
+fn expire(t: &str) -> String {
+    let due = due(t);
+    format!(
+        "{due} \
+         UPDATE {t} AS t SET status = 'expired', locked_by = NULL, locked_at = NULL, \
+           last_error = 'expired: its deadline ' \
+             || to_char(t.expires_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+             || ' passed before it was published (after ' || t.attempts || ' attempts)' \
+         WHERE t.id = ANY(ARRAY(SELECT id FROM due)) \
+         RETURNING t.id, t.aggregate_type"
+    )
+}
+
+/// The expiry sweep with retention 0: [`due`] rows are deleted. `$1` batch size.
+fn expire_delete(t: &str) -> String {
+    let due = due(t);
+    format!(
+        "{due} \
+         DELETE FROM {t} AS t WHERE t.id = ANY(ARRAY(SELECT id FROM due)) \
+         RETURNING t.id, t.aggregate_type"
+    )
 }
 
 impl Store {
@@ -618,133 +543,6 @@ impl Store {
             .await?;
         Ok(row.as_ref().map(message_of).transpose()?)
     }
-
-    /// Marks confirmed rows `sent`, or deletes them when `delete` (retention 0).
-    pub async fn mark_sent(&self, ids: &[Uuid], delete: bool) -> Result<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let client = self.client().await?;
-        let sql = if delete {
-            &self.q.claim.delete_sent
-        } else {
-            &self.q.claim.mark_sent
-        };
-        let stmt = client.prepare_cached(sql).await?;
-        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
-    }
-
-    /// Records message-level failures: back to `pending` after `delay`, or `failed` once the
-    /// row has used `max_attempts`.
-    pub async fn fail(&self, failures: &[Failure], max_attempts: u32) -> Result<FailOutcome> {
-        if failures.is_empty() {
-            return Ok(FailOutcome::default());
-        }
-        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
-        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
-        let delays: Vec<i64> = failures
-            .iter()
-            .map(|f| i64::try_from(f.delay.as_millis()).unwrap_or(i64::MAX))
-            .collect();
-        let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.claim.fail).await?;
-        let rows = client
-            .query(&stmt, &[&ids, &errors, &delays, &self.instance_id, &max])
-            .await?;
-        let mut out = FailOutcome::default();
-        for r in rows {
-            let status: &str = r.try_get(1)?;
-            if status == "failed" {
-                out.dead_lettered.push(r.try_get(0)?);
-            } else {
-                out.retried += 1;
-            }
-        }
-        Ok(out)
-    }
-
-    /// Hands rows back to `pending` without spending an attempt (connection-level failure,
-    /// shutdown, or rows never published because an earlier row of their aggregate failed).
-    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.claim.release).await?;
-        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
-    }
-
-    /// Hands back, unspent, the `processing` rows locked in this instance's name that are not
-    /// in `held`: rows of a claim that committed while its answer was lost with the
-    /// connection, which this relay therefore never published. Without this they would wait
-    /// out `relay.lease_timeout`, holding back the rest of their aggregates. Call only while
-    /// no claim is running, with every id a batch still holds in `held`.
-    pub async fn release_unheld(&self, held: &[Uuid]) -> Result<u64> {
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.claim.release_unheld).await?;
-        Ok(client.execute(&stmt, &[&held, &self.instance_id]).await?)
-    }
-
-    /// Renews the leases of `ids` where this instance still holds them; returns how many.
-    pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.claim.heartbeat).await?;
-        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
-    }
-
-    /// Returns `processing` rows whose lease expired to `pending` (or `failed` when out of
-    /// attempts). Returns (reclaimed, dead-lettered).
-    pub async fn reclaim_expired(&self, lease: Duration, max_attempts: u32) -> Result<(u64, u64)> {
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.claim.reclaim).await?;
-        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
-        let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
-        let rows = client.query(&stmt, &[&lease_ms, &max]).await?;
-        let failed = rows
-            .iter()
-            .filter(|r| r.get::<_, &str>(1) == "failed")
-            .count() as u64;
-        Ok((rows.len() as u64 - failed, failed))
-    }
-
-    /// One observation for the ordering guard: the highest `seq` drawn so far (committed or
-    /// not), then the transactions that hold a lock on the outbox table and might still commit
-    /// rows. The two statements are pipelined on one connection, which the server runs in the
-    /// order sent: the sequence is read strictly before the locks (see [`crate::watermark`]).
-    pub async fn observe(&self, table_oid: u32) -> Result<(i64, WriterSnapshot)> {
-        let client = self.client().await?;
-        let seq_stmt = client.prepare_cached(&self.q.claim.last_seq).await?;
-        let writers_stmt = client.prepare_cached(&self.q.claim.writers).await?;
-        let oid_param: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&table_oid];
-        let (seq_row, rows) = tokio::join!(
-            client.query_one(&seq_stmt, &[]),
-            client.query(&writers_stmt, &oid_param)
-        );
-        let seq_row = seq_row?;
-        let last: i64 = seq_row.try_get(0)?;
-        let called: bool = seq_row.try_get(1)?;
-        let last = if called { last } else { last - 1 };
-        let rows = rows?;
-        let mut writers = Vec::with_capacity(rows.len());
-        let mut oldest: Option<f64> = None;
-        for r in rows {
-            writers.push(r.try_get::<_, String>(0)?);
-            let age: Option<f64> = r.try_get(1)?;
-            if let Some(age) = age {
-                oldest = Some(oldest.map_or(age, |o| o.max(age)));
-            }
-        }
-        writers.sort_unstable();
-        writers.dedup();
-        Ok((
-            last,
-            WriterSnapshot {
-                writers,
-                oldest_writer_age: oldest,
-            },
-        ))
-    }
 }
 
 fn message_of(r: &tokio_postgres::Row) -> Result<OutboxMessage, tokio_postgres::Error> {
@@ -785,8 +583,11 @@ mod tests {
         let sql = hot_path_sql(&table);
         let q = ClaimSql::new(&table);
         assert_eq!(sql.claim, q.claim_none);
-        assert_eq!(sql.mark_sent, q.mark_sent);
         assert!(sql.claim.contains("app.events") && sql.claim.contains("FOR UPDATE SKIP LOCKED"));
+        assert!(
+            sql.mark_sent
+                .starts_with("UPDATE app.events SET status = 'sent'")
+        );
         assert!(sql.mark_sent.contains("id = ANY($1)"));
         assert_eq!(sql.claim_aggregate, q.claim_aggregate);
         // The claim splits by the same key the tools are given.
@@ -797,64 +598,43 @@ mod tests {
     }
 
     #[test]
-    fn statements_name_the_schema_qualified_table() {
+    fn claims_name_the_schema_qualified_table_and_skip_locked_rows() {
         let table = TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}"));
         let q = ClaimSql::new(&table);
-        assert_eq!(
-            q.last_seq,
-            "SELECT last_value, is_called FROM app.events_seq"
-        );
         for (name, sql) in [
             ("claim_none", &q.claim_none),
             ("claim_aggregate", &q.claim_aggregate),
             ("claim_suspect", &q.claim_suspect),
             ("expire", &q.expire),
-            ("mark_sent", &q.mark_sent),
-            ("fail", &q.fail),
-            ("release", &q.release),
-            ("release_unheld", &q.release_unheld),
-            ("reclaim", &q.reclaim),
+            ("expire_delete", &q.expire_delete),
         ] {
             assert!(sql.contains("app.events "), "{name}: {sql}");
             assert!(!sql.contains("outbox_messages"), "{name}: {sql}");
+            assert!(sql.contains("SKIP LOCKED"), "{name}: {sql}");
         }
+        assert!(q.suspects_waiting.contains("FROM app.events c"));
     }
 
     #[test]
-    fn claims_skip_locked_rows_and_settles_touch_only_our_own() {
+    fn suspects_are_claimed_alone_and_never_by_the_ordinary_claims() {
         let q = ClaimSql::new(&TableName::parse("outbox").unwrap_or_else(|e| panic!("{e}")));
-        for sql in [
-            &q.claim_none,
-            &q.claim_aggregate,
-            &q.claim_suspect,
-            &q.expire,
-        ] {
-            assert!(sql.contains("SKIP LOCKED"), "{sql}");
-        }
-        for sql in [
-            &q.mark_sent,
-            &q.delete_sent,
-            &q.release,
-            &q.release_unheld,
-            &q.heartbeat,
-        ] {
-            assert!(
-                sql.contains("status = 'processing' AND locked_by = $2"),
-                "{sql}"
-            );
-        }
-        assert!(q.fail.contains("t.locked_by = $4"), "{}", q.fail);
-        // Suspects are claimed alone, and never by the ordinary claims.
         assert!(
             q.claim_suspect.contains("LIMIT 1")
                 && q.claim_suspect.contains("LIKE 'lease expired:%'")
         );
         assert!(q.claim_none.contains("NOT LIKE 'lease expired:%'"));
         assert!(q.claim_aggregate.contains("NOT LIKE 'lease expired:%'"));
+        // The check looks for what the claim takes: the same condition, at the watermark.
+        let condition = |sql: &str, from: &str| {
+            let at = sql.find(from).unwrap_or_else(|| panic!("{sql}"));
+            sql[at + from.len()..].to_owned()
+        };
+        let waiting = condition(&q.suspects_waiting, "c WHERE ");
+        let claimed = condition(&q.claim_suspect, "c WHERE ");
+        let waiting = waiting.trim_end_matches(')').replace("$1", "$W");
         assert!(
-            q.reclaim.contains("'lease expired: relay '"),
-            "{}",
-            q.reclaim
+            claimed.starts_with(&waiting.replace("$W", "$2")),
+            "{waiting}\n{claimed}"
         );
     }
 }

@@ -9,7 +9,9 @@ use tokio_postgres::NoTls;
 
 use super::claim::ClaimSql;
 use super::maintenance::MaintenanceSql;
+use super::observe::ObserveSql;
 use super::operator::OperatorSql;
+use super::settle::SettleSql;
 use super::waiting::WaitingSql;
 use super::{Queries, Result, Store, StoreError};
 use crate::config::{DatabaseConfig, TableName};
@@ -97,6 +99,8 @@ impl Store {
             instance_id: instance_id.to_owned(),
             q: std::sync::Arc::new(Queries {
                 claim: ClaimSql::new(table),
+                settle: SettleSql::new(table),
+                observe: ObserveSql::new(table),
                 waiting: WaitingSql::new(table),
                 maintenance: MaintenanceSql::new(table),
                 operator: OperatorSql::new(table),

@@ -1,7 +1,8 @@
 //! The background tasks' statements: the backlog gauges, the table's health (dead tuples,
 //! autovacuum) and the relay's own `VACUUM`.
 
-use super::{OPEN_E, Result, Store};
+use super::predicates::no_open_row_before;
+use super::{Result, Store};
 use crate::config::{Ordering, TableName};
 
 /// The outbox table's health as PostgreSQL's statistics see it.
@@ -60,11 +61,11 @@ fn backlog(t: &str, ready: ReadyAge) -> String {
     let head = match ready {
         ReadyAge::Any => String::new(),
         ReadyAge::Head => format!(
-            "AND (c.aggregate_id IS NULL OR NOT EXISTS ( \
-               SELECT 1 FROM {t} e WHERE e.aggregate_type = c.aggregate_type \
-                 AND e.aggregate_id = c.aggregate_id AND {OPEN_E} AND e.seq < c.seq)) "
+            "AND (c.aggregate_id IS NULL OR {}) ",
+            no_open_row_before(t, "c")
         ),
     };
+    let failed_head = no_open_row_before(t, "f");
     format!(
         "SELECT p.ready, p.waiting, \
            (SELECT coalesce(extract(epoch FROM now() - least( \
@@ -72,9 +73,7 @@ fn backlog(t: &str, ready: ReadyAge) -> String {
                (SELECT min(created_at) FROM {t} WHERE status = 'processing'))), 0)::float8), \
            (SELECT count(*) FROM {t} WHERE status = 'failed'), \
            (SELECT count(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
-              WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
-                SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
-                  AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq)) b), \
+              WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND {failed_head}) b), \
            (SELECT coalesce(extract(epoch FROM now() \
                - min(greatest(c.created_at, c.available_at))), 0)::float8 \
             FROM {t} c WHERE c.status = 'pending' AND c.available_at <= now() \

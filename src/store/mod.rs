@@ -1,6 +1,9 @@
 //! PostgreSQL: every statement the relay runs lives in this module, by concern:
-//! - `claim`: the hot path — expiry sweep, claims, settling (sent, failed,
-//!   handed back), lease renewal and reclaim, the ordering watermark's observation;
+//! - `claim`: the hot path's claims — by ordering mode, a suspect on its own — and the
+//!   expiry sweep run with them;
+//! - `settle`: settling claimed rows (sent, failed, handed back), lease renewal and reclaim;
+//! - `observe`: the ordering watermark's observation;
+//! - `predicates`: the SQL conditions several statements share;
 //! - `waiting`: the idle relay's wake-up record;
 //! - `maintenance`: the background tasks' backlog gauges, table health
 //!   and `VACUUM`;
@@ -17,15 +20,20 @@
 mod claim;
 mod connect;
 mod maintenance;
+mod observe;
 mod operator;
+mod predicates;
 pub mod schema;
+mod settle;
 mod waiting;
 
-pub use claim::{Claim, Expired, ExpirySweep, FailOutcome, Failure, WriterSnapshot};
+pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
 pub use maintenance::TableHealth;
+pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
 pub use schema::{SchemaPlan, SchemaState};
+pub use settle::{FailOutcome, Failure, OnConfirm};
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`), whose
 /// pgbench ceiling replays them outside the relay. Behind the `bench` feature, which only the
@@ -95,14 +103,12 @@ impl StoreError {
 /// Short alias for store results.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// An earlier row that still holds back its aggregate: anything but `sent` and `expired`.
-/// Spelled as the predicate of the `<table>_open_idx` partial index, so the planner uses it.
-const OPEN_E: &str = "e.status NOT IN ('sent', 'expired')";
-const OPEN_H: &str = "h.status NOT IN ('sent', 'expired')";
 /// The SQL text of every statement, rendered once for the configured table.
 #[derive(Debug, Clone)]
 struct Queries {
     claim: claim::ClaimSql,
+    settle: settle::SettleSql,
+    observe: observe::ObserveSql,
     waiting: waiting::WaitingSql,
     maintenance: maintenance::MaintenanceSql,
     operator: operator::OperatorSql,

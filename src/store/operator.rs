@@ -6,7 +6,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use super::{OPEN_E, Result, Store, StoreError};
+use super::predicates::no_open_row_before;
+use super::{Result, Store, StoreError};
 use crate::config::TableName;
 
 /// Row counts for `status` (docs/operations.md).
@@ -106,6 +107,7 @@ pub(super) struct OperatorSql {
 impl OperatorSql {
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
+        let failed_head = no_open_row_before(&t, "f");
         Self {
             status: format!(
                 "SELECT aggregate_type, \
@@ -120,9 +122,7 @@ impl OperatorSql {
             ),
             blocked_by_type: format!(
                 "SELECT aggregate_type, count(DISTINCT aggregate_id) FROM {t} f \
-                 WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND NOT EXISTS ( \
-                   SELECT 1 FROM {t} e WHERE e.aggregate_type = f.aggregate_type \
-                     AND e.aggregate_id = f.aggregate_id AND {OPEN_E} AND e.seq < f.seq) \
+                 WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND {failed_head} \
                  GROUP BY aggregate_type"
             ),
             // $1 limit.

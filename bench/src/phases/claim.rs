@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow};
 use outbox_relay::config::Ordering;
-use outbox_relay::store::Store;
+use outbox_relay::store::{OnConfirm, Store};
 use serde_json::json;
 use tokio_postgres::Client;
 use uuid::Uuid;
@@ -51,7 +51,7 @@ pub(super) async fn measure_claims(
         let wall_ms = started.elapsed().as_secs_f64() * 1000.0;
         let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
         store
-            .mark_sent(&ids, false)
+            .mark_sent(&ids, OnConfirm::MarkSent)
             .await
             .context("Store::mark_sent failed")?;
         // The NOTICE precedes the statement's result on the connection; allow for scheduling.

@@ -1,0 +1,72 @@
+//! The SQL predicates several statements share, each rendered for a table alias (`""` for
+//! none), so that every statement spells them alike, and like the partial indexes of `sql/`
+//! that the planner must match them with.
+
+/// `last_error` prefix of rows reclaimed from a relay that died while holding them (suspects
+/// of the crash, claimed one at a time).
+pub(super) const SUSPECT: &str = "lease expired:";
+
+/// `alias.`, or nothing for no alias.
+fn qualifier(alias: &str) -> String {
+    if alias.is_empty() {
+        String::new()
+    } else {
+        format!("{alias}.")
+    }
+}
+
+/// A row that still holds back the later rows of its aggregate: anything but `sent` and
+/// `expired`. Spelled as the predicate of the `<table>_open_idx` partial index.
+pub(super) fn open(alias: &str) -> String {
+    let a = qualifier(alias);
+    format!("{a}status NOT IN ('sent', 'expired')")
+}
+
+/// Not a row reclaimed from a dead relay ([`SUSPECT`]): ordinary claims never take those.
+pub(super) fn not_suspect(alias: &str) -> String {
+    let a = qualifier(alias);
+    format!("({a}last_error IS NULL OR {a}last_error NOT LIKE '{SUSPECT}%')")
+}
+
+/// Not past its deadline: such a row is never claimed, even in the moment before the expiry
+/// sweep marks it (a heap filter on rows the claim reads anyway: free when no row expires).
+pub(super) fn not_due(alias: &str) -> String {
+    let a = qualifier(alias);
+    format!("({a}expires_at IS NULL OR {a}expires_at > now())")
+}
+
+/// No open row ([`open`]) of the same aggregate comes before the row `alias` of table `t`:
+/// it is the head of its aggregate. Uses the alias `e` inside.
+pub(super) fn no_open_row_before(t: &str, alias: &str) -> String {
+    let open = open("e");
+    format!(
+        "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.aggregate_type = {alias}.aggregate_type \
+         AND e.aggregate_id = {alias}.aggregate_id AND {open} AND e.seq < {alias}.seq)"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn predicates_are_qualified_by_the_alias_or_not_at_all() {
+        assert_eq!(open("e"), "e.status NOT IN ('sent', 'expired')");
+        assert_eq!(open(""), "status NOT IN ('sent', 'expired')");
+        assert_eq!(
+            not_suspect("c"),
+            "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')"
+        );
+        assert_eq!(not_due(""), "(expires_at IS NULL OR expires_at > now())");
+        let head = no_open_row_before("app.t", "f");
+        assert!(
+            head.starts_with("NOT EXISTS (SELECT 1 FROM app.t e WHERE"),
+            "{head}"
+        );
+        assert!(head.contains("e.aggregate_id = f.aggregate_id"), "{head}");
+        assert!(
+            head.contains("e.status NOT IN ('sent', 'expired') AND e.seq < f.seq)"),
+            "{head}"
+        );
+    }
+}

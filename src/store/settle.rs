@@ -1,0 +1,281 @@
+//! Settling and leases: what happens to claimed rows after the broker answered (sent or
+//! deleted, failed with a backoff or dead-lettered, handed back unspent), the renewal of the
+//! leases of rows in flight, and the reclaim of rows whose relay stopped. Every statement
+//! touches only rows still locked in this relay's name, except the reclaim, which takes rows
+//! whose lease ran out whoever held them.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::predicates::SUSPECT;
+use super::{Result, Store};
+use crate::config::TableName;
+
+/// A message-level failure to record: back off, or dead-letter when out of attempts.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// Row id.
+    pub id: Uuid,
+    /// Why it failed (stored in `last_error`).
+    pub error: String,
+    /// Delay before the next attempt.
+    pub delay: Duration,
+}
+
+/// What [`Store::fail`] did with the failures.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FailOutcome {
+    /// Rows scheduled for another attempt.
+    pub retried: u64,
+    /// Rows moved to `failed`.
+    pub dead_lettered: Vec<Uuid>,
+}
+
+/// What becomes of a row the broker confirmed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnConfirm {
+    /// Marked `sent`, kept for `cleanup.retention`.
+    MarkSent,
+    /// Deleted at once (`cleanup.retention = "0s"`).
+    Delete,
+}
+
+/// The SQL text of settling and leases, rendered once for the configured table.
+#[derive(Debug, Clone)]
+pub(super) struct SettleSql {
+    pub(super) mark_sent: String,
+    pub(super) delete_sent: String,
+    pub(super) fail: String,
+    pub(super) release: String,
+    pub(super) release_unheld: String,
+    pub(super) heartbeat: String,
+    pub(super) reclaim: String,
+}
+
+impl SettleSql {
+    pub(super) fn new(table: &TableName) -> Self {
+        let t = table.qualified();
+        Self {
+            mark_sent: mark_sent(&t),
+            delete_sent: delete_sent(&t),
+            fail: fail(&t),
+            release: release(&t),
+            release_unheld: release_unheld(&t),
+            heartbeat: heartbeat(&t),
+            reclaim: reclaim(&t),
+        }
+    }
+}
+
+/// [`mark_sent`] for `table`, for the benchmark's replay of the hot path.
+#[cfg(any(test, feature = "bench"))]
+pub(super) fn mark_sent_sql(table: &TableName) -> String {
+    mark_sent(&table.qualified())
+}
+
+/// Confirmed rows become `sent`. `$1` ids, `$2` instance id.
+fn mark_sent(t: &str) -> String {
+    format!(
+        "UPDATE {t} SET status = 'sent', sent_at = now(), locked_by = NULL, locked_at = NULL, last_error = NULL \
+         WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+    )
+}
+
+/// Confirmed rows are deleted (retention 0). `$1` ids, `$2` instance id.
+fn delete_sent(t: &str) -> String {
+    format!("DELETE FROM {t} WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2")
+}
+
+/// Rejected rows go back to `pending` after their delay, or become `failed` (a dead letter,
+/// `available_at` kept) once they used `$5` attempts; `last_error` says why. `$1` ids, `$2`
+/// errors, `$3` delays (ms), `$4` instance id, `$5` max attempts.
+fn fail(t: &str) -> String {
+    format!(
+        "UPDATE {t} AS t SET \
+           status = CASE WHEN t.attempts >= $5 THEN 'failed' ELSE 'pending' END, \
+           available_at = CASE WHEN t.attempts >= $5 THEN t.available_at \
+                          ELSE now() + f.delay_ms * interval '1 millisecond' END, \
+           last_error = f.error, locked_by = NULL, locked_at = NULL \
+         FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms) \
+         WHERE t.id = f.id AND t.status = 'processing' AND t.locked_by = $4 \
+         RETURNING t.id, t.status"
+    )
+}
+
+/// The rows back to `pending` without spending the attempt the claim counted. `$1` ids, `$2`
+/// instance id.
+fn release(t: &str) -> String {
+    format!(
+        "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
+           locked_by = NULL, locked_at = NULL \
+         WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+    )
+}
+
+/// As [`release`], for the rows in this relay's name that it does not hold: a claim committed
+/// whose answer the connection lost, so they were never published. `$1` the ids the relay
+/// holds, `$2` instance id.
+fn release_unheld(t: &str) -> String {
+    format!(
+        "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
+           locked_by = NULL, locked_at = NULL \
+         WHERE status = 'processing' AND locked_by = $2 AND NOT (id = ANY($1))"
+    )
+}
+
+/// Keeps this relay's leases alive while it waits for a slow broker, so only a relay that
+/// stopped ever has its rows reclaimed. Only the ids the relay holds: a row claimed in its
+/// name whose answer was lost is handed back ([`Store::release_unheld`]) or, if this relay
+/// stops first, expires. `$1` ids, `$2` instance id.
+fn heartbeat(t: &str) -> String {
+    format!(
+        "UPDATE {t} SET locked_at = now() \
+         WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+    )
+}
+
+/// Rows whose lease ran out (their relay stopped): back to `pending` as suspects
+/// ([`SUSPECT`], claimed one at a time), or `failed` when out of attempts; the claim already
+/// spent their attempt. `$1` lease (ms), `$2` max attempts.
+fn reclaim(t: &str) -> String {
+    format!(
+        "UPDATE {t} SET \
+           status = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
+           last_error = '{SUSPECT} relay ' || coalesce(locked_by, '?') || ' stopped while holding the row', \
+           available_at = now(), locked_by = NULL, locked_at = NULL \
+         WHERE status = 'processing' AND locked_at < now() - $1::bigint * interval '1 millisecond' \
+         RETURNING id, status"
+    )
+}
+
+impl Store {
+    /// Marks confirmed rows `sent`, or deletes them, as `on_confirm` says.
+    pub async fn mark_sent(&self, ids: &[Uuid], on_confirm: OnConfirm) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let client = self.client().await?;
+        let sql = match on_confirm {
+            OnConfirm::MarkSent => &self.q.settle.mark_sent,
+            OnConfirm::Delete => &self.q.settle.delete_sent,
+        };
+        let stmt = client.prepare_cached(sql).await?;
+        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Records message-level failures: back to `pending` after `delay`, or `failed` once the
+    /// row has used `max_attempts`.
+    pub async fn fail(&self, failures: &[Failure], max_attempts: u32) -> Result<FailOutcome> {
+        if failures.is_empty() {
+            return Ok(FailOutcome::default());
+        }
+        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+        let errors: Vec<&str> = failures.iter().map(|f| f.error.as_str()).collect();
+        let delays: Vec<i64> = failures
+            .iter()
+            .map(|f| i64::try_from(f.delay.as_millis()).unwrap_or(i64::MAX))
+            .collect();
+        let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.settle.fail).await?;
+        let rows = client
+            .query(&stmt, &[&ids, &errors, &delays, &self.instance_id, &max])
+            .await?;
+        let mut out = FailOutcome::default();
+        for r in rows {
+            let status: &str = r.try_get(1)?;
+            if status == "failed" {
+                out.dead_lettered.push(r.try_get(0)?);
+            } else {
+                out.retried += 1;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Hands rows back to `pending` without spending an attempt (connection-level failure,
+    /// shutdown, or rows never published because an earlier row of their aggregate failed).
+    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.settle.release).await?;
+        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Hands back, unspent, the `processing` rows locked in this instance's name that are not
+    /// in `held`: rows of a claim that committed while its answer was lost with the
+    /// connection, which this relay therefore never published. Without this they would wait
+    /// out `relay.lease_timeout`, holding back the rest of their aggregates. Call only while
+    /// no claim is running, with every id a batch still holds in `held`.
+    pub async fn release_unheld(&self, held: &[Uuid]) -> Result<u64> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.settle.release_unheld).await?;
+        Ok(client.execute(&stmt, &[&held, &self.instance_id]).await?)
+    }
+
+    /// Renews the leases of `ids` where this instance still holds them; returns how many.
+    pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.settle.heartbeat).await?;
+        Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
+    }
+
+    /// Returns `processing` rows whose lease expired to `pending` (or `failed` when out of
+    /// attempts). Returns (reclaimed, dead-lettered).
+    pub async fn reclaim_expired(&self, lease: Duration, max_attempts: u32) -> Result<(u64, u64)> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(&self.q.settle.reclaim).await?;
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
+        let max = i32::try_from(max_attempts).unwrap_or(i32::MAX);
+        let rows = client.query(&stmt, &[&lease_ms, &max]).await?;
+        let failed = rows
+            .iter()
+            .filter(|r| r.get::<_, &str>(1) == "failed")
+            .count() as u64;
+        Ok((rows.len() as u64 - failed, failed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settles_touch_only_rows_still_locked_in_our_name() {
+        let table = TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}"));
+        let q = SettleSql::new(&table);
+        for (name, sql) in [
+            ("mark_sent", &q.mark_sent),
+            ("delete_sent", &q.delete_sent),
+            ("release", &q.release),
+            ("release_unheld", &q.release_unheld),
+            ("heartbeat", &q.heartbeat),
+        ] {
+            assert!(sql.contains("app.events "), "{name}: {sql}");
+            let ours = "status = 'processing' AND locked_by = $2";
+            assert!(sql.contains(ours), "{name}: {sql}");
+        }
+        assert!(
+            q.fail
+                .contains("t.status = 'processing' AND t.locked_by = $4"),
+            "{}",
+            q.fail
+        );
+        // Handing back refunds the attempt the claim counted; the reclaim does not.
+        for sql in [&q.release, &q.release_unheld] {
+            assert!(
+                sql.contains("attempts = greatest(attempts - 1, 0)"),
+                "{sql}"
+            );
+        }
+        assert!(!q.reclaim.contains("attempts -"), "{}", q.reclaim);
+        assert!(
+            q.reclaim.contains("'lease expired: relay '"),
+            "{}",
+            q.reclaim
+        );
+    }
+}
