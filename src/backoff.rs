@@ -34,9 +34,20 @@ impl Backoff {
     /// The delay to wait now; the following one is twice as long (capped).
     pub fn next_delay(&mut self) -> Duration {
         let d = self.next;
-        self.next = (self.next * 2).min(self.max);
+        self.next = doubled(self.next, 1, self.max);
         d.mul_f64(0.8 + 0.2 * rand::random::<f64>())
     }
+}
+
+/// The one capped-doubling policy: `first` doubled `n` times, at most `cap` (never
+/// overflowing). Reconnect delays ([`Backoff`]), message retries ([`crate::retry`]), the NATS
+/// client's reconnects and the wake-up's rechecks all grow this way.
+pub fn doubled(first: Duration, n: u32, cap: Duration) -> Duration {
+    let factor = 1u128 << n.min(63);
+    let nanos = first.as_nanos().saturating_mul(factor).min(cap.as_nanos());
+    let secs = u64::try_from(nanos / 1_000_000_000).unwrap_or(u64::MAX);
+    let subsec = u32::try_from(nanos % 1_000_000_000).unwrap_or(0);
+    Duration::new(secs, subsec)
 }
 
 /// Sleeps for `d`, or less if `token` is cancelled meanwhile; `false` if it was cancelled.
@@ -50,6 +61,17 @@ pub async fn sleep_or_cancel(d: Duration, token: &CancellationToken) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn doubling_is_capped_and_never_overflows() {
+        let ms = Duration::from_millis;
+        let cap = Duration::from_secs(5);
+        let got: Vec<Duration> = (0..8).map(|n| doubled(ms(100), n, cap)).collect();
+        let want = [100, 200, 400, 800, 1600, 3200, 5000, 5000].map(ms);
+        assert_eq!(got, want);
+        assert_eq!(doubled(ms(100), u32::MAX, cap), cap);
+        assert_eq!(doubled(Duration::MAX, 3, Duration::MAX), Duration::MAX);
+    }
 
     /// Whether `d` is `nominal` minus at most 20% jitter.
     fn jittered(d: Duration, nominal_ms: u64) -> bool {

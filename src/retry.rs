@@ -5,6 +5,8 @@
 
 use std::time::Duration;
 
+use crate::backoff::doubled;
+
 /// The retry settings of `[retry]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RetryPolicy {
@@ -21,11 +23,7 @@ pub struct RetryPolicy {
 impl RetryPolicy {
     /// The un-jittered delay after `attempts` attempts (1-based; 0 is treated as 1).
     pub fn ceiling(&self, attempts: u32) -> Duration {
-        let exp = attempts.saturating_sub(1).min(63);
-        let factor = 1u128 << exp;
-        let nanos = self.base_delay.as_nanos().saturating_mul(factor);
-        let capped = nanos.min(self.max_delay.as_nanos());
-        Duration::from_nanos(u64::try_from(capped).unwrap_or(u64::MAX))
+        doubled(self.base_delay, attempts.saturating_sub(1), self.max_delay)
     }
 
     /// The delay before the next attempt, given a uniform draw `unit` in `[0, 1)`.

@@ -17,6 +17,8 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
+use crate::store::Backlog;
+
 /// Metric names (docs/operations.md).
 pub mod names {
     /// Gauge: pending rows, labelled `state` = `ready` | `waiting`.
@@ -130,25 +132,6 @@ pub fn record_trace_spans_dropped(reason: &'static str, n: u64) {
 /// The relay (re)connected to the broker.
 pub fn record_broker_connected() {
     metrics::gauge!(names::BROKER_CONNECTED).set(1.0);
-}
-
-/// Backlog gauges from the periodic table query.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Backlog {
-    /// Pending rows ready now.
-    pub ready: i64,
-    /// Pending rows waiting for a retry.
-    pub waiting: i64,
-    /// Age of the oldest pending or processing row, seconds.
-    pub oldest_pending_age: f64,
-    /// How long the oldest ready row has been ready, seconds (0 when none).
-    pub oldest_ready_age: f64,
-    /// Age of the oldest row waiting out a backoff, seconds (0 when none).
-    pub oldest_waiting_age: f64,
-    /// Dead letters.
-    pub failed: i64,
-    /// Aggregates held by a dead letter.
-    pub blocked_aggregates: i64,
 }
 
 /// One outbox's metrics: every per-table metric carries its `outbox` label (docs/operations.md).

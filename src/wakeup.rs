@@ -23,6 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::backoff::doubled;
 use crate::store::Store;
 
 /// The backend pid of the relay's LISTEN session, 0 while it is not listening.
@@ -191,7 +192,7 @@ impl Waiter {
         let now = Instant::now();
         if self.lingering(now) {
             let step = self.linger_step.min(jittered_poll);
-            self.linger_step = (step * 2).min(LINGER_LAST_STEP);
+            self.linger_step = doubled(step, 1, LINGER_LAST_STEP);
             return Idle::Sleep(step);
         }
         let pid = self.listener.load(Ordering::Acquire);
@@ -232,7 +233,7 @@ impl Waiter {
                         pid,
                         at,
                         writers: None,
-                        next: (next * 2).min(self.poll).min(LAST_RECHECK),
+                        next: doubled(next, 1, self.poll.min(LAST_RECHECK)),
                     };
                     Idle::Sleep(next)
                 }

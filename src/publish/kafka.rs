@@ -230,6 +230,18 @@ fn is_secret(key: &str) -> bool {
         || k.contains("jaas")
 }
 
+/// What an outcome says about the producer that reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ProducerState {
+    /// It reaches the broker.
+    Reaches,
+    /// It does not reach the broker now (it reconnects by itself).
+    Unreachable,
+    /// It cannot be trusted any more (a fatal error, a record timed out in its queue): it
+    /// must be replaced.
+    Broken,
+}
+
 impl KafkaPublisher {
     /// A publisher that creates its producer on the first [`Publisher::connect`].
     pub fn new(cfg: KafkaConfig) -> Self {
@@ -315,14 +327,15 @@ impl KafkaPublisher {
     }
 
     /// Notes what an outcome of the producer of `generation` says, if that producer is still
-    /// the current one: the broker is (not) reachable, the producer must be replaced.
-    fn note(&self, generation: u64, up: bool, replace: bool) {
+    /// the current one.
+    fn note(&self, generation: u64, said: ProducerState) {
         if self.generation.load(Ordering::Relaxed) != generation {
             return;
         }
-        if replace {
+        if said == ProducerState::Broken {
             self.replace.store(generation, Ordering::Relaxed);
         }
+        let up = said == ProducerState::Reaches;
         self.up.store(up, Ordering::Relaxed);
     }
 
@@ -399,7 +412,7 @@ impl KafkaPublisher {
             .into(),
         };
         if matches!(reported.outcome, Outcome::Unavailable(_)) {
-            self.note(generation, false, true);
+            self.note(generation, ProducerState::Broken);
         }
         reported
     }
@@ -412,7 +425,7 @@ impl KafkaPublisher {
     ) -> Reported {
         match report {
             Ok(Ok(_)) => {
-                self.note(generation, true, false);
+                self.note(generation, ProducerState::Reaches);
                 Outcome::Confirmed.into()
             }
             Ok(Err((err, _))) => {
@@ -424,7 +437,7 @@ impl KafkaPublisher {
                 }
             }
             Err(Canceled) => {
-                self.note(generation, false, false);
+                self.note(generation, ProducerState::Unreachable);
                 Outcome::Unavailable("the producer went away before reporting".to_owned()).into()
             }
         }
@@ -520,11 +533,13 @@ impl KafkaPublisher {
     fn failed(&self, err: &KafkaError, generation: u64) -> Outcome {
         let outcome = classify_error(err);
         if matches!(outcome, Outcome::Unavailable(_)) {
-            let replace = matches!(
-                err.rdkafka_error_code(),
-                Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::MessageTimedOut)
-            );
-            self.note(generation, false, replace);
+            let said = match err.rdkafka_error_code() {
+                Some(RDKafkaErrorCode::Fatal | RDKafkaErrorCode::MessageTimedOut) => {
+                    ProducerState::Broken
+                }
+                _ => ProducerState::Unreachable,
+            };
+            self.note(generation, said);
         }
         outcome
     }
@@ -921,15 +936,15 @@ mod tests {
         publisher.generation.store(2, Ordering::Relaxed);
         publisher.up.store(true, Ordering::Relaxed);
         // A purged record of the replaced producer (generation 1): says nothing now.
-        publisher.note(1, false, true);
+        publisher.note(1, ProducerState::Broken);
         assert!(publisher.is_connected());
         assert_eq!(publisher.replace.load(Ordering::Relaxed), 0);
         // The same from the current producer.
-        publisher.note(2, false, true);
+        publisher.note(2, ProducerState::Broken);
         assert!(!publisher.is_connected());
         assert_eq!(publisher.replace.load(Ordering::Relaxed), 2);
         // A confirm of the replaced producer does not bring the broker back either.
-        publisher.note(1, true, false);
+        publisher.note(1, ProducerState::Reaches);
         assert!(!publisher.is_connected());
 
         let context = |generation| Context {

@@ -171,7 +171,7 @@ impl Store {
     /// The backlog gauges: pending (ready / waiting), oldest unsent, ready and waiting ages,
     /// dead letters, blocked aggregates. The ready age counts only rows a claim with
     /// `ordering` would take now.
-    pub async fn backlog(&self, ordering: Ordering) -> Result<crate::telemetry::Backlog> {
+    pub async fn backlog(&self, ordering: Ordering) -> Result<Backlog> {
         let client = self.client().await?;
         let sql = match ordering {
             Ordering::None => &self.q.maintenance.backlog_none,
@@ -179,7 +179,7 @@ impl Store {
         };
         let stmt = client.prepare_cached(sql).await?;
         let r = client.query_one(&stmt, &[]).await?;
-        Ok(crate::telemetry::Backlog {
+        Ok(Backlog {
             ready: r.try_get(0)?,
             waiting: r.try_get(1)?,
             oldest_pending_age: r.try_get(2)?,
@@ -189,6 +189,26 @@ impl Store {
             oldest_waiting_age: r.try_get(6)?,
         })
     }
+}
+
+/// What the backlog statement reads: the table's pending, waiting and dead rows and their
+/// ages, for the backlog gauges.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Backlog {
+    /// Pending rows ready now.
+    pub ready: i64,
+    /// Pending rows waiting for a retry.
+    pub waiting: i64,
+    /// Age of the oldest pending or processing row, seconds.
+    pub oldest_pending_age: f64,
+    /// How long the oldest ready row has been ready, seconds (0 when none).
+    pub oldest_ready_age: f64,
+    /// Age of the oldest row waiting out a backoff, seconds (0 when none).
+    pub oldest_waiting_age: f64,
+    /// Dead letters.
+    pub failed: i64,
+    /// Aggregates held by a dead letter.
+    pub blocked_aggregates: i64,
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ mod waiting;
 
 pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
-pub use maintenance::TableHealth;
+pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
 pub use schema::{SchemaPlan, SchemaState};

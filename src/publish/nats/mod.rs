@@ -41,6 +41,7 @@ use tokio::sync::watch;
 
 use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
+use crate::backoff::doubled;
 use crate::config::NatsConfig;
 use crate::message::OutboxMessage;
 
@@ -182,8 +183,8 @@ fn reconnect_delay(attempts: usize) -> Duration {
     if attempts <= 1 {
         return Duration::ZERO;
     }
-    let exp = u32::try_from(attempts - 2).unwrap_or(u32::MAX).min(6);
-    Duration::from_millis(100 * 2u64.pow(exp)).min(Duration::from_secs(5))
+    let n = u32::try_from(attempts - 2).unwrap_or(u32::MAX);
+    doubled(Duration::from_millis(100), n, Duration::from_secs(5))
 }
 
 /// The client's connection events: a lost connection fails the publishes waiting for acks
