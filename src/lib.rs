@@ -125,22 +125,7 @@ pub async fn run_with(
     let health = Arc::new(Health::default());
     telemetry::install();
     telemetry::record_info(&config.relay.instance_id, config.publisher.kind());
-
-    let server = match config.metrics_listen {
-        Some(addr) => {
-            let listener = telemetry::bind(addr)
-                .await
-                .map_err(|source| RunError::MetricsBind { addr, source })?;
-            tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-            let (health, token) = (Arc::clone(&health), shutdown.clone());
-            Some(tokio::spawn(async move {
-                if let Err(e) = telemetry::serve(listener, health, token).await {
-                    tracing::error!(error = %e, "metrics server stopped");
-                }
-            }))
-        }
-        None => None,
-    };
+    let server = serve_metrics(config.metrics_listen, &health, &shutdown).await?;
 
     let publisher = match publisher {
         Some(make) => make(),
@@ -155,60 +140,15 @@ pub async fn run_with(
         notify = config.relay.notify,
         "outbox-relay starting"
     );
-    // Built (and later shut down) off the async workers: the HTTP exporter's client blocks.
-    let tracing = match config.tracing.clone() {
-        Some(cfg) => Some(
-            tokio::task::spawn_blocking(move || otel::Tracing::install(&cfg))
-                .await
-                .map_err(|e| otel::OtelError::Exporter {
-                    endpoint: String::new(),
-                    reason: e.to_string(),
-                })??,
-        ),
-        None => None,
-    };
+    let tracing = install_tracing(config.tracing.clone()).await?;
     let shared = outbox::Shared {
         publisher: Arc::clone(&publisher),
         health,
         tracing: tracing.clone(),
     };
-    let window = window::Window::new(config.relay.max_in_flight);
-    // One pool per database: outboxes in the same database share it.
-    let stores = Store::for_outboxes(&config.outboxes, &config.relay.instance_id)?;
-    let mut outboxes = Vec::with_capacity(config.outboxes.len());
-    for (o, store) in config.outboxes.iter().zip(stores) {
-        outboxes.push(Outbox {
-            config: o.clone(),
-            store,
-            lane: window.lane(),
-        });
-    }
-
-    let tasks = Tasks::new();
-    let alone = outboxes.len() == 1;
-    let config = Arc::new(config);
-    let mut loops = tokio::task::JoinSet::new();
-    for outbox in outboxes {
-        let (config, shared, tasks, shutdown) = (
-            Arc::clone(&config),
-            shared.clone(),
-            tasks.clone(),
-            shutdown.clone(),
-        );
-        loops.spawn(async move { outbox.run(&config, shared, &tasks, alone, shutdown).await });
-    }
-    let mut failed = None;
-    while let Some(done) = loops.join_next().await {
-        match done {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => failed = Some(e),
-            Err(e) => tracing::error!(error = %e, "an outbox's loop panicked"),
-        }
-    }
-    tasks.stop(TASKS_STOP_DEADLINE).await;
+    let failed = run_outboxes(config, shared, &shutdown).await?;
     publisher.close().await;
     if let Some(tracing) = tracing {
-        drop(shared);
         let _ = tokio::task::spawn_blocking(move || tracing.shutdown()).await;
     }
     if let Some(server) = server {
@@ -222,4 +162,89 @@ pub async fn run_with(
     }
     tracing::info!("outbox-relay stopped");
     Ok(())
+}
+
+/// Serves `/metrics`, `/healthz` and `/readyz` on `listen` (none: no server) until
+/// `shutdown`.
+async fn serve_metrics(
+    listen: Option<std::net::SocketAddr>,
+    health: &Arc<Health>,
+    shutdown: &CancellationToken,
+) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
+    let Some(addr) = listen else {
+        return Ok(None);
+    };
+    let listener = telemetry::bind(addr)
+        .await
+        .map_err(|source| RunError::MetricsBind { addr, source })?;
+    tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
+    let (health, token) = (Arc::clone(health), shutdown.clone());
+    Ok(Some(tokio::spawn(async move {
+        if let Err(e) = telemetry::serve(listener, health, token).await {
+            tracing::error!(error = %e, "metrics server stopped");
+        }
+    })))
+}
+
+/// The OpenTelemetry pipeline when `[tracing]` is configured, built off the async workers
+/// (the HTTP exporter's client blocks).
+async fn install_tracing(
+    cfg: Option<config::TracingConfig>,
+) -> Result<Option<otel::Tracing>, RunError> {
+    let Some(cfg) = cfg else {
+        return Ok(None);
+    };
+    let installed = tokio::task::spawn_blocking(move || otel::Tracing::install(&cfg))
+        .await
+        .map_err(|e| otel::OtelError::Exporter {
+            endpoint: String::new(),
+            reason: e.to_string(),
+        })??;
+    Ok(Some(installed))
+}
+
+/// Runs every outbox's loop (and the background tasks) until they all end; the error of an
+/// outbox that could not run, if one could not.
+async fn run_outboxes(
+    config: Config,
+    shared: outbox::Shared,
+    shutdown: &CancellationToken,
+) -> Result<Option<StoreError>, RunError> {
+    let window = window::Window::new(config.relay.max_in_flight);
+    // One pool per database: outboxes in the same database share it.
+    let stores = Store::for_outboxes(&config.outboxes, &config.relay.instance_id)?;
+    let outboxes: Vec<Outbox> = config
+        .outboxes
+        .iter()
+        .zip(stores)
+        .map(|(o, store)| Outbox {
+            config: o.clone(),
+            store,
+            lane: window.lane(),
+        })
+        .collect();
+    let tasks = Tasks::new();
+    let alone = outboxes.len() == 1;
+    let config = Arc::new(config);
+    let mut loops = tokio::task::JoinSet::new();
+    for outbox in outboxes {
+        let (config, shared, tasks, shutdown) = (
+            Arc::clone(&config),
+            shared.clone(),
+            tasks.clone(),
+            shutdown.clone(),
+        );
+        loops.spawn(async move { outbox.run(&config, shared, &tasks, alone, shutdown).await });
+    }
+    drop(shared);
+    let mut failed = None;
+    while let Some(done) = loops.join_next().await {
+        match done {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => failed = Some(e),
+            Err(e) => tracing::error!(error = %e, "an outbox's loop panicked"),
+        }
+    }
+    tasks.stop(TASKS_STOP_DEADLINE).await;
+    Ok(failed)
 }

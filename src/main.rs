@@ -153,29 +153,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // A tail with no queue to read is a usage error (exit 2), found before connecting.
-    if let Command::Tail { queue, .. } = &args.command
-        && let Err(e) = cli::tail_queue(&config, queue.as_deref())
-    {
-        eprintln!("outbox-relay: {e}");
-        return ExitCode::from(2);
-    }
-    // An unknown --outbox is a usage error (exit 2), found before connecting.
-    let only = match &args.command {
-        Command::Migrate { outbox, .. }
-        | Command::Status { outbox, .. }
-        | Command::DeadLetters(
-            DeadLetters::List { outbox, .. }
-            | DeadLetters::Retry { outbox, .. }
-            | DeadLetters::Discard { outbox, .. },
-        ) => outbox.name.clone(),
-        _ => None,
+    let only = match usage_errors(&config, &args.command) {
+        Ok(only) => only,
+        Err(e) => {
+            eprintln!("outbox-relay: {e}");
+            return ExitCode::from(2);
+        }
     };
-    if let Err(e) = cli::select(&config, only.as_deref()) {
-        eprintln!("outbox-relay: {e}");
-        return ExitCode::from(2);
-    }
-    let only = only.as_deref();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -186,41 +170,62 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let result = runtime.block_on(async move {
-        match args.command {
-            Command::Run => {
-                let shutdown = CancellationToken::new();
-                spawn_signal_handler(shutdown.clone());
-                outbox_relay::run(config, shutdown)
-                    .await
-                    .map_err(anyhow::Error::from)
-            }
-            Command::Tail { queue, count } => {
-                let shutdown = CancellationToken::new();
-                spawn_signal_handler(shutdown.clone());
-                cli::tail(&config, queue.as_deref(), count, shutdown).await
-            }
-            Command::Migrate { print, .. } => cli::migrate(&config, print, only).await,
-            Command::Check => cli::check(&config).await,
-            Command::Status { json, .. } => cli::status(&config, json, only).await,
-            Command::DeadLetters(DeadLetters::List { limit, json, .. }) => {
-                cli::dead_letters_list(&config, limit, json, only).await
-            }
-            Command::DeadLetters(DeadLetters::Retry { which, .. }) => {
-                cli::dead_letters_apply(&config, DeadLetterAction::Retry, which.selection(), only)
-                    .await
-            }
-            Command::DeadLetters(DeadLetters::Discard { which, .. }) => {
-                cli::dead_letters_apply(&config, DeadLetterAction::Discard, which.selection(), only)
-                    .await
-            }
-        }
-    });
-    match result {
+    match runtime.block_on(execute(args.command, config, only.as_deref())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("outbox-relay: {e:#}");
             ExitCode::from(1)
+        }
+    }
+}
+
+/// The usage errors (exit 2) found before connecting: a tail with no queue to read, an
+/// unknown `--outbox`. Returns the `--outbox` given, if any.
+fn usage_errors(config: &Config, command: &Command) -> anyhow::Result<Option<String>> {
+    if let Command::Tail { queue, .. } = command {
+        cli::tail_queue(config, queue.as_deref())?;
+    }
+    let only = match command {
+        Command::Migrate { outbox, .. }
+        | Command::Status { outbox, .. }
+        | Command::DeadLetters(
+            DeadLetters::List { outbox, .. }
+            | DeadLetters::Retry { outbox, .. }
+            | DeadLetters::Discard { outbox, .. },
+        ) => outbox.name.clone(),
+        _ => None,
+    };
+    cli::select(config, only.as_deref())?;
+    Ok(only)
+}
+
+/// Runs `command` (on the outbox `only`, when given) to its end.
+async fn execute(command: Command, config: Config, only: Option<&str>) -> anyhow::Result<()> {
+    match command {
+        Command::Run => {
+            let shutdown = CancellationToken::new();
+            spawn_signal_handler(shutdown.clone());
+            outbox_relay::run(config, shutdown)
+                .await
+                .map_err(anyhow::Error::from)
+        }
+        Command::Tail { queue, count } => {
+            let shutdown = CancellationToken::new();
+            spawn_signal_handler(shutdown.clone());
+            cli::tail(&config, queue.as_deref(), count, shutdown).await
+        }
+        Command::Migrate { print, .. } => cli::migrate(&config, print, only).await,
+        Command::Check => cli::check(&config).await,
+        Command::Status { json, .. } => cli::status(&config, json, only).await,
+        Command::DeadLetters(DeadLetters::List { limit, json, .. }) => {
+            cli::dead_letters_list(&config, limit, json, only).await
+        }
+        Command::DeadLetters(DeadLetters::Retry { which, .. }) => {
+            cli::dead_letters_apply(&config, DeadLetterAction::Retry, which.selection(), only).await
+        }
+        Command::DeadLetters(DeadLetters::Discard { which, .. }) => {
+            cli::dead_letters_apply(&config, DeadLetterAction::Discard, which.selection(), only)
+                .await
         }
     }
 }

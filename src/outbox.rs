@@ -88,16 +88,11 @@ impl Outbox {
         let name = |task: &str| format!("{task}:{}", outbox.name);
         let wake = Arc::new(Notify::new());
 
-        let mut waiter = None;
-        if config.relay.notify {
-            let listener = ListenerPid::default();
-            let (url, channel) = (outbox.database.url.clone(), store.table().channel());
-            let (wake, pid) = (Arc::clone(&wake), Arc::clone(&listener));
-            tasks.spawn(name("listen"), move |token| {
-                listen::listen_loop(url, channel, wake, pid, token)
-            });
-            waiter = wake_up_waiter(&store, listener, table_oid, config).await;
-        }
+        let waiter = if config.relay.notify {
+            listen(tasks, &outbox, &store, table_oid, config, &wake).await
+        } else {
+            None
+        };
         let (s, m) = (store.clone(), metrics.clone());
         tasks.spawn(name("vacuum"), move |token| {
             vacuum::vacuum_loop(s, m, table_oid, token)
@@ -125,24 +120,12 @@ impl Outbox {
             });
         }
 
-        let mut relay = config.relay.clone();
-        relay.ordering = outbox.ordering;
-        relay.source = outbox.source.clone();
         let envelope = EnvelopeConfig::for_outbox(config, &outbox, payload_kind);
         let engine = Relay::new(RelayParts {
             store,
             publisher: shared.publisher,
             envelope,
-            settings: LoopSettings {
-                relay,
-                retry: config.retry,
-                on_confirm: if config.cleanup.retention.is_zero() {
-                    OnConfirm::Delete
-                } else {
-                    OnConfirm::MarkSent
-                },
-                table_oid,
-            },
+            settings: loop_settings(config, &outbox, table_oid),
             health: shared.health,
             database,
             metrics,
@@ -154,6 +137,43 @@ impl Outbox {
         engine.run(shutdown, waiter).await;
         Ok(())
     }
+}
+
+/// The claim loop's settings for `outbox`: the relay's, with the outbox's own ordering and
+/// source.
+fn loop_settings(config: &Config, outbox: &OutboxConfig, table_oid: u32) -> LoopSettings {
+    let mut relay = config.relay.clone();
+    relay.ordering = outbox.ordering;
+    relay.source = outbox.source.clone();
+    LoopSettings {
+        relay,
+        retry: config.retry,
+        on_confirm: if config.cleanup.retention.is_zero() {
+            OnConfirm::Delete
+        } else {
+            OnConfirm::MarkSent
+        },
+        table_oid,
+    }
+}
+
+/// Starts the LISTEN session's task (`listen:<outbox>`), which wakes the loop through `wake`,
+/// and returns the idle relay's waiter when the table has the wake-up record.
+async fn listen(
+    tasks: &Tasks,
+    outbox: &OutboxConfig,
+    store: &Store,
+    table_oid: u32,
+    config: &Config,
+    wake: &Arc<Notify>,
+) -> Option<Waiter> {
+    let listener = ListenerPid::default();
+    let (url, channel) = (outbox.database.url.clone(), store.table().channel());
+    let (wake, pid) = (Arc::clone(wake), Arc::clone(&listener));
+    tasks.spawn(format!("listen:{}", outbox.name), move |token| {
+        listen::listen_loop(url, channel, wake, pid, token)
+    });
+    wake_up_waiter(store, listener, table_oid, config).await
 }
 
 /// Migrates (when configured) and inspects the table, waiting out database outages; `None`

@@ -432,13 +432,13 @@ struct Dispatch<'a> {
     // most a batch).
     backlog: bool,
     refill: usize,
-    // Until when claims stay whole (see `SPLIT_PAUSE`).
-    whole_until: Option<Instant>,
+    // Whether the next claim is split (see `CLAIM_PARTS`).
+    split: SplitPolicy,
     // Whether the broker was connected when last looked at: a drop from true is a lost
     // connection, counted once however many rows (none, when idle) were in flight.
     broker_up: bool,
     // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
-    next_sweep: Instant,
+    sweeps: SweepSchedule,
     // Whether this round was started by the poll timer (not a NOTIFY, a settle or a recheck),
     // and when the watermark was last observed (see `OBSERVE_IDLE_EVERY`).
     polled: bool,
@@ -481,9 +481,9 @@ impl<'a> Dispatch<'a> {
             next_suspect_check: Instant::now(),
             backlog: false,
             refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
-            whole_until: None,
+            split: SplitPolicy::default(),
             broker_up: false,
-            next_sweep: Instant::now(),
+            sweeps: SweepSchedule::new(relay.settings.on_confirm, Instant::now()),
             polled: false,
             observed: None,
             answer_lost: false,
@@ -705,34 +705,20 @@ impl<'a> Dispatch<'a> {
         let limit = permit.num_permits();
         let held_nothing = relay.held.is_empty();
         let now = Instant::now();
-        let sweep = if now < self.next_sweep {
-            ExpirySweep::Skip
-        } else if settings.on_confirm == OnConfirm::Delete {
-            ExpirySweep::Delete
-        } else {
-            ExpirySweep::Mark
-        };
-        // With a backlog, the claim runs in parts at once (see `CLAIM_PARTS`).
-        let parts = if self.backlog && self.whole_until.is_none_or(|t| now >= t) {
-            CLAIM_PARTS.min(limit / MIN_PART_ROWS).max(1)
-        } else {
-            1
-        };
+        let sweep = self.sweeps.due(now);
+        let parts = self.split.parts(self.backlog, limit, now);
         let claimed = relay
             .store
             .claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts)
             .await;
-        // `swept_all`: a sweep ran and was not full (a full one may have left more: then sweep
-        // again next round).
-        let (rows, swept_all, more) = match claimed {
+        let (rows, expired, more) = match claimed {
             Ok(claim) => {
                 self.answer_lost |= claim.answer_lost;
                 record_expired(&relay.metrics, &claim.expired);
-                let swept_all = sweep != ExpirySweep::Skip && claim.expired.len() < limit;
                 if claim.uneven {
-                    self.whole_until = Some(now + SPLIT_PAUSE);
+                    self.split.uneven(now);
                 }
-                (claim.rows, swept_all, claim.more)
+                (claim.rows, claim.expired.len(), claim.more)
             }
             Err(e) => {
                 drop(permit);
@@ -752,14 +738,7 @@ impl<'a> Dispatch<'a> {
         // claim ran may not be in its snapshot, and its settle wakes the loop anyway): the
         // relay is idle.
         let idle = rows.is_empty() && held_nothing;
-        if swept_all {
-            self.next_sweep = now
-                + if idle {
-                    EXPIRY_SWEEP_IDLE
-                } else {
-                    EXPIRY_SWEEP_EVERY
-                };
-        }
+        self.sweeps.ran(sweep, expired, limit, idle, now);
         let claimed_rows = rows.len();
         let found = claimed_rows > 0;
         if found {
@@ -836,6 +815,73 @@ impl<'a> Dispatch<'a> {
     }
 }
 
+/// When a claim also sweeps expired rows: every [`EXPIRY_SWEEP_EVERY`] while rows flow,
+/// every [`EXPIRY_SWEEP_IDLE`] while the outbox is idle, and again at once after a sweep that
+/// filled its batch (it may have left more).
+#[derive(Debug)]
+struct SweepSchedule {
+    next: Instant,
+    /// The sweep that runs when one is due (deleting with retention 0).
+    kind: ExpirySweep,
+}
+
+impl SweepSchedule {
+    /// The first claim sweeps.
+    fn new(on_confirm: OnConfirm, now: Instant) -> Self {
+        let kind = match on_confirm {
+            OnConfirm::Delete => ExpirySweep::Delete,
+            OnConfirm::MarkSent => ExpirySweep::Mark,
+        };
+        Self { next: now, kind }
+    }
+
+    /// The sweep a claim at `now` runs with.
+    fn due(&self, now: Instant) -> ExpirySweep {
+        if now < self.next {
+            ExpirySweep::Skip
+        } else {
+            self.kind
+        }
+    }
+
+    /// A claim at `now` ran `sweep`, which expired `expired` rows of at most `limit`.
+    fn ran(&mut self, sweep: ExpirySweep, expired: usize, limit: usize, idle: bool, now: Instant) {
+        if sweep == ExpirySweep::Skip || expired >= limit {
+            return;
+        }
+        self.next = now
+            + if idle {
+                EXPIRY_SWEEP_IDLE
+            } else {
+                EXPIRY_SWEEP_EVERY
+            };
+    }
+}
+
+/// Whether a claim is split into parts run at once (see [`CLAIM_PARTS`]): only with a
+/// backlog, only when each part gets [`MIN_PART_ROWS`], and not for [`SPLIT_PAUSE`] after a
+/// split claim came back uneven.
+#[derive(Debug, Default)]
+struct SplitPolicy {
+    whole_until: Option<Instant>,
+}
+
+impl SplitPolicy {
+    /// How many parts a claim of `limit` rows at `now` runs in.
+    fn parts(&self, backlog: bool, limit: usize, now: Instant) -> usize {
+        if backlog && self.whole_until.is_none_or(|t| now >= t) {
+            CLAIM_PARTS.min(limit / MIN_PART_ROWS).max(1)
+        } else {
+            1
+        }
+    }
+
+    /// A split claim at `now` came back uneven: claims stay whole for a while.
+    fn uneven(&mut self, now: Instant) {
+        self.whole_until = Some(now + SPLIT_PAUSE);
+    }
+}
+
 /// Splits a claimed batch into chains published concurrently: one per aggregate (in `seq`
 /// order) with `ordering = "aggregate"`, one per row otherwise or when the row has no
 /// aggregate id.
@@ -888,6 +934,47 @@ fn record_expired(metrics: &OutboxMetrics, expired: &[Expired]) {
 mod tests {
     use super::*;
     use uuid::Uuid;
+
+    #[test]
+    fn sweeps_run_on_the_first_claim_then_on_their_schedule() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let mut sweeps = SweepSchedule::new(OnConfirm::MarkSent, t0);
+        assert_eq!(sweeps.due(t0), ExpirySweep::Mark);
+        // A sweep that did not fill its batch: the next one in 2 s while rows flow.
+        sweeps.ran(ExpirySweep::Mark, 3, 500, false, t0);
+        assert_eq!(sweeps.due(ms(1_999)), ExpirySweep::Skip);
+        assert_eq!(sweeps.due(ms(2_000)), ExpirySweep::Mark);
+        // A skipped sweep does not move the schedule.
+        sweeps.ran(ExpirySweep::Skip, 0, 500, true, ms(1_000));
+        assert_eq!(sweeps.due(ms(2_000)), ExpirySweep::Mark);
+        // A full sweep may have left more: sweep again at once.
+        sweeps.ran(ExpirySweep::Mark, 500, 500, false, ms(2_000));
+        assert_eq!(sweeps.due(ms(2_001)), ExpirySweep::Mark);
+        // Idle: every 5 s.
+        sweeps.ran(ExpirySweep::Mark, 0, 500, true, ms(2_001));
+        assert_eq!(sweeps.due(ms(7_000)), ExpirySweep::Skip);
+        assert_eq!(sweeps.due(ms(7_001)), ExpirySweep::Mark);
+        // With retention 0 the sweep deletes.
+        let deleting = SweepSchedule::new(OnConfirm::Delete, t0);
+        assert_eq!(deleting.due(t0), ExpirySweep::Delete);
+    }
+
+    #[test]
+    fn claims_split_only_with_a_backlog_and_not_just_after_an_uneven_one() {
+        let t0 = Instant::now();
+        let mut split = SplitPolicy::default();
+        assert_eq!(split.parts(false, 500, t0), 1, "no backlog");
+        assert_eq!(split.parts(true, 500, t0), CLAIM_PARTS);
+        assert_eq!(
+            split.parts(true, MIN_PART_ROWS - 1, t0),
+            1,
+            "too few rows to split"
+        );
+        split.uneven(t0);
+        assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE / 2), 1, "paused");
+        assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE), CLAIM_PARTS);
+    }
 
     fn row(seq: i64, agg: Option<&str>) -> OutboxMessage {
         OutboxMessage {

@@ -397,13 +397,7 @@ impl Store {
         // The other parts only on connections free right now, taken before any part starts:
         // a claim never waits for a connection (with outboxes sharing a small pool, waiting
         // ones could hold each other up) while rows it already claimed wait unpublished.
-        let mut extra = Vec::new();
-        while extra.len() + 1 < parts.clamp(1, limit.max(1)) {
-            match self.client_if_free().await {
-                Some(c) => extra.push(c),
-                None => break,
-            }
-        }
+        let extra = self.clients_if_free(parts.clamp(1, limit.max(1)) - 1).await;
         let shares = split(limit, 1 + extra.len());
         let sweep_limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let expire = match sweep {
@@ -429,24 +423,12 @@ impl Store {
                 .map(|(k, client)| self.claim_part(client, ordering, watermark, (k + 1, shares))),
         );
         let (expired, first, others) = tokio::join!(expire, first, others);
-        let (mut more, mut short) = (false, false);
-        let mut rows = Vec::with_capacity(limit);
-        let mut failed = None;
-        for (got, share) in std::iter::once(first).chain(others).zip(shares) {
-            let got = got.and_then(|got| {
-                let n = got.len();
-                let messages = got.iter().map(message_of).collect::<Result<Vec<_>, _>>();
-                Ok((n, messages?))
-            });
-            match got {
-                Ok((n, messages)) => {
-                    more |= n >= *share;
-                    short |= n < *share;
-                    rows.extend(messages);
-                }
-                Err(e) => failed = failed.or(Some(e)),
-            }
-        }
+        let Parts {
+            mut rows,
+            more,
+            short,
+            failed,
+        } = Parts::gather(std::iter::once(first).chain(others), shares);
         // A part (or the sweep) that failed while another part claimed rows is a warning:
         // those rows are this relay's now and go out; the next round retries the rest.
         let answer_lost = match failed {
@@ -457,18 +439,7 @@ impl Store {
             }
             None => false,
         };
-        let expired = expired.and_then(|expired| {
-            expired
-                .iter()
-                .map(|r| {
-                    Ok(Expired {
-                        id: r.try_get(0)?,
-                        aggregate_type: r.try_get(1)?,
-                    })
-                })
-                .collect::<Result<Vec<_>, tokio_postgres::Error>>()
-        });
-        let expired = match expired {
+        let expired = match expired.and_then(|rows| rows.iter().map(expired_of).collect()) {
             Ok(expired) => expired,
             Err(e) if rows.is_empty() => return Err(e.into()),
             Err(e) => {
@@ -486,11 +457,19 @@ impl Store {
         })
     }
 
-    /// A pooled connection if one is free now (idle, or a slot to open one), without waiting.
-    async fn client_if_free(&self) -> Option<deadpool_postgres::Object> {
+    /// Up to `n` pooled connections that are free now (idle, or a slot to open one), without
+    /// waiting.
+    async fn clients_if_free(&self, n: usize) -> Vec<deadpool_postgres::Object> {
         let mut timeouts = self.pool.timeouts();
         timeouts.wait = Some(Duration::ZERO);
-        self.pool.timeout_get(&timeouts).await.ok()
+        let mut free = Vec::with_capacity(n);
+        while free.len() < n {
+            match self.pool.timeout_get(&timeouts).await {
+                Ok(c) => free.push(c),
+                Err(_) => break,
+            }
+        }
+        free
     }
 
     /// One part of a claim (see [`Store::claim_and_expire`]): `part` of `shares.len()`, for
@@ -543,6 +522,56 @@ impl Store {
             .await?;
         Ok(row.as_ref().map(message_of).transpose()?)
     }
+}
+
+/// What the parts of a split claim brought back together.
+struct Parts {
+    /// Every part's rows, in no particular order.
+    rows: Vec<OutboxMessage>,
+    /// Some part filled its share.
+    more: bool,
+    /// Some part came back short of its share.
+    short: bool,
+    /// The first error of a part that failed.
+    failed: Option<super::StoreError>,
+}
+
+impl Parts {
+    /// Gathers each part's answer with its share of the batch.
+    fn gather(
+        answers: impl Iterator<Item = Result<Vec<tokio_postgres::Row>>>,
+        shares: &[usize],
+    ) -> Self {
+        let mut parts = Self {
+            rows: Vec::with_capacity(shares.iter().sum()),
+            more: false,
+            short: false,
+            failed: None,
+        };
+        for (answer, share) in answers.zip(shares) {
+            let got = answer.and_then(|got| {
+                let messages = got.iter().map(message_of).collect::<Result<Vec<_>, _>>();
+                Ok((got.len(), messages?))
+            });
+            match got {
+                Ok((n, messages)) => {
+                    parts.more |= n >= *share;
+                    parts.short |= n < *share;
+                    parts.rows.extend(messages);
+                }
+                Err(e) => parts.failed = parts.failed.take().or(Some(e)),
+            }
+        }
+        parts
+    }
+}
+
+/// A row the expiry sweep returned.
+fn expired_of(r: &tokio_postgres::Row) -> Result<Expired, tokio_postgres::Error> {
+    Ok(Expired {
+        id: r.try_get(0)?,
+        aggregate_type: r.try_get(1)?,
+    })
 }
 
 fn message_of(r: &tokio_postgres::Row) -> Result<OutboxMessage, tokio_postgres::Error> {

@@ -77,83 +77,116 @@ pub async fn vacuum_loop(
     table_oid: u32,
     shutdown: CancellationToken,
 ) {
-    let mut told_owner = false;
-    let mut told_autovacuum = None;
-    // Dead tuples the last vacuum could not remove (a long transaction or a replication slot
-    // still needs them): they do not count again, or every check would vacuum in vain.
-    let mut unremovable = 0i64;
     let mut pace = Pace::new(metrics.clone());
+    let mut keeper = Keeper {
+        store,
+        metrics,
+        table_oid,
+        told_owner: false,
+        told_autovacuum: None,
+        unremovable: 0,
+    };
     loop {
         if pace.due(false, Instant::now()) {
-            match store.table_health(table_oid).await {
-                Ok(h) => {
-                    metrics.dead_tuples(h.dead_tuples);
-                    if told_autovacuum != Some(h.autovacuum) {
-                        told_autovacuum = Some(h.autovacuum);
-                        tracing::info!(
-                            table = %store.table(),
-                            autovacuum = h.autovacuum,
-                            "the relay vacuums the table itself when {} dead tuples pile up{}",
-                            DEAD_TUPLES,
-                            if h.autovacuum { " beyond what autovacuum keeps up with" } else { " (autovacuum is off for it)" }
-                        );
-                    }
-                    if !h.may_vacuum && !told_owner {
-                        told_owner = true;
-                        // Once per process: the role's privileges do not change by waiting.
-                        tracing::warn!(
-                            table = %store.table(),
-                            "VACUUM and ANALYZE of the outbox table need its ownership (or the MAINTAIN privilege on PostgreSQL 17+), which the relay's database role lacks: the relay skips them and goes on relaying; make sure autovacuum runs on the table"
-                        );
-                    }
-                    unremovable = unremovable.min(h.dead_tuples);
-                    let mut fresh = h;
-                    fresh.dead_tuples -= unremovable;
-                    if let Some(reason) = should_vacuum(&fresh) {
-                        let started = Instant::now();
-                        match store.vacuum().await {
-                            Ok(()) => {
-                                metrics.vacuumed();
-                                let after = store.table_health(table_oid).await.ok();
-                                unremovable = after.map_or(0, |a| a.dead_tuples);
-                                tracing::info!(
-                                    table = %store.table(),
-                                    reason,
-                                    dead_tuples_before = h.dead_tuples,
-                                    dead_tuples_after = after.map(|a| a.dead_tuples),
-                                    bytes = after.map(|a| a.total_bytes),
-                                    took_ms = started.elapsed().as_millis() as u64,
-                                    "vacuumed the outbox table"
-                                );
-                            }
-                            Err(e) => {
-                                tracing::warn!(error = %e, "vacuum of the outbox table failed")
-                            }
-                        }
-                    } else if should_analyze(&h) {
-                        let started = Instant::now();
-                        match store.analyze().await {
-                            Ok(()) => tracing::info!(
-                                table = %store.table(),
-                                live_tuples = h.live_tuples,
-                                counted_before = h.stats_rows,
-                                took_ms = started.elapsed().as_millis() as u64,
-                                "analyzed the outbox table: its statistics predated the backlog, and the claim's plan is chosen from them"
-                            ),
-                            Err(e) => {
-                                tracing::warn!(error = %e, "analyze of the outbox table failed")
-                            }
-                        }
-                    }
-                }
-                Err(e) if e.is_connection() => {
-                    tracing::debug!(error = %e, "table statistics not read");
-                }
-                Err(e) => tracing::warn!(error = %e, "table statistics not read"),
-            }
+            keeper.check().await;
         }
         if !sleep_or_cancel(CHECK_EVERY, &shutdown).await {
             return;
+        }
+    }
+}
+
+/// The vacuum task's state between checks.
+struct Keeper {
+    store: Store,
+    metrics: OutboxMetrics,
+    table_oid: u32,
+    /// The role's lack of ownership was logged (once per process: privileges do not change
+    /// by waiting).
+    told_owner: bool,
+    /// The autovacuum setting last logged.
+    told_autovacuum: Option<bool>,
+    /// Dead tuples the last vacuum could not remove (a long transaction or a replication slot
+    /// still needs them): they do not count again, or every check would vacuum in vain.
+    unremovable: i64,
+}
+
+impl Keeper {
+    /// One check: read the table's health, then vacuum or analyze it if due.
+    async fn check(&mut self) {
+        let h = match self.store.table_health(self.table_oid).await {
+            Ok(h) => h,
+            Err(e) if e.is_connection() => {
+                return tracing::debug!(error = %e, "table statistics not read");
+            }
+            Err(e) => return tracing::warn!(error = %e, "table statistics not read"),
+        };
+        self.metrics.dead_tuples(h.dead_tuples);
+        self.tell(&h);
+        self.unremovable = self.unremovable.min(h.dead_tuples);
+        let mut fresh = h;
+        fresh.dead_tuples -= self.unremovable;
+        if let Some(reason) = should_vacuum(&fresh) {
+            self.vacuum(&h, reason).await;
+        } else if should_analyze(&h) {
+            self.analyze(&h).await;
+        }
+    }
+
+    /// Logs how the relay looks after the table, when that changed (or first seen).
+    fn tell(&mut self, h: &TableHealth) {
+        let table = self.store.table();
+        if self.told_autovacuum != Some(h.autovacuum) {
+            self.told_autovacuum = Some(h.autovacuum);
+            tracing::info!(
+                %table,
+                autovacuum = h.autovacuum,
+                "the relay vacuums the table itself when {} dead tuples pile up{}",
+                DEAD_TUPLES,
+                if h.autovacuum { " beyond what autovacuum keeps up with" } else { " (autovacuum is off for it)" }
+            );
+        }
+        if !h.may_vacuum && !self.told_owner {
+            self.told_owner = true;
+            tracing::warn!(
+                %table,
+                "VACUUM and ANALYZE of the outbox table need its ownership (or the MAINTAIN privilege on PostgreSQL 17+), which the relay's database role lacks: the relay skips them and goes on relaying; make sure autovacuum runs on the table"
+            );
+        }
+    }
+
+    /// Vacuums the table, noting the dead tuples the vacuum left behind.
+    async fn vacuum(&mut self, h: &TableHealth, reason: &str) {
+        let started = Instant::now();
+        if let Err(e) = self.store.vacuum().await {
+            return tracing::warn!(error = %e, "vacuum of the outbox table failed");
+        }
+        self.metrics.vacuumed();
+        let after = self.store.table_health(self.table_oid).await.ok();
+        self.unremovable = after.map_or(0, |a| a.dead_tuples);
+        tracing::info!(
+            table = %self.store.table(),
+            reason,
+            dead_tuples_before = h.dead_tuples,
+            dead_tuples_after = after.map(|a| a.dead_tuples),
+            bytes = after.map(|a| a.total_bytes),
+            took_ms = started.elapsed().as_millis() as u64,
+            "vacuumed the outbox table"
+        );
+    }
+
+    /// Analyzes the table, whose statistics predate its backlog.
+    async fn analyze(&self, h: &TableHealth) {
+        let started = Instant::now();
+        match self.store.analyze().await {
+            Ok(()) => tracing::info!(
+                table = %self.store.table(),
+                live_tuples = h.live_tuples,
+                counted_before = h.stats_rows,
+                took_ms = started.elapsed().as_millis() as u64,
+                "analyzed the outbox table: its statistics predated the backlog, and the claim's plan is chosen from them"
+            ),
+            Err(e) => tracing::warn!(error = %e, "analyze of the outbox table failed"),
         }
     }
 }
