@@ -212,6 +212,14 @@ async fn a_channel_closed_mid_drain_loses_reorders_and_charges_nothing_but_its_c
         delivery_pace(&deliveries)
     );
     assert!(closures >= 1, "no channel closure logged");
+    // A settler logs its channel's closure when it ends: had one outlived its closed channel,
+    // the messages it answered would outnumber the ones it reported.
+    let answered = republished.len() + relay.log_count("publishing it alone");
+    assert_eq!(
+        unconfirmed, answered,
+        "messages on closed channels reported by the settlers that ended != messages answered \
+         as on a closed channel"
+    );
     assert!(
         unconfirmed > 1,
         "only the culprit was on the closed channels ({unconfirmed}): the test did not close a \

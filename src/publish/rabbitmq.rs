@@ -402,9 +402,8 @@ impl RabbitMqPublisher {
             Err(_) => {
                 // An answer may still come: the channel cannot carry another message alone.
                 tokio::spawn(async move {
-                    let _ = channel
-                        .close(200, ShortString::from("no confirm in time"))
-                        .await;
+                    let closing = channel.close(200, ShortString::from("no confirm in time"));
+                    let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
                 });
                 late()
             }
