@@ -183,6 +183,7 @@ impl Default for RawConfig {
                     declare_queue: String::new(),
                     queue_binding: "#".into(),
                     cloudevents_prefix: CloudEventsPrefix::Colon,
+                    tls_ca_file: String::new(),
                 },
                 kafka: RawKafka {
                     brokers: "127.0.0.1:9092".into(),

@@ -77,6 +77,9 @@ pub struct RawRabbitMq {
     pub queue_binding: String,
     /// Header-name prefix of the CloudEvents attributes (default `cloudEvents:`).
     pub cloudevents_prefix: CloudEventsPrefix,
+    /// PEM file of a CA that signs the broker's certificate, trusted besides the system's
+    /// (`amqps://` only; default empty: the system trust store alone).
+    pub tls_ca_file: String,
 }
 
 /// How CloudEvents attributes are named in RabbitMQ headers
@@ -211,6 +214,8 @@ pub struct RabbitMqConfig {
     pub queue_binding: String,
     /// Header-name prefix of the CloudEvents attributes.
     pub cloudevents_prefix: CloudEventsPrefix,
+    /// The certificates (PEM) of `tls_ca_file`, trusted besides the system trust store.
+    pub tls_ca_pem: Option<String>,
 }
 
 /// The validated Kafka settings.
@@ -304,6 +309,7 @@ impl RawPublisher {
                 }
                 positive("publisher.rabbitmq.confirm_timeout", q.confirm_timeout)?;
                 let declare_queue = validate_dev_queue(&q)?;
+                let tls_ca_pem = read_rabbitmq_ca(&q)?;
                 let routing_key = Template::parse(&q.routing_key).map_err(|e| {
                     ConfigError::invalid("publisher.rabbitmq.routing_key", e.to_string())
                 })?;
@@ -317,6 +323,7 @@ impl RawPublisher {
                     declare_queue,
                     queue_binding: q.queue_binding,
                     cloudevents_prefix: q.cloudevents_prefix,
+                    tls_ca_pem,
                 })
             }
             PublisherKind::Kafka => {
@@ -415,6 +422,34 @@ fn validate_nats(n: RawNats) -> Result<NatsConfig, ConfigError> {
     })
 }
 
+/// `publisher.rabbitmq.tls_ca_file`: the PEM text of the CA file, `None` when unset. The
+/// file must hold at least one certificate, and the URL must be `amqps://`.
+fn read_rabbitmq_ca(q: &RawRabbitMq) -> Result<Option<String>, ConfigError> {
+    const KEY: &str = "publisher.rabbitmq.tls_ca_file";
+    if q.tls_ca_file.is_empty() {
+        return Ok(None);
+    }
+    if !q.url.starts_with("amqps://") {
+        return Err(ConfigError::invalid(
+            KEY,
+            "is set but publisher.rabbitmq.url is not amqps:// (the CA is only used over TLS)",
+        ));
+    }
+    use rustls::pki_types::pem::PemObject as _;
+    let pem = std::fs::read_to_string(&q.tls_ca_file)
+        .map_err(|e| ConfigError::invalid(KEY, format!("cannot read {:?}: {e}", q.tls_ca_file)))?;
+    let certificates = rustls::pki_types::CertificateDer::pem_slice_iter(pem.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| ConfigError::invalid(KEY, format!("{:?} is not PEM: {e}", q.tls_ca_file)))?;
+    if certificates.is_empty() {
+        return Err(ConfigError::invalid(
+            KEY,
+            format!("{:?} holds no PEM certificate", q.tls_ca_file),
+        ));
+    }
+    Ok(Some(pem))
+}
+
 /// `publisher.rabbitmq.declare_queue` and `queue_binding`: `None` when no queue is declared.
 fn validate_dev_queue(q: &RawRabbitMq) -> Result<Option<String>, ConfigError> {
     if q.queue_binding.len() > 255 {
@@ -467,6 +502,35 @@ mod tests {
             &["publisher.rabbitmq.routing_key", "tenant"],
             &[],
         );
+    }
+
+    #[test]
+    fn rabbitmq_ca_file_must_hold_a_certificate_and_go_with_amqps() {
+        let dir = std::env::temp_dir().join(format!("relay-ca-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (ca, empty) = (dir.join("ca.pem"), dir.join("empty.pem"));
+        let pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+        std::fs::write(&ca, pem).unwrap();
+        std::fs::write(&empty, "no certificate here\n").unwrap();
+        let rabbit = |url: &str, file: &std::path::Path| {
+            format!("[publisher.rabbitmq]\nurl = \"{url}\"\ntls_ca_file = {file:?}\n")
+        };
+        let tls = "amqps://guest:guest@127.0.0.1:5671/%2f";
+        let c = load_str(&rabbit(tls, &ca), &[]).unwrap();
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("rabbitmq")
+        };
+        assert_eq!(q.tls_ca_pem.as_deref(), Some(pem));
+        let key = "publisher.rabbitmq.tls_ca_file";
+        err_has(&rabbit(tls, &empty), &[key, "no PEM certificate"], &[]);
+        err_has(
+            &rabbit(tls, &dir.join("missing.pem")),
+            &[key, "cannot read"],
+            &[],
+        );
+        let plain = "amqp://guest:guest@127.0.0.1:5672/%2f";
+        err_has(&rabbit(plain, &ca), &[key, "not amqps://"], &[]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

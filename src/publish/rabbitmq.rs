@@ -15,11 +15,24 @@
 //! `returned_messages_share_multiple_acks_and_are_charged_by_message_id` in
 //! `tests/delivery.rs`.
 //!
-//! When the broker closes a channel (e.g. a message above its `max_message_size`), which of
-//! the messages unconfirmed on it caused that is unknown: each is published again on its own,
-//! on a channel that carries one message at a time, where the answer can only be its own.
+//! When the broker closes a channel (e.g. a message above its `max_message_size`, a header it
+//! refuses), which of the messages unconfirmed on it caused that is unknown. Each is published
+//! again on the publishing channels, pipelined like any other message: the innocent go
+//! through, the culprit closes a second channel. A message on two closed channels is then
+//! published alone, on one of a few channels that carry one message at a time, where the
+//! answer can only be its own; a message that closes such a channel is the culprit
+//! (message-level failure), and its id is remembered so that its next attempt goes alone at
+//! once instead of closing a channel full of others. All that republishing is bounded by one
+//! `confirm_timeout` from the first closure: past it the message is handed back unspent. The
+//! caller still waits for each message's final answer before publishing the next of its
+//! aggregate, so republishing never reorders an aggregate.
+//!
+//! A settler ends with its channel: it is woken when its slot gets a new channel and looks at
+//! its channel every [`IDLE_CHECK`] while idle, and once the channel is closed it answers
+//! whatever it holds within `confirm_timeout` (lapin fails every confirm of a closed channel at
+//! once; the limit covers a confirm that would never come).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -34,11 +47,13 @@ use lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
+use lapin::tcp::OwnedTLSConfig;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{
     BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
 };
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, Semaphore, oneshot};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::envelope::{self, EnvelopeConfig};
@@ -52,6 +67,15 @@ use crate::redact::redact_url;
 /// reads, so many channels cost the relay CPU.
 pub const CHANNELS: usize = 4;
 
+/// Channels that carry one message at a time (messages on two closed channels), at most.
+const SOLO_CHANNELS: usize = 4;
+
+/// Ids of messages that closed a channel alone that are remembered (the oldest are forgotten).
+const CULPRITS_KEPT: usize = 1024;
+
+/// How often an idle settler looks whether its channel was closed.
+pub const IDLE_CHECK: Duration = Duration::from_secs(1);
+
 /// A live connection and its channels.
 struct Live {
     // Distinguishes this connection from its successors, so that a failure seen on an old
@@ -61,11 +85,81 @@ struct Live {
     lanes: Vec<LaneSlot>,
     // Round-robin over `lanes`.
     next_lane: AtomicUsize,
-    // The channel for messages published again on their own (see the module docs); the lock
-    // keeps it at one unconfirmed message.
-    solo: tokio::sync::Mutex<Option<Channel>>,
+    // Channels for messages published alone (see the module docs).
+    solo: Solo,
     // Cancelled when this connection is given up: its settlers hand back what they hold.
     gone: CancellationToken,
+}
+
+/// Channels that carry one message at a time: a permit per message in flight on them, and the
+/// channels idle between such messages.
+struct Solo {
+    permits: Semaphore,
+    idle: Mutex<Vec<Channel>>,
+}
+
+impl Solo {
+    fn new(first: Channel) -> Self {
+        Self {
+            permits: Semaphore::new(SOLO_CHANNELS),
+            idle: Mutex::new(vec![first]),
+        }
+    }
+
+    /// An idle channel that is still open, if any (closed ones are dropped).
+    fn take_open(&self) -> Option<Channel> {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(channel) = idle.pop() {
+            if channel.status().connected() {
+                return Some(channel);
+            }
+        }
+        None
+    }
+
+    fn put_back(&self, channel: Channel) {
+        self.idle
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(channel);
+    }
+}
+
+/// Ids of messages that closed a channel they were alone on, oldest first, at most
+/// [`CULPRITS_KEPT`]: their next attempts are published alone at once.
+#[derive(Default)]
+struct Culprits {
+    order: VecDeque<String>,
+    ids: HashSet<String>,
+}
+
+impl Culprits {
+    fn add(&mut self, id: &str) {
+        if self.ids.insert(id.to_owned()) {
+            self.order.push_back(id.to_owned());
+        }
+        while self.order.len() > CULPRITS_KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.ids.remove(&old);
+            }
+        }
+    }
+
+    fn remove(&mut self, id: &str) {
+        if self.ids.remove(id) {
+            self.order.retain(|i| i != id);
+        }
+    }
+}
+
+/// Where a publish on the publishing channels ended.
+enum OnLanes {
+    /// The message's outcome.
+    Done(Outcome),
+    /// The broker closed the channel with the message unconfirmed on it (the reason).
+    Closed(String),
+    /// No answer by the deadline.
+    TimedOut,
 }
 
 /// One of the publishing channels, reopened after the broker closes it.
@@ -137,6 +231,7 @@ pub struct RabbitMqPublisher {
     generations: AtomicU64,
     // Serialises reconnects so concurrent failures open one connection, not many.
     connecting: tokio::sync::Mutex<()>,
+    culprits: Mutex<Culprits>,
 }
 
 impl RabbitMqPublisher {
@@ -147,7 +242,12 @@ impl RabbitMqPublisher {
             state: RwLock::new(None),
             generations: AtomicU64::new(0),
             connecting: tokio::sync::Mutex::new(()),
+            culprits: Mutex::new(Culprits::default()),
         }
+    }
+
+    fn culprits(&self) -> std::sync::MutexGuard<'_, Culprits> {
+        self.culprits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn live(&self) -> Option<Arc<Live>> {
@@ -233,26 +333,44 @@ impl RabbitMqPublisher {
             Arc::clone(&lane),
             live.gone.clone(),
             Arc::clone(live),
+            self.cfg.confirm_timeout,
         ));
-        *slot.current.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&lane));
+        let old = slot
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace(Arc::clone(&lane));
+        if let Some(old) = old {
+            // Its channel is closed: its settler answers what it holds and ends.
+            old.wake.notify_one();
+        }
         Ok(lane)
     }
 
-    /// Publishes one message on the solo channel and waits for its own answer: with nothing
+    /// Publishes one message alone on a solo channel and waits for its own answer: with nothing
     /// else unconfirmed on that channel, a return or a channel closure can only be its own.
+    /// Waiting for a solo channel and for the answer both end at `deadline`: the message is
+    /// then handed back unspent.
     async fn publish_alone(
         &self,
         live: &Live,
         msg: &OutboxMessage,
         routing_key: ShortString,
         props: BasicProperties,
+        deadline: Instant,
     ) -> Outcome {
-        let mut solo = live.solo.lock().await;
-        let channel = match solo.take() {
-            Some(ch) if ch.status().connected() => ch,
-            _ => match self.open_channel(live).await {
-                Ok(ch) => ch,
-                Err(outcome) => return outcome,
+        let late = || self.not_republished();
+        let _permit = match tokio::time::timeout_at(deadline, live.solo.permits.acquire()).await {
+            Ok(Ok(permit)) => permit,
+            Ok(Err(_)) => return Outcome::Unavailable("the publisher was closed".to_owned()),
+            Err(_) => return late(),
+        };
+        let channel = match live.solo.take_open() {
+            Some(ch) => ch,
+            None => match tokio::time::timeout_at(deadline, self.open_channel(live)).await {
+                Ok(Ok(ch)) => ch,
+                Ok(Err(outcome)) => return outcome,
+                Err(_) => return late(),
             },
         };
         let publishing = async {
@@ -267,19 +385,111 @@ impl RabbitMqPublisher {
                 .await?
                 .await
         };
-        match tokio::time::timeout(self.cfg.confirm_timeout, publishing).await {
+        let id = msg.id.to_string();
+        match tokio::time::timeout_at(deadline, publishing).await {
             Ok(Ok(confirmation)) => {
-                *solo = Some(channel);
-                classify_confirmation(confirmation, &msg.id.to_string())
+                live.solo.put_back(channel);
+                self.culprits().remove(&id);
+                classify_confirmation(confirmation, &id)
             }
-            Ok(Err(e)) => self.channel_failure(live, &e.to_string()),
+            Ok(Err(e)) => {
+                let outcome = self.channel_failure(live, &e.to_string());
+                if matches!(outcome, Outcome::Rejected(_)) {
+                    self.culprits().add(&id);
+                }
+                outcome
+            }
             Err(_) => {
-                self.mark_down(live.generation);
-                Outcome::Unavailable(format!(
-                    "no confirm within {}",
-                    humantime::format_duration(self.cfg.confirm_timeout)
-                ))
+                // An answer may still come: the channel cannot carry another message alone.
+                tokio::spawn(async move {
+                    let closing = channel.close(200, ShortString::from("no confirm in time"));
+                    let _ = tokio::time::timeout(Duration::from_secs(5), closing).await;
+                });
+                late()
             }
+        }
+    }
+
+    /// Publishes on the publishing channels and waits for the settler's answer, until
+    /// `deadline`. `props` go into the first publish; `rebuild` makes them again when a
+    /// channel found closed sends the message to another.
+    async fn on_lanes<F>(
+        &self,
+        live: &Arc<Live>,
+        msg: &OutboxMessage,
+        routing_key: &ShortString,
+        props: BasicProperties,
+        rebuild: F,
+        deadline: Instant,
+    ) -> OnLanes
+    where
+        F: Fn() -> Result<BasicProperties, Outcome> + Sync,
+    {
+        let id = msg.id.to_string();
+        let mut first = Some(props);
+        let waiting = async {
+            // A lane found closed was closed after we picked it: pick again (each is reopened
+            // once).
+            for _ in 0..=CHANNELS {
+                let lane = self.lane(live).await?;
+                let channel = lane.channel.clone();
+                let props = match first.take() {
+                    Some(props) => props,
+                    None => rebuild()?,
+                };
+                let (exchange, key, payload) = (
+                    ShortString::from(self.cfg.exchange.clone()),
+                    routing_key.clone(),
+                    msg.payload.clone(),
+                );
+                let confirming: Confirming = Box::pin(async move {
+                    channel
+                        .basic_publish(exchange, key, publish_options(), &payload, props)
+                        .await?
+                        .await
+                });
+                if let Some(answer) = lane.submit(id.clone(), confirming) {
+                    return answer
+                        .await
+                        .map_err(|_| Outcome::Unavailable("the publisher was closed".to_owned()));
+                }
+            }
+            Err(Outcome::Unavailable(
+                "the broker keeps closing channels".to_owned(),
+            ))
+        };
+        match tokio::time::timeout_at(deadline, waiting).await {
+            Ok(Ok(settled)) => self.settled(live, settled),
+            Ok(Err(outcome)) => OnLanes::Done(outcome),
+            Err(_) => OnLanes::TimedOut,
+        }
+    }
+
+    /// No answer within `confirm_timeout`.
+    fn no_confirm(&self) -> Outcome {
+        Outcome::Unavailable(format!(
+            "no confirm within {}",
+            humantime::format_duration(self.cfg.confirm_timeout)
+        ))
+    }
+
+    /// A message that was on a closed channel not answered in time: handed back unspent.
+    fn not_republished(&self) -> Outcome {
+        Outcome::Unavailable(format!(
+            "not confirmed within {} of the broker closing a channel it was on",
+            humantime::format_duration(self.cfg.confirm_timeout)
+        ))
+    }
+
+    /// A settler's answer: the outcome, or the closure of the channel the message was on.
+    fn settled(&self, live: &Live, settled: Settled) -> OnLanes {
+        match settled {
+            Settled::Outcome(outcome) => OnLanes::Done(outcome),
+            Settled::ConnectionLost(reason) => {
+                self.mark_down(live.generation);
+                OnLanes::Done(Outcome::Unavailable(format!("connection lost: {reason}")))
+            }
+            Settled::ChannelClosed(reason) => OnLanes::Closed(reason),
         }
     }
 
@@ -383,6 +593,16 @@ async fn declare_dev_queue(
         })
 }
 
+/// What to check when connecting failed on the broker's certificate.
+fn tls_hint(e: &lapin::Error) -> &'static str {
+    let text = e.to_string();
+    if text.contains("certificate") || text.contains("UnknownIssuer") {
+        " (TLS: the broker's certificate is not trusted; set publisher.rabbitmq.tls_ca_file to the CA that signed it, and check the host name in the URL)"
+    } else {
+        ""
+    }
+}
+
 fn exchange_kind(exchange_type: ExchangeType) -> ExchangeKind {
     match exchange_type {
         ExchangeType::Direct => ExchangeKind::Direct,
@@ -410,6 +630,15 @@ impl LaneSlot {
 }
 
 impl Lane {
+    /// Closes the lane to new messages if none is waiting for the settler; whether it did.
+    fn close_if_empty(&self) -> bool {
+        let mut incoming = self.incoming.lock().unwrap_or_else(|p| p.into_inner());
+        if incoming.entries.is_empty() {
+            incoming.closed = true;
+        }
+        incoming.closed
+    }
+
     /// Publishes on this channel and queues the answer for the settler; `None` when the
     /// channel is closed (publish elsewhere).
     fn submit(&self, id: String, mut confirming: Confirming) -> Option<oneshot::Receiver<Settled>> {
@@ -445,33 +674,110 @@ struct Slot {
     read_at: u64,
 }
 
-/// The settler of one lane (see the module docs): reads its confirms as they complete, and
-/// answers its messages in publish order once no return for them can still be unread.
-async fn settle_lane(lane: Arc<Lane>, gone: CancellationToken, live: Arc<Live>) {
-    let mut slots: VecDeque<Slot> = VecDeque::new();
+/// A confirm being read, with the sequence number of its message on the lane.
+type Reading = Pin<Box<dyn Future<Output = (u64, Result<Confirmation, lapin::Error>)> + Send>>;
+
+/// What a lane's settler holds.
+#[derive(Default)]
+struct Settler {
+    slots: VecDeque<Slot>,
     // Index into `slots` by sequence: `slots[i]` has sequence `first + i`.
-    let mut first: u64 = 0;
-    let mut confirming = FuturesUnordered::new();
+    first: u64,
+    confirming: FuturesUnordered<Reading>,
     // message_id → why it came back, for returns read but not yet charged.
-    let mut returned: HashMap<String, String> = HashMap::new();
-    let mut takes: u64 = 0;
+    returned: HashMap<String, String>,
+    takes: u64,
+    // Messages answered `ChannelClosed`, and the broker's reason, for one line at the end.
+    closed: Option<(usize, String)>,
+}
+
+/// The settler of one lane (see the module docs): reads its confirms as they complete, and
+/// answers its messages in publish order once no return for them can still be unread. It ends
+/// once its channel is closed and everything it held is answered, or `confirm_timeout` after
+/// it saw the channel closed, answering what is left then.
+async fn settle_lane(
+    lane: Arc<Lane>,
+    gone: CancellationToken,
+    live: Arc<Live>,
+    confirm_timeout: Duration,
+) {
+    let mut st = Settler::default();
+    let mut tick = tokio::time::interval(IDLE_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut closed_since: Option<Instant> = None;
     let mut again = false;
     loop {
         if !again {
             tokio::select! {
                 () = lane.wake.notified() => {}
-                Some((seq, answer)) = confirming.next(), if !confirming.is_empty() => {
-                    record(&mut slots, first, seq, answer, &mut returned, takes);
+                Some((seq, answer)) = st.confirming.next(), if !st.confirming.is_empty() => {
+                    st.record(seq, answer);
                 }
                 () = gone.cancelled() => {
-                    hand_back_all(&lane, slots, "the connection was closed");
+                    let gone = || Settled::Outcome(Outcome::Unavailable("the connection was closed".to_owned()));
+                    answer_all(&lane, st.slots, gone);
                     return;
                 }
+                _ = tick.tick() => {}
             }
         }
         // Every confirm completed by now, then every message published by now, then every
         // confirm completed by then: what was read before the take may be acted on.
-        drain(&mut confirming, &mut slots, first, &mut returned, takes);
+        st.drain();
+        st.take(&lane);
+        st.drain();
+        st.answer_ready(&live);
+        // An answer read after the take is acted on after the next one: go round again.
+        again = st.slots.front().is_some_and(|s| s.answer.is_some());
+
+        if !lane.channel.status().connected() {
+            let since = *closed_since.get_or_insert_with(Instant::now);
+            if st.slots.is_empty() && lane.close_if_empty() {
+                st.report_closure(&lane);
+                return;
+            }
+            if since.elapsed() >= confirm_timeout {
+                let connected = live.connection.status().connected();
+                let reason = "no answer from the broker after it closed the channel";
+                let left = || {
+                    if connected {
+                        Settled::ChannelClosed(reason.to_owned())
+                    } else {
+                        Settled::ConnectionLost(reason.to_owned())
+                    }
+                };
+                st.report_closure(&lane);
+                answer_all(&lane, st.slots, left);
+                return;
+            }
+        }
+    }
+}
+
+impl Settler {
+    /// Reads the confirms that have completed, without waiting.
+    fn drain(&mut self) {
+        while let Some(Some((seq, answer))) = self.confirming.next().now_or_never() {
+            self.record(seq, answer);
+        }
+    }
+
+    /// Stores the confirm of message `seq`, and its returned message (whoever's it is) in
+    /// `returned`.
+    fn record(&mut self, seq: u64, answer: Result<Confirmation, lapin::Error>) {
+        let answer = strip_return(answer, &mut self.returned);
+        let slot = seq
+            .checked_sub(self.first)
+            .and_then(|i| usize::try_from(i).ok())
+            .and_then(|i| self.slots.get_mut(i));
+        if let Some(slot) = slot {
+            slot.answer = Some(answer);
+            slot.read_at = self.takes;
+        }
+    }
+
+    /// Takes the messages published on the lane since the last take, in publish order.
+    fn take(&mut self, lane: &Lane) {
         let taken = std::mem::take(
             &mut lane
                 .incoming
@@ -479,108 +785,83 @@ async fn settle_lane(lane: Arc<Lane>, gone: CancellationToken, live: Arc<Live>) 
                 .unwrap_or_else(|p| p.into_inner())
                 .entries,
         );
-        takes += 1;
+        self.takes += 1;
         for entry in taken {
-            let seq = first + slots.len() as u64;
+            let seq = self.first + self.slots.len() as u64;
             let mut slot = Slot {
                 id: entry.id,
                 reply: Some(entry.reply),
                 answer: None,
-                read_at: takes,
+                read_at: self.takes,
             };
             match entry.answer {
                 Pending::Known(answer) => {
-                    slot.answer = Some(strip_return(*answer, &mut returned));
+                    slot.answer = Some(strip_return(*answer, &mut self.returned));
                 }
-                Pending::Waiting(fut) => confirming.push(async move { (seq, fut.await) }),
+                Pending::Waiting(fut) => self
+                    .confirming
+                    .push(Box::pin(async move { (seq, fut.await) })),
             }
-            slots.push_back(slot);
+            self.slots.push_back(slot);
         }
-        drain(&mut confirming, &mut slots, first, &mut returned, takes);
+    }
 
-        while let Some(slot) = slots.front() {
-            if slot.answer.is_none() || slot.read_at >= takes {
+    /// Logs how many messages the closure of the lane's channel sent to be published again.
+    fn report_closure(&self, lane: &Lane) {
+        if let Some((unconfirmed, reason)) = &self.closed {
+            tracing::warn!(channel = lane.channel.id(), unconfirmed, reason = %reason, "the broker closed a publishing channel; its unconfirmed messages were published again");
+        }
+    }
+
+    /// Answers the messages at the front whose confirm was read before the last take.
+    fn answer_ready(&mut self, live: &Live) {
+        while let Some(slot) = self.slots.front() {
+            if slot.answer.is_none() || slot.read_at >= self.takes {
                 break;
             }
-            let Some(mut slot) = slots.pop_front() else {
+            let Some(mut slot) = self.slots.pop_front() else {
                 break;
             };
-            first += 1;
-            let settled = match (returned.remove(&slot.id), slot.answer.take()) {
-                (Some(why), _) => Settled::Outcome(Outcome::Rejected(why)),
-                (None, Some(Answer::Ack)) => Settled::Outcome(Outcome::Confirmed),
-                (None, Some(Answer::Nack)) => {
-                    Settled::Outcome(Outcome::Rejected("nacked by the broker".to_owned()))
-                }
-                (None, Some(Answer::NotRequested)) => Settled::Outcome(Outcome::Unavailable(
-                    "channel is not in confirm mode".to_owned(),
-                )),
-                (None, Some(Answer::Failed(e))) if live.connection.status().connected() => {
-                    Settled::ChannelClosed(e.to_string())
-                }
-                (None, Some(Answer::Failed(e))) => Settled::ConnectionLost(e.to_string()),
-                (None, None) => Settled::ConnectionLost("no answer".to_owned()),
-            };
+            self.first += 1;
+            let settled = settle(
+                self.returned.remove(&slot.id),
+                slot.answer.take(),
+                live.connection.status().connected(),
+            );
+            if let Settled::ChannelClosed(reason) = &settled {
+                self.closed.get_or_insert_with(|| (0, reason.clone())).0 += 1;
+            }
             if let Some(reply) = slot.reply.take() {
                 // The publish may have stopped waiting (timeout): nothing to tell it then.
                 let _ = reply.send(settled);
             }
         }
-        if slots.is_empty() && !returned.is_empty() {
+        if self.slots.is_empty() && !self.returned.is_empty() {
             // Every message taken so far is answered, so these returns belong to none of
             // them: the ordering this settler relies on did not hold.
             tracing::error!(
-                returned = ?returned.keys().collect::<Vec<_>>(),
+                returned = ?self.returned.keys().collect::<Vec<_>>(),
                 "returned messages arrived for messages already answered; please report this"
             );
-            returned.clear();
-        }
-        // An answer read after the take is acted on after the next one: go round again.
-        again = slots.front().is_some_and(|s| s.answer.is_some());
-
-        if slots.is_empty() && !lane.channel.status().connected() {
-            let mut incoming = lane.incoming.lock().unwrap_or_else(|p| p.into_inner());
-            if incoming.entries.is_empty() {
-                incoming.closed = true;
-                return;
-            }
+            self.returned.clear();
         }
     }
 }
 
-/// Reads the confirms that have completed, without waiting.
-fn drain<F>(
-    confirming: &mut FuturesUnordered<F>,
-    slots: &mut VecDeque<Slot>,
-    first: u64,
-    returned: &mut HashMap<String, String>,
-    takes: u64,
-) where
-    F: Future<Output = (u64, Result<Confirmation, lapin::Error>)>,
-{
-    while let Some(Some((seq, answer))) = confirming.next().now_or_never() {
-        record(slots, first, seq, answer, returned, takes);
-    }
-}
-
-/// Stores the confirm of message `seq`, and its returned message (whoever's it is) in
-/// `returned`.
-fn record(
-    slots: &mut VecDeque<Slot>,
-    first: u64,
-    seq: u64,
-    answer: Result<Confirmation, lapin::Error>,
-    returned: &mut HashMap<String, String>,
-    takes: u64,
-) {
-    let answer = strip_return(answer, returned);
-    let slot = seq
-        .checked_sub(first)
-        .and_then(|i| usize::try_from(i).ok())
-        .and_then(|i| slots.get_mut(i));
-    if let Some(slot) = slot {
-        slot.answer = Some(answer);
-        slot.read_at = takes;
+/// The answer to a message: its return (if one carried its id), else its confirm.
+fn settle(returned: Option<String>, answer: Option<Answer>, connected: bool) -> Settled {
+    match (returned, answer) {
+        (Some(why), _) => Settled::Outcome(Outcome::Rejected(why)),
+        (None, Some(Answer::Ack)) => Settled::Outcome(Outcome::Confirmed),
+        (None, Some(Answer::Nack)) => {
+            Settled::Outcome(Outcome::Rejected("nacked by the broker".to_owned()))
+        }
+        (None, Some(Answer::NotRequested)) => Settled::Outcome(Outcome::Unavailable(
+            "channel is not in confirm mode".to_owned(),
+        )),
+        (None, Some(Answer::Failed(e))) if connected => Settled::ChannelClosed(e.to_string()),
+        (None, Some(Answer::Failed(e))) => Settled::ConnectionLost(e.to_string()),
+        (None, None) => Settled::ConnectionLost("no answer".to_owned()),
     }
 }
 
@@ -620,8 +901,8 @@ fn returned_reason(m: &lapin::message::BasicReturnMessage) -> String {
     )
 }
 
-/// Answers every message a lane holds when its connection is given up.
-fn hand_back_all(lane: &Lane, slots: VecDeque<Slot>, reason: &str) {
+/// Answers every message a lane holds with `answer()`, and closes the lane to new ones.
+fn answer_all(lane: &Lane, slots: VecDeque<Slot>, answer: impl Fn() -> Settled) {
     let entries = {
         let mut incoming = lane.incoming.lock().unwrap_or_else(|p| p.into_inner());
         incoming.closed = true;
@@ -632,7 +913,7 @@ fn hand_back_all(lane: &Lane, slots: VecDeque<Slot>, reason: &str) {
         .filter_map(|s| s.reply)
         .chain(entries.into_iter().map(|e| e.reply));
     for reply in replies {
-        let _ = reply.send(Settled::Outcome(Outcome::Unavailable(reason.to_owned())));
+        let _ = reply.send(answer());
     }
 }
 
@@ -701,13 +982,23 @@ impl Publisher for RabbitMqPublisher {
             self.mark_down(old.generation);
         }
         let fail = |what: &str, e: lapin::Error| {
-            ConnectError(format!("{what} {}: {e}", redact_url(&self.cfg.url)))
+            ConnectError(format!(
+                "{what} {}: {e}{}",
+                redact_url(&self.cfg.url),
+                tls_hint(&e)
+            ))
         };
         let props = ConnectionProperties::default()
             .with_connection_name(LongString::from(crate::message::APPLICATION_NAME));
+        let tls = OwnedTLSConfig {
+            identity: None,
+            cert_chain: self.cfg.tls_ca_pem.clone(),
+        };
+        let runtime =
+            lapin::runtime::default_runtime().map_err(|e| fail("no runtime to connect to", e))?;
         let connection = tokio::time::timeout(
             Duration::from_secs(10),
-            Connection::connect(&self.cfg.url, props),
+            Connection::connect_with_config(&self.cfg.url, props, tls, runtime),
         )
         .await
         .map_err(|_| {
@@ -752,7 +1043,7 @@ impl Publisher for RabbitMqPublisher {
             connection,
             lanes: (0..CHANNELS).map(|_| LaneSlot::default()).collect(),
             next_lane: AtomicUsize::new(0),
-            solo: tokio::sync::Mutex::new(Some(channel)),
+            solo: Solo::new(channel),
             gone: CancellationToken::new(),
         };
         let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
@@ -778,67 +1069,54 @@ impl Publisher for RabbitMqPublisher {
             Err(reason) => return Outcome::Rejected(reason),
         };
         let id = msg.id.to_string();
-        // The properties move into the first attempt; they are built again only in the rare
-        // case that needs them twice (a closed channel): cloning them for every message cost
-        // a dozen allocations.
-        let mut first = Some(props);
-        let again = || {
+        let rebuild = || {
             self.properties(msg, env, routing_key.as_str())
                 .map_err(Outcome::Rejected)
         };
-        let waiting = async {
-            // A lane found closed was closed after we picked it: pick again (each is reopened
-            // once).
-            for _ in 0..=CHANNELS {
-                let lane = self.lane(&live).await?;
-                let channel = lane.channel.clone();
-                let props = match first.take() {
-                    Some(props) => props,
-                    None => again()?,
-                };
-                let (exchange, key, payload) = (
-                    ShortString::from(self.cfg.exchange.clone()),
-                    routing_key.clone(),
-                    msg.payload.clone(),
-                );
-                let confirming: Confirming = Box::pin(async move {
-                    channel
-                        .basic_publish(exchange, key, publish_options(), &payload, props)
-                        .await?
-                        .await
-                });
-                if let Some(answer) = lane.submit(id.clone(), confirming) {
-                    return answer
-                        .await
-                        .map_err(|_| Outcome::Unavailable("the publisher was closed".to_owned()));
-                }
+        let culprit = self.culprits().ids.contains(&id);
+        if culprit {
+            // It closed a channel alone before: alone again, not among other messages.
+            let deadline = Instant::now() + self.cfg.confirm_timeout;
+            return self
+                .publish_alone(&live, msg, routing_key, props, deadline)
+                .await;
+        }
+        let deadline = Instant::now() + self.cfg.confirm_timeout;
+        let reason = match self
+            .on_lanes(&live, msg, &routing_key, props, rebuild, deadline)
+            .await
+        {
+            OnLanes::Done(outcome) => return outcome,
+            OnLanes::TimedOut => {
+                // No answer at all: the connection is dead rather than the message bad.
+                self.mark_down(live.generation);
+                return self.no_confirm();
             }
-            Err(Outcome::Unavailable(
-                "the broker keeps closing channels".to_owned(),
-            ))
+            OnLanes::Closed(reason) => reason,
         };
-        match tokio::time::timeout(self.cfg.confirm_timeout, waiting).await {
-            Ok(Ok(Settled::Outcome(outcome))) => outcome,
-            Ok(Ok(Settled::ConnectionLost(reason))) => {
-                self.mark_down(live.generation);
-                Outcome::Unavailable(format!("connection lost: {reason}"))
+        // Republishing is bounded by one confirm_timeout from here; past it, handed back (the
+        // connection may well be fine: it is left to the other messages to tell).
+        let deadline = Instant::now() + self.cfg.confirm_timeout;
+        tracing::debug!(id = %msg.id, reason = %reason, "publishing again a message that was unconfirmed on a channel the broker closed");
+        let props = match rebuild() {
+            Ok(props) => props,
+            Err(outcome) => return outcome,
+        };
+        let reason = match self
+            .on_lanes(&live, msg, &routing_key, props, rebuild, deadline)
+            .await
+        {
+            OnLanes::Done(outcome) => return outcome,
+            OnLanes::TimedOut => return self.not_republished(),
+            OnLanes::Closed(reason) => reason,
+        };
+        tracing::warn!(id = %msg.id, reason = %reason, "the broker closed two channels with this message unconfirmed on them; publishing it alone");
+        match rebuild() {
+            Ok(props) => {
+                self.publish_alone(&live, msg, routing_key, props, deadline)
+                    .await
             }
-            Ok(Ok(Settled::ChannelClosed(reason))) => {
-                tracing::warn!(id = %msg.id, reason = %reason, "the broker closed a channel with this message unconfirmed on it; publishing it again on its own");
-                match again() {
-                    Ok(props) => self.publish_alone(&live, msg, routing_key, props).await,
-                    Err(outcome) => outcome,
-                }
-            }
-            Ok(Err(outcome)) => outcome,
-            Err(_) => {
-                // No answer at all: treat the connection as dead rather than the message as bad.
-                self.mark_down(live.generation);
-                Outcome::Unavailable(format!(
-                    "no confirm within {}",
-                    humantime::format_duration(self.cfg.confirm_timeout)
-                ))
-            }
+            Err(outcome) => outcome,
         }
     }
 
