@@ -76,12 +76,7 @@ pub(super) fn validate(
         let table =
             TableName::parse(&o.table).map_err(|r| ConfigError::invalid(key("table"), r))?;
         let name = o.name.unwrap_or_else(|| o.table.clone());
-        if name.trim().is_empty() || name.len() > 100 || name.chars().any(char::is_control) {
-            return Err(ConfigError::invalid(
-                key("name"),
-                format!("{name:?} must be 1 to 100 printable characters"),
-            ));
-        }
+        check_name(&name).map_err(|r| ConfigError::invalid(key("name"), r))?;
         if let Some(first) = names.insert(name.clone(), i) {
             return Err(ConfigError::invalid(
                 key("name"),
@@ -112,17 +107,8 @@ pub(super) fn validate(
             .map_err(|e| rename(e, key("ordering")))?,
             None => inherited.ordering,
         };
-        let source = match o.source.as_deref().or(inherited.source) {
-            Some(s) if s.trim().is_empty() => {
-                return Err(ConfigError::invalid(key("source"), "must not be empty"));
-            }
-            Some(s) => s.to_owned(),
-            None => format!(
-                "/outbox/{}/{}",
-                pg.get_dbname().unwrap_or("postgres"),
-                table
-            ),
-        };
+        let source = source(o.source.as_deref().or(inherited.source), &pg, &table)
+            .map_err(|r| ConfigError::invalid(key("source"), r))?;
         let route = match &o.subject {
             Some(subject) => {
                 let others = o.routing_key.is_some() || o.topic.is_some();
@@ -144,6 +130,31 @@ pub(super) fn validate(
         });
     }
     Ok(out)
+}
+
+/// Why `name` cannot name an outbox, if it cannot.
+fn check_name(name: &str) -> Result<(), String> {
+    if name.trim().is_empty() || name.len() > 100 || name.chars().any(char::is_control) {
+        return Err(format!("{name:?} must be 1 to 100 printable characters"));
+    }
+    Ok(())
+}
+
+/// The CloudEvents `source`: the one configured, else `/outbox/<database>/<table>`.
+fn source(
+    configured: Option<&str>,
+    pg: &tokio_postgres::Config,
+    table: &TableName,
+) -> Result<String, &'static str> {
+    match configured {
+        Some(s) if s.trim().is_empty() => Err("must not be empty"),
+        Some(s) => Ok(s.to_owned()),
+        None => Ok(format!(
+            "/outbox/{}/{}",
+            pg.get_dbname().unwrap_or("postgres"),
+            table
+        )),
+    }
 }
 
 /// The entry's routing override: `routing_key` for RabbitMQ, `topic` for Kafka.

@@ -321,6 +321,44 @@ impl KafkaPublisher {
         c
     }
 
+    /// Builds a new producer in place of `stale` (none yet, fatal, or marked for replacement):
+    /// from here the old one's outcomes are stale, and it is dropped off the async threads.
+    fn replace_producer(
+        &self,
+        stale: Option<Current>,
+    ) -> Result<FutureProducer<Context>, ConnectError> {
+        if let Some(stale) = &stale {
+            let fatal = stale.producer.client().fatal_error();
+            tracing::warn!(fatal = ?fatal, generation = stale.generation, "replacing the Kafka producer");
+        }
+        let generation = self.generation.load(Ordering::Relaxed) + 1;
+        let ctx = Context {
+            up: Arc::clone(&self.up),
+            last_error: Arc::clone(&self.last_error),
+            generation,
+            current: Arc::clone(&self.generation),
+        };
+        let p: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
+            .create_with_context(ctx)
+            .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
+        let old = {
+            let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
+            // From here the old producer's outcomes are stale (see `note`).
+            self.generation.store(generation, Ordering::Relaxed);
+            guard.replace(Current {
+                producer: p.clone(),
+                generation,
+            })
+        };
+        if let Some(old) = old {
+            // Dropping the last handle purges what it still holds (so it cannot
+            // deliver a handed-back record's successors later) and waits up to
+            // 500 ms: off the async threads.
+            drop(tokio::task::spawn_blocking(move || drop(old.producer)));
+        }
+        Ok(p)
+    }
+
     fn producer(&self) -> Option<Current> {
         let guard = self.producer.read().unwrap_or_else(|p| p.into_inner());
         guard.clone()
@@ -668,38 +706,7 @@ impl Publisher for KafkaPublisher {
             {
                 producer
             }
-            stale => {
-                if let Some(stale) = &stale {
-                    let fatal = stale.producer.client().fatal_error();
-                    tracing::warn!(fatal = ?fatal, generation = stale.generation, "replacing the Kafka producer");
-                }
-                let generation = self.generation.load(Ordering::Relaxed) + 1;
-                let ctx = Context {
-                    up: Arc::clone(&self.up),
-                    last_error: Arc::clone(&self.last_error),
-                    generation,
-                    current: Arc::clone(&self.generation),
-                };
-                let p: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
-                    .create_with_context(ctx)
-                    .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
-                let old = {
-                    let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-                    // From here the old producer's outcomes are stale (see `note`).
-                    self.generation.store(generation, Ordering::Relaxed);
-                    guard.replace(Current {
-                        producer: p.clone(),
-                        generation,
-                    })
-                };
-                if let Some(old) = old {
-                    // Dropping the last handle purges what it still holds (so it cannot
-                    // deliver a handed-back record's successors later) and waits up to
-                    // 500 ms: off the async threads.
-                    drop(tokio::task::spawn_blocking(move || drop(old.producer)));
-                }
-                p
-            }
+            stale => self.replace_producer(stale)?,
         };
         // Producing is lazy; ask for metadata to learn whether any broker answers at all.
         let probe = producer.clone();
