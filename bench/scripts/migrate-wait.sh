@@ -21,6 +21,7 @@ WRITERS=${WRITERS:-4}
 DB=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${RELAY_BIN:-$ROOT/target/debug/outbox-relay}
+unset RELAY_BIN # the relay would read it as a config key (RELAY_*)
 WORK=$(mktemp -d)
 TABLE=bench_migrate_$$
 drop_sql() {
