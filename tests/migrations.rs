@@ -4,7 +4,8 @@
 //! naming the holder and telling the user to run it again, and it succeeds once that
 //! transaction ends; `run` refuses a table without `expires_at` (hand-applied version-1 DDL)
 //! and tells the user to run `migrate`, which fixes it; a `migrate` interrupted in a concurrent
-//! index build left an INVALID index, which the next `migrate` drops and builds again.
+//! index build left an INVALID index, which the next `migrate` drops and builds again; two
+//! `migrate`s at once both finish.
 //!
 //! Each test has its own `it_mig_…` table.
 
@@ -177,6 +178,24 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
     );
     assert_eq!(table.count_where("event_type = 'w'").await, 1);
     table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_migrates_at_once_both_finish() {
+    // The second waits for the first; its wait must not hold a snapshot, which the first's
+    // concurrent index builds would wait for in turn (PostgreSQL reports a deadlock).
+    let (a, b) = (version_1_table(true).await, version_1_table(true).await);
+    let (out_a, out_b) = tokio::join!(run_cli(&a, &["migrate"]), run_cli(&b, &["migrate"]));
+    for (table, out) in [(&a, &out_a), (&b, &out_b)] {
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            recorded_version(table).await,
+            MIGRATIONS.last().map(|m| m.version)
+        );
+        assert_eq!(index_valid(table, "_open_idx").await, Some(true));
+    }
+    a.drop_table().await;
+    b.drop_table().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
