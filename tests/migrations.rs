@@ -3,7 +3,9 @@
 //! within its bounded tries (never queueing the application's inserts behind it for long),
 //! naming the holder and telling the user to run it again, and it succeeds once that
 //! transaction ends; `run` refuses a table without `expires_at` (hand-applied version-1 DDL)
-//! and tells the user to run `migrate`, which fixes it.
+//! and tells the user to run `migrate`, which fixes it; a `migrate` interrupted in a concurrent
+//! index build left an INVALID index, which the next `migrate` drops and builds again; two
+//! `migrate`s at once both finish.
 //!
 //! Each test has its own `it_mig_…` table.
 
@@ -19,6 +21,7 @@ use common::{
 };
 use outbox_relay::config::TableName;
 use outbox_relay::store::schema::{self, MIGRATIONS};
+use outbox_relay::store::steps::{StepKind, steps};
 
 /// Bound for one run of the binary (`migrate` gives up within a few tries of 3 s).
 const WAIT: Duration = Duration::from_secs(60);
@@ -100,6 +103,99 @@ async fn migrate_gives_up_on_a_held_table_naming_the_holder_and_succeeds_once_it
     assert_eq!(applied, want);
     assert_eq!(recorded_version(&table).await, want.last().copied());
     table.drop_table().await;
+}
+
+/// Whether `index` of `table` is valid (`None` when it does not exist).
+async fn index_valid(table: &TestTable, suffix: &str) -> Option<bool> {
+    let sql = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1 || $2)";
+    let row = table
+        .db
+        .query_opt(sql, &[&table.name, &suffix])
+        .await
+        .unwrap();
+    row.map(|r| r.get(0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index_and_finishes() {
+    let table = version_1_table(true).await;
+    let t = TableName::parse(&table.name).unwrap();
+    let v2 = steps(&schema::render(MIGRATIONS[1].sql, &t), false);
+    // Version 2 as a `migrate` killed in its first index build leaves it: the steps before
+    // it applied, the build's INVALID index behind (a build that cannot wait for a writer's
+    // transaction fails after creating it), nothing recorded.
+    let (first_build, _) = v2
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.kind == StepKind::Concurrent)
+        .unwrap();
+    assert_eq!(
+        v2[first_build].builds_index.as_deref(),
+        Some(&*format!("{}_open_idx", table.name))
+    );
+    for step in &v2[..first_build] {
+        table.db.batch_execute(&step.sql).await.unwrap();
+    }
+    let mut app = try_pg_connect(PG_URL, "writer").await.unwrap();
+    let tx = app.transaction().await.unwrap();
+    let insert = format!(
+        "INSERT INTO {} (event_type, payload) VALUES ('w', '{{}}')",
+        table.name
+    );
+    tx.batch_execute(&insert).await.unwrap();
+    table
+        .db
+        .batch_execute("SET lock_timeout = '200ms'")
+        .await
+        .unwrap();
+    let failed = table.db.batch_execute(&v2[first_build].sql).await;
+    table.db.batch_execute("RESET lock_timeout").await.unwrap();
+    assert!(failed.is_err(), "the build waits for the writer");
+    tx.commit().await.unwrap();
+    assert_eq!(index_valid(&table, "_open_idx").await, Some(false));
+    assert_eq!(recorded_version(&table).await, Some(1));
+
+    let out = run_cli(&table, &["migrate"]).await;
+    assert!(out.status.success(), "{out:?}");
+    let dropped = format!("dropping the INVALID index public.{}_open_idx", table.name);
+    assert!(
+        out.stderr.contains(&dropped),
+        "{dropped:?} in {}",
+        out.stderr
+    );
+    assert!(
+        out.stdout.contains("applied schema versions [2, 3, 4]"),
+        "{}",
+        out.stdout
+    );
+    for suffix in ["_open_idx", "_expiry_idx", "_expired_idx"] {
+        assert_eq!(index_valid(&table, suffix).await, Some(true), "{suffix}");
+    }
+    assert_eq!(index_valid(&table, "_aggregate_idx").await, None);
+    assert_eq!(
+        recorded_version(&table).await,
+        MIGRATIONS.last().map(|m| m.version)
+    );
+    assert_eq!(table.count_where("event_type = 'w'").await, 1);
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_migrates_at_once_both_finish() {
+    // The second waits for the first; its wait must not hold a snapshot, which the first's
+    // concurrent index builds would wait for in turn (PostgreSQL reports a deadlock).
+    let (a, b) = (version_1_table(true).await, version_1_table(true).await);
+    let (out_a, out_b) = tokio::join!(run_cli(&a, &["migrate"]), run_cli(&b, &["migrate"]));
+    for (table, out) in [(&a, &out_a), (&b, &out_b)] {
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            recorded_version(table).await,
+            MIGRATIONS.last().map(|m| m.version)
+        );
+        assert_eq!(index_valid(table, "_open_idx").await, Some(true));
+    }
+    a.drop_table().await;
+    b.drop_table().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -25,6 +25,7 @@ use common::{
 use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::store::Store;
 use outbox_relay::store::schema::{self, MIGRATIONS};
+use outbox_relay::store::steps as schema_steps;
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
 use tokio_postgres::types::{FromSqlOwned, ToSql};
@@ -802,7 +803,13 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
             // The file itself is idempotent, as users may apply it from their own migrations.
             let t = TableName::parse(&table.name).unwrap();
             let (db, again) = (&table.db, schema::render(MIGRATIONS[1].sql, &t));
-            db.batch_execute(&again).await.expect("0002 applied twice");
+            // Statement by statement, as `psql -f` applies it: its index statements run
+            // CONCURRENTLY, which a transaction block refuses.
+            for statement in schema_steps::statements(&again) {
+                db.batch_execute(statement)
+                    .await
+                    .expect("0002 applied twice");
+            }
             // The rows are untouched.
             let s = table.status_counts().await;
             assert_eq!((s["pending"], s["processing"]), (200, 100), "{s:?}");

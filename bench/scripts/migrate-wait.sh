@@ -4,8 +4,9 @@
 # with a day of retention holds; PENDING_EVERY=1 for a table that is all backlog): WRITERS
 # pgbench clients insert one row per transaction (as an application does) for DURATION
 # seconds (60); after 5 s `migrate` applies every later version. Prints
-# migrate's duration and output, then the insert latencies (max, p99, count) of transactions
-# that ended during `migrate`, and the same before it, for comparison.
+# migrate's duration and output (with each step's duration: RUST_LOG defaults to debug for the
+# migration runner), then the insert latencies (max, p99, count) of transactions that ended
+# during `migrate`, and the same before it, for comparison.
 #
 #   bench/scripts/migrate-wait.sh                       # 1,000,000 rows, 4 writers
 #   PENDING_EVERY=1 bench/scripts/migrate-wait.sh        # every row pending
@@ -20,6 +21,7 @@ WRITERS=${WRITERS:-4}
 DB=${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/test}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=${RELAY_BIN:-$ROOT/target/debug/outbox-relay}
+unset RELAY_BIN # the relay would read it as a config key (RELAY_*)
 WORK=$(mktemp -d)
 TABLE=bench_migrate_$$
 drop_sql() {
@@ -55,12 +57,14 @@ PGB=$!
 sleep 5
 START=$(date +%s.%N)
 set +e
-RELAY_DATABASE__URL="$DB" RELAY_DATABASE__TABLE="$TABLE" "$BIN" migrate >"$WORK/migrate.out" 2>&1
+RUST_LOG=${RUST_LOG:-info,outbox_relay::store::schema=debug} \
+    RELAY_DATABASE__URL="$DB" RELAY_DATABASE__TABLE="$TABLE" "$BIN" migrate >"$WORK/migrate.out" 2>&1
 CODE=$?
 set -e
 END=$(date +%s.%N)
 wait "$PGB"
-echo "migrate exit $CODE in $(echo "$END - $START" | bc)s: $(tr '\n' ' ' <"$WORK/migrate.out")"
+echo "migrate exit $CODE in $(echo "$END - $START" | bc)s:"
+sed -e 's/\x1b\[[0-9;]*m//g' -e 's/^/  /' "$WORK/migrate.out"
 python3 - "$START" "$END" "$WORK" <<'PY'
 import glob, sys
 start, end, work = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]

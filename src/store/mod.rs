@@ -9,6 +9,8 @@
 //!   and `VACUUM`;
 //! - `operator`: `status`, dead-letter commands and retention cleanup;
 //! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
+//! - [`steps`]: a migration file cut into the steps `migrate` runs (short transactions, and
+//!   index builds `CONCURRENTLY` outside any);
 //! - `connect`: the URL, TLS, the pool and its session settings, and the
 //!   LISTEN session's statements;
 //! - `bench` (the `bench` feature only): the hot-path statements and session settings, for the
@@ -25,6 +27,7 @@ mod operator;
 mod predicates;
 pub mod schema;
 mod settle;
+pub mod steps;
 mod waiting;
 
 pub use claim::{Claim, Expired, ExpirySweep};

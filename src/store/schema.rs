@@ -4,11 +4,15 @@
 //! they are. Rendering replaces that name: the NOTIFY channel literal becomes the table name as
 //! written, index and trigger names (which PostgreSQL does not let us qualify) get the bare
 //! name, and every other reference gets the schema-qualified name.
+//!
+//! `migrate` applies each version as the [`steps`](super::steps) of its file, every lock under
+//! a short `lock_timeout`, so that it never holds up the application's inserts for long.
 
 use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
 
+use super::steps::{Step, StepKind, steps};
 use super::{Result, Store, StoreError};
 use crate::config::TableName;
 use crate::message::PayloadKind;
@@ -24,8 +28,12 @@ pub const LOCK_TRIES: u32 = 3;
 /// The pause between two tries of a version (the application's inserts run meanwhile).
 const LOCK_RETRY_PAUSE: Duration = Duration::from_secs(1);
 
-/// Serialises concurrent `migrate`s across versions (a session-level advisory lock).
-const MIGRATE_LOCK: &str = "SELECT pg_advisory_lock(hashtext('outbox-relay:migrate'))";
+/// Serialises concurrent `migrate`s across versions (a session-level advisory lock). Tried
+/// every [`MIGRATE_LOCK_POLL`], never waited for inside a statement: a session waiting in a
+/// statement holds a snapshot, which the concurrent index build of the `migrate` holding the
+/// lock waits for (a deadlock).
+const MIGRATE_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('outbox-relay:migrate'))";
+const MIGRATE_LOCK_POLL: Duration = Duration::from_millis(200);
 const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay:migrate'))";
 
 /// One versioned migration file.
@@ -108,12 +116,13 @@ fn names_unqualifiable_object(preceding: &str) -> bool {
     let words: Vec<String> = preceding
         .split_whitespace()
         .rev()
+        .filter(|w| !w.eq_ignore_ascii_case("CONCURRENTLY"))
         .take(4)
         .map(str::to_ascii_uppercase)
         .collect();
     let w = |i: usize| words.get(i).map(String::as_str);
     match (w(0), w(1), w(2), w(3)) {
-        // CREATE INDEX [IF NOT EXISTS] name
+        // CREATE INDEX [CONCURRENTLY] [IF NOT EXISTS] name
         (Some("INDEX"), ..) | (Some("EXISTS"), Some("NOT"), Some("IF"), Some("INDEX")) => true,
         // CREATE TRIGGER name / DROP TRIGGER IF EXISTS name
         (Some("TRIGGER"), ..) | (Some("EXISTS"), Some("IF"), Some("TRIGGER"), _) => true,
@@ -183,6 +192,50 @@ async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
     })
 }
 
+/// The oldest transactions of the database that hold a snapshot (what a concurrent index
+/// build waits for besides the table's lockers), in the columns of the lock holders' query.
+const OLDER_SNAPSHOTS: &str = "SELECT pid, 'an older snapshot', \
+        extract(epoch FROM now() - xact_start)::float8, state, application_name \
+   FROM pg_stat_activity \
+  WHERE datname = current_database() AND backend_xmin IS NOT NULL \
+    AND xact_start IS NOT NULL AND pid <> pg_backend_pid() \
+  ORDER BY xact_start LIMIT 3";
+
+/// Where a step is: version (0 for the set-up), its index and the version's step count.
+#[derive(Debug, Clone, Copy)]
+struct StepAt {
+    version: i32,
+    index: usize,
+    count: usize,
+}
+
+impl StepAt {
+    const SETUP: StepAt = StepAt {
+        version: 0,
+        index: 0,
+        count: 1,
+    };
+}
+
+/// Runs `sql` in one transaction whose locks are each requested under [`LOCK_TIMEOUT`], with
+/// `search_path` set to `schema, pg_temp` when given.
+async fn in_transaction(
+    client: &mut deadpool_postgres::Object,
+    schema: Option<&str>,
+    sql: &str,
+) -> std::result::Result<(), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    tx.execute(
+        "SELECT set_config('lock_timeout', $1, true), \
+                CASE WHEN $2::text IS NOT NULL \
+                  THEN set_config('search_path', quote_ident($2) || ', pg_temp', true) END",
+        &[&LOCK_TIMEOUT, &schema],
+    )
+    .await?;
+    tx.batch_execute(sql).await?;
+    tx.commit().await
+}
+
 impl Store {
     /// Applies pending migrations; returns the versions applied.
     ///
@@ -191,14 +244,29 @@ impl Store {
     /// are idempotent), whatever `outbox_relay_schema_version` says.
     ///
     /// Concurrent `migrate`s are serialised by a session-level advisory lock. Each version is
-    /// applied and recorded in its own transaction, so the table's locks are held for one
-    /// version at most, and every lock is requested under [`LOCK_TIMEOUT`]: a version whose
+    /// applied as the [`steps`](super::steps) of its file, one after the other: short
+    /// transactions, and index statements run `CONCURRENTLY` outside any transaction, so no
+    /// transaction holds the table's locks while it reads the table, nor across versions. A
+    /// version is recorded once all its steps are applied; they are idempotent, so a `migrate`
+    /// that was interrupted applies that version's steps again (dropping an INVALID index an
+    /// interrupted build left). Every lock is requested under [`LOCK_TIMEOUT`]: a step whose
     /// locks cannot be had is tried [`LOCK_TRIES`] times in all, then `migrate` fails with
-    /// [`StoreError::Locked`] naming the sessions that hold the table (the versions applied
-    /// before it stay applied and recorded).
+    /// [`StoreError::Locked`] naming the step and the sessions that hold the table (what was
+    /// applied before it stays applied).
     pub async fn migrate(&self) -> Result<Vec<i32>> {
         let mut client = self.client().await?;
-        client.execute(MIGRATE_LOCK, &[]).await?;
+        let mut waited = false;
+        while !client
+            .query_one(MIGRATE_LOCK, &[])
+            .await?
+            .try_get::<_, bool>(0)?
+        {
+            if !waited {
+                tracing::info!(table = %self.table, "migrate: waiting for another migrate of this database to finish");
+                waited = true;
+            }
+            tokio::time::sleep(MIGRATE_LOCK_POLL).await;
+        }
         let applied = self.migrate_locked(&mut client).await;
         // On a lost connection the session, and with it the lock, is gone already.
         let unlocked = client.execute(MIGRATE_UNLOCK, &[]).await;
@@ -226,7 +294,12 @@ impl Store {
             Some(schema) => format!("CREATE SCHEMA IF NOT EXISTS {schema};\n{VERSION_TABLE_DDL}"),
             None => VERSION_TABLE_DDL.to_owned(),
         };
-        self.in_lock_timeout(client, None, 0, &setup).await?;
+        let setup = Step {
+            kind: StepKind::Transaction,
+            sql: setup,
+            builds_index: None,
+        };
+        self.run_step(client, None, StepAt::SETUP, &setup).await?;
         // Named with its schema: each version runs with its own search_path.
         let versions: String = client
             .query_one(
@@ -237,71 +310,80 @@ impl Store {
             )
             .await?
             .try_get(0)?;
-        let current = current_version(&*client, &self.table).await?.version;
+        let current = current_version(&*client, &self.table).await?;
         let mut applied = Vec::new();
-        for m in MIGRATIONS.iter().filter(|m| m.version > current) {
-            let sql = format!(
-                "{}\n;INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
-                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now()",
-                render(m.sql, &self.table),
+        for m in MIGRATIONS.iter().filter(|m| m.version > current.version) {
+            let mut steps = steps(&render(m.sql, &self.table), !current.table_exists);
+            let record = format!(
+                "INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
+                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now();",
                 quote_literal(&key),
                 m.version
             );
-            self.in_lock_timeout(client, Some(&schema), m.version, &sql)
-                .await?;
+            // Recorded with the version's last transaction, or in one of its own.
+            match steps.last_mut() {
+                Some(last) if last.kind == StepKind::Transaction => last.sql.push_str(&record),
+                _ => steps.push(Step {
+                    kind: StepKind::Transaction,
+                    sql: record,
+                    builds_index: None,
+                }),
+            }
+            let count = steps.len();
+            for (index, step) in steps.iter().enumerate() {
+                let at = StepAt {
+                    version: m.version,
+                    index,
+                    count,
+                };
+                self.run_step(client, Some(&schema), at, step).await?;
+            }
             applied.push(m.version);
         }
         Ok(applied)
     }
 
-    /// Runs `sql` (version `version`, 0 for the set-up) in one transaction whose locks are
-    /// each requested under [`LOCK_TIMEOUT`], with `search_path` set to `schema, pg_temp`
-    /// when given (what the wake-up function pins). Tried [`LOCK_TRIES`] times when a lock
-    /// cannot be had.
-    async fn in_lock_timeout(
+    /// Runs `step` with each lock requested under [`LOCK_TIMEOUT`] and `search_path` set to
+    /// `schema, pg_temp` when given (what the wake-up function pins). Tried [`LOCK_TRIES`]
+    /// times when a lock cannot be had.
+    async fn run_step(
         &self,
         client: &mut deadpool_postgres::Object,
         schema: Option<&str>,
-        version: i32,
-        sql: &str,
+        at: StepAt,
+        step: &Step,
     ) -> Result<()> {
         let mut attempt = 1;
         loop {
-            let tx = client.transaction().await?;
-            tx.execute(
-                "SELECT set_config('lock_timeout', $1, true), \
-                        CASE WHEN $2::text IS NOT NULL \
-                          THEN set_config('search_path', quote_ident($2) || ', pg_temp', true) END",
-                &[&LOCK_TIMEOUT, &schema],
-            )
-            .await?;
-            match tx.batch_execute(sql).await {
+            let started = std::time::Instant::now();
+            let result = match step.kind {
+                StepKind::Transaction => in_transaction(client, schema, &step.sql).await,
+                StepKind::Concurrent => self.concurrently(client, schema, step).await,
+            };
+            match result {
                 Ok(()) => {
-                    tx.commit().await?;
+                    tracing::debug!(
+                        table = %self.table,
+                        version = at.version,
+                        step = at.index + 1,
+                        steps = at.count,
+                        ms = started.elapsed().as_millis() as u64,
+                        "migrate: applied {}",
+                        step.summary()
+                    );
                     return Ok(());
                 }
                 Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                    drop(tx); // rolled back
-                    let holders = self.lock_holders(&*client).await?;
+                    let holders = self.lock_holders(&*client, step.kind).await?;
                     if attempt >= LOCK_TRIES {
-                        let t = &self.table;
-                        let what = if version == 0 {
-                            format!("create outbox_relay_schema_version for {t}")
-                        } else {
-                            format!("apply schema version {version} to {t}")
-                        };
-                        return Err(StoreError::Locked(format!(
-                            "could not {what}: a lock it needs was not granted within \
-                             {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; nothing of that \
-                             version was applied: end or wait for that transaction and run \
-                             `outbox-relay migrate` again"
-                        )));
+                        return Err(StoreError::Locked(self.locked_sentence(at, step, &holders)));
                     }
                     tracing::warn!(
                         table = %self.table,
-                        version,
+                        version = at.version,
                         attempt,
-                        "migrate: a lock was not granted within {LOCK_TIMEOUT}, {holders}; retrying"
+                        "migrate: a lock {} needs was not granted within {LOCK_TIMEOUT}, {holders}; retrying",
+                        step.summary()
                     );
                     attempt += 1;
                     tokio::time::sleep(LOCK_RETRY_PAUSE).await;
@@ -311,13 +393,98 @@ impl Store {
         }
     }
 
+    /// What `migrate` says when a step's locks were not granted: what it could not do, who
+    /// holds the table, what stays applied and to run it again.
+    fn locked_sentence(&self, at: StepAt, step: &Step, holders: &str) -> String {
+        let t = &self.table;
+        if at.version == 0 {
+            return format!(
+                "could not create outbox_relay_schema_version for {t}: a lock it needs was not \
+                 granted within {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; end or wait for \
+                 that transaction and run `outbox-relay migrate` again"
+            );
+        }
+        let applied = if at.index == 0 {
+            "nothing of that version was applied".to_owned()
+        } else {
+            format!(
+                "its steps before this one are applied and stay so (each is idempotent; the \
+                 version is recorded once all {} are)",
+                at.count
+            )
+        };
+        format!(
+            "could not apply schema version {} to {t} (step {} of {}: {}): a lock it needs was \
+             not granted within {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; {applied}: end \
+             or wait for that transaction and run `outbox-relay migrate` again",
+            at.version,
+            at.index + 1,
+            at.count,
+            step.summary()
+        )
+    }
+
+    /// Runs a [`StepKind::Concurrent`] step outside any transaction, the session's
+    /// `lock_timeout` and `search_path` set for it and reset after. An INVALID index of the
+    /// name it builds (an interrupted concurrent build) is dropped first: `IF NOT EXISTS`
+    /// would keep it.
+    async fn concurrently(
+        &self,
+        client: &deadpool_postgres::Object,
+        schema: Option<&str>,
+        step: &Step,
+    ) -> std::result::Result<(), tokio_postgres::Error> {
+        client
+            .execute(
+                "SELECT set_config('lock_timeout', $1, false), \
+                        CASE WHEN $2::text IS NOT NULL \
+                          THEN set_config('search_path', quote_ident($2) || ', pg_temp', false) END",
+                &[&LOCK_TIMEOUT, &schema],
+            )
+            .await?;
+        let result = async {
+            if let (Some(index), Some(schema)) = (&step.builds_index, schema) {
+                let invalid = client
+                    .query_opt(
+                        "SELECT quote_ident($1) || '.' || quote_ident($2) FROM pg_index \
+                          WHERE indexrelid = to_regclass(quote_ident($1) || '.' || quote_ident($2)) \
+                            AND NOT indisvalid",
+                        &[&schema, index],
+                    )
+                    .await?;
+                if let Some(row) = invalid {
+                    let name: String = row.try_get(0)?;
+                    tracing::warn!(
+                        table = %self.table,
+                        "migrate: dropping the INVALID index {name} an interrupted build left, to build it again"
+                    );
+                    client
+                        .batch_execute(&format!("DROP INDEX CONCURRENTLY IF EXISTS {name}"))
+                        .await?;
+                }
+            }
+            client.batch_execute(&step.sql).await
+        }
+        .await;
+        // On a lost connection the session, and its settings, are gone already.
+        let reset = client
+            .batch_execute("RESET lock_timeout; RESET search_path")
+            .await;
+        result?;
+        reset
+    }
+
     /// Who holds a lock on the table (or its other objects), as a phrase: "held by pid 123
     /// (RowExclusiveLock, transaction open 42 s, idle in transaction, application \"psql\")".
+    /// A concurrent index build also waits for every older transaction of the database: when
+    /// nothing holds the table, those are named ("held up by pid 123 (an older snapshot, …)").
     async fn lock_holders<C: deadpool_postgres::GenericClient + Sync>(
         &self,
         client: &C,
+        kind: StepKind,
     ) -> Result<String> {
-        let rows = client
+        let mut verb = "held by";
+        let mut rows = client
             .query(
                 "SELECT a.pid, string_agg(DISTINCT l.mode, '/'), \
                         extract(epoch FROM now() - min(a.xact_start))::float8, \
@@ -332,8 +499,12 @@ impl Store {
                 &[&self.table.qualified()],
             )
             .await?;
+        if rows.is_empty() && kind == StepKind::Concurrent {
+            verb = "held up by";
+            rows = client.query(OLDER_SNAPSHOTS, &[]).await?;
+        }
         if rows.is_empty() {
-            return Ok("held by a session that has ended since".to_owned());
+            return Ok(format!("{verb} a session that has ended since"));
         }
         let mut parts = Vec::new();
         for r in rows {
@@ -354,7 +525,7 @@ impl Store {
             }
             parts.push(format!("pid {pid} ({})", what.join(", ")));
         }
-        Ok(format!("held by {}", parts.join(" and ")))
+        Ok(format!("{verb} {}", parts.join(" and ")))
     }
 
     /// Whether the table exists and which schema versions `migrate` would apply, read
@@ -498,8 +669,8 @@ mod tests {
                 "DROP CONSTRAINT IF EXISTS events_status_check;",
                 "ADD CONSTRAINT events_status_check\n",
                 "VALIDATE CONSTRAINT events_status_check;",
-                "DROP INDEX IF EXISTS app.events_aggregate_idx;",
-                "CREATE INDEX IF NOT EXISTS events_expiry_idx\n    ON app.events",
+                "DROP INDEX CONCURRENTLY IF EXISTS app.events_aggregate_idx;",
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS events_expiry_idx\n    ON app.events",
             ],
         );
         assert_eq!(MIGRATIONS[1].version, 2);
