@@ -73,18 +73,17 @@ pub fn structured_event(msg: &OutboxMessage, cfg: &EnvelopeConfig) -> Result<Str
             Value::String(base64::engine::general_purpose::STANDARD.encode(&msg.payload)),
         )),
     }
-    let mut line = String::with_capacity(msg.payload.len() + 256);
-    line.push('{');
-    for (i, (key, value)) in fields.iter().enumerate() {
-        if i > 0 {
-            line.push(',');
-        }
-        line.push_str(&Value::String((*key).to_owned()).to_string());
-        line.push(':');
-        line.push_str(&value.to_string());
+    serde_json::to_string(&InOrder(&fields)).map_err(|e| format!("cannot serialise: {e}"))
+}
+
+/// Fields serialised as one JSON object in the order given (a `serde_json::Map` would sort
+/// them).
+struct InOrder<'a>(&'a [(&'a str, Value)]);
+
+impl serde::Serialize for InOrder<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_map(self.0.iter().map(|(k, v)| (k, v)))
     }
-    line.push('}');
-    Ok(line)
 }
 
 #[async_trait]
