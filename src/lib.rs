@@ -141,7 +141,7 @@ pub async fn run_with(
         "outbox-relay starting"
     );
     let tracing = install_tracing(config.tracing.clone()).await?;
-    let shared = outbox::Shared {
+    let shared = outbox::SharedParts {
         publisher: Arc::clone(&publisher),
         health,
         tracing: tracing.clone(),
@@ -207,7 +207,7 @@ async fn install_tracing(
 /// outbox that could not run, if one could not.
 async fn run_outboxes(
     config: Config,
-    shared: outbox::Shared,
+    shared: outbox::SharedParts,
     shutdown: &CancellationToken,
 ) -> Result<Option<StoreError>, RunError> {
     let window = window::Window::new(config.relay.max_in_flight);

@@ -30,7 +30,7 @@ const SCHEMA_RETRY: Duration = Duration::from_secs(30);
 
 /// What every outbox of the relay shares.
 #[derive(Clone)]
-pub struct Shared {
+pub struct SharedParts {
     /// The publisher.
     pub publisher: Arc<dyn Publisher>,
     /// The process's health flags.
@@ -60,7 +60,7 @@ impl Outbox {
     pub async fn run(
         self,
         config: &Config,
-        shared: Shared,
+        shared: SharedParts,
         tasks: &Tasks,
         alone: bool,
         shutdown: CancellationToken,

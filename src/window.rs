@@ -22,19 +22,22 @@ const RECENT: Duration = Duration::from_secs(1);
 /// The shared window; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct Window {
-    shared: Arc<Shared>,
+    shared: Arc<WindowState>,
 }
 
+/// The window's size, how long a lane counts as active, and the ledger: shared by every lane
+/// and permit.
 #[derive(Debug)]
-struct Shared {
+struct WindowState {
     total: usize,
     /// How long a lane that found rows counts as active ([`RECENT`]).
     recent: Duration,
-    state: Mutex<State>,
+    ledger: Mutex<Ledger>,
 }
 
+/// Who holds permits and who waits for them.
 #[derive(Debug)]
-struct State {
+struct Ledger {
     available: usize,
     held: Vec<usize>,
     /// When each lane last found rows to publish ([`Lane::found_work`]).
@@ -60,10 +63,10 @@ impl Window {
 
     fn with_recent(total: usize, recent: Duration) -> Self {
         Self {
-            shared: Arc::new(Shared {
+            shared: Arc::new(WindowState {
                 total: total.max(1),
                 recent,
-                state: Mutex::new(State {
+                ledger: Mutex::new(Ledger {
                     available: total.max(1),
                     held: Vec::new(),
                     busy_at: Vec::new(),
@@ -80,23 +83,23 @@ impl Window {
 
     /// A new lane (one per outbox).
     pub fn lane(&self) -> Lane {
-        let mut state = self.shared.lock();
-        state.held.push(0);
-        state.busy_at.push(None);
+        let mut ledger = self.shared.lock();
+        ledger.held.push(0);
+        ledger.busy_at.push(None);
         Lane {
             shared: Arc::clone(&self.shared),
-            index: state.held.len() - 1,
+            index: ledger.held.len() - 1,
         }
     }
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+impl WindowState {
+    fn lock(&self) -> MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
 
-impl State {
+impl Ledger {
     /// Which lanes are active: those whose claims found rows lately. Holding or asking for
     /// permits is not enough: every idle outbox's poll does both for the length of an empty
     /// claim, and counting those would keep halving a busy outbox's share for nothing.
@@ -171,7 +174,7 @@ impl State {
 /// One outbox's access to the [`Window`].
 #[derive(Debug)]
 pub struct Lane {
-    shared: Arc<Shared>,
+    shared: Arc<WindowState>,
     index: usize,
 }
 
@@ -192,15 +195,15 @@ impl Lane {
     async fn request(&self, min: usize, max: usize, exclusive: bool) -> Option<Permit> {
         let (tx, rx) = oneshot::channel();
         {
-            let mut state = self.shared.lock();
-            state.queue.push_back(Waiter {
+            let mut ledger = self.shared.lock();
+            ledger.queue.push_back(Waiter {
                 lane: self.index,
                 min,
                 max,
                 exclusive,
                 tx,
             });
-            state.dispatch(self.shared.total, self.shared.recent);
+            ledger.dispatch(self.shared.total, self.shared.recent);
         }
         // Dropping this future drops `rx`: a later grant then fails to send and is not taken;
         // the queue entry is removed below so that it does not hold permits back meanwhile.
@@ -232,7 +235,7 @@ impl Lane {
 
 /// Removes an abandoned request from the queue.
 struct Cancel<'a> {
-    shared: &'a Arc<Shared>,
+    shared: &'a Arc<WindowState>,
     lane: usize,
     done: bool,
 }
@@ -242,18 +245,18 @@ impl Drop for Cancel<'_> {
         if self.done {
             return;
         }
-        let mut state = self.shared.lock();
-        state
+        let mut ledger = self.shared.lock();
+        ledger
             .queue
             .retain(|w| !(w.lane == self.lane && w.tx.is_closed()));
-        state.dispatch(self.shared.total, self.shared.recent);
+        ledger.dispatch(self.shared.total, self.shared.recent);
     }
 }
 
 /// Permits taken from the window, given back when dropped.
 #[derive(Debug)]
 pub struct Permit {
-    shared: Arc<Shared>,
+    shared: Arc<WindowState>,
     lane: usize,
     n: usize,
 }
@@ -283,10 +286,10 @@ impl Drop for Permit {
         if self.n == 0 {
             return;
         }
-        let mut state = self.shared.lock();
-        state.available += self.n;
-        state.held[self.lane] -= self.n;
-        state.dispatch(self.shared.total, self.shared.recent);
+        let mut ledger = self.shared.lock();
+        ledger.available += self.n;
+        ledger.held[self.lane] -= self.n;
+        ledger.dispatch(self.shared.total, self.shared.recent);
     }
 }
 

@@ -25,10 +25,11 @@ use crate::telemetry::OutboxMetrics;
 /// It also carries the lease task's note that it reclaimed rows, so the loop looks for them at
 /// once. Clones share both.
 #[derive(Debug, Clone, Default)]
-pub struct Held(Arc<Shared>);
+pub struct Held(Arc<HeldState>);
 
+/// What the clones of a [`Held`] share.
 #[derive(Debug, Default)]
-struct Shared {
+struct HeldState {
     ids: Mutex<HashSet<Uuid>>,
     reclaimed: AtomicBool,
 }

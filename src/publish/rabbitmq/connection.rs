@@ -1,0 +1,243 @@
+//! The connection's life: connecting (TLS, publisher confirms), declaring the exchange and the
+//! development queue, the live connection with its channels, opening a confirm-mode channel on
+//! it, and giving it up when it fails.
+
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
+
+use lapin::options::{
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::tcp::OwnedTLSConfig;
+use lapin::types::{FieldTable, LongString, ShortString};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use tokio_util::sync::CancellationToken;
+
+use super::channels::ChannelSlot;
+use super::isolation::Solo;
+use super::{CHANNELS, RabbitMqPublisher};
+use crate::config::{ExchangeType, RabbitMqConfig};
+use crate::publish::{ConnectError, Outcome};
+use crate::redact::redact_url;
+
+/// A live connection and its channels.
+pub(super) struct Live {
+    // Distinguishes this connection from its successors, so that a failure seen on an old
+    // channel never tears down a newer connection.
+    pub(super) generation: u64,
+    pub(super) connection: Connection,
+    pub(super) channels: Vec<ChannelSlot>,
+    // Round-robin over `channels`.
+    pub(super) next_slot: AtomicUsize,
+    // Channels for messages published alone (see the module docs).
+    pub(super) solo: Solo,
+    // Cancelled when this connection is given up: its settlers hand back what they hold.
+    pub(super) gone: CancellationToken,
+}
+
+impl Live {
+    /// Connection `generation`, with [`CHANNELS`] publishing channels yet to open and
+    /// `first` (in confirm mode) as its first solo channel.
+    pub(super) fn new(generation: u64, connection: Connection, first: Channel) -> Self {
+        Self {
+            generation,
+            connection,
+            channels: (0..CHANNELS).map(|_| ChannelSlot::default()).collect(),
+            next_slot: AtomicUsize::new(0),
+            solo: Solo::new(first),
+            gone: CancellationToken::new(),
+        }
+    }
+}
+
+/// Connects to `cfg.url` (within 10 s, trusting `tls_ca_pem` if set) and opens a first
+/// channel in confirm mode.
+pub(super) async fn open(cfg: &RabbitMqConfig) -> Result<(Connection, Channel), ConnectError> {
+    let fail = |what: &str, e: lapin::Error| {
+        ConnectError(format!(
+            "{what} {}: {e}{}",
+            redact_url(&cfg.url),
+            tls_hint(&e)
+        ))
+    };
+    let props = ConnectionProperties::default()
+        .with_connection_name(LongString::from(crate::message::APPLICATION_NAME));
+    let tls = OwnedTLSConfig {
+        identity: None,
+        cert_chain: cfg.tls_ca_pem.clone(),
+    };
+    let runtime =
+        lapin::runtime::default_runtime().map_err(|e| fail("no runtime to connect to", e))?;
+    let connection = tokio::time::timeout(
+        Duration::from_secs(10),
+        Connection::connect_with_config(&cfg.url, props, tls, runtime),
+    )
+    .await
+    .map_err(|_| ConnectError(format!("timed out connecting to {}", redact_url(&cfg.url))))?
+    .map_err(|e| fail("cannot connect to", e))?;
+    let channel = connection
+        .create_channel()
+        .await
+        .map_err(|e| fail("cannot open a channel on", e))?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| fail("cannot enable publisher confirms on", e))?;
+    Ok((connection, channel))
+}
+
+/// Declares the exchange (`declare_exchange`, not the default one) and the development queue
+/// (`declare_queue`) on `channel`.
+pub(super) async fn declare(channel: &Channel, cfg: &RabbitMqConfig) -> Result<(), ConnectError> {
+    if cfg.declare_exchange && !cfg.exchange.is_empty() {
+        channel
+            .exchange_declare(
+                ShortString::from(cfg.exchange.clone()),
+                exchange_kind(cfg.exchange_type),
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| {
+                ConnectError(format!(
+                    "cannot declare exchange {:?} ({}): {e}; if it exists with other settings, set publisher.rabbitmq.declare_exchange = false",
+                    cfg.exchange, cfg.exchange_type.as_str()
+                ))
+            })?;
+    }
+    if let Some(queue) = &cfg.declare_queue {
+        declare_dev_queue(channel, queue, &cfg.exchange, &cfg.queue_binding).await?;
+    }
+    Ok(())
+}
+
+/// Declares `queue` with `options` and no arguments.
+pub(crate) async fn declare_queue(
+    channel: &Channel,
+    queue: &str,
+    options: QueueDeclareOptions,
+) -> lapin::Result<lapin::Queue> {
+    channel
+        .queue_declare(
+            ShortString::from(queue.to_owned()),
+            options,
+            FieldTable::default(),
+        )
+        .await
+}
+
+/// Declares the development queue (durable) and binds it to `exchange` with `binding`.
+async fn declare_dev_queue(
+    channel: &Channel,
+    queue: &str,
+    exchange: &str,
+    binding: &str,
+) -> Result<(), ConnectError> {
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    declare_queue(channel, queue, durable)
+        .await
+        .map_err(|e| {
+            ConnectError(format!(
+                "cannot declare queue {queue:?} (publisher.rabbitmq.declare_queue): {e}; if it exists with other settings, choose another name or remove the key"
+            ))
+        })?;
+    channel
+        .queue_bind(
+            ShortString::from(queue.to_owned()),
+            ShortString::from(exchange.to_owned()),
+            ShortString::from(binding.to_owned()),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| {
+            ConnectError(format!(
+                "cannot bind queue {queue:?} to exchange {exchange:?} with {binding:?} (publisher.rabbitmq.queue_binding): {e}"
+            ))
+        })
+}
+
+/// What to check when connecting failed on the broker's certificate.
+fn tls_hint(e: &lapin::Error) -> &'static str {
+    let text = e.to_string();
+    if text.contains("certificate") || text.contains("UnknownIssuer") {
+        " (TLS: the broker's certificate is not trusted; set publisher.rabbitmq.tls_ca_file to the CA that signed it, and check the host name in the URL)"
+    } else {
+        ""
+    }
+}
+
+fn exchange_kind(exchange_type: ExchangeType) -> ExchangeKind {
+    match exchange_type {
+        ExchangeType::Direct => ExchangeKind::Direct,
+        ExchangeType::Topic => ExchangeKind::Topic,
+        ExchangeType::Fanout => ExchangeKind::Fanout,
+        ExchangeType::Headers => ExchangeKind::Headers,
+    }
+}
+
+impl RabbitMqPublisher {
+    /// Forgets connection `generation` after a failure (if it is still the current one) and
+    /// closes it in the background, so a slow but live broker is not left with a stray
+    /// connection.
+    pub(super) fn mark_down(&self, generation: u64) {
+        let old = {
+            let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
+            if guard.as_ref().is_some_and(|l| l.generation == generation) {
+                guard.take()
+            } else {
+                None
+            }
+        };
+        if let Some(live) = old {
+            live.gone.cancel();
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    live.connection
+                        .close(320, ShortString::from("outbox-relay reconnecting")),
+                )
+                .await;
+            });
+        }
+    }
+
+    /// A channel failed under a publish. If the connection is gone, that is connection-level
+    /// (hand back, reconnect); if only the channel was closed by the broker, this message
+    /// caused it (e.g. larger than the broker accepts), so it is message-level. Only for a
+    /// channel that carried nothing but this message.
+    pub(super) fn channel_failure(&self, live: &Live, reason: &str) -> Outcome {
+        if live.connection.status().connected() {
+            Outcome::Rejected(format!("the broker closed the channel: {reason}"))
+        } else {
+            self.mark_down(live.generation);
+            Outcome::Unavailable(format!("connection lost: {reason}"))
+        }
+    }
+
+    /// Opens a channel in confirm mode, bounded by `confirm_timeout`.
+    pub(super) async fn open_channel(&self, live: &Live) -> Result<Channel, Outcome> {
+        let opening = async {
+            let ch = live.connection.create_channel().await?;
+            ch.confirm_select(ConfirmSelectOptions::default()).await?;
+            Ok::<Channel, lapin::Error>(ch)
+        };
+        match tokio::time::timeout(self.cfg.confirm_timeout, opening).await {
+            Ok(Ok(ch)) => Ok(ch),
+            Ok(Err(e)) => Err(self.channel_failure(live, &format!("cannot open a channel: {e}"))),
+            Err(_) => {
+                self.mark_down(live.generation);
+                Err(Outcome::Unavailable(format!(
+                    "no answer to opening a channel within {}",
+                    humantime::format_duration(self.cfg.confirm_timeout)
+                )))
+            }
+        }
+    }
+}
