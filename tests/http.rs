@@ -769,6 +769,8 @@ async fn check_probes_the_origin_and_bad_settings_exit_2_naming_the_key() {
 
     for (key, value) in [
         ("publisher.http.url", "ftp://user:hunter2@h/x"),
+        ("publisher.http.url", "http://127.0.0.1/{tenant}"),
+        ("publisher.http.url", "http://{aggregate_type}.example.com/"),
         ("publisher.http.method", "DELETE"),
         ("publisher.http.mode", "batch"),
     ] {
