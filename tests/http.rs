@@ -2,7 +2,8 @@
 //! table and a real HTTP endpoint on loopback (`outbox_testkit::webhook`), scripted per request.
 //! Every answer of the contract's table (§4) gives its outcome: 2xx confirms; other statuses
 //! spend an attempt with the status and the start of the body as `last_error`; refused, cut,
-//! TLS failures, timeouts, 408, 429 (with `Retry-After`), 502, 503 and 504 spend none.
+//! TLS failures, timeouts, 408, 429 and 503 (with `Retry-After`, seconds or a date), 502 and
+//! 504 spend none; `/readyz` and `outbox_broker_connected` say whether the endpoint answers.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -657,6 +658,89 @@ async fn kill_9_during_a_drain_loses_nothing_and_duplicates_stay_within_max_in_f
     table.drop_table().await;
 }
 
+/// `/readyz` and `outbox_broker_connected` answered together: (status, gauge).
+async fn readiness(port: u16) -> (Result<u16, String>, Option<f64>) {
+    let ready = common::http_get(common::local(port), "/readyz")
+        .await
+        .map(|(s, _)| s);
+    let text = common::scrape(port).await.unwrap_or_default();
+    (ready, common::sample(&text, "outbox_broker_connected", &[]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_and_broker_connected_say_whether_the_endpoint_answers_and_a_503_retry_after_date_is_honoured()
+ {
+    let table = TestTable::new("http_ready").await;
+    let endpoint = Endpoint::start(|_| Reply::status(204)).await;
+    let port = common::free_port();
+    table
+        .insert(&NewRow::numbered(5, "order", Some(("r", 5)), "created"))
+        .await;
+    let relay = http_relay(&table, &endpoint.url("/h"), "http-ready")
+        .set("metrics.listen", common::local(port).to_string())
+        .spawn();
+    table.wait_all_sent(WAIT).await;
+    let what = "/readyz answers 200 and outbox_broker_connected is 1 while the endpoint answers";
+    wait_until(WAIT, what, async || match readiness(port).await {
+        (Ok(200), Some(1.0)) => Ok(()),
+        other => Err(format!("{other:?}")),
+    })
+    .await;
+
+    // 503 with Retry-After as an HTTP date 3 s ahead (whole seconds: at least 2 s from now).
+    endpoint.script(|r| {
+        if r.method == "HEAD" {
+            return Reply::status(200);
+        }
+        let at = chrono::Utc::now() + chrono::Duration::seconds(3);
+        Reply::status(503)
+            .header(
+                "retry-after",
+                &at.format("%a, %d %b %Y %H:%M:%S GMT").to_string(),
+            )
+            .body("maintenance")
+    });
+    let late = table
+        .insert_one(NewRow::new("order", Some("late"), "created", json!({})))
+        .await;
+    let what =
+        "/readyz answers 503 and outbox_broker_connected is 0 while the endpoint answers 503";
+    wait_until(WAIT, what, async || match readiness(port).await {
+        (Ok(503), Some(0.0)) => Ok(()),
+        other => Err(format!("{other:?}")),
+    })
+    .await;
+    common::wait_for_count(WAIT, "the late row is refused twice", 7, || {
+        endpoint.message_count()
+    })
+    .await;
+    endpoint.script(|_| Reply::status(204));
+    let rows = wait_rows(&table, "every row is sent", |r| r.status == "sent").await;
+    assert_eq!(rows[&late].attempts, 1, "a 503 spent an attempt");
+    let requests = by_id(&endpoint.messages());
+    let tries = &requests[&late.to_string()];
+    assert!(
+        tries.len() >= 3,
+        "{} requests for the late row",
+        tries.len()
+    );
+    for pair in tries.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(
+            gap >= Duration::from_millis(1900),
+            "503 with Retry-After retried after {gap:?}"
+        );
+    }
+    let what = "/readyz answers 200 and outbox_broker_connected is 1 once the endpoint answers 2xx";
+    wait_until(WAIT, what, async || match readiness(port).await {
+        (Ok(200), Some(1.0)) => Ok(()),
+        other => Err(format!("{other:?}")),
+    })
+    .await;
+    relay.stop().await;
+    table.drop_table().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_probes_the_origin_and_bad_settings_exit_2_naming_the_key() {
     let table = TestTable::new("http_check").await;
@@ -685,6 +769,8 @@ async fn check_probes_the_origin_and_bad_settings_exit_2_naming_the_key() {
 
     for (key, value) in [
         ("publisher.http.url", "ftp://user:hunter2@h/x"),
+        ("publisher.http.url", "http://127.0.0.1/{tenant}"),
+        ("publisher.http.url", "http://{aggregate_type}.example.com/"),
         ("publisher.http.method", "DELETE"),
         ("publisher.http.mode", "batch"),
     ] {

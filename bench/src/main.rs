@@ -25,6 +25,9 @@
 //! 11. `nats` (only when named in `--only`): the relay draining N rows into a JetStream stream,
 //!     ordering none and aggregate, beside a bare async-nats client publishing the same messages
 //!     with the same number of acks outstanding; relay CPU per 100k.
+//! 14. `http` (only when named in `--only`): the relay draining N rows to a local endpoint that
+//!     answers 204 at once, ordering none and aggregate, beside a bare reqwest client sending
+//!     the relay's requests with `relay.max_in_flight` outstanding; relay CPU per 100k.
 //!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
 //! One file per phase under `phases/`; the relay process, topics and tables come from
@@ -59,7 +62,7 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Only these phases (comma-separated): db, broker, naive, relay, latency, insert, claim,
-    /// outboxes, steady (steady runs only when named here).
+    /// outboxes, steady, nats, redis, tracing, http (the last five run only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<Phase>,
     /// Print only the JSON line on stdout (plans and table go nowhere; progress still on stderr).
@@ -154,6 +157,8 @@ enum Phase {
     Redis,
     /// 13. Drains with tracing off, on, and its receiver down (not in the default run).
     Tracing,
+    /// 14. HTTP webhooks, a bare reqwest client vs the relay (not part of the default run).
+    Http,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -682,6 +687,7 @@ async fn setup(args: Args) -> Result<Ctx> {
             Phase::Nats,
             Phase::Redis,
             Phase::Tracing,
+            Phase::Http,
         ]
         .iter()
         .any(|p| args.only.contains(p));
@@ -719,6 +725,7 @@ async fn run(ctx: &mut Ctx) {
                 && p != Phase::Nats
                 && p != Phase::Redis
                 && p != Phase::Tracing
+                && p != Phase::Http
         } else {
             ctx.args.only.contains(&p)
         }
@@ -736,6 +743,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Nats,
         Phase::Redis,
         Phase::Tracing,
+        Phase::Http,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -774,6 +782,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Nats => phases::nats(ctx).await,
                     Phase::Redis => phases::redis_runs(ctx).await,
                     Phase::Tracing => phases::tracing_runs(ctx).await,
+                    Phase::Http => phases::http_runs(ctx).await,
                 },
             )
             .await;
