@@ -1,8 +1,8 @@
 //! OpenTelemetry traces (docs/tracing.md) over the real wire: the
-//! relay binary exports OTLP/HTTP protobuf to the test kit's receiver (`otlp::OtlpReceiver`,
-//! decoded with `opentelemetry-proto`), and the consumers on RabbitMQ and Kafka read the
-//! `traceparent` each message carries. Span and trace ids are checked against the row's
-//! `traceparent` and against what the consumer received.
+//! relay binary exports OTLP (HTTP/protobuf, or gRPC) to the test kit's receiver
+//! (`otlp::OtlpReceiver`, decoded with `opentelemetry-proto`), and the consumers on RabbitMQ and
+//! Kafka, and the webhook endpoint, read the `traceparent` each message carries. Span and trace
+//! ids are checked against the row's `traceparent` and against what the consumer received.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -12,10 +12,11 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::kafka::Record;
-use common::otlp::{KIND_PRODUCER, OtlpReceiver, ReceivedSpan, STATUS_ERROR};
+use common::otlp::{KIND_PRODUCER, OtlpReceiver, Protocol, ReceivedSpan, STATUS_ERROR};
 use common::transport::{Sink, Transport};
+use common::webhook::{Endpoint, Reply};
 use common::{
-    NewRow, RelayBuilder, TestTable, free_port, sample, scrape, spawn_paced_writer,
+    NewRow, RelayBuilder, RelayProcess, TestTable, free_port, sample, scrape, spawn_paced_writer,
     table_and_exchange, wait_for_sample, wait_until,
 };
 use serde_json::json;
@@ -32,10 +33,12 @@ fn traceparent(flags: &str) -> String {
     format!("00-{TRACE}-{PARENT_SPAN}-{flags}")
 }
 
-/// `builder` exporting to `receiver` every 200 ms (the batch processor's delay).
+/// `builder` exporting to `receiver` (in the protocol it speaks) every 200 ms (the batch
+/// processor's delay).
 fn traced(builder: RelayBuilder, receiver: &OtlpReceiver) -> RelayBuilder {
     builder
         .set("tracing.otlp_endpoint", receiver.endpoint())
+        .set("tracing.protocol", receiver.protocol().config_value())
         .set("tracing.service_name", "relay-under-test")
         .env("OTEL_BSP_SCHEDULE_DELAY", "200")
 }
@@ -57,6 +60,71 @@ async fn received_headers(sink: &Sink, id: Uuid) -> BTreeMap<String, String> {
     }
 }
 
+/// Where a traced relay publishes: a broker, or the webhook endpoint (answering 200).
+enum Target {
+    Broker(Sink),
+    Webhook(Endpoint),
+}
+
+impl Target {
+    /// `test`'s exchange or topic on `transport`, for rows of type `order`.
+    async fn broker(transport: Transport, test: &str) -> Self {
+        Self::Broker(Sink::new(transport, test, "#", &["order"]).await)
+    }
+
+    async fn webhook() -> Self {
+        Self::Webhook(Endpoint::start(|_| Reply::status(200)).await)
+    }
+
+    fn relay(&self, table: &TestTable, instance: &str) -> RelayBuilder {
+        match self {
+            Self::Broker(sink) => sink.relay(table, instance),
+            Self::Webhook(endpoint) => RelayBuilder::for_table(table, instance)
+                .set("publisher.kind", "http")
+                .set(
+                    "publisher.http.url",
+                    endpoint.url("/hooks/{aggregate_type}?token=t"),
+                ),
+        }
+    }
+
+    /// `messaging.system` and `messaging.destination.name` of its spans.
+    fn system_and_destination(&self) -> (&'static str, String) {
+        match self {
+            Self::Broker(Sink::RabbitMq(rabbit)) => ("rabbitmq", rabbit.exchange.clone()),
+            Self::Broker(Sink::Kafka { topics, .. }) => ("kafka", topics[0].clone()),
+            Self::Webhook(_) => ("http", "127.0.0.1/hooks/order".to_owned()),
+        }
+    }
+
+    /// The headers message `id` arrived with (a webhook's, names lower-cased).
+    async fn received_headers(&self, id: Uuid) -> BTreeMap<String, String> {
+        match self {
+            Self::Broker(sink) => received_headers(sink, id).await,
+            Self::Webhook(endpoint) => {
+                let id = id.to_string();
+                let request = wait_until(WAIT, "the request reaches the endpoint", async || {
+                    let mut requests = endpoint.messages().into_iter();
+                    let found = requests.find(|r| r.id().as_ref() == Some(&id));
+                    found.ok_or_else(|| "not yet".to_owned())
+                })
+                .await;
+                request.headers.into_iter().collect()
+            }
+        }
+    }
+
+    async fn finish(self, relay: RelayProcess, table: TestTable) {
+        match self {
+            Self::Broker(sink) => sink.finish(relay, table).await,
+            Self::Webhook(_) => {
+                relay.stop().await;
+                table.drop_table().await;
+            }
+        }
+    }
+}
+
 /// The one span of `id`'s first attempt.
 async fn span_of(receiver: &OtlpReceiver, id: Uuid) -> ReceivedSpan {
     let spans = receiver
@@ -66,11 +134,12 @@ async fn span_of(receiver: &OtlpReceiver, id: Uuid) -> ReceivedSpan {
     spans.into_iter().next().unwrap()
 }
 
-async fn continues_the_rows_trace(transport: Transport, test: &str) {
-    let receiver = OtlpReceiver::start().await;
+/// Three rows (a sampled context, none, an unparsable one) relayed to `target` with spans
+/// exported over `protocol`: each span's ids and attributes, and the context each message carries.
+async fn continues_the_rows_trace(target: Target, protocol: Protocol, test: &str) {
+    let receiver = OtlpReceiver::start_speaking(protocol).await;
     let table = TestTable::new(test).await;
-    let sink = Sink::new(transport, test, "#", &["order"]).await;
-    let relay = traced(sink.relay(&table, test), &receiver).spawn();
+    let relay = traced(target.relay(&table, test), &receiver).spawn();
 
     let with_context = NewRow::new("order", Some("o-1"), "created", json!({"n": 1})).headers(
         json!({"traceparent": traceparent("01"), "tracestate": "vendor=abc", "tenant": "t1"}),
@@ -90,10 +159,7 @@ async fn continues_the_rows_trace(transport: Transport, test: &str) {
     assert_eq!(span.kind, KIND_PRODUCER);
     assert_eq!(span.status_code, 0, "{span:?}");
     assert_eq!(span.service_name, "relay-under-test");
-    let (system, destination) = match &sink {
-        Sink::RabbitMq(rabbit) => ("rabbitmq", rabbit.exchange.clone()),
-        Sink::Kafka { topics, .. } => ("kafka", topics[0].clone()),
-    };
+    let (system, destination) = target.system_and_destination();
     assert_eq!(span.name, format!("publish {destination}"));
     assert_eq!(span.attr("messaging.system"), system);
     assert_eq!(span.attr("messaging.destination.name"), destination);
@@ -102,7 +168,7 @@ async fn continues_the_rows_trace(transport: Transport, test: &str) {
     assert_eq!(span.attr("outbox.attempt"), "1");
     let queued: f64 = span.attr("outbox.queued_seconds").parse().unwrap();
     assert!((0.0..30.0).contains(&queued), "{queued}");
-    let headers = received_headers(&sink, ids[0]).await;
+    let headers = target.received_headers(ids[0]).await;
     assert_eq!(headers["traceparent"], span.traceparent());
     assert_eq!(headers["tracestate"], "vendor=abc");
     assert_eq!(headers["tenant"], "t1");
@@ -113,26 +179,40 @@ async fn continues_the_rows_trace(transport: Transport, test: &str) {
         root.parent_span_id.is_empty() && root.trace_id != TRACE,
         "{root:?}"
     );
-    let headers = received_headers(&sink, ids[1]).await;
+    let headers = target.received_headers(ids[1]).await;
     assert_eq!(headers["traceparent"], root.traceparent());
 
     // An unparsable context: a trace of its own, the header passed through as written.
     let fresh = span_of(&receiver, ids[2]).await;
     assert!(fresh.parent_span_id.is_empty(), "{fresh:?}");
-    let headers = received_headers(&sink, ids[2]).await;
+    let headers = target.received_headers(ids[2]).await;
     assert_eq!(headers["traceparent"], "not-a-traceparent");
 
-    sink.finish(relay, table).await;
+    target.finish(relay, table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_messages_continue_the_rows_trace() {
-    continues_the_rows_trace(Transport::RabbitMq, "trace_rabbit").await;
+    let target = Target::broker(Transport::RabbitMq, "trace_rabbit").await;
+    continues_the_rows_trace(target, Protocol::HttpProtobuf, "trace_rabbit").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_messages_continue_the_rows_trace() {
-    continues_the_rows_trace(Transport::Kafka, "trace_kafka").await;
+    let target = Target::broker(Transport::Kafka, "trace_kafka").await;
+    continues_the_rows_trace(target, Protocol::HttpProtobuf, "trace_kafka").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhook_requests_continue_the_rows_trace() {
+    let target = Target::webhook().await;
+    continues_the_rows_trace(target, Protocol::HttpProtobuf, "trace_webhook").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spans_reach_a_grpc_collector() {
+    let target = Target::broker(Transport::RabbitMq, "trace_grpc").await;
+    continues_the_rows_trace(target, Protocol::Grpc, "trace_grpc").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

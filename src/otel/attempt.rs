@@ -8,12 +8,13 @@
 //! (sampled at `tracing.sample_ratio`); an unparsable `traceparent` is passed through unchanged,
 //! never an error.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
-use opentelemetry::propagation::{Extractor, Injector, TextMapPropagator};
-use opentelemetry::trace::{Span as _, SpanKind, Status, TraceContextExt, Tracer as _};
+use opentelemetry::propagation::{Extractor, TextMapPropagator};
+use opentelemetry::trace::{
+    Span as _, SpanContext, SpanKind, Status, TraceContextExt, TraceFlags, Tracer as _,
+};
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use serde_json::{Map, Value};
@@ -118,7 +119,8 @@ impl Outbox {
     }
 
     /// Starts the span of one attempt to publish `msg` and puts its context in `msg`'s
-    /// `traceparent` header.
+    /// `traceparent` header. The span's name and attributes are only built when it records
+    /// (sampled): an unsampled span costs its context and the header.
     pub fn start(
         &self,
         publisher: &dyn Publisher,
@@ -128,35 +130,48 @@ impl Outbox {
     ) -> AttemptSpan {
         let headers = RowHeaders::parse(&msg.headers);
         let parent = headers.parent();
-        let destination = publisher.destination_name(msg, envelope);
-        let queued = (claimed_at - msg.created_at)
-            .to_std()
-            .unwrap_or_default()
-            .as_secs_f64();
-        let attributes = vec![
-            KeyValue::new("messaging.system", publisher.kind()),
-            KeyValue::new("messaging.operation.type", "send"),
-            KeyValue::new("messaging.operation.name", "publish"),
-            KeyValue::new("messaging.destination.name", destination.clone()),
-            KeyValue::new("messaging.message.id", msg.id.to_string()),
-            KeyValue::new("outbox.name", self.name.to_string()),
-            KeyValue::new("outbox.aggregate_type", msg.aggregate_type.clone()),
-            KeyValue::new("outbox.event_type", msg.event_type.clone()),
-            KeyValue::new("outbox.attempt", i64::from(msg.attempts)),
-            KeyValue::new("outbox.queued_seconds", queued),
-        ];
         let tracer = &self.tracing.tracer;
-        let span = tracer
-            .span_builder(format!("publish {destination}"))
+        let mut span = tracer
+            .span_builder("publish")
             .with_kind(SpanKind::Producer)
-            .with_attributes(attributes)
             .start_with_context(tracer, &parent.context);
+        if span.is_recording() {
+            let destination = publisher.destination_name(msg, envelope);
+            span.update_name(format!("publish {destination}"));
+            span.set_attributes(self.attributes(publisher, msg, destination, claimed_at));
+        }
         if !parent.keep_row_header
             && let Some(rewritten) = headers.with_traceparent(&span)
         {
             msg.headers = rewritten;
         }
         AttemptSpan(Some(span))
+    }
+
+    /// The attributes of a recording span (docs/tracing.md).
+    fn attributes(
+        &self,
+        publisher: &dyn Publisher,
+        msg: &OutboxMessage,
+        destination: String,
+        claimed_at: DateTime<Utc>,
+    ) -> [KeyValue; 10] {
+        let queued = (claimed_at - msg.created_at)
+            .to_std()
+            .unwrap_or_default()
+            .as_secs_f64();
+        [
+            KeyValue::new("messaging.system", publisher.kind()),
+            KeyValue::new("messaging.operation.type", "send"),
+            KeyValue::new("messaging.operation.name", "publish"),
+            KeyValue::new("messaging.destination.name", destination),
+            KeyValue::new("messaging.message.id", msg.id.to_string()),
+            KeyValue::new("outbox.name", Arc::clone(&self.name)),
+            KeyValue::new("outbox.aggregate_type", msg.aggregate_type.clone()),
+            KeyValue::new("outbox.event_type", msg.event_type.clone()),
+            KeyValue::new("outbox.attempt", i64::from(msg.attempts)),
+            KeyValue::new("outbox.queued_seconds", queued),
+        ]
     }
 }
 
@@ -212,8 +227,12 @@ impl RowHeaders {
             };
         };
         let tracestate = self.get(TRACESTATE).flatten();
-        let context = traceparent
-            .map(|tp| TraceContextPropagator::new().extract(&Carrier::one(tp, tracestate)));
+        let context = traceparent.map(|traceparent| {
+            TraceContextPropagator::new().extract(&Carrier {
+                traceparent,
+                tracestate,
+            })
+        });
         match context {
             Some(cx) if cx.span().span_context().is_valid() => Parent {
                 context: cx,
@@ -230,53 +249,47 @@ impl RowHeaders {
     /// removed); `None` when there is nothing to write (headers that are not an object, or a
     /// span without a valid context: the tracer was shut down).
     fn with_traceparent(self, span: &opentelemetry_sdk::trace::Span) -> Option<Vec<u8>> {
+        let traceparent = traceparent_of(span.span_context())?;
         let mut map = match self {
-            Self::None => Map::new(),
+            // Hex digits and dashes: nothing to escape.
+            Self::None => return Some(format!(r#"{{"{TRACEPARENT}":"{traceparent}"}}"#).into()),
             Self::Object(map) => map,
             Self::Other => return None,
         };
-        let cx = Context::new().with_remote_span_context(span.span_context().clone());
-        let mut carrier = Carrier::default();
-        TraceContextPropagator::new().inject_context(&cx, &mut carrier);
-        let traceparent = carrier.0.remove(TRACEPARENT)?;
         map.retain(|k, _| !k.eq_ignore_ascii_case(TRACEPARENT));
         map.insert(TRACEPARENT.to_owned(), Value::String(traceparent));
         serde_json::to_vec(&Value::Object(map)).ok()
     }
 }
 
-/// The propagator's view of the two W3C headers.
-#[derive(Default)]
-struct Carrier(HashMap<&'static str, String>);
-
-impl Carrier {
-    fn one(traceparent: &str, tracestate: Option<&str>) -> Self {
-        let mut map = HashMap::new();
-        map.insert(TRACEPARENT, traceparent.to_owned());
-        if let Some(ts) = tracestate {
-            map.insert(TRACESTATE, ts.to_owned());
-        }
-        Self(map)
-    }
+/// The W3C `traceparent` naming `cx` (as `TraceContextPropagator` writes it); `None` for an
+/// invalid context.
+fn traceparent_of(cx: &SpanContext) -> Option<String> {
+    cx.is_valid().then(|| {
+        let flags = cx.trace_flags() & TraceFlags::SAMPLED;
+        format!("00-{}-{}-{flags:02x}", cx.trace_id(), cx.span_id())
+    })
 }
 
-impl Extractor for Carrier {
+/// The propagator's view of the row's two W3C headers.
+struct Carrier<'a> {
+    traceparent: &'a str,
+    tracestate: Option<&'a str>,
+}
+
+impl Extractor for Carrier<'_> {
     fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).map(String::as_str)
+        match key {
+            TRACEPARENT => Some(self.traceparent),
+            TRACESTATE => self.tracestate,
+            _ => None,
+        }
     }
 
     fn keys(&self) -> Vec<&str> {
-        self.0.keys().copied().collect()
-    }
-}
-
-impl Injector for Carrier {
-    fn set(&mut self, key: &str, value: String) {
-        if key == TRACEPARENT {
-            self.0.insert(TRACEPARENT, value);
-        } else if key == TRACESTATE {
-            self.0.insert(TRACESTATE, value);
-        }
+        let mut keys = vec![TRACEPARENT];
+        keys.extend(self.tracestate.map(|_| TRACESTATE));
+        keys
     }
 }
 
@@ -392,6 +405,31 @@ mod tests {
                 .as_str()
                 .unwrap()
                 .ends_with("-00")
+        );
+    }
+
+    #[test]
+    fn only_a_recording_span_gets_its_name_and_attributes() {
+        let mut msg = message("");
+        let span = outbox(1.0).start(&Sink, &mut msg, &envelope(), Utc::now());
+        let data = span.0.as_ref().unwrap().exported_data().unwrap();
+        assert_eq!(data.name, "publish order");
+        let attr = |key: &str| {
+            let kv = data.attributes.iter().find(|kv| kv.key.as_str() == key);
+            kv.map(|kv| kv.value.to_string())
+        };
+        assert_eq!(data.attributes.len(), 10, "{:?}", data.attributes);
+        assert_eq!(attr("outbox.name").as_deref(), Some("orders"));
+        assert_eq!(attr("messaging.destination.name").as_deref(), Some("order"));
+        assert_eq!(attr("messaging.system").as_deref(), Some("test"));
+
+        let mut msg = message("");
+        let span = outbox(0.0).start(&Sink, &mut msg, &envelope(), Utc::now());
+        let span = span.0.as_ref().unwrap();
+        assert!(!span.is_recording() && span.exported_data().is_none());
+        assert!(
+            span.span_context().is_valid(),
+            "its context still propagates"
         );
     }
 

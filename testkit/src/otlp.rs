@@ -1,7 +1,9 @@
-//! An OTLP/HTTP trace receiver on 127.0.0.1: `POST /v1/traces` with an
-//! `ExportTraceServiceRequest` in protobuf, decoded with `opentelemetry-proto` (the wire format
-//! a collector reads, not an in-memory exporter). It keeps every span it receives, and can be
-//! stopped and started again on the same port (a collector that goes away).
+//! An OTLP trace receiver on 127.0.0.1, speaking either protocol a collector takes: OTLP/HTTP
+//! (`POST /v1/traces` with an `ExportTraceServiceRequest` in protobuf) or OTLP/gRPC (the
+//! collector's `TraceService/Export`, a tonic server). Both decode with `opentelemetry-proto`
+//! (the wire format a collector reads, not an in-memory exporter) into one store of spans. It
+//! keeps every span it receives, and can be stopped and started again on the same port (a
+//! collector that goes away).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -14,6 +16,9 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::post;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
 use opentelemetry_proto::tonic::collector::trace::v1::{
     ExportTraceServiceRequest, ExportTraceServiceResponse,
 };
@@ -24,6 +29,25 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::wait_until;
+
+/// The OTLP transport a receiver speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    /// OTLP/HTTP with protobuf bodies (`POST /v1/traces`).
+    HttpProtobuf,
+    /// OTLP/gRPC (`opentelemetry.proto.collector.trace.v1.TraceService/Export`).
+    Grpc,
+}
+
+impl Protocol {
+    /// The relay's `tracing.protocol` value for this transport.
+    pub fn config_value(self) -> &'static str {
+        match self {
+            Self::HttpProtobuf => "http/protobuf",
+            Self::Grpc => "grpc",
+        }
+    }
+}
 
 /// `Span.SpanKind` PRODUCER in OTLP.
 pub const KIND_PRODUCER: i32 = 4;
@@ -77,26 +101,51 @@ struct Received {
     count_only: bool,
 }
 
+impl Received {
+    /// Keeps (or only counts) the spans of one export request.
+    fn record(&mut self, request: ExportTraceServiceRequest) {
+        let spans = decode(request);
+        self.requests += 1;
+        self.count += spans.len();
+        if !self.count_only {
+            self.spans.extend(spans);
+        }
+    }
+}
+
+type Store = Arc<Mutex<Received>>;
+
+fn record(store: &Store, request: ExportTraceServiceRequest) {
+    let mut r = store.lock().unwrap_or_else(|p| p.into_inner());
+    r.record(request);
+}
+
 /// The receiver. Dropping it stops the server.
 pub struct OtlpReceiver {
+    protocol: Protocol,
     addr: SocketAddr,
-    received: Arc<Mutex<Received>>,
+    received: Store,
     running: Option<(CancellationToken, JoinHandle<()>)>,
 }
 
 impl OtlpReceiver {
-    /// Listens on a free port of 127.0.0.1.
+    /// Listens for OTLP/HTTP on a free port of 127.0.0.1.
     pub async fn start() -> Self {
-        Self::start_with(false).await
+        Self::start_with(Protocol::HttpProtobuf, false).await
     }
 
-    /// Listens on a free port of 127.0.0.1, decoding every request but keeping only the count
-    /// of spans ([`OtlpReceiver::span_count`]).
+    /// Listens for `protocol` on a free port of 127.0.0.1.
+    pub async fn start_speaking(protocol: Protocol) -> Self {
+        Self::start_with(protocol, false).await
+    }
+
+    /// Listens for OTLP/HTTP on a free port of 127.0.0.1, decoding every request but keeping
+    /// only the count of spans ([`OtlpReceiver::span_count`]).
     pub async fn start_counting() -> Self {
-        Self::start_with(true).await
+        Self::start_with(Protocol::HttpProtobuf, true).await
     }
 
-    async fn start_with(count_only: bool) -> Self {
+    async fn start_with(protocol: Protocol, count_only: bool) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind the OTLP receiver");
@@ -106,6 +155,7 @@ impl OtlpReceiver {
             ..Received::default()
         };
         let mut receiver = Self {
+            protocol,
             addr,
             received: Arc::new(Mutex::new(received)),
             running: None,
@@ -116,15 +166,29 @@ impl OtlpReceiver {
 
     fn serve(&mut self, listener: tokio::net::TcpListener) {
         let token = CancellationToken::new();
-        let app = Router::new()
-            .route("/v1/traces", post(export))
-            .with_state(Arc::clone(&self.received));
-        let stop = token.clone();
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app)
-                .with_graceful_shutdown(stop.cancelled_owned())
-                .await;
-        });
+        let stop = token.clone().cancelled_owned();
+        let store = Arc::clone(&self.received);
+        let task = match self.protocol {
+            Protocol::HttpProtobuf => {
+                let app = Router::new()
+                    .route("/v1/traces", post(export))
+                    .with_state(store);
+                tokio::spawn(async move {
+                    let _ = axum::serve(listener, app)
+                        .with_graceful_shutdown(stop)
+                        .await;
+                })
+            }
+            Protocol::Grpc => {
+                let service = TraceServiceServer::new(GrpcService(store));
+                let incoming = tonic::transport::server::TcpIncoming::from(listener);
+                tokio::spawn(async move {
+                    let _ = tonic::transport::Server::builder()
+                        .serve_with_incoming_shutdown(service, incoming, stop)
+                        .await;
+                })
+            }
+        };
         self.running = Some((token, task));
     }
 
@@ -133,11 +197,23 @@ impl OtlpReceiver {
         format!("http://{}", self.addr)
     }
 
+    /// What it speaks: the relay's `tracing.protocol` is [`Protocol::config_value`].
+    pub fn protocol(&self) -> Protocol {
+        self.protocol
+    }
+
     /// Stops listening (connections are refused until [`OtlpReceiver::restart`]).
     pub async fn stop(&mut self) {
-        if let Some((token, task)) = self.running.take() {
+        if let Some((token, mut task)) = self.running.take() {
             token.cancel();
-            let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
+            // A gRPC server waits for its clients to hang up: cut them after a grace period.
+            if tokio::time::timeout(Duration::from_secs(5), &mut task)
+                .await
+                .is_err()
+            {
+                task.abort();
+                let _ = task.await;
+            }
         }
     }
 
@@ -210,11 +286,71 @@ impl Drop for OtlpReceiver {
     }
 }
 
-async fn export(State(received): State<Arc<Mutex<Received>>>, body: Bytes) -> impl IntoResponse {
-    let request = match ExportTraceServiceRequest::decode(body) {
-        Ok(r) => r,
-        Err(e) => return (StatusCode::BAD_REQUEST, e.to_string()).into_response(),
+async fn export(State(store): State<Store>, body: Bytes) -> impl IntoResponse {
+    let count_only = store.lock().unwrap_or_else(|p| p.into_inner()).count_only;
+    let decoded = if count_only {
+        SpanCount::decode(body).map(|request| {
+            let mut r = store.lock().unwrap_or_else(|p| p.into_inner());
+            r.requests += 1;
+            r.count += request.spans();
+        })
+    } else {
+        ExportTraceServiceRequest::decode(body).map(|request| record(&store, request))
     };
+    if let Err(e) = decoded {
+        return (StatusCode::BAD_REQUEST, e.to_string()).into_response();
+    }
+    (
+        [(header::CONTENT_TYPE, "application/x-protobuf")],
+        ExportTraceServiceResponse::default().encode_to_vec(),
+    )
+        .into_response()
+}
+
+/// An `ExportTraceServiceRequest` read only as far as counting its spans needs: each span stays
+/// undecoded bytes (the benchmark's receiver stands for a collector on another machine, so it
+/// should take as little of this one's CPU as it can).
+#[derive(Clone, PartialEq, prost::Message)]
+struct SpanCount {
+    #[prost(message, repeated, tag = "1")]
+    resource_spans: Vec<ResourceSpanCount>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ResourceSpanCount {
+    #[prost(message, repeated, tag = "2")]
+    scope_spans: Vec<ScopeSpanCount>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ScopeSpanCount {
+    #[prost(bytes = "bytes", repeated, tag = "2")]
+    spans: Vec<Bytes>,
+}
+
+impl SpanCount {
+    fn spans(&self) -> usize {
+        let scopes = self.resource_spans.iter().flat_map(|r| &r.scope_spans);
+        scopes.map(|s| s.spans.len()).sum()
+    }
+}
+
+/// The collector's gRPC trace service, recording into the receiver's store.
+struct GrpcService(Store);
+
+#[tonic::async_trait]
+impl TraceService for GrpcService {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        record(&self.0, request.into_inner());
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+/// The spans of one export request.
+fn decode(request: ExportTraceServiceRequest) -> Vec<ReceivedSpan> {
     let mut spans = Vec::new();
     for resource_spans in request.resource_spans {
         let service_name = resource_spans
@@ -245,19 +381,7 @@ async fn export(State(received): State<Arc<Mutex<Received>>>, body: Bytes) -> im
             }
         }
     }
-    {
-        let mut r = received.lock().unwrap_or_else(|p| p.into_inner());
-        r.requests += 1;
-        r.count += spans.len();
-        if !r.count_only {
-            r.spans.extend(spans);
-        }
-    }
-    (
-        [(header::CONTENT_TYPE, "application/x-protobuf")],
-        ExportTraceServiceResponse::default().encode_to_vec(),
-    )
-        .into_response()
+    spans
 }
 
 fn value_text(kv: &KeyValue) -> String {
@@ -273,4 +397,33 @@ fn value_text(kv: &KeyValue) -> String {
 
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use opentelemetry_proto::tonic::trace::v1::{ResourceSpans, ScopeSpans, Span};
+
+    #[test]
+    fn counting_reads_as_many_spans_as_decoding() {
+        let scope = |n: usize| ScopeSpans {
+            spans: vec![Span::default(); n],
+            ..ScopeSpans::default()
+        };
+        let request = ExportTraceServiceRequest {
+            resource_spans: vec![
+                ResourceSpans {
+                    scope_spans: vec![scope(3), scope(2)],
+                    ..ResourceSpans::default()
+                },
+                ResourceSpans {
+                    scope_spans: vec![scope(4)],
+                    ..ResourceSpans::default()
+                },
+            ],
+        };
+        let body = Bytes::from(request.encode_to_vec());
+        assert_eq!(decode(request).len(), 9);
+        assert_eq!(SpanCount::decode(body).unwrap().spans(), 9);
+    }
 }
