@@ -162,6 +162,37 @@ impl HttpPublisher {
         env: &EnvelopeConfig,
         url: &Url,
     ) -> Result<(HeaderMap, Vec<u8>), String> {
+        let mut headers = self.row_and_static_headers(msg);
+        let body = match self.cfg.mode {
+            HttpMode::Binary => {
+                for (name, value) in envelope::cloud_event_attributes(msg, env) {
+                    let name = HeaderName::from_bytes(format!("ce-{name}").as_bytes())
+                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
+                    let value = HeaderValue::from_str(&ce_header_value(&value))
+                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
+                    headers.insert(name, value);
+                }
+                headers.insert(
+                    reqwest::header::CONTENT_TYPE,
+                    HeaderValue::from_static(env.payload_kind.content_type()),
+                );
+                msg.payload.clone()
+            }
+            HttpMode::Structured => {
+                headers.insert(
+                    reqwest::header::CONTENT_TYPE,
+                    HeaderValue::from_static(STRUCTURED_CONTENT_TYPE),
+                );
+                structured_event(msg, env)?.into_bytes()
+            }
+        };
+        sign(msg, env, url, &body, &mut headers)?;
+        Ok((headers, body))
+    }
+
+    /// The row's own headers that may go out (each one left out is warned about once per
+    /// name), then the configured static headers.
+    fn row_and_static_headers(&self, msg: &OutboxMessage) -> HeaderMap {
         let mut headers = HeaderMap::with_capacity(16 + self.static_headers.len());
         let (row_headers, note) = envelope::row_headers(msg);
         if let Some(note) = note {
@@ -196,51 +227,7 @@ impl HttpPublisher {
         for (name, value) in &self.static_headers {
             headers.append(name, value.clone());
         }
-        let body = match self.cfg.mode {
-            HttpMode::Binary => {
-                for (name, value) in envelope::cloud_event_attributes(msg, env) {
-                    let name = HeaderName::from_bytes(format!("ce-{name}").as_bytes())
-                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
-                    let value = HeaderValue::from_str(&ce_header_value(&value))
-                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
-                    headers.insert(name, value);
-                }
-                headers.insert(
-                    reqwest::header::CONTENT_TYPE,
-                    HeaderValue::from_static(env.payload_kind.content_type()),
-                );
-                msg.payload.clone()
-            }
-            HttpMode::Structured => {
-                headers.insert(
-                    reqwest::header::CONTENT_TYPE,
-                    HeaderValue::from_static(STRUCTURED_CONTENT_TYPE),
-                );
-                structured_event(msg, env)?.into_bytes()
-            }
-        };
-        if let Some(signer) = &env.signer {
-            let id = msg.id.to_string();
-            let timestamp = chrono::Utc::now().timestamp();
-            let pairs = [
-                (
-                    crate::signing::HEADER,
-                    envelope::signature(msg, env, url.as_str()).unwrap_or_default(),
-                ),
-                (crate::signing::WEBHOOK_ID, id.clone()),
-                (crate::signing::WEBHOOK_TIMESTAMP, timestamp.to_string()),
-                (
-                    crate::signing::WEBHOOK_SIGNATURE,
-                    signer.webhook_signature(&id, timestamp, &body),
-                ),
-            ];
-            for (name, value) in pairs {
-                let value = HeaderValue::from_str(&value)
-                    .map_err(|e| format!("signature header {name}: {e}"))?;
-                headers.insert(HeaderName::from_static(name), value);
-            }
-        }
-        Ok((headers, body))
+        headers
     }
 
     /// Warns once per header name that a row header is left out of requests.
@@ -501,6 +488,40 @@ pub fn percent_encode(value: &str, out: &mut String) {
             push_escaped(b, out);
         }
     }
+}
+
+/// With `[signing]`, our `outbox-signature` and the Standard Webhooks headers
+/// (`webhook-id`, `webhook-timestamp`, `webhook-signature`) over `body`.
+fn sign(
+    msg: &OutboxMessage,
+    env: &EnvelopeConfig,
+    url: &Url,
+    body: &[u8],
+    headers: &mut HeaderMap,
+) -> Result<(), String> {
+    let Some(signer) = &env.signer else {
+        return Ok(());
+    };
+    let id = msg.id.to_string();
+    let timestamp = chrono::Utc::now().timestamp();
+    let pairs = [
+        (
+            crate::signing::HEADER,
+            envelope::signature(msg, env, url.as_str()).unwrap_or_default(),
+        ),
+        (crate::signing::WEBHOOK_ID, id.clone()),
+        (crate::signing::WEBHOOK_TIMESTAMP, timestamp.to_string()),
+        (
+            crate::signing::WEBHOOK_SIGNATURE,
+            signer.webhook_signature(&id, timestamp, body),
+        ),
+    ];
+    for (name, value) in pairs {
+        let value =
+            HeaderValue::from_str(&value).map_err(|e| format!("signature header {name}: {e}"))?;
+        headers.insert(HeaderName::from_static(name), value);
+    }
+    Ok(())
 }
 
 /// A CloudEvents attribute as an HTTP header value (HTTP binding §3.1.3.2): space, `"`, `%`
