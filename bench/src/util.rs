@@ -239,17 +239,9 @@ pub async fn wait_drained(
     }
 }
 
-/// Row counts by status.
+/// Row counts by status (the test kit's).
 pub async fn status_counts(pg: &Client, table: &str) -> Result<BTreeMap<String, i64>> {
-    let rows = pg
-        .query(
-            &format!("SELECT status, count(*) FROM {table} GROUP BY status"),
-            &[],
-        )
-        .await?;
-    rows.iter()
-        .map(|r| Ok((r.try_get::<_, String>(0)?, r.try_get::<_, i64>(1)?)))
-        .collect()
+    Ok(outbox_testkit::status_counts_in(pg, table).await?)
 }
 
 /// Checks that exactly `n` rows are `sent` (and none failed).
@@ -647,22 +639,10 @@ pub fn scratch_dir(run_id: &str) -> Result<PathBuf> {
 /// other than `le` dropped): e.g. `outbox_claim_batch_size_count`, or
 /// `outbox_claim_batch_size_bucket{le=500}`.
 pub async fn scrape_metrics(port: u16) -> Result<BTreeMap<String, f64>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::time::timeout(
-        Duration::from_secs(5),
-        tokio::net::TcpStream::connect(("127.0.0.1", port)),
-    )
-    .await
-    .map_err(|_| anyhow!("metrics endpoint timed out"))??;
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-        .await?;
-    let mut body = String::new();
-    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut body))
-        .await
-        .map_err(|_| anyhow!("metrics endpoint timed out"))??;
+    let body = outbox_testkit::scrape(port).await.map_err(|e| anyhow!(e))?;
     let mut out = BTreeMap::new();
     for line in body.lines() {
-        if line.starts_with('#') || line.trim().is_empty() || line.starts_with("HTTP/") {
+        if line.starts_with('#') || line.trim().is_empty() {
             continue;
         }
         let Some((series, value)) = line.rsplit_once(' ') else {

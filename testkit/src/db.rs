@@ -387,6 +387,18 @@ fn row_state(r: &tokio_postgres::Row) -> RowState {
 
 static GC_DONE: AtomicBool = AtomicBool::new(false);
 
+/// Row counts by status of `table` (only the statuses present), for tests and the benchmark.
+pub async fn status_counts_in<C: GenericClient + Sync>(
+    db: &C,
+    table: &str,
+) -> Result<BTreeMap<String, i64>, tokio_postgres::Error> {
+    let sql = format!("SELECT status, count(*) FROM {table} GROUP BY status");
+    let rows = db.query(&sql, &[]).await?;
+    rows.iter()
+        .map(|r| Ok((r.try_get::<_, String>(0)?, r.try_get::<_, i64>(1)?)))
+        .collect()
+}
+
 /// Drops the tables of test runs that ended more than an hour ago without cleaning up (a failed
 /// test leaves its table for inspection). Runs once per test process.
 async fn collect_old_tables(db: &Client) {
@@ -589,12 +601,10 @@ impl TestTable {
 
     /// Row counts by status (absent statuses are 0).
     pub async fn status_counts(&self) -> BTreeMap<String, i64> {
-        let sql = format!("SELECT status, count(*) FROM {} GROUP BY status", self.name);
         let statuses = ["pending", "processing", "sent", "failed"];
         let mut out = BTreeMap::from(statuses.map(|s| (s.to_owned(), 0)));
-        for r in self.db.query(&sql, &[]).await.expect("status counts") {
-            out.insert(r.get(0), r.get(1));
-        }
+        let found = status_counts_in(&self.db, &self.name).await;
+        out.extend(found.expect("status counts"));
         out
     }
 
