@@ -551,13 +551,16 @@ impl<'a> Dispatch<'a> {
 
     /// After a claim whose answer was lost (the connection dropped while it ran), hands back
     /// the rows it may have committed to this relay: every `processing` row in this relay's
-    /// name that no batch holds. Runs before the next claim, so no claim is in flight.
+    /// name that no batch holds and whose lease has not run out (those are the lease task's
+    /// to reclaim). Runs before the next claim of this loop; a lost claim still running on the
+    /// server commits its rows after this, and those wait out the lease.
     async fn release_lost_claims(&mut self) -> Step<()> {
         if !self.answer_lost {
             return Ok(());
         }
         let relay = self.relay;
-        match relay.store.release_unheld(&relay.held.ids()).await {
+        let lease = relay.settings.relay.lease_timeout;
+        match relay.store.release_unheld(&relay.held.ids(), lease).await {
             Ok(released) => {
                 self.answer_lost = false;
                 if released > 0 {
@@ -680,7 +683,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(window);
-                self.answer_lost = true;
+                self.answer_lost |= e.answer_may_be_lost();
                 self.database_down(&e).await;
             }
         }
@@ -722,7 +725,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(permit);
-                self.answer_lost = true;
+                self.answer_lost |= e.answer_may_be_lost();
                 return Err(self.database_down(&e).await);
             }
         };

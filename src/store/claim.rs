@@ -435,7 +435,7 @@ impl Store {
             Some(e) if rows.is_empty() => return Err(e),
             Some(e) => {
                 tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed");
-                true
+                e.answer_may_be_lost()
             }
             None => false,
         };

@@ -101,6 +101,20 @@ impl StoreError {
             Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
     }
+
+    /// Whether a statement that failed this way may have run to its commit with its answer
+    /// lost on the way: the connection closed or broke (an I/O error) under it. Not a pool
+    /// timeout (nothing was sent), a server error (rolled back) or a value that could not be
+    /// decoded (the answer arrived).
+    pub fn answer_may_be_lost(&self) -> bool {
+        match self {
+            Self::Db(e) => {
+                e.is_closed()
+                    || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
+            }
+            _ => false,
+        }
+    }
 }
 
 /// Short alias for store results.

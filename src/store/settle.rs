@@ -114,13 +114,15 @@ fn release(t: &str) -> String {
 }
 
 /// As [`release`], for the rows in this relay's name that it does not hold: a claim committed
-/// whose answer the connection lost, so they were never published. `$1` the ids the relay
-/// holds, `$2` instance id.
+/// whose answer the connection lost, so they were never published. Rows whose lease ran out
+/// are left to [`reclaim`] (an outcome this relay gave up recording). `$1` the ids the relay
+/// holds, `$2` instance id, `$3` lease (ms).
 fn release_unheld(t: &str) -> String {
     format!(
         "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
            locked_by = NULL, locked_at = NULL \
-         WHERE status = 'processing' AND locked_by = $2 AND NOT (id = ANY($1))"
+         WHERE status = 'processing' AND locked_by = $2 AND NOT (id = ANY($1)) \
+           AND locked_at >= now() - $3::bigint * interval '1 millisecond'"
     )
 }
 
@@ -208,12 +210,16 @@ impl Store {
     /// Hands back, unspent, the `processing` rows locked in this instance's name that are not
     /// in `held`: rows of a claim that committed while its answer was lost with the
     /// connection, which this relay therefore never published. Without this they would wait
-    /// out `relay.lease_timeout`, holding back the rest of their aggregates. Call only while
-    /// no claim is running, with every id a batch still holds in `held`.
-    pub async fn release_unheld(&self, held: &[Uuid]) -> Result<u64> {
+    /// out `relay.lease_timeout`, holding back the rest of their aggregates; rows whose
+    /// `lease` already ran out are left to the reclaim. Call only while none of this relay's
+    /// claims is running, with every id a batch still holds in `held`.
+    pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
+        let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
         let client = self.client().await?;
         let stmt = client.prepare_cached(&self.q.settle.release_unheld).await?;
-        Ok(client.execute(&stmt, &[&held, &self.instance_id]).await?)
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
+            [&held, &self.instance_id, &lease_ms];
+        Ok(client.execute(&stmt, &params).await?)
     }
 
     /// Renews the leases of `ids` where this instance still holds them; returns how many.
@@ -272,6 +278,9 @@ mod tests {
             );
         }
         assert!(!q.reclaim.contains("attempts -"), "{}", q.reclaim);
+        // Rows whose lease ran out are the reclaim's, never handed back unspent.
+        let fresh = "locked_at >= now() - $3::bigint * interval '1 millisecond'";
+        assert!(q.release_unheld.contains(fresh), "{}", q.release_unheld);
         assert!(
             q.reclaim.contains("'lease expired: relay '"),
             "{}",
