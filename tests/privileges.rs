@@ -86,9 +86,9 @@ async fn an_insert_only_application_role_inserts_wakes_the_relay_and_its_rows_ar
     let (table, rabbit) = table_and_exchange("priv_app").await;
     let app = Role::create("app").await;
     app.grant(&application_grants(&table.name)).await;
-    // A long poll: rows out within seconds prove the wake-up ran for the application's role.
+    // A long poll: rows out well before it prove the wake-up ran for the application's role.
     let relay = RelayBuilder::for_test(&table, &rabbit, "priv-app-relay")
-        .set("relay.poll_interval", "10s")
+        .set("relay.poll_interval", "60s")
         .spawn();
     relay
         .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
@@ -133,14 +133,17 @@ async fn an_insert_only_application_role_inserts_wakes_the_relay_and_its_rows_ar
     tx.commit().await.unwrap();
 
     let received = || rabbit.count();
+    // Half the poll interval: only the wake-up can have started this claim.
     wait_for_count(
-        Duration::from_secs(3),
+        Duration::from_secs(30),
         "the woken relay publishes",
         1,
         received,
     )
     .await;
     table.wait_all_sent(WAIT).await;
+    // Sent means confirmed by the broker, not yet received by the test's consumer.
+    rabbit.barrier().await;
     assert_eq!(rabbit.count(), 503);
     drop(db);
     finish(relay, table, rabbit).await;
