@@ -286,8 +286,8 @@ async fn wakeup_calls(table: &TestTable) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bulk_load_fires_the_wake_up_once_per_transaction() {
     let (table, rabbit) = table_and_exchange("wake_bulk").await;
-    // A long poll: only the wake-up brings the rows out within seconds.
-    let relay = relay(&table, &rabbit, "wake-bulk", "10s").spawn();
+    // A long poll: only the wake-up brings the rows out well before it.
+    let relay = relay(&table, &rabbit, "wake-bulk", "60s").spawn();
     relay
         .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
         .await;
@@ -322,10 +322,13 @@ async fn a_bulk_load_fires_the_wake_up_once_per_transaction() {
     assert_eq!(tx.execute(&select, &[]).await.unwrap(), 2_000);
     tx.commit().await.unwrap();
 
-    // The relay is woken and relays every row.
+    // The relay is woken (well within its 60 s poll) and relays every row.
     let received = || rabbit.count();
-    wait_for_count(Duration::from_secs(3), "the first rows arrive", 1, received).await;
+    let woken = Duration::from_secs(30);
+    wait_for_count(woken, "the first rows arrive", 1, received).await;
     table.wait_all_sent(Duration::from_secs(60)).await;
+    // Sent means confirmed by the broker, not yet received by the test's consumer.
+    rabbit.barrier().await;
     assert_eq!(rabbit.count(), 4_000);
     // The trigger's WHEN queued one event for the whole transaction: its function ran once.
     let calls = wait_until(
