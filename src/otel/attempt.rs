@@ -314,7 +314,13 @@ mod tests {
         Tracing { provider, tracer }.for_outbox("orders")
     }
 
-    struct Sink;
+    /// A publisher that confirms every message but the `reject`-th (0-based) and keeps the
+    /// headers of each message it was given.
+    #[derive(Default)]
+    struct Sink {
+        reject: Option<usize>,
+        headers: std::sync::Mutex<Vec<Vec<u8>>>,
+    }
 
     #[async_trait::async_trait]
     impl Publisher for Sink {
@@ -330,8 +336,14 @@ mod tests {
         fn is_connected(&self) -> bool {
             true
         }
-        async fn publish(&self, _: &OutboxMessage, _: &EnvelopeConfig) -> Outcome {
-            Outcome::Confirmed
+        async fn publish(&self, msg: &OutboxMessage, _: &EnvelopeConfig) -> Outcome {
+            let mut given = self.headers.lock().unwrap();
+            given.push(msg.headers.clone());
+            if self.reject == Some(given.len() - 1) {
+                Outcome::Rejected("no".into())
+            } else {
+                Outcome::Confirmed
+            }
         }
         async fn close(&self) {}
     }
@@ -348,7 +360,7 @@ mod tests {
     /// Starts the attempt's span for a row with `headers`; (span context, headers sent).
     fn attempt(outbox: &Outbox, headers: &str) -> (opentelemetry::trace::SpanContext, String) {
         let mut msg = message(headers);
-        let span = outbox.start(&Sink, &mut msg, &envelope(), Utc::now());
+        let span = outbox.start(&Sink::default(), &mut msg, &envelope(), Utc::now());
         let cx = span.0.as_ref().unwrap().span_context().clone();
         (cx, String::from_utf8(msg.headers).unwrap())
     }
@@ -411,7 +423,7 @@ mod tests {
     #[test]
     fn only_a_recording_span_gets_its_name_and_attributes() {
         let mut msg = message("");
-        let span = outbox(1.0).start(&Sink, &mut msg, &envelope(), Utc::now());
+        let span = outbox(1.0).start(&Sink::default(), &mut msg, &envelope(), Utc::now());
         let data = span.0.as_ref().unwrap().exported_data().unwrap();
         assert_eq!(data.name, "publish order");
         let attr = |key: &str| {
@@ -424,7 +436,7 @@ mod tests {
         assert_eq!(attr("messaging.system").as_deref(), Some("test"));
 
         let mut msg = message("");
-        let span = outbox(0.0).start(&Sink, &mut msg, &envelope(), Utc::now());
+        let span = outbox(0.0).start(&Sink::default(), &mut msg, &envelope(), Utc::now());
         let span = span.0.as_ref().unwrap();
         assert!(!span.is_recording() && span.exported_data().is_none());
         assert!(
@@ -461,35 +473,10 @@ mod tests {
 
     #[tokio::test]
     async fn a_traced_run_stops_at_the_first_failure_like_the_default() {
-        struct RejectSecond(std::sync::atomic::AtomicUsize);
-        #[async_trait::async_trait]
-        impl Publisher for RejectSecond {
-            fn kind(&self) -> &'static str {
-                "test"
-            }
-            fn describe(&self) -> String {
-                "test".into()
-            }
-            async fn connect(&self) -> Result<(), crate::publish::ConnectError> {
-                Ok(())
-            }
-            fn is_connected(&self) -> bool {
-                true
-            }
-            async fn publish(&self, msg: &OutboxMessage, _: &EnvelopeConfig) -> Outcome {
-                let n = self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                assert!(
-                    json(std::str::from_utf8(&msg.headers).unwrap())["traceparent"].is_string()
-                );
-                if n == 1 {
-                    Outcome::Rejected("no".into())
-                } else {
-                    Outcome::Confirmed
-                }
-            }
-            async fn close(&self) {}
-        }
-        let publisher = RejectSecond(Default::default());
+        let publisher = Sink {
+            reject: Some(1),
+            ..Sink::default()
+        };
         let mut run = vec![message(""), message("{}"), message("{}")];
         let mut spans = Vec::new();
         let outcomes = outbox(1.0)
@@ -505,5 +492,11 @@ mod tests {
             "each ended at its answer"
         );
         assert_eq!(run[2].headers, b"{}", "the unsent row is untouched");
+        let given = publisher.headers.lock().unwrap();
+        assert_eq!(given.len(), 2, "published up to the rejection");
+        for headers in given.iter() {
+            let headers = json(std::str::from_utf8(headers).unwrap());
+            assert!(headers["traceparent"].is_string(), "{headers}");
+        }
     }
 }
