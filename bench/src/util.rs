@@ -38,6 +38,24 @@ pub async fn pg_connect(url: &str) -> Result<Client> {
 /// template feeds SQL `format()` (table fills) and [`payload`] (synthetic broker messages).
 pub const PAYLOAD_TEMPLATE: &str = r#"{"order_id":%s,"customer_id":"customer-%s","status":"placed","currency":"EUR","total_cents":%s,"lines":[{"sku":"SKU-%s-A","qty":2,"unit_cents":1999},{"sku":"SKU-%s-B","qty":1,"unit_cents":4999}],"shipping":{"method":"standard","country":"DE","city":"Berlin","postcode":"10115","street":"Unter den Linden 1"},"channel":"web"}"#;
 
+/// Order `i` as the relay would have claimed it (first attempt, no row headers), for the bare
+/// clients that send the relay's own messages.
+pub fn message(i: u64, aggregates: u64) -> outbox_relay::message::OutboxMessage {
+    outbox_relay::message::OutboxMessage {
+        id: uuid::Uuid::new_v4(),
+        seq: i as i64,
+        aggregate_type: "order".to_owned(),
+        aggregate_id: Some(format!("order-{}", i % aggregates.max(1))),
+        event_type: "OrderPlaced".to_owned(),
+        payload: payload(i, aggregates).into_bytes(),
+        headers: b"{}".to_vec(),
+        destination: None,
+        attempts: 1,
+        created_at: chrono::Utc::now(),
+        expires_at: None,
+    }
+}
+
 /// The payload of order `i` as compact JSON text.
 pub fn payload(i: u64, aggregates: u64) -> String {
     let values = [

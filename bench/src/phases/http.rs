@@ -18,7 +18,7 @@ use axum::http::{Method, StatusCode};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use outbox_relay::config::{HttpConfig, HttpMethod, HttpMode};
-use outbox_relay::message::{OutboxMessage, PayloadKind};
+use outbox_relay::message::PayloadKind;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::http::HttpPublisher;
 use outbox_relay::template::Template;
@@ -26,7 +26,7 @@ use serde_json::json;
 
 use super::{cpu_per_100k, cpu_text, rate};
 use crate::Ctx;
-use crate::util::{CpuSample, fill, payload};
+use crate::util::{CpuSample, fill, message};
 
 const PHASE: &str = "11 http";
 
@@ -104,19 +104,6 @@ async fn bare(ctx: &mut Ctx, endpoint: &Endpoint, url: &str, in_flight: usize) -
         .timeout(TIMEOUT)
         .build()?;
     let aggregates = ctx.args.aggregates as u64;
-    let message = |i: u64| OutboxMessage {
-        id: uuid::Uuid::new_v4(),
-        seq: i as i64,
-        aggregate_type: "order".to_owned(),
-        aggregate_id: Some(format!("order-{}", i % aggregates.max(1))),
-        event_type: "OrderPlaced".to_owned(),
-        payload: payload(i, aggregates).into_bytes(),
-        headers: b"{}".to_vec(),
-        destination: None,
-        attempts: 1,
-        created_at: chrono::Utc::now(),
-        expires_at: None,
-    };
     ctx.progress(format!(
         "http bare: {} requests, {in_flight} in flight",
         ctx.rows
@@ -133,7 +120,7 @@ async fn bare(ctx: &mut Ctx, endpoint: &Endpoint, url: &str, in_flight: usize) -
             failed.push(e);
         }
         // Built inside the timed loop, as the relay builds each request.
-        let msg = message(i);
+        let msg = message(i, aggregates);
         let url = publisher.url_for(&msg).map_err(anyhow::Error::msg)?;
         let (headers, body) = publisher
             .request_parts(&msg, &env, &url)

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result, bail};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
-use outbox_relay::message::{OutboxMessage, PayloadKind};
+use outbox_relay::message::PayloadKind;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::template::Template;
 
 use super::{cpu_text, rate};
 use crate::Ctx;
-use crate::util::{CpuSample, fill, payload};
+use crate::util::{CpuSample, fill, message};
 
 /// The local Redis.
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
@@ -79,19 +79,6 @@ async fn bare(
         signer: None,
     };
     let aggregates = ctx.args.aggregates as u64;
-    let message = |i: u64| OutboxMessage {
-        id: uuid::Uuid::new_v4(),
-        seq: i as i64,
-        aggregate_type: "order".to_owned(),
-        aggregate_id: Some(format!("order-{}", i % aggregates.max(1))),
-        event_type: "OrderPlaced".to_owned(),
-        payload: payload(i, aggregates).into_bytes(),
-        headers: b"{}".to_vec(),
-        destination: None,
-        attempts: 1,
-        created_at: chrono::Utc::now(),
-        expires_at: None,
-    };
     ctx.progress(format!(
         "redis bare: {} XADDs, {IN_FLIGHT} in flight",
         ctx.rows
@@ -106,7 +93,7 @@ async fn bare(
             failed += usize::from(done.is_some_and(|r| r.is_err()));
         }
         // Built inside the timed loop, as the relay builds each message.
-        let cmd = outbox_relay::publish::redis::xadd(&message(i), &env, None);
+        let cmd = outbox_relay::publish::redis::xadd(&message(i, aggregates), &env, None);
         let mut c = conn.clone();
         pending.push(async move { cmd.query_async(&mut c).await });
     }
