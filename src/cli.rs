@@ -98,6 +98,17 @@ pub async fn migrate(config: &Config, print: bool, only: Option<&str>) -> Result
         } else {
             println!("{prefix}{table}: applied schema versions {applied:?}");
         }
+        if let Some(interval) = t.store.partition_interval()
+            && let Ok(Some(layout)) = t.store.layout().await
+        {
+            let newest = layout.ranges().filter_map(|p| p.upper).max();
+            println!(
+                "{prefix}{table}: partitioned by created_at every {}, {} partitions{} and DEFAULT",
+                humantime::format_duration(interval),
+                layout.ranges().count(),
+                newest.map_or(String::new(), |u| format!(" up to {u}"))
+            );
+        }
     }
     Ok(())
 }

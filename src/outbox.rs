@@ -19,7 +19,7 @@ use crate::publish::envelope::EnvelopeConfig;
 use crate::relay::{LoopSettings, Relay, RelayParts};
 use crate::store::{OnConfirm, Store, StoreError};
 use crate::tasks::lease::Held;
-use crate::tasks::{Tasks, backlog, cleanup, lease, listen, vacuum};
+use crate::tasks::{Tasks, backlog, cleanup, lease, listen, partitions, vacuum};
 use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{ListenerPid, Waiter};
 use crate::window::Lane;
@@ -113,7 +113,18 @@ impl Outbox {
         tasks.spawn(name("backlog"), move |token| {
             backlog::backlog_loop(s, m, ordering, clean_waiters, token)
         });
-        if !config.cleanup.retention.is_zero() {
+        let partitioned = store
+            .layout()
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|l| l.partitioned);
+        if partitioned || store.partition_interval().is_some() {
+            let (s, m, cfg) = (store.clone(), metrics.clone(), config.cleanup.clone());
+            tasks.spawn(name("partitions"), move |token| {
+                partitions::partitions_loop(s, m, cfg, token)
+            });
+        } else if !config.cleanup.retention.is_zero() {
             let (s, cfg) = (store.clone(), config.cleanup.clone());
             tasks.spawn(name("cleanup"), move |token| {
                 cleanup::cleanup_loop(s, cfg, token)
@@ -190,7 +201,7 @@ async fn prepare(
     loop {
         let attempt = async {
             let plan = store.plan_schema(config.database.auto_migrate).await?;
-            if !plan.apply.is_empty() {
+            if !plan.apply.is_empty() || plan.partition {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
                     tracing::info!(outbox = %outbox.name, table = %store.table(), versions = ?applied, "applied schema migrations");

@@ -61,8 +61,27 @@ pub mod names {
     /// Counter: trace spans dropped instead of exported, labelled `reason` = `queue_full` |
     /// `export_failed` (only with tracing on, so not in [`ALL`]: see [`crate::otel`]).
     pub const TRACE_SPANS_DROPPED: &str = "outbox_trace_spans_dropped_total";
-    /// The names above that the relay exports only when their feature is on (tracing).
-    pub const OPTIONAL: &[&str] = &[TRACE_SPANS_DROPPED];
+    /// Gauge: range partitions of a partitioned outbox table (DEFAULT not counted).
+    pub const PARTITIONS: &str = "outbox_partitions";
+    /// Gauge: rows in a partitioned table's DEFAULT partition (rows outside every range).
+    pub const DEFAULT_PARTITION_ROWS: &str = "outbox_default_partition_rows";
+    /// Gauge: partitions past retention that are kept, labelled `reason` = `failed` |
+    /// `processing` | `pending` | `locked`.
+    pub const PARTITIONS_KEPT: &str = "outbox_partitions_kept";
+    /// Gauge: seconds since the end of the oldest range partition's range.
+    pub const OLDEST_PARTITION_AGE: &str = "outbox_oldest_partition_age_seconds";
+    /// Counter: partitions retention dropped.
+    pub const PARTITIONS_DROPPED: &str = "outbox_partitions_dropped_total";
+    /// The names above that the relay exports only when their feature is on (tracing, a
+    /// partitioned table).
+    pub const OPTIONAL: &[&str] = &[
+        TRACE_SPANS_DROPPED,
+        PARTITIONS,
+        DEFAULT_PARTITION_ROWS,
+        PARTITIONS_KEPT,
+        OLDEST_PARTITION_AGE,
+        PARTITIONS_DROPPED,
+    ];
     /// Every name above that the relay always exports, for tests and docs.
     pub const ALL: &[&str] = &[
         PENDING,
@@ -254,6 +273,21 @@ impl OutboxMetrics {
         metrics::gauge!(names::WATERMARK_LAG, "outbox" => self.label()).set(lag.as_secs_f64());
     }
 
+    /// Publishes a partitioned table's gauges: range partitions, rows in DEFAULT, the age of
+    /// the oldest partition's end, and the partitions past retention kept, by reason.
+    pub fn partitions(&self, p: &PartitionGauges) {
+        let o = self.label();
+        metrics::gauge!(names::PARTITIONS, "outbox" => o.clone()).set(p.partitions as f64);
+        metrics::gauge!(names::DEFAULT_PARTITION_ROWS, "outbox" => o.clone())
+            .set(p.default_rows as f64);
+        metrics::gauge!(names::OLDEST_PARTITION_AGE, "outbox" => o.clone()).set(p.oldest_age);
+        for (reason, n) in &p.kept {
+            metrics::gauge!(names::PARTITIONS_KEPT, "outbox" => o.clone(), "reason" => *reason)
+                .set(*n as f64);
+        }
+        metrics::counter!(names::PARTITIONS_DROPPED, "outbox" => o).increment(p.dropped);
+    }
+
     /// Publishes the backlog gauges.
     pub fn backlog(&self, b: &Backlog) {
         let o = self.label();
@@ -267,6 +301,21 @@ impl OutboxMetrics {
         metrics::gauge!(names::FAILED, "outbox" => o.clone()).set(b.failed as f64);
         metrics::gauge!(names::BLOCKED_AGGREGATES, "outbox" => o).set(b.blocked_aggregates as f64);
     }
+}
+
+/// A partitioned table's gauges, as one round of the partition work found them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PartitionGauges {
+    /// Range partitions.
+    pub partitions: usize,
+    /// Rows in DEFAULT.
+    pub default_rows: i64,
+    /// Seconds since the oldest range partition's range ended (negative: not yet).
+    pub oldest_age: f64,
+    /// Partitions past retention kept, per reason label (every reason, zeros included).
+    pub kept: Vec<(&'static str, usize)>,
+    /// Partitions dropped in this round.
+    pub dropped: u64,
 }
 
 /// What `/readyz` reports: the relay can reach every outbox's database and the broker.

@@ -292,6 +292,7 @@ mod tests {
             pool_size: 1,
             table: TableName::parse("t").unwrap_or_else(|e| panic!("{e}")),
             auto_migrate: false,
+            partition_interval: None,
         };
         let store = Store::new(&cfg, "test").unwrap_or_else(|e| panic!("{e}"));
         Waiter::new(store, ListenerPid::default(), 1, Duration::from_secs(1))

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::ConfigError;
+use super::{ConfigError, HumanDuration};
 
 /// `database.table` when not set.
 pub const DEFAULT_TABLE: &str = "outbox_messages";
@@ -20,6 +20,10 @@ pub struct RawDatabase {
     pub table: Option<String>,
     /// Apply `sql/` at start (default false; the shipped relay.toml sets true).
     pub auto_migrate: bool,
+    /// Partition the table by `created_at` in ranges this long (at least 1m, whole minutes);
+    /// unset: one plain table.
+    #[serde(default)]
+    pub partition_interval: Option<HumanDuration>,
 }
 
 /// A validated table name: `name` or `schema.name`, each a bare SQL identifier.
@@ -110,6 +114,8 @@ pub struct DatabaseConfig {
     pub table: TableName,
     /// Apply migrations at start.
     pub auto_migrate: bool,
+    /// The partitions' width, when the table is partitioned (see `store::partitions`).
+    pub partition_interval: Option<std::time::Duration>,
 }
 
 impl DatabaseConfig {
@@ -141,6 +147,20 @@ impl RawDatabase {
         }
         let table = TableName::parse(d.table.as_deref().unwrap_or(DEFAULT_TABLE))
             .map_err(|r| ConfigError::invalid("database.table", r))?;
+        let partition_interval = d.partition_interval.map(|i| i.0);
+        if let Some(i) = partition_interval
+            && (i < std::time::Duration::from_secs(60)
+                || i.subsec_nanos() != 0
+                || i.as_secs() % 60 != 0)
+        {
+            return Err(ConfigError::invalid(
+                "database.partition_interval",
+                format!(
+                    "{} is not a whole number of minutes of at least 1m (e.g. \"1h\", \"1d\")",
+                    humantime::format_duration(i)
+                ),
+            ));
+        }
 
         Ok((
             DatabaseConfig {
@@ -148,6 +168,7 @@ impl RawDatabase {
                 pool_size: d.pool_size,
                 table,
                 auto_migrate: d.auto_migrate,
+                partition_interval,
             },
             pg,
         ))
@@ -182,6 +203,22 @@ mod tests {
         assert_eq!(t.qualified(), "app.outbox");
         assert_eq!(t.prefixed("_seq"), "app.outbox_seq");
         assert_eq!(t.channel(), "app.outbox");
+    }
+
+    #[test]
+    fn partition_interval_is_whole_minutes_of_at_least_one() {
+        for bad in ["30s", "90s", "0s", "1m 500ms"] {
+            rejects(
+                &format!("[database]\npartition_interval = \"{bad}\"\n"),
+                "invalid value for database.partition_interval",
+            );
+        }
+        let c = super::super::tests::load_str("[database]\npartition_interval = \"1h\"\n", &[])
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            c.database.partition_interval,
+            Some(std::time::Duration::from_secs(3600))
+        );
     }
 
     #[test]

@@ -153,6 +153,7 @@ impl Default for RawConfig {
                 pool_size: 8,
                 table: None,
                 auto_migrate: false,
+                partition_interval: None,
             },
             relay: RawRelay {
                 instance_id: None,

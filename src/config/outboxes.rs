@@ -123,6 +123,7 @@ pub(super) fn validate(
                 pool_size: inherited.database.pool_size,
                 table,
                 auto_migrate: inherited.database.auto_migrate,
+                partition_interval: inherited.database.partition_interval,
             },
             ordering,
             source,

@@ -62,7 +62,9 @@ impl Store {
             }))
             .build()
             .map_err(|e| StoreError::Build(e.to_string()))?;
-        Ok(Self::with_pool(pool, &cfg.table, instance_id))
+        let mut store = Self::with_pool(pool, &cfg.table, instance_id);
+        store.partition_interval = cfg.partition_interval;
+        Ok(store)
     }
 
     /// One store per outbox, in order; outboxes in the same database share one pool.
@@ -89,7 +91,9 @@ impl Store {
     /// Another table in the same database, sharing this store's pool (several outboxes in
     /// one database use one pool).
     pub fn for_table(&self, table: &TableName) -> Self {
-        Self::with_pool(self.pool.clone(), table, &self.instance_id)
+        let mut store = Self::with_pool(self.pool.clone(), table, &self.instance_id);
+        store.partition_interval = self.partition_interval;
+        store
     }
 
     fn with_pool(pool: Pool, table: &TableName, instance_id: &str) -> Self {
@@ -97,6 +101,7 @@ impl Store {
             pool,
             table: table.clone(),
             instance_id: instance_id.to_owned(),
+            partition_interval: None,
             q: std::sync::Arc::new(Queries {
                 claim: ClaimSql::new(table),
                 settle: SettleSql::new(table),

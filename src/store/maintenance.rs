@@ -29,6 +29,11 @@ pub struct TableHealth {
     pub stats_rows: Option<f64>,
 }
 
+/// `text` as an SQL string literal.
+fn quote(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
 /// The background tasks' SQL text, rendered once for the configured table.
 #[derive(Debug, Clone)]
 pub(super) struct MaintenanceSql {
@@ -95,16 +100,20 @@ impl MaintenanceSql {
             backlog_aggregate: backlog(&t, ReadyAge::Head),
             // One probe of the pending index: whether the idle backlog loop should refresh.
             any_pending: format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending')"),
-            // $1 the table's oid. Dead tuples and vacuum history of the table; whether
+            // $1 the table's oid at start (the name is looked up first: it finds the table again
+            // once `migrate` has partitioned it). Dead tuples and vacuum history of the table and
+            // its partitions; whether
             // autovacuum may run on it (server setting and the table's own option); whether this
             // role may vacuum it (`MAINTAIN` exists from PostgreSQL 17 on: the CASE keeps older
             // servers from parsing the privilege name).
-            table_health: "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), \
+            table_health: format!(
+                "SELECT coalesce(s.n_dead_tup, 0), coalesce(s.n_live_tup, 0), \
                    extract(epoch FROM now() - greatest(s.last_vacuum, s.last_autovacuum))::float8, \
                    current_setting('autovacuum') = 'on' \
                      AND coalesce((SELECT option_value FROM pg_options_to_table(c.reloptions) \
                                    WHERE option_name = 'autovacuum_enabled'), 'true')::bool, \
-                   pg_total_relation_size(c.oid), \
+                   pg_total_relation_size(c.oid) + coalesce((SELECT sum(pg_total_relation_size(p.relid)) \
+                     FROM pg_partition_tree(c.oid) p WHERE p.relid <> c.oid), 0)::bigint, \
                    pg_has_role(c.relowner, 'MEMBER') \
                      OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) \
                      OR CASE WHEN current_setting('server_version_num')::int >= 170000 \
@@ -112,9 +121,14 @@ impl MaintenanceSql {
                    EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
                      OR EXISTS (SELECT 1 FROM pg_stat_progress_analyze a WHERE a.relid = c.oid), \
                    CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END \
-                 FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
-                 WHERE c.oid = $1"
-                .to_owned(),
+                 FROM pg_class c LEFT JOIN LATERAL ( \
+                   SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, \
+                          max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum \
+                     FROM pg_stat_user_tables t \
+                    WHERE t.relid = c.oid OR t.relid IN (SELECT p.relid FROM pg_partition_tree(c.oid) p)) s ON true \
+                 WHERE c.oid = coalesce(to_regclass({}), $1)",
+                quote(&t)
+            ),
             // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
             // would stall inserts and claims (and is replayed on standbys).
             vacuum: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
@@ -225,6 +239,9 @@ mod tests {
             assert!(backlog.contains(pending), "{backlog}");
             assert!(!backlog.contains("outbox_messages"), "{backlog}");
         }
-        assert!(q.table_health.contains("WHERE c.oid = $1"));
+        assert!(
+            q.table_health
+                .contains("WHERE c.oid = coalesce(to_regclass('app.events'), $1)")
+        );
     }
 }

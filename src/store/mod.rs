@@ -8,6 +8,8 @@
 //! - `maintenance`: the background tasks' backlog gauges, table health
 //!   and `VACUUM`;
 //! - `operator`: `status`, dead-letter commands and retention cleanup;
+//! - [`partitions`]: a partitioned table's conversion, partitions ahead and retention by
+//!   dropping partitions;
 //! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
 //! - [`steps`]: a migration file cut into the steps `migrate` runs (short transactions, and
 //!   index builds `CONCURRENTLY` outside any);
@@ -24,6 +26,7 @@ mod connect;
 mod maintenance;
 mod observe;
 mod operator;
+pub mod partitions;
 mod predicates;
 pub mod schema;
 mod settle;
@@ -137,6 +140,8 @@ pub struct Store {
     pool: Pool,
     table: TableName,
     instance_id: String,
+    // `database.partition_interval`: `migrate` partitions the table with it.
+    partition_interval: Option<std::time::Duration>,
     q: std::sync::Arc<Queries>,
 }
 
@@ -144,6 +149,11 @@ impl Store {
     /// The configured table.
     pub fn table(&self) -> &TableName {
         &self.table
+    }
+
+    /// `database.partition_interval`, when set.
+    pub fn partition_interval(&self) -> Option<std::time::Duration> {
+        self.partition_interval
     }
 
     /// This relay's `locked_by` value.

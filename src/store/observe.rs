@@ -25,17 +25,19 @@ impl ObserveSql {
         let seq = table.prefixed("_seq");
         Self {
             last_seq: format!("SELECT last_value, is_called FROM {seq}"),
-            writers: WRITERS.to_owned(),
+            writers: WRITERS.replace("$TABLE", &table.qualified()),
         }
     }
 }
 
 /// Transactions that hold a lock on the table and may still commit rows, with their age;
 /// the relay's own sessions (`application_name` outbox-relay…) never insert. `$1` the
-/// table's oid.
+/// table's oid as the relay found it at start; the table is also looked up by name, which
+/// finds it again after `migrate` has partitioned it (a new table of the same name, whose
+/// partitions the old one became).
 const WRITERS: &str = "SELECT a.backend_xid::text, extract(epoch FROM now() - a.xact_start)::float8 \
       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-      WHERE l.locktype = 'relation' AND l.relation = $1 AND l.granted \
+      WHERE l.locktype = 'relation' AND l.relation IN ($1, to_regclass('$TABLE')) AND l.granted \
         AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
         AND a.application_name NOT LIKE 'outbox-relay%'";
 

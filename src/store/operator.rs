@@ -140,19 +140,24 @@ impl OperatorSql {
             ),
             // $1 ids.
             which_dead: format!("SELECT id FROM {t} WHERE status = 'failed' AND id = ANY($1)"),
-            // $1 retention (ms), $2 batch size. Short statements: no long locks on the table.
-            // Expired rows are kept as long after their deadline as sent rows after sending.
-            cleanup: format!(
-                "DELETE FROM {t} WHERE id IN ( \
-                   (SELECT id FROM {t} WHERE status = 'sent' AND sent_at < now() - $1::bigint * interval '1 millisecond' \
-                    ORDER BY sent_at LIMIT $2) \
-                   UNION ALL \
-                   (SELECT id FROM {t} WHERE status = 'expired' AND expires_at < now() - $1::bigint * interval '1 millisecond' \
-                    ORDER BY expires_at LIMIT $2) \
-                   LIMIT $2)"
-            ),
+            cleanup: cleanup_sql(&t),
         }
     }
+}
+
+/// Retention's batch delete from `t` (the table, or one partition of it). `$1` retention
+/// (ms), `$2` batch size. Short statements: no long locks on the table. Expired rows are kept
+/// as long after their deadline as sent rows after sending.
+pub(super) fn cleanup_sql(t: &str) -> String {
+    format!(
+        "DELETE FROM {t} WHERE id IN ( \
+           (SELECT id FROM {t} WHERE status = 'sent' AND sent_at < now() - $1::bigint * interval '1 millisecond' \
+            ORDER BY sent_at LIMIT $2) \
+           UNION ALL \
+           (SELECT id FROM {t} WHERE status = 'expired' AND expires_at < now() - $1::bigint * interval '1 millisecond' \
+            ORDER BY expires_at LIMIT $2) \
+           LIMIT $2)"
+    )
 }
 
 impl Store {

@@ -203,7 +203,7 @@ const OLDER_SNAPSHOTS: &str = "SELECT pid, 'an older snapshot', \
 
 /// Where a step is: version (0 for the set-up), its index and the version's step count.
 #[derive(Debug, Clone, Copy)]
-struct StepAt {
+pub(super) struct StepAt {
     version: i32,
     index: usize,
     count: usize,
@@ -212,6 +212,12 @@ struct StepAt {
 impl StepAt {
     const SETUP: StepAt = StepAt {
         version: 0,
+        index: 0,
+        count: 1,
+    };
+    /// A step of partitioning the table (`database.partition_interval`), after the versions.
+    pub(super) const PARTITIONING: StepAt = StepAt {
+        version: -1,
         index: 0,
         count: 1,
     };
@@ -340,13 +346,17 @@ impl Store {
             }
             applied.push(m.version);
         }
+        if let Some(interval) = self.partition_interval() {
+            self.partition(client, &schema, interval, !current.table_exists)
+                .await?;
+        }
         Ok(applied)
     }
 
     /// Runs `step` with each lock requested under [`LOCK_TIMEOUT`] and `search_path` set to
     /// `schema, pg_temp` when given (what the wake-up function pins). Tried [`LOCK_TRIES`]
     /// times when a lock cannot be had.
-    async fn run_step(
+    pub(super) async fn run_step(
         &self,
         client: &mut deadpool_postgres::Object,
         schema: Option<&str>,
@@ -397,6 +407,15 @@ impl Store {
     /// holds the table, what stays applied and to run it again.
     fn locked_sentence(&self, at: StepAt, step: &Step, holders: &str) -> String {
         let t = &self.table;
+        if at.version < 0 {
+            return format!(
+                "could not partition {t} ({}): a lock it needs was not granted within \
+                 {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; the steps before it are applied \
+                 and stay so (each is idempotent): end or wait for that transaction and run \
+                 `outbox-relay migrate` again",
+                step.summary()
+            );
+        }
         if at.version == 0 {
             return format!(
                 "could not create outbox_relay_schema_version for {t}: a lock it needs was not \
@@ -478,7 +497,7 @@ impl Store {
     /// (RowExclusiveLock, transaction open 42 s, idle in transaction, application \"psql\")".
     /// A concurrent index build also waits for every older transaction of the database: when
     /// nothing holds the table, those are named ("held up by pid 123 (an older snapshot, …)").
-    async fn lock_holders<C: deadpool_postgres::GenericClient + Sync>(
+    pub(super) async fn lock_holders<C: deadpool_postgres::GenericClient + Sync>(
         &self,
         client: &C,
         kind: StepKind,
@@ -595,6 +614,8 @@ pub struct SchemaPlan {
     pub table_exists: bool,
     /// Schema versions start-up applies (empty without `auto_migrate`).
     pub apply: Vec<i32>,
+    /// Start-up partitions the plain table (`auto_migrate` and `partition_interval` set).
+    pub partition: bool,
 }
 
 impl Store {
@@ -608,6 +629,10 @@ impl Store {
                 store.table()
             )));
         }
+        let partition = auto_migrate
+            && state.table_exists
+            && store.partition_interval().is_some()
+            && store.layout().await?.is_some_and(|l| !l.partitioned);
         Ok(SchemaPlan {
             table_exists: state.table_exists,
             apply: if auto_migrate {
@@ -615,6 +640,7 @@ impl Store {
             } else {
                 Vec::new()
             },
+            partition,
         })
     }
 }

@@ -32,12 +32,14 @@ impl WaitingSql {
             unmark_waiting: format!("DELETE FROM {waiters} WHERE relay = $1"),
             // $1 the table's oid. Whether a transaction that may still commit rows is running:
             // it may have passed its wake-up check before this relay marked itself waiting.
-            writers_active:
+            // By oid and by name: see the ordering guard's observation (`observe.rs`).
+            writers_active: format!(
                 "SELECT EXISTS (SELECT 1 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-                      WHERE l.locktype = 'relation' AND l.relation = $1 AND l.granted \
+                      WHERE l.locktype = 'relation' AND l.relation IN ($1, to_regclass('{}')) AND l.granted \
                         AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
-                        AND a.application_name NOT LIKE 'outbox-relay%')"
-                    .to_owned(),
+                        AND a.application_name NOT LIKE 'outbox-relay%')",
+                table.qualified()
+            ),
             // Rows of relays whose LISTEN session is gone (they died), or long expired.
             clean_waiters: format!(
                 "DELETE FROM {waiters} w WHERE w.alive_until < now() - interval '1 minute' \

@@ -4,6 +4,7 @@
 //! - [`lease`]: renewing this relay's leases ([`lease::Held`]) and reclaiming expired ones;
 //! - [`backlog`]: the backlog gauges and stale waiting records;
 //! - [`cleanup`]: retention of `sent` and `expired` rows;
+//! - [`partitions`]: a partitioned table's partitions ahead and retention by dropping them;
 //! - [`vacuum`]: vacuuming the table when autovacuum does not keep up.
 //!
 //! They run under names on one [`Tasks`] tracker; at shutdown [`Tasks::stop`] cancels them,
@@ -14,6 +15,7 @@ pub mod backlog;
 pub mod cleanup;
 pub mod lease;
 pub mod listen;
+pub mod partitions;
 pub mod vacuum;
 
 use std::future::Future;

@@ -1,0 +1,219 @@
+//! The partitions of a partitioned outbox table (see [`crate::store::partitions`]): created
+//! ahead of time, dropped once past `cleanup.retention` with every row finished, and the rows
+//! retention still deletes one by one (those in DEFAULT, and in partitions kept past
+//! retention). It replaces [`super::cleanup`] for such a table, and falls back to it (with
+//! one warning) where partitions cannot be managed: a plain table, or a role that does not
+//! own the table.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::sleep_or_cancel;
+use crate::config::CleanupConfig;
+use crate::store::Store;
+use crate::store::partitions::{KeptFor, Layout, Retired};
+use crate::telemetry::{OutboxMetrics, PartitionGauges};
+
+/// The shortest pause between two rounds.
+const MIN_PERIOD: Duration = Duration::from_secs(5);
+
+/// What one outbox's partition work remembers between rounds: what it warned about.
+struct PartitionWork {
+    store: Store,
+    metrics: OutboxMetrics,
+    cleanup: CleanupConfig,
+    // Partitions past retention last seen kept, and why (each is logged when it changes).
+    kept: HashMap<String, KeptFor>,
+    warned_fallback: bool,
+}
+
+/// Runs the partition work every `cleanup.interval` (or every half partition interval, if
+/// shorter) until `shutdown`.
+pub async fn partitions_loop(
+    store: Store,
+    metrics: OutboxMetrics,
+    cleanup: CleanupConfig,
+    shutdown: CancellationToken,
+) {
+    let period = store
+        .partition_interval()
+        .map_or(cleanup.interval, |i| cleanup.interval.min(i / 2))
+        .max(MIN_PERIOD);
+    let mut work = PartitionWork {
+        store,
+        metrics,
+        cleanup,
+        kept: HashMap::new(),
+        warned_fallback: false,
+    };
+    loop {
+        work.round(&shutdown).await;
+        if !sleep_or_cancel(period, &shutdown).await {
+            return;
+        }
+    }
+}
+
+impl PartitionWork {
+    async fn round(&mut self, shutdown: &CancellationToken) {
+        let layout = match self.store.layout().await {
+            Ok(Some(layout)) => layout,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "partition work skipped");
+                return;
+            }
+        };
+        if !layout.partitioned || !layout.may_own {
+            self.fall_back(&layout, shutdown).await;
+            return;
+        }
+        let created = self.create_ahead(&layout).await;
+        let (dropped, kept) = self.retire(&layout).await;
+        let mut deleted = 0;
+        let default = layout.default_partition().map(|p| p.name.clone());
+        for name in kept.iter().map(|(n, _)| n).chain(default.iter()) {
+            deleted += self.delete_rows(Some(name), shutdown).await;
+        }
+        if deleted > 0 {
+            tracing::info!(deleted, retention = ?self.cleanup.retention, "deleted finished rows past retention from DEFAULT and from partitions kept past retention");
+        }
+        self.gauges(&layout, created, &dropped, &kept, default.as_deref())
+            .await;
+    }
+
+    /// Creates the partitions missing ahead; returns how many.
+    async fn create_ahead(&self, layout: &Layout) -> usize {
+        let Some(interval) = self
+            .store
+            .partition_interval()
+            .or_else(|| layout.newest_interval())
+        else {
+            return 0;
+        };
+        match self.store.create_partitions_ahead(layout, interval).await {
+            Ok(created) => {
+                for name in &created {
+                    tracing::info!(table = %self.store.table(), partition = %name, "created partition ahead");
+                }
+                created.len()
+            }
+            Err(e) => {
+                // An overlapping partition made by hand, for one: named by PostgreSQL.
+                tracing::warn!(table = %self.store.table(), error = %e, "could not create the partitions ahead (rows outside every partition go to DEFAULT meanwhile)");
+                0
+            }
+        }
+    }
+
+    /// Drops the partitions past retention whose rows are all finished, oldest first; returns
+    /// how many it dropped and the ones it kept, with why.
+    async fn retire(&mut self, layout: &Layout) -> (Vec<String>, Vec<(String, KeptFor)>) {
+        let retention = chrono::Duration::from_std(self.cleanup.retention).unwrap_or_default();
+        let cutoff = layout.now - retention;
+        let (mut dropped, mut kept) = (Vec::new(), Vec::new());
+        for p in layout
+            .ranges()
+            .filter(|p| p.upper.is_some_and(|u| u <= cutoff))
+        {
+            match self.store.retire_partition(p).await {
+                Ok(Retired::Dropped) => {
+                    dropped.push(p.name.clone());
+                    tracing::info!(table = %self.store.table(), partition = %p.name, "dropped partition past retention");
+                }
+                Ok(Retired::Kept(why)) => kept.push((p.name.clone(), why)),
+                Ok(Retired::Busy) => break,
+                Err(e) => {
+                    tracing::warn!(table = %self.store.table(), partition = %p.name, error = %e, "could not drop partition past retention");
+                    break;
+                }
+            }
+        }
+        for (name, why) in &kept {
+            if self.kept.get(name) != Some(why) && *why != KeptFor::Locked {
+                tracing::warn!(table = %self.store.table(), partition = %name, reason = why.label(), "partition past retention kept: it holds a {} row (its finished rows are deleted one by one meanwhile)", why.label());
+            }
+        }
+        self.kept = kept.iter().cloned().collect();
+        (dropped, kept)
+    }
+
+    /// Deletes finished rows past retention from `relation` (the table when `None`), a batch
+    /// at a time; returns how many.
+    async fn delete_rows(&self, relation: Option<&str>, shutdown: &CancellationToken) -> u64 {
+        let (retention, batch) = (self.cleanup.retention, self.cleanup.batch_size);
+        let mut total = 0;
+        loop {
+            let result = match relation {
+                Some(r) => self.store.cleanup_batch_in(r, retention, batch).await,
+                None => self.store.cleanup_batch(retention, batch).await,
+            };
+            match result {
+                Ok(n) => {
+                    total += n;
+                    if n < batch as u64 || shutdown.is_cancelled() {
+                        return total;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "retention cleanup skipped");
+                    return total;
+                }
+            }
+        }
+    }
+
+    /// A plain table although `partition_interval` is set, or partitions this role may not
+    /// create or drop: retention deletes rows one by one, after one warning.
+    async fn fall_back(&mut self, layout: &Layout, shutdown: &CancellationToken) {
+        if !self.warned_fallback {
+            self.warned_fallback = true;
+            let t = self.store.table();
+            if layout.partitioned {
+                tracing::warn!(table = %t, "cannot create or drop partitions of {t}: that needs ownership of the table, which this role lacks; retention deletes rows one by one instead, and rows beyond the existing partitions go to DEFAULT");
+            } else {
+                tracing::warn!(table = %t, "database.partition_interval is set but {t} is a plain table: run `outbox-relay migrate` to partition it; retention deletes rows one by one meanwhile");
+            }
+        }
+        if self.cleanup.retention.is_zero() {
+            return;
+        }
+        let deleted = self.delete_rows(None, shutdown).await;
+        if deleted > 0 {
+            tracing::info!(deleted, retention = ?self.cleanup.retention, "deleted sent rows past retention (and expired rows as long past their deadline)");
+        }
+    }
+
+    async fn gauges(
+        &self,
+        layout: &Layout,
+        created: usize,
+        dropped: &[String],
+        kept: &[(String, KeptFor)],
+        default: Option<&str>,
+    ) {
+        let default_rows = match default {
+            Some(d) => self.store.rows_in(d).await.unwrap_or(0),
+            None => 0,
+        };
+        let mut by_reason: BTreeMap<KeptFor, usize> =
+            KeptFor::ALL.iter().map(|k| (*k, 0)).collect();
+        for (_, why) in kept {
+            *by_reason.entry(*why).or_default() += 1;
+        }
+        let left = || layout.ranges().filter(|p| !dropped.contains(&p.name));
+        // The oldest range partition left: a kept one, or the first not yet due.
+        let oldest = left()
+            .find_map(|p| p.upper)
+            .map_or(0.0, |u| (layout.now - u).num_milliseconds() as f64 / 1000.0);
+        self.metrics.partitions(&PartitionGauges {
+            partitions: left().count() + created,
+            default_rows,
+            oldest_age: oldest,
+            kept: by_reason.into_iter().map(|(k, n)| (k.label(), n)).collect(),
+            dropped: dropped.len() as u64,
+        });
+    }
+}
