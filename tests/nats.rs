@@ -10,6 +10,7 @@
 //!   and `outbox_broker_connected` follow the connection.
 //! - kill -9 of the relay 3 times during a 20k drain: the duplicate window leaves 0 duplicates
 //!   in the stream, 0 lost, order kept.
+//! - No acknowledgement within `ack_timeout`: the row is handed back unspent, stored once.
 //! - A stream whose duplicate window is shorter than twice the lease is warned about by `check`
 //!   and at start.
 
@@ -487,6 +488,61 @@ async fn a_duplicate_window_shorter_than_the_lease_needs_is_warned_about_at_star
         .output(&["check"], Duration::from_secs(60))
         .await;
     nowhere.assert_stdout_has("broker: WARNING: no JetStream stream captures subjects under");
+    stream.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test]
+async fn no_ack_within_ack_timeout_hands_the_row_back_without_spending_an_attempt() {
+    let table = TestTable::new("nats_no_ack").await;
+    let stream = NatsStream::new("nats_no_ack").await;
+    let proxy = Proxy::start(NATS_ADDR).await;
+    let relay = nats_relay(
+        &table,
+        &stream,
+        &format!("nats://{}", proxy.addr()),
+        "nats-no-ack",
+    )
+    .set("publisher.nats.ack_timeout", "2s")
+    .spawn();
+    let first = table
+        .insert_one(NewRow::new("order", Some("a-1"), "created", json!({})))
+        .await;
+    table.wait_all_sent(WAIT).await;
+
+    // The publish reaches the stream; its acknowledgement never comes back.
+    proxy.hold_answers();
+    let held = table
+        .insert_one(NewRow::new("order", Some("a-2"), "created", json!({})))
+        .await;
+    stream.wait_count(2, WAIT).await;
+    relay
+        .wait_for_log("no publish acknowledgement within 2s", 1, WAIT)
+        .await;
+    let row = table
+        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
+        .await;
+    assert_eq!(
+        row.attempts, 0,
+        "connection-level: no attempt spent: {row:?}"
+    );
+
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&[first, held]).await;
+    assert_none(
+        "rows",
+        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
+    );
+    // Published twice, stored once: the republish fell in the duplicate window.
+    let ids: Vec<String> = stream
+        .messages()
+        .await
+        .iter()
+        .map(|m| m.id().to_owned())
+        .collect();
+    assert_eq!(ids, [first.to_string(), held.to_string()]);
+    relay.stop().await;
     stream.teardown().await;
     table.drop_table().await;
 }

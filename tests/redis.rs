@@ -8,9 +8,10 @@
 //! other aggregates, a 10 s outage (a proxy cut with rows flowing: nothing lost, no attempt
 //! spent, `/readyz` and `outbox_broker_connected` follow), a relay SIGKILLed three times during
 //! a 20k drain (nothing lost or reordered, duplicates within `max_in_flight` per kill), a
-//! server unreachable at start, a row over the server's `proto-max-bulk-len`, `check`
-//! against a reachable and an unreachable server, and `rediss://` (TLS in front of the server:
-//! a trusted CA relays, an untrusted one spends nothing).
+//! server unreachable at start, no reply within `publisher.redis.timeout` (handed back
+//! unspent), a row over the server's `proto-max-bulk-len`, `check` against a reachable and an
+//! unreachable server, and `rediss://` (TLS in front of the server: a trusted CA relays, an
+//! untrusted one spends nothing).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -639,6 +640,56 @@ async fn rediss_verifies_the_server_and_an_untrusted_certificate_spends_nothing(
         .await;
     assert!(check.status.success(), "{}\n{}", check.stdout, check.stderr);
     check.assert_stdout_has(&format!("broker: ok (redis {url} stream"));
+    relay.stop().await;
+    teardown(table, streams).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reply_within_the_timeout_hands_the_row_back_without_spending_an_attempt() {
+    let test = "redis_no_reply";
+    let table = TestTable::new(test).await;
+    let streams = RedisStreams::new(test).await;
+    let proxy = Proxy::start(REDIS_ADDR).await;
+    let url = format!("redis://{}", proxy.addr());
+    let relay = redis_relay(&table, &url, &streams.template(), test)
+        .set("publisher.redis.timeout", "2s")
+        .spawn();
+    let first = table
+        .insert_one(NewRow::new("reply", Some("r-1"), "created", json!({})))
+        .await;
+    table.wait_all_sent(WAIT).await;
+
+    // The XADD reaches Redis and is appended; its reply never comes back.
+    proxy.hold_answers();
+    let held = table
+        .insert_one(NewRow::new("reply", Some("r-2"), "created", json!({})))
+        .await;
+    streams.wait_for_entries(2, WAIT).await;
+    relay
+        .wait_for_log("handing the row back without spending an attempt", 1, WAIT)
+        .await;
+    let row = table
+        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
+        .await;
+    assert_eq!(
+        row.attempts, 0,
+        "connection-level: no attempt spent: {row:?}"
+    );
+
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&[first, held]).await;
+    assert_none(
+        "rows",
+        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
+    );
+    // At least once: the unanswered XADD was appended, and its republish may be too.
+    let entries = streams.entries(&streams.key("reply")).await;
+    let copies = entries
+        .iter()
+        .filter(|e| e.field("id") == Some(held.to_string()))
+        .count();
+    assert!((1..=2).contains(&copies), "{entries:?}");
     relay.stop().await;
     teardown(table, streams).await;
 }
