@@ -162,7 +162,12 @@ pub async fn check(config: &Config) -> Result<()> {
     }
     let publisher = outbox_relay::publish::build(config);
     match tokio::time::timeout(std::time::Duration::from_secs(15), publisher.connect()).await {
-        Ok(Ok(())) => println!("broker: ok ({})", publisher.describe()),
+        Ok(Ok(())) => {
+            println!("broker: ok ({})", publisher.describe());
+            for advice in publisher.advisories() {
+                println!("broker: WARNING: {advice}");
+            }
+        }
         Ok(Err(e)) => {
             println!("broker: FAILED: {e}");
             failed = true;

@@ -10,6 +10,9 @@
 //!   and `outbox_broker_connected` follow the connection.
 //! - kill -9 of the relay 3 times during a 20k drain: the duplicate window leaves 0 duplicates
 //!   in the stream, 0 lost, order kept.
+//! - No acknowledgement within `ack_timeout`: the row is handed back unspent, stored once.
+//! - A stream whose duplicate window is shorter than twice the lease is warned about by `check`
+//!   and at start.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -428,6 +431,117 @@ async fn kill_9_three_times_during_a_20k_drain_leaves_no_duplicate_in_the_stream
     );
     assert_eq!(messages.len(), 20_000, "the stream holds each row once");
     assert_exactly_once_in_order("3 kill -9 during a 20k drain", &rows, &messages);
+    relay.stop().await;
+    stream.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test]
+async fn a_duplicate_window_shorter_than_the_lease_needs_is_warned_about_at_start_and_by_check() {
+    let table = TestTable::new("nats_window").await;
+    let stream = NatsStream::new("nats_window").await;
+    let check = || {
+        RelayBuilder::operator(&table.name)
+            .set("publisher.kind", "nats")
+            .set("publisher.nats.url", NATS_URL)
+            .set("publisher.nats.subject", stream.subject_template())
+            .set("relay.lease_timeout", "60s")
+            .output(&["check"], Duration::from_secs(60))
+    };
+    // The kit's window (2 min) is twice the lease: nothing to say.
+    let fine = check().await;
+    assert!(fine.status.success(), "{fine:?}");
+    assert!(!fine.stdout.contains("WARNING"), "{fine:?}");
+
+    stream.set_duplicate_window(Duration::from_secs(10)).await;
+    let short = check().await;
+    assert!(short.status.success(), "advice, not a failure: {short:?}");
+    let said = format!(
+        "broker: WARNING: stream {:?} has a duplicate window of 10s but relay.lease_timeout is 1m",
+        stream.name
+    );
+    short.assert_stdout_has(&said);
+    short.assert_stdout_has("set the stream's duplicate_window to at least 2m");
+
+    // `run` says the same once, at its first connect, and relays all the same.
+    let relay = nats_relay(&table, &stream, NATS_URL, "nats-window")
+        .set("relay.lease_timeout", "60s")
+        .spawn();
+    let id = table
+        .insert_one(NewRow::new("order", Some("w-1"), "created", json!({})))
+        .await;
+    table.wait_all_sent(WAIT).await;
+    relay
+        .wait_for_log("has a duplicate window of 10s", 1, WAIT)
+        .await;
+    assert_eq!(relay.log_count("has a duplicate window of"), 1);
+    assert_eq!(stream.messages().await[0].id(), id.to_string());
+    relay.stop().await;
+
+    // A template no stream captures is said too.
+    let nowhere = RelayBuilder::operator(&table.name)
+        .set("publisher.kind", "nats")
+        .set(
+            "publisher.nats.subject",
+            format!("{}-none.{{aggregate_type}}", stream.prefix),
+        )
+        .output(&["check"], Duration::from_secs(60))
+        .await;
+    nowhere.assert_stdout_has("broker: WARNING: no JetStream stream captures subjects under");
+    stream.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test]
+async fn no_ack_within_ack_timeout_hands_the_row_back_without_spending_an_attempt() {
+    let table = TestTable::new("nats_no_ack").await;
+    let stream = NatsStream::new("nats_no_ack").await;
+    let proxy = Proxy::start(NATS_ADDR).await;
+    let relay = nats_relay(
+        &table,
+        &stream,
+        &format!("nats://{}", proxy.addr()),
+        "nats-no-ack",
+    )
+    .set("publisher.nats.ack_timeout", "2s")
+    .spawn();
+    let first = table
+        .insert_one(NewRow::new("order", Some("a-1"), "created", json!({})))
+        .await;
+    table.wait_all_sent(WAIT).await;
+
+    // The publish reaches the stream; its acknowledgement never comes back.
+    proxy.hold_answers();
+    let held = table
+        .insert_one(NewRow::new("order", Some("a-2"), "created", json!({})))
+        .await;
+    stream.wait_count(2, WAIT).await;
+    relay
+        .wait_for_log("no publish acknowledgement within 2s", 1, WAIT)
+        .await;
+    let row = table
+        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
+        .await;
+    assert_eq!(
+        row.attempts, 0,
+        "connection-level: no attempt spent: {row:?}"
+    );
+
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&[first, held]).await;
+    assert_none(
+        "rows",
+        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
+    );
+    // Published twice, stored once: the republish fell in the duplicate window.
+    let ids: Vec<String> = stream
+        .messages()
+        .await
+        .iter()
+        .map(|m| m.id().to_owned())
+        .collect();
+    assert_eq!(ids, [first.to_string(), held.to_string()]);
     relay.stop().await;
     stream.teardown().await;
     table.drop_table().await;

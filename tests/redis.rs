@@ -8,8 +8,10 @@
 //! other aggregates, a 10 s outage (a proxy cut with rows flowing: nothing lost, no attempt
 //! spent, `/readyz` and `outbox_broker_connected` follow), a relay SIGKILLed three times during
 //! a 20k drain (nothing lost or reordered, duplicates within `max_in_flight` per kill), a
-//! server unreachable at start, a row over the server's `proto-max-bulk-len`, and `check`
-//! against a reachable and an unreachable server.
+//! server unreachable at start, no reply within `publisher.redis.timeout` (handed back
+//! unspent), a row over the server's `proto-max-bulk-len`, `check` against a reachable and an
+//! unreachable server, and `rediss://` (TLS in front of the server: a trusted CA relays, an
+//! untrusted one spends nothing).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -22,10 +24,11 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
+use common::kafka::{TlsFront, write_unrelated_ca};
 use common::{
-    NewRow, Proxy, REDIS_ADDR, REDIS_URL, RedisStreams, RelayBuilder, RowState, TestTable, analyse,
-    assert_none, expected_row_headers, free_port, http_get, local, not_sent_once, redis_relay,
-    scrape, spawn_steady_writer, time_problem, wait_until,
+    NewRow, Proxy, REDIS_ADDR, REDIS_URL, RedisStreams, RelayBuilder, RowState, TempDir, TestTable,
+    analyse, assert_none, expected_row_headers, free_port, http_get, local, not_sent_once,
+    redis_relay, scrape, spawn_steady_writer, time_problem, wait_until,
 };
 use redis::AsyncCommands;
 use serde_json::{Value, json};
@@ -587,6 +590,106 @@ async fn a_row_over_the_servers_bulk_limit_is_one_failed_row() {
         .await;
     assert_eq!(streams.len(&streams.key("ok")).await, ok.len());
     assert_eq!(streams.len(&streams.key("huge")).await, 0);
+    relay.stop().await;
+    teardown(table, streams).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_verifies_the_server_and_an_untrusted_certificate_spends_nothing() {
+    let test = "redis_tls";
+    let (table, streams, _) = setup(test).await;
+    let dir = TempDir::new(test);
+    // TLS terminated in front of the local server, with a certificate from a fresh CA.
+    let front = TlsFront::start(6379, dir.path()).await;
+    let url = format!("rediss://127.0.0.1:{}", front.addr().port());
+    let ids = table
+        .insert_ids(&NewRow::numbered(20, "tls", Some(("T", 4)), "created"))
+        .await;
+
+    // A relay that trusts another CA: handshakes fail, nothing is claimed or spent.
+    let unrelated = write_unrelated_ca(dir.path());
+    let untrusting = redis_relay(&table, &url, &streams.template(), "redis-tls-untrusted")
+        .env("SSL_CERT_FILE", unrelated.display().to_string())
+        .spawn();
+    common::wait_for_count(WAIT, "two failed handshakes", 2, || {
+        front.handshakes_failed()
+    })
+    .await;
+    assert_eq!(table.count_where("attempts > 0").await, 0);
+    assert_eq!(streams.keys().await, Vec::<String>::new());
+    untrusting.stop().await;
+
+    let relay = redis_relay(&table, &url, &streams.template(), "redis-tls")
+        .env("SSL_CERT_FILE", front.ca_pem.display().to_string())
+        .spawn();
+    table.wait_all_sent(WAIT).await;
+    let rows: Vec<RowState> = table.rows_by_id(&ids).await.into_values().collect();
+    assert_none("rows not sent once", &not_sent_once(&rows));
+    streams
+        .analyse(&rows)
+        .await
+        .assert_exactly_once("over rediss://");
+    assert!(front.handshakes_ok() >= 1);
+
+    // `check` over TLS too.
+    let check = RelayBuilder::operator(&table.name)
+        .set("publisher.kind", "redis")
+        .set("publisher.redis.url", &url)
+        .env("SSL_CERT_FILE", front.ca_pem.display().to_string())
+        .output(&["check"], Duration::from_secs(30))
+        .await;
+    assert!(check.status.success(), "{}\n{}", check.stdout, check.stderr);
+    check.assert_stdout_has(&format!("broker: ok (redis {url} stream"));
+    relay.stop().await;
+    teardown(table, streams).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reply_within_the_timeout_hands_the_row_back_without_spending_an_attempt() {
+    let test = "redis_no_reply";
+    let table = TestTable::new(test).await;
+    let streams = RedisStreams::new(test).await;
+    let proxy = Proxy::start(REDIS_ADDR).await;
+    let url = format!("redis://{}", proxy.addr());
+    let relay = redis_relay(&table, &url, &streams.template(), test)
+        .set("publisher.redis.timeout", "2s")
+        .spawn();
+    let first = table
+        .insert_one(NewRow::new("reply", Some("r-1"), "created", json!({})))
+        .await;
+    table.wait_all_sent(WAIT).await;
+
+    // The XADD reaches Redis and is appended; its reply never comes back.
+    proxy.hold_answers();
+    let held = table
+        .insert_one(NewRow::new("reply", Some("r-2"), "created", json!({})))
+        .await;
+    streams.wait_for_entries(2, WAIT).await;
+    relay
+        .wait_for_log("handing the row back without spending an attempt", 1, WAIT)
+        .await;
+    let row = table
+        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
+        .await;
+    assert_eq!(
+        row.attempts, 0,
+        "connection-level: no attempt spent: {row:?}"
+    );
+
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&[first, held]).await;
+    assert_none(
+        "rows",
+        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
+    );
+    // At least once: the unanswered XADD was appended, and its republish may be too.
+    let entries = streams.entries(&streams.key("reply")).await;
+    let copies = entries
+        .iter()
+        .filter(|e| e.field("id") == Some(held.to_string()))
+        .count();
+    assert!((1..=2).contains(&copies), "{entries:?}");
     relay.stop().await;
     teardown(table, streams).await;
 }

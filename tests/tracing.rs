@@ -1,8 +1,11 @@
 //! OpenTelemetry traces (docs/tracing.md) over the real wire: the
 //! relay binary exports OTLP (HTTP/protobuf, or gRPC) to the test kit's receiver
-//! (`otlp::OtlpReceiver`, decoded with `opentelemetry-proto`), and the consumers on RabbitMQ and
-//! Kafka, and the webhook endpoint, read the `traceparent` each message carries. Span and trace
-//! ids are checked against the row's `traceparent` and against what the consumer received.
+//! (`otlp::OtlpReceiver`, decoded with `opentelemetry-proto`), and the consumers on RabbitMQ,
+//! Kafka, NATS JetStream (a message header) and Redis Streams (the entry's `headers` field),
+//! and the webhook endpoint, read the `traceparent` each message carries. Span and trace ids
+//! are checked against the row's `traceparent` and against what the consumer received; a row
+//! whose first attempt fails (unroutable on RabbitMQ, no stream for its subject on NATS,
+//! `WRONGTYPE` on Redis) has two spans in its trace, the first with error status.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -12,12 +15,13 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::kafka::Record;
+use common::nats::{NATS_URL, NatsStream, nats_relay};
 use common::otlp::{KIND_PRODUCER, OtlpReceiver, Protocol, ReceivedSpan, STATUS_ERROR};
 use common::transport::{Sink, Transport};
 use common::webhook::{Endpoint, Reply};
 use common::{
-    NewRow, RelayBuilder, RelayProcess, TestTable, free_port, sample, scrape, spawn_paced_writer,
-    table_and_exchange, wait_for_sample, wait_until,
+    NewRow, REDIS_URL, RedisStreams, RelayBuilder, RelayProcess, TestTable, free_port, redis_relay,
+    sample, scrape, spawn_paced_writer, table_and_exchange, wait_for_sample, wait_until,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -64,6 +68,22 @@ async fn received_headers(sink: &Sink, id: Uuid) -> BTreeMap<String, String> {
 enum Target {
     Broker(Sink),
     Webhook(Endpoint),
+    /// The test's stream, capturing `<prefix>.>`; subjects `<prefix>.{aggregate_type}.{event_type}`.
+    Nats(NatsStream),
+    /// The test's stream keys `<prefix>.{aggregate_type}`.
+    Redis(RedisStreams),
+}
+
+/// The aggregate type whose messages [`Target::parking`] makes fail until
+/// [`Target::unpark`].
+const PARKED: &str = "parked";
+
+/// A broker on which a message can be made to fail at first ([`Target::parking`]).
+#[derive(Debug, Clone, Copy)]
+enum Parking {
+    RabbitMq,
+    Nats,
+    Redis,
 }
 
 impl Target {
@@ -76,6 +96,66 @@ impl Target {
         Self::Webhook(Endpoint::start(|_| Reply::status(200)).await)
     }
 
+    async fn nats(test: &str) -> Self {
+        Self::Nats(NatsStream::new(test).await)
+    }
+
+    async fn redis(test: &str) -> Self {
+        Self::Redis(RedisStreams::new(test).await)
+    }
+
+    /// `test`'s destination on `broker`, refusing the messages of [`PARKED`] rows (a
+    /// message-level failure) until [`Target::unpark`]: on RabbitMQ their routing key is
+    /// unroutable (the queue is bound to `ok.#` only), on NATS no stream captures their subject,
+    /// on Redis their stream key holds a string (`WRONGTYPE`).
+    async fn parking(broker: Parking, test: &str) -> Self {
+        match broker {
+            Parking::RabbitMq => {
+                Self::Broker(Sink::new(Transport::RabbitMq, test, "ok.#", &[]).await)
+            }
+            Parking::Nats => {
+                let stream = NatsStream::new(test).await;
+                stream
+                    .set_subjects(&[format!("{}.ok.>", stream.prefix)])
+                    .await;
+                Self::Nats(stream)
+            }
+            Parking::Redis => {
+                let streams = RedisStreams::new(test).await;
+                let key = streams.key(PARKED);
+                let _: () = redis::AsyncCommands::set(&mut streams.conn(), &key, "not a stream")
+                    .await
+                    .unwrap();
+                Self::Redis(streams)
+            }
+        }
+    }
+
+    /// Lets [`PARKED`] messages through from now on.
+    async fn unpark(&self) {
+        match self {
+            Self::Broker(Sink::RabbitMq(rabbit)) => rabbit.bind(&format!("{PARKED}.#")).await,
+            Self::Nats(stream) => stream.set_subjects(&[format!("{}.>", stream.prefix)]).await,
+            Self::Redis(streams) => {
+                let key = streams.key(PARKED);
+                let _: () = redis::AsyncCommands::del(&mut streams.conn(), &key)
+                    .await
+                    .unwrap();
+            }
+            Self::Broker(Sink::Kafka { .. }) | Self::Webhook(_) => unreachable!("never parked"),
+        }
+    }
+
+    /// Words of which the error status of a refused [`PARKED`] message holds one.
+    fn refusal(&self) -> &'static [&'static str] {
+        match self {
+            Self::Broker(Sink::RabbitMq(_)) => &["unroutable", "NO_ROUTE"],
+            Self::Nats(_) => &["no JetStream stream captures"],
+            Self::Redis(_) => &["WRONGTYPE"],
+            Self::Broker(Sink::Kafka { .. }) | Self::Webhook(_) => &[],
+        }
+    }
+
     fn relay(&self, table: &TestTable, instance: &str) -> RelayBuilder {
         match self {
             Self::Broker(sink) => sink.relay(table, instance),
@@ -85,6 +165,8 @@ impl Target {
                     "publisher.http.url",
                     endpoint.url("/hooks/{aggregate_type}?token=t"),
                 ),
+            Self::Nats(stream) => nats_relay(table, stream, NATS_URL, instance),
+            Self::Redis(streams) => redis_relay(table, REDIS_URL, &streams.template(), instance),
         }
     }
 
@@ -94,13 +176,37 @@ impl Target {
             Self::Broker(Sink::RabbitMq(rabbit)) => ("rabbitmq", rabbit.exchange.clone()),
             Self::Broker(Sink::Kafka { topics, .. }) => ("kafka", topics[0].clone()),
             Self::Webhook(_) => ("http", "127.0.0.1/hooks/order".to_owned()),
+            Self::Nats(stream) => ("nats", format!("{}.order.created", stream.prefix)),
+            Self::Redis(streams) => ("redis", streams.key("order")),
         }
     }
 
-    /// The headers message `id` arrived with (a webhook's, names lower-cased).
+    /// The headers message `id` arrived with (a webhook's, names lower-cased; a Redis entry's
+    /// `headers` field).
     async fn received_headers(&self, id: Uuid) -> BTreeMap<String, String> {
+        let id_text = id.to_string();
         match self {
             Self::Broker(sink) => received_headers(sink, id).await,
+            Self::Nats(stream) => {
+                let message = wait_until(WAIT, "the message reaches the stream", async || {
+                    let mut messages = stream.messages().await.into_iter();
+                    let found = messages.find(|m| m.id() == id_text);
+                    found.ok_or_else(|| "not yet".to_owned())
+                })
+                .await;
+                message.headers
+            }
+            Self::Redis(streams) => {
+                let entry = wait_until(WAIT, "the entry reaches the stream", async || {
+                    let all = streams.all_entries().await;
+                    let mut entries = all.into_values().flatten();
+                    let found = entries.find(|e| e.field("id").as_ref() == Some(&id_text));
+                    found.ok_or_else(|| "not yet".to_owned())
+                })
+                .await;
+                let headers = entry.field("headers").expect("a headers field");
+                serde_json::from_str(&headers).expect("the headers field is a JSON object")
+            }
             Self::Webhook(endpoint) => {
                 let id = id.to_string();
                 let request = wait_until(WAIT, "the request reaches the endpoint", async || {
@@ -119,6 +225,16 @@ impl Target {
             Self::Broker(sink) => sink.finish(relay, table).await,
             Self::Webhook(_) => {
                 relay.stop().await;
+                table.drop_table().await;
+            }
+            Self::Nats(stream) => {
+                relay.stop().await;
+                stream.teardown().await;
+                table.drop_table().await;
+            }
+            Self::Redis(streams) => {
+                relay.stop().await;
+                streams.teardown().await;
                 table.drop_table().await;
             }
         }
@@ -204,6 +320,18 @@ async fn kafka_messages_continue_the_rows_trace() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_messages_continue_the_rows_trace() {
+    let target = Target::nats("trace_nats").await;
+    continues_the_rows_trace(target, Protocol::HttpProtobuf, "trace_nats").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_entries_continue_the_rows_trace() {
+    let target = Target::redis("trace_redis").await;
+    continues_the_rows_trace(target, Protocol::HttpProtobuf, "trace_redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn webhook_requests_continue_the_rows_trace() {
     let target = Target::webhook().await;
     continues_the_rows_trace(target, Protocol::HttpProtobuf, "trace_webhook").await;
@@ -215,20 +343,19 @@ async fn spans_reach_a_grpc_collector() {
     continues_the_rows_trace(target, Protocol::Grpc, "trace_grpc").await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retried_row_has_a_span_per_attempt_in_its_trace() {
+/// A [`PARKED`] row whose first attempt `target` refuses (see [`Target::parking`]), let
+/// through before the second: two spans in the row's trace, the first with error status, and
+/// the message carries the second's context.
+async fn a_retried_row_has_two_spans_in_its_trace(broker: Parking, test: &str) {
     let receiver = OtlpReceiver::start().await;
-    let table = TestTable::new("trace_retry").await;
-    // Only `ok.#` reaches the queue: `parked.created` is unroutable until bound below.
-    let sink = Sink::new(Transport::RabbitMq, "trace_retry", "ok.#", &[]).await;
-    let Sink::RabbitMq(rabbit) = &sink else {
-        unreachable!()
-    };
-    let relay = traced(sink.relay(&table, "trace_retry"), &receiver)
-        .set("retry.base_delay", "300ms")
+    let table = TestTable::new(test).await;
+    let target = Target::parking(broker, test).await;
+    // 1 s between the attempts: time for the test to see the failure and unpark.
+    let relay = traced(target.relay(&table, test), &receiver)
+        .set("retry.base_delay", "1s")
         .set("retry.jitter", "0")
         .spawn();
-    let row = NewRow::new("parked", Some("p-1"), "created", json!({}))
+    let row = NewRow::new(PARKED, Some("p-1"), "created", json!({}))
         .headers(json!({"traceparent": traceparent("01")}));
     let id = table.insert_one(row).await;
     let failed = table
@@ -237,7 +364,7 @@ async fn a_retried_row_has_a_span_per_attempt_in_its_trace() {
         })
         .await;
     assert!(failed.last_error.is_some(), "{failed:?}");
-    rabbit.bind("parked.#").await;
+    target.unpark().await;
     table.wait_all_sent(WAIT).await;
 
     let mut spans = receiver
@@ -260,13 +387,31 @@ async fn a_retried_row_has_a_span_per_attempt_in_its_trace() {
     );
     assert_eq!(first.status_code, STATUS_ERROR, "{first:?}");
     assert!(
-        first.status_message.contains("unroutable") || first.status_message.contains("NO_ROUTE"),
+        target
+            .refusal()
+            .iter()
+            .any(|word| first.status_message.contains(word)),
         "{first:?}"
     );
     assert_eq!(second.status_code, 0, "{second:?}");
-    let headers = received_headers(&sink, id).await;
+    let headers = target.received_headers(id).await;
     assert_eq!(headers["traceparent"], second.traceparent());
-    sink.finish(relay, table).await;
+    target.finish(relay, table).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_row_has_a_span_per_attempt_in_its_trace() {
+    a_retried_row_has_two_spans_in_its_trace(Parking::RabbitMq, "trace_retry").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_nats_message_has_a_span_per_attempt_in_its_trace() {
+    a_retried_row_has_two_spans_in_its_trace(Parking::Nats, "trace_nats_retry").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_redis_entry_has_a_span_per_attempt_in_its_trace() {
+    a_retried_row_has_two_spans_in_its_trace(Parking::Redis, "trace_redis_retry").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -376,6 +376,21 @@ impl RawRedis {
                 format!("{shown}: the path must be a database number, not {db:?}"),
             ));
         }
+        if parsed.fragment().is_some() {
+            return Err(ConfigError::invalid(
+                key,
+                format!(
+                    "{shown} has a #fragment; certificate checks cannot be turned off (trust a private CA with SSL_CERT_FILE instead)"
+                ),
+            ));
+        }
+        // Whatever else the client would refuse when it connects (a query it does not know).
+        ::redis::Client::open(self.url.as_str()).map_err(|e| {
+            ConfigError::invalid(
+                key,
+                format!("{shown} is not usable by the Redis client: {e}"),
+            )
+        })?;
         let stream = Template::parse(&self.stream)
             .map_err(|e| ConfigError::invalid("publisher.redis.stream", e.to_string()))?;
         if self.max_len == Some(0) {
@@ -730,6 +745,16 @@ mod tests {
             "invalid value for publisher.redis.timeout: must be greater than zero",
         );
         err_has(&format!("{redis}maxlen = 5\n"), &["maxlen"], &[]);
+        err_has(
+            &format!("{redis}url = \"rediss://:hunter2@h#insecure\"\n"),
+            &["publisher.redis.url", "#fragment", "SSL_CERT_FILE"],
+            &["hunter2"],
+        );
+        err_has(
+            &format!("{redis}url = \"rediss://:hunter2@h/0?protocol=resp9\"\n"),
+            &["publisher.redis.url", "not usable by the Redis client"],
+            &["hunter2"],
+        );
     }
 
     #[test]

@@ -40,12 +40,28 @@ pub fn build(config: &Config) -> Arc<dyn Publisher> {
             Arc::new(kafka::KafkaPublisher::for_ordering(c.clone(), ordering))
         }
         PublisherConfig::Stdout => Arc::new(stdout::StdoutPublisher::new()),
-        PublisherConfig::Nats(c) => Arc::new(nats::NatsPublisher::new(
-            c.clone(),
-            config.relay.max_in_flight,
-        )),
+        PublisherConfig::Nats(c) => Arc::new(
+            nats::NatsPublisher::new(c.clone(), config.relay.max_in_flight)
+                .with_window_audit(nats_window_audit(config, c)),
+        ),
         PublisherConfig::Redis(c) => Arc::new(redis::RedisPublisher::new(c.clone())),
         PublisherConfig::Http(c) => Arc::new(http::HttpPublisher::new(c.clone())),
+    }
+}
+
+/// The duplicate-window check for `config`'s subject templates (the publisher's, unless every
+/// outbox has its own) against its lease.
+fn nats_window_audit(config: &Config, nats: &crate::config::NatsConfig) -> nats::WindowAudit {
+    let mut templates: Vec<crate::template::Template> = Vec::new();
+    for outbox in &config.outboxes {
+        let template = outbox.route.as_ref().unwrap_or(&nats.subject);
+        if !templates.iter().any(|t| t.as_str() == template.as_str()) {
+            templates.push(template.clone());
+        }
+    }
+    nats::WindowAudit {
+        lease: config.relay.lease_timeout,
+        templates,
     }
 }
 
@@ -108,6 +124,13 @@ pub trait Publisher: Send + Sync + 'static {
     /// that overrides `publish_run` to pipeline says so here, or traced runs lose its pipelining.
     fn pipelines_runs(&self) -> bool {
         false
+    }
+
+    /// Advice about the broker's setup found when it connected (a NATS stream whose duplicate
+    /// window is shorter than the lease needs): `check` prints it; the publisher logs it as
+    /// warnings itself.
+    fn advisories(&self) -> Vec<String> {
+        Vec::new()
     }
 
     /// `messaging.destination.name` of a message's publish span: where it goes, in the

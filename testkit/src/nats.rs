@@ -102,6 +102,17 @@ impl NatsStream {
             .unwrap_or_else(|e| panic!("cannot update stream {}: {e}", self.name));
     }
 
+    /// Gives the stream a duplicate window of `window` from now on.
+    pub async fn set_duplicate_window(&self, window: Duration) {
+        let mut stream = self.js.get_stream(&self.name).await.expect("get stream");
+        let mut config = stream.info().await.expect("stream info").config.clone();
+        config.duplicate_window = window;
+        self.js
+            .update_stream(config)
+            .await
+            .unwrap_or_else(|e| panic!("cannot update stream {}: {e}", self.name));
+    }
+
     /// `<prefix>.{aggregate_type}.{event_type}`: the relay's default subject under the prefix.
     pub fn subject_template(&self) -> String {
         format!("{}.{{aggregate_type}}.{{event_type}}", self.prefix)

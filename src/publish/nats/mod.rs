@@ -18,18 +18,21 @@
 //! before anything sent after it.
 //!
 //! Files: `url` (the server URL and its credentials), `wire` (subject and headers),
-//! `classify` (errors to outcomes).
+//! `classify` (errors to outcomes), `window` (the streams' duplicate windows against the
+//! lease, checked at the first connect).
 
 mod classify;
 mod url;
+mod window;
 mod wire;
 
 pub use classify::classify;
 pub use url::{Credentials, ServerUrl, redact};
+pub use window::{WindowAudit, filter_of, required_window};
 pub use wire::{check_subject, is_own};
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -79,6 +82,10 @@ pub struct NatsPublisher {
     up: Arc<AtomicBool>,
     /// Counts lost connections: a publish waiting for its ack gives up when it changes.
     lost: Arc<watch::Sender<u64>>,
+    /// The duplicate-window check run at the first successful connect, if any.
+    audit: Option<WindowAudit>,
+    /// What that check found (see [`Publisher::advisories`]); `None` until it ran.
+    advisories: Mutex<Option<Vec<String>>>,
 }
 
 impl NatsPublisher {
@@ -93,7 +100,39 @@ impl NatsPublisher {
             connecting: tokio::sync::Mutex::new(()),
             up: Arc::new(AtomicBool::new(false)),
             lost: Arc::new(watch::channel(0).0),
+            audit: None,
+            advisories: Mutex::new(None),
         }
+    }
+
+    /// Checks, at the first successful connect, that the streams capturing the subjects keep
+    /// duplicates out for long enough (see [`WindowAudit`]).
+    pub fn with_window_audit(mut self, audit: WindowAudit) -> Self {
+        self.audit = Some(audit);
+        self
+    }
+
+    /// Runs the duplicate-window check once, logging each finding as a warning.
+    async fn audit_once(&self, live: &Live) {
+        let Some(audit) = &self.audit else {
+            return;
+        };
+        if self
+            .advisories
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+        {
+            return;
+        }
+        let wait = CONNECTION_TIMEOUT.min(self.cfg.ack_timeout);
+        let found = tokio::time::timeout(wait, audit.warnings(&live.js))
+            .await
+            .unwrap_or_default();
+        for warning in &found {
+            tracing::warn!("{warning}");
+        }
+        *self.advisories.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
     }
 
     fn live(&self) -> Option<Live> {
@@ -251,8 +290,14 @@ impl Publisher for NatsPublisher {
             }
         };
         self.probe(&live).await?;
+        self.audit_once(&live).await;
         self.up.store(true, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn advisories(&self) -> Vec<String> {
+        let found = self.advisories.lock().unwrap_or_else(|p| p.into_inner());
+        found.clone().unwrap_or_default()
     }
 
     fn is_connected(&self) -> bool {
