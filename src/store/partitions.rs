@@ -578,8 +578,9 @@ impl Store {
         let name = bound_constraint(&self.table);
         let found = client
             .query_opt(
-                "SELECT (regexp_match(pg_get_constraintdef(oid), '''([^'']+)'''))[1]::timestamptz \
-                   FROM pg_constraint WHERE conrelid = to_regclass($1) AND conname = $2",
+                "SELECT CASE WHEN m ~ '^\\d{4}-\\d\\d-\\d\\d' THEN m::timestamptz END \
+                   FROM (SELECT (regexp_match(pg_get_constraintdef(oid), '''([^'']+)'''))[1] AS m \
+                           FROM pg_constraint WHERE conrelid = to_regclass($1) AND conname = $2) c",
                 &[&t, &name],
             )
             .await?;

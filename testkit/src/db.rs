@@ -457,6 +457,41 @@ impl TestTable {
         Self { name, db }
     }
 
+    /// Creates `it_<test>_<hex>` partitioned by `created_at` every `interval`, with
+    /// `outbox-relay migrate` and `database.partition_interval`, as an operator would.
+    pub async fn partitioned(test: &str, interval: &str) -> Self {
+        let name = format!("it_{}_{}", slug(test, 24), hex8());
+        let out = RelayBuilder::operator(&name)
+            .set("database.partition_interval", interval)
+            .output(&["migrate"], Duration::from_secs(60))
+            .await;
+        assert!(
+            out.status.success() && out.stdout.contains("partitioned by created_at"),
+            "outbox-relay migrate {name} (partitioned) failed: {}\n{}\n{}",
+            out.status,
+            out.stdout,
+            out.stderr
+        );
+        Self {
+            name,
+            db: pg_connect().await,
+        }
+    }
+
+    /// The table's partitions (bare names, DEFAULT included), by name.
+    pub async fn partitions(&self) -> Vec<String> {
+        let rows = self
+            .db
+            .query(
+                "SELECT c.relname::text FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
+                  WHERE i.inhparent = to_regclass($1) ORDER BY 1",
+                &[&self.name],
+            )
+            .await
+            .expect("list partitions");
+        rows.iter().map(|r| r.get(0)).collect()
+    }
+
     /// The CloudEvents `source` the relay uses by default for this table.
     pub fn default_source(&self) -> String {
         format!("/outbox/test/{}", self.name)

@@ -1,0 +1,393 @@
+//! Partitioned outbox tables (docs/operations.md#partitioned-tables): partitions made ahead,
+//! rows outside them caught by DEFAULT and relayed, retention dropping finished partitions and
+//! keeping one that holds a dead letter until it is retried or discarded, the in-place
+//! conversion of a plain table while a writer inserts and a relay runs, a conversion an
+//! interrupted `migrate` left half done, and a table `migrate` refuses to partition.
+//!
+//! The real binary against the local PostgreSQL and RabbitMQ, one-minute partitions, a table
+//! and exchange per test.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
+
+mod common;
+
+use std::time::Duration;
+
+use common::{
+    NewRow, RabbitFixture, RelayBuilder, TestTable, finish, free_port, spawn_paced_writer,
+    wait_for_sample, wait_until,
+};
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(90);
+
+fn relay(table: &TestTable, rabbit: &RabbitFixture, label: &str) -> RelayBuilder {
+    RelayBuilder::for_test(table, rabbit, label)
+        .ordered()
+        .set("database.partition_interval", "1m")
+        .set("cleanup.interval", "1s")
+}
+
+/// Inserts a row of aggregate `aggregate` whose `created_at` is `offset` from now (an SQL
+/// interval), with `status` and, for a sent row, `sent_at` as long ago as its creation.
+async fn insert_at(table: &TestTable, aggregate: &str, offset: &str, status: &str) -> Uuid {
+    let sql = format!(
+        "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, attempts, \
+                         created_at, sent_at, last_error) \
+         VALUES ('part', $1, 'placed', '{{}}', $2, CASE WHEN $2 = 'pending' THEN 0 ELSE 1 END, \
+                 now() + $3::text::interval, CASE WHEN $2 = 'sent' THEN now() + $3::text::interval END, \
+                 CASE WHEN $2 = 'failed' THEN 'refused by the test' END) RETURNING id",
+        table.name
+    );
+    table
+        .db
+        .query_one(&sql, &[&aggregate, &status, &offset])
+        .await
+        .expect("insert a dated row")
+        .get(0)
+}
+
+/// The partition (bare name) that holds row `id`.
+async fn partition_of(table: &TestTable, id: Uuid) -> String {
+    let sql = format!(
+        "SELECT tableoid::regclass::text FROM {} WHERE id = $1",
+        table.name
+    );
+    table.db.query_one(&sql, &[&id]).await.unwrap().get(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_are_made_ahead_and_rows_outside_them_go_to_default_and_are_relayed() {
+    let table = TestTable::partitioned("part_ahead", "1m").await;
+    let rabbit = RabbitFixture::new("part_ahead", "#", "it.barrier").await;
+    let first = table.partitions().await;
+    let ranges: Vec<&String> = first.iter().filter(|p| !p.ends_with("_default")).collect();
+    assert!(
+        ranges.len() >= 2 && first.contains(&format!("{}_default", table.name)),
+        "migrate makes partitions at least two intervals ahead and a DEFAULT one: {first:?}"
+    );
+
+    let mut rows = table
+        .insert_ids(&NewRow::numbered(40, "part", Some(("a-", 4)), "placed"))
+        .await;
+    let ahead = insert_at(&table, "a-0", "1 day", "pending").await;
+    let behind = insert_at(&table, "a-1", "-1 day", "pending").await;
+    let default = format!("{}_default", table.name);
+    assert_eq!(partition_of(&table, ahead).await, default);
+    assert_eq!(partition_of(&table, behind).await, default);
+    assert!(partition_of(&table, rows[0]).await.contains("_p20"));
+    rows.extend([ahead, behind]);
+
+    let port = free_port();
+    let relay = relay(&table, &rabbit, "part-ahead")
+        .set("cleanup.retention", "1h")
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .spawn();
+    table.wait_all_sent(WAIT).await;
+    rabbit.barrier().await;
+    let expected = table.rows().await;
+    rabbit
+        .analyse(&expected)
+        .assert_exactly_once("partitioned table");
+    let outbox = [("outbox", table.name.as_str())];
+    let in_default = wait_for_sample(port, WAIT, "outbox_default_partition_rows", &outbox, |n| {
+        n == 2.0
+    })
+    .await;
+    assert_eq!(in_default, 2.0, "the rows outside every range are counted");
+    wait_for_sample(port, WAIT, "outbox_partitions", &outbox, |n| n >= 2.0).await;
+
+    // As time passes the relay keeps partitions ahead: within a minute and a half a
+    // partition that migrate did not make appears.
+    let made = wait_until(WAIT, "a partition made ahead by the relay", async || {
+        let now = table.partitions().await;
+        match now.iter().find(|p| !first.contains(p)) {
+            Some(p) => Ok(p.clone()),
+            None => Err(format!("{now:?}")),
+        }
+    })
+    .await;
+    assert!(made.starts_with(&format!("{}_p20", table.name)), "{made}");
+    finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_drops_finished_partitions_and_keeps_one_holding_a_dead_letter_until_it_is_dealt_with()
+ {
+    let table = TestTable::partitioned("part_retention", "1m").await;
+    let rabbit = RabbitFixture::new("part_retention", "#", "it.barrier").await;
+    let t = &table.name;
+    // Three partitions of half an hour ago, made by hand (the relay treats any range
+    // partition alike): one of sent and expired rows, two holding a dead letter each.
+    table
+        .db
+        .batch_execute(&format!(
+            "CREATE TABLE {t}_old_a PARTITION OF {t} FOR VALUES \
+               FROM (date_trunc('minute', now()) - interval '33 minutes') \
+               TO (date_trunc('minute', now()) - interval '32 minutes'); \
+             CREATE TABLE {t}_old_b PARTITION OF {t} FOR VALUES \
+               FROM (date_trunc('minute', now()) - interval '32 minutes') \
+               TO (date_trunc('minute', now()) - interval '31 minutes'); \
+             CREATE TABLE {t}_old_c PARTITION OF {t} FOR VALUES \
+               FROM (date_trunc('minute', now()) - interval '31 minutes') \
+               TO (date_trunc('minute', now()) - interval '30 minutes');"
+        ))
+        .await
+        .unwrap();
+    for i in 0..5 {
+        insert_at(&table, &format!("s-{i}"), "-33 minutes", "sent").await;
+    }
+    let expired = insert_at(&table, "x-0", "-33 minutes", "pending").await;
+    table
+        .db
+        .execute(
+            &format!("UPDATE {t} SET status = 'expired', expires_at = created_at WHERE id = $1"),
+            &[&expired],
+        )
+        .await
+        .unwrap();
+    let kept_sent = insert_at(&table, "k-0", "-32 minutes", "sent").await;
+    let retried = insert_at(&table, "k-1", "-32 minutes", "failed").await;
+    let discarded = insert_at(&table, "k-2", "-31 minutes", "failed").await;
+    assert_eq!(partition_of(&table, retried).await, format!("{t}_old_b"));
+
+    let port = free_port();
+    let relay = relay(&table, &rabbit, "part-retention")
+        .set("cleanup.retention", "5m")
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .spawn();
+    let outbox = [("outbox", t.as_str())];
+    let kept = [("outbox", t.as_str()), ("reason", "failed")];
+    wait_for_sample(port, WAIT, "outbox_partitions_kept", &kept, |n| n == 2.0).await;
+    let parts = table.partitions().await;
+    assert!(!parts.contains(&format!("{t}_old_a")), "{parts:?}");
+    assert!(parts.contains(&format!("{t}_old_b")) && parts.contains(&format!("{t}_old_c")));
+    assert_eq!(table.count_where(&format!("id = '{expired}'")).await, 0);
+    // The kept partition's finished rows go one by one; the dead letter stays visible.
+    table
+        .wait_count(&format!("id = '{kept_sent}'"), 0, WAIT)
+        .await;
+    let listed = RelayBuilder::operator(t)
+        .output(&["dead-letters", "list", "--json"], WAIT)
+        .await;
+    assert!(listed.status.success(), "{}", listed.stderr);
+    assert!(
+        listed.stdout.contains(&retried.to_string())
+            && listed.stdout.contains(&discarded.to_string())
+    );
+
+    // Retried: relayed, then its partition goes. Discarded: its partition goes.
+    for (command, id) in [("retry", retried), ("discard", discarded)] {
+        let out = RelayBuilder::operator(t)
+            .output(&["dead-letters", command, "--id", &id.to_string()], WAIT)
+            .await;
+        assert!(out.status.success(), "{command}: {}", out.stderr);
+    }
+    rabbit.wait_for_ids(&[retried], WAIT).await;
+    wait_until(WAIT, "both kept partitions dropped", async || {
+        let parts = table.partitions().await;
+        let left: Vec<&String> = parts.iter().filter(|p| p.contains("_old_")).collect();
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    })
+    .await;
+    let dropped = wait_for_sample(
+        port,
+        WAIT,
+        "outbox_partitions_dropped_total",
+        &outbox,
+        |n| n >= 3.0,
+    )
+    .await;
+    assert_eq!(dropped, 3.0);
+    finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plain_table_is_partitioned_in_place_while_a_writer_inserts_and_a_relay_runs() {
+    let table = TestTable::new("part_convert").await;
+    let rabbit = RabbitFixture::new("part_convert", "#", "it.barrier").await;
+    table
+        .insert(&NewRow::numbered(3000, "conv", Some(("c-", 60)), "placed"))
+        .await;
+    let dead = insert_at(&table, "d-0", "-1 minute", "failed").await;
+    // A relay of the plain table, started before the conversion and kept running through it.
+    let running = RelayBuilder::for_test(&table, &rabbit, "part-convert")
+        .ordered()
+        .set("relay.batch_size", "50")
+        .spawn();
+    let writer = spawn_paced_writer(
+        &table.name,
+        60,
+        10,
+        Duration::from_millis(50),
+        |round, i| {
+            NewRow::new(
+                "conv",
+                Some(&format!("w-{}", i % 7)),
+                "written",
+                serde_json::json!({ "r": round, "i": i }),
+            )
+        },
+    );
+    // Migrate once the relay is well into the backlog (rows sent, pending and in flight).
+    wait_until(WAIT, "500 rows sent", async || {
+        match table.count_where("status = 'sent'").await {
+            n if n >= 500 => Ok(()),
+            n => Err(n.to_string()),
+        }
+    })
+    .await;
+    let out = RelayBuilder::operator(&table.name)
+        .set("database.partition_interval", "1m")
+        .output(&["migrate"], WAIT)
+        .await;
+    assert!(
+        out.status.success() && out.stdout.contains("partitioned by created_at every 1m"),
+        "migrate: {}\n{}\n{}",
+        out.status,
+        out.stdout,
+        out.stderr
+    );
+    writer.await.unwrap();
+    table
+        .wait_for_counts(WAIT, "every row but the dead letter sent", |c| {
+            c.iter()
+                .all(|(s, n)| s == "sent" || (s == "failed" && *n == 1) || *n == 0)
+        })
+        .await;
+    rabbit.barrier().await;
+    let expected: Vec<_> = table
+        .rows()
+        .await
+        .into_iter()
+        .filter(|r| r.id != dead)
+        .collect();
+    assert_eq!(expected.len(), 3600);
+    let analysis = rabbit.analyse(&expected);
+    analysis.assert_complete("conversion under traffic");
+    assert!(
+        analysis.duplicates <= 1000,
+        "duplicates only for rows in flight: {}",
+        analysis.duplicates
+    );
+    let parts = table.partitions().await;
+    let t = &table.name;
+    assert!(
+        parts.contains(&format!("{t}_plain")) && parts.contains(&format!("{t}_default")),
+        "{parts:?}"
+    );
+    assert_eq!(
+        table.row(dead).await.status,
+        "failed",
+        "the dead letter is kept, visible"
+    );
+    // Rows inserted after the swap went into the partitioned table; the old rows stayed where
+    // they were (nothing was copied).
+    assert_eq!(partition_of(&table, dead).await, format!("{t}_plain"));
+    finish(running, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_finishes_a_conversion_an_interrupted_run_left_half_done() {
+    let table = TestTable::new("part_resume").await;
+    let t = &table.name;
+    table
+        .insert(&NewRow::numbered(200, "resume", Some(("r-", 5)), "placed"))
+        .await;
+    // What a migrate killed after its first steps leaves: the key index INVALID (an
+    // interrupted concurrent build) and a bound check NOT VALID whose bound is about to pass.
+    let soon: String = table
+        .db
+        .query_one("SELECT (now() + interval '2 minutes')::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    table
+        .db
+        .batch_execute(&format!(
+            "CREATE UNIQUE INDEX {t}_id_created_idx ON {t} (id, created_at); \
+             UPDATE pg_index SET indisvalid = false WHERE indexrelid = '{t}_id_created_idx'::regclass; \
+             ALTER TABLE {t} ADD CONSTRAINT {t}_partition_bound CHECK (created_at < '{soon}') NOT VALID;"
+        ))
+        .await
+        .unwrap();
+    let out = RelayBuilder::operator(t)
+        .set("database.partition_interval", "1m")
+        .output(&["migrate"], WAIT)
+        .await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    assert!(
+        out.stderr.contains("dropping the INVALID index"),
+        "{}",
+        out.stderr
+    );
+    let bound: f64 = table
+        .db
+        .query_one(
+            "SELECT extract(epoch FROM (regexp_match(pg_get_expr(c.relpartbound, c.oid), \
+                    'TO \\(''([^'']+)''\\)'))[1]::timestamptz - now())::float8 \
+               FROM pg_class c WHERE c.oid = to_regclass($1)",
+            &[&format!("{t}_plain")],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert!(
+        bound > 10.0 * 60.0,
+        "a bound about to pass is made again, at least the margin ahead: {bound} s"
+    );
+    assert_eq!(table.count_where("true").await, 200, "nothing lost");
+    table.drop_table().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_refuses_a_table_it_cannot_partition_and_says_what_to_do() {
+    let table = TestTable::new("part_refuse").await;
+    let t = &table.name;
+    table
+        .db
+        .batch_execute(&format!(
+            "CREATE UNIQUE INDEX {t}_event_key ON {t} (event_type, aggregate_id)"
+        ))
+        .await
+        .unwrap();
+    let out = RelayBuilder::operator(t)
+        .set("database.partition_interval", "1m")
+        .output(&["migrate"], WAIT)
+        .await;
+    assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
+    for needle in [
+        "database.partition_interval",
+        t.as_str(),
+        "cannot be partitioned",
+        &format!("{t}_event_key"),
+        "unset database.partition_interval",
+    ] {
+        assert!(out.stderr.contains(needle), "{needle:?} in {}", out.stderr);
+    }
+    let kind: String = table
+        .db
+        .query_one(
+            "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)",
+            &[t],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(kind, "r", "the table is left as it was");
+    let bad = RelayBuilder::operator(t)
+        .set("database.partition_interval", "30s")
+        .output(&["migrate"], WAIT)
+        .await;
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(
+        bad.stderr.contains("database.partition_interval"),
+        "{}",
+        bad.stderr
+    );
+    table.drop_table().await;
+}
