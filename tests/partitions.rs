@@ -391,3 +391,92 @@ async fn migrate_refuses_a_table_it_cannot_partition_and_says_what_to_do() {
     );
     table.drop_table().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_killed_while_it_creates_or_drops_a_partition_leaves_the_work_to_the_next_run() {
+    let table = TestTable::partitioned("part_kill", "1m").await;
+    let rabbit = RabbitFixture::new("part_kill", "#", "it.barrier").await;
+    let t = &table.name;
+    // Work for the relay: an old partition to drop, and the newest partition ahead missing.
+    let newest = table
+        .partitions()
+        .await
+        .into_iter()
+        .filter(|p| p.contains("_p20"))
+        .max()
+        .unwrap();
+    table
+        .db
+        .batch_execute(&format!(
+            "DROP TABLE {newest}; \
+             CREATE TABLE {t}_old_k PARTITION OF {t} FOR VALUES \
+               FROM (date_trunc('minute', now()) - interval '20 minutes') \
+               TO (date_trunc('minute', now()) - interval '19 minutes');"
+        ))
+        .await
+        .unwrap();
+    let rows = table
+        .insert_ids(&NewRow::numbered(200, "kill", Some(("k-", 10)), "placed"))
+        .await;
+    // A transaction that read the table holds it: the relay's ATTACH and DETACH wait for it.
+    let mut holder = common::pg_connect().await;
+    let hold = holder.transaction().await.unwrap();
+    hold.query(&format!("SELECT count(*) FROM {t}"), &[])
+        .await
+        .unwrap();
+    let mut first = relay(&table, &rabbit, "part-kill-1")
+        .set("cleanup.retention", "5m")
+        .spawn();
+    wait_until(WAIT, "the relay waiting for a lock on the table", async || {
+        let waiting: i64 = table
+            .db
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+                   AND application_name LIKE 'outbox-relay%' AND query ~* '(ATTACH|DETACH) PARTITION'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting > 0 { Ok(()) } else { Err("not yet".to_owned()) }
+    })
+    .await;
+    first.sigkill();
+    first.wait_exit(WAIT).await;
+    hold.rollback().await.unwrap();
+    drop(holder);
+    // Nothing half made: the partition being created does not exist, the old one is attached.
+    let leftover: bool = table
+        .db
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&newest])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!leftover, "{newest} left behind by a killed creation");
+    assert!(table.partitions().await.contains(&format!("{t}_old_k")));
+
+    let second = relay(&table, &rabbit, "part-kill-2")
+        .set("cleanup.retention", "5m")
+        .spawn();
+    wait_until(
+        WAIT,
+        "the next run made the partition and dropped the old one",
+        async || {
+            let parts = table.partitions().await;
+            if parts.contains(&newest) && !parts.iter().any(|p| p.ends_with("_old_k")) {
+                Ok(())
+            } else {
+                Err(format!("{parts:?}"))
+            }
+        },
+    )
+    .await;
+    table.wait_all_sent(WAIT).await;
+    rabbit.barrier().await;
+    let expected = table.rows().await;
+    assert_eq!(expected.len(), rows.len());
+    rabbit
+        .analyse(&expected)
+        .assert_complete("across a kill -9");
+    finish(second, table, rabbit).await;
+}

@@ -3,7 +3,8 @@
 //! sequence inserts (in bulk too), wakes the idle relay and has its rows relayed; a relay
 //! running as a role that does not own the table, with the row-level grants of
 //! docs/security.md and `auto_migrate = false`, relays, and skips the `VACUUM` and `ANALYZE`
-//! it may not run with one warning naming the privilege, however many checks want them.
+//! it may not run with one warning naming the privilege, however many checks want them; on a
+//! partitioned table it makes and drops no partitions (one warning) and deletes rows instead.
 //!
 //! Each test creates its own roles (`it_app_<hex>`, `it_relay_<hex>`) and drops them after.
 
@@ -207,6 +208,35 @@ async fn a_relay_that_does_not_own_the_table_relays_and_skips_vacuum_with_one_wa
         .get(0);
     assert_eq!(runs, 0, "the table was vacuumed or analyzed");
     wait_for_count(WAIT, "every message arrives", 16_000, || rabbit.count()).await;
+    finish(relay, table, rabbit).await;
+    role.drop_role().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_does_not_own_a_partitioned_table_relays_and_deletes_rows_instead_of_partitions()
+ {
+    let table = common::TestTable::partitioned("priv_parts", "1m").await;
+    let rabbit = common::RabbitFixture::new("priv_parts", "#", "it.barrier").await;
+    let role = Role::create("relay").await;
+    role.grant(&relay_grants(&table.name)).await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, "priv-parts")
+        .set("database.url", role.url())
+        .set("database.partition_interval", "1m")
+        .set("relay.poll_interval", "200ms")
+        .set("cleanup.retention", "1s")
+        .set("cleanup.interval", "1s")
+        .spawn();
+    for round in 0..3 {
+        let rows: Vec<NewRow> = (round * 100..(round + 1) * 100).map(row).collect();
+        insert_rows(&table.db, &table.name, &rows).await;
+        // Row retention through the table: every sent row is deleted once a second old.
+        table.wait_count("true", 0, WAIT).await;
+    }
+    let warning = "cannot create or drop partitions";
+    let stderr = relay.stderr();
+    assert_eq!(relay.log_count(warning), 1, "{stderr}");
+    assert!(stderr.contains("needs ownership of the table"), "{stderr}");
+    wait_for_count(WAIT, "every message arrives", 300, || rabbit.count()).await;
     finish(relay, table, rabbit).await;
     role.drop_role().await;
 }

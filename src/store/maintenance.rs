@@ -126,7 +126,7 @@ impl MaintenanceSql {
                           max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum \
                      FROM pg_stat_user_tables t \
                     WHERE t.relid = c.oid OR t.relid IN (SELECT p.relid FROM pg_partition_tree(c.oid) p)) s ON true \
-                 WHERE c.oid = coalesce(to_regclass({}), $1)",
+                 WHERE c.oid = coalesce(to_regclass({})::oid, $1)",
                 quote(&t)
             ),
             // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
@@ -241,7 +241,7 @@ mod tests {
         }
         assert!(
             q.table_health
-                .contains("WHERE c.oid = coalesce(to_regclass('app.events'), $1)")
+                .contains("WHERE c.oid = coalesce(to_regclass('app.events')::oid, $1)")
         );
     }
 }

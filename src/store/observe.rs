@@ -37,7 +37,7 @@ impl ObserveSql {
 /// partitions the old one became).
 const WRITERS: &str = "SELECT a.backend_xid::text, extract(epoch FROM now() - a.xact_start)::float8 \
       FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
-      WHERE l.locktype = 'relation' AND l.relation IN ($1, to_regclass('$TABLE')) AND l.granted \
+      WHERE l.locktype = 'relation' AND l.relation IN ($1::oid, to_regclass('$TABLE')::oid) AND l.granted \
         AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
         AND a.application_name NOT LIKE 'outbox-relay%'";
 
