@@ -209,11 +209,25 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
         .inspect()
         .await
         .map_err(|e| format!("database: reachable, but {e}"))?;
+    let layout = t.store.layout().await.ok().flatten();
+    let found = match layout {
+        Some(l) if l.partitioned => format!(
+            "table {table} found, partitioned by created_at: range partitions {}, and DEFAULT",
+            l.ranges().count()
+        ),
+        Some(_) if plan.partition => {
+            format!("table {table} found; it will be partitioned on start")
+        }
+        Some(_) if t.store.partition_interval().is_some() => format!(
+            "table {table} found, plain although database.partition_interval is set: run `outbox-relay migrate` to partition it"
+        ),
+        _ => format!("table {table} found"),
+    };
     Ok(if plan.apply.is_empty() {
-        format!("database: ok ({url}, table {table} found)")
+        format!("database: ok ({url}, {found})")
     } else {
         format!(
-            "database: ok ({url}, table {table} found; schema versions {:?} will be applied on start)",
+            "database: ok ({url}, {found}; schema versions {:?} will be applied on start)",
             plan.apply
         )
     })
