@@ -11,6 +11,7 @@
 #   bench/scripts/migrate-wait.sh                       # 1,000,000 rows, 4 writers
 #   PENDING_EVERY=1 bench/scripts/migrate-wait.sh        # every row pending
 #   ROWS=200000 WRITERS=2 RELAY_BIN=target/release/outbox-relay bench/scripts/migrate-wait.sh
+#   RELAY_DATABASE__PARTITION_INTERVAL=1h bench/scripts/migrate-wait.sh   # and partition it in place
 #
 # Needs psql, pgbench and python3; DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test);
 # RELAY_BIN (default target/debug/outbox-relay).

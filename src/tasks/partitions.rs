@@ -74,7 +74,8 @@ impl PartitionWork {
         let (dropped, kept) = self.retire(&layout).await;
         let mut deleted = 0;
         let default = layout.default_partition().map(|p| p.name.clone());
-        for name in kept.iter().map(|(n, _)| n).chain(default.iter()) {
+        let held = kept.iter().filter(|(_, why)| *why != KeptFor::Locked);
+        for name in held.map(|(n, _)| n).chain(default.iter()) {
             deleted += self.delete_rows(Some(name), shutdown).await;
         }
         if deleted > 0 {
@@ -122,6 +123,11 @@ impl PartitionWork {
                 Ok(Retired::Dropped) => {
                     dropped.push(p.name.clone());
                     tracing::info!(table = %self.store.table(), partition = %p.name, "dropped partition past retention");
+                }
+                // A lock not granted on this one would not be on the next ones either.
+                Ok(Retired::Kept(KeptFor::Locked)) => {
+                    kept.push((p.name.clone(), KeptFor::Locked));
+                    break;
                 }
                 Ok(Retired::Kept(why)) => kept.push((p.name.clone(), why)),
                 Ok(Retired::Busy) => break,
