@@ -4,9 +4,13 @@
 //!   `publisher.rabbitmq.declare_queue` the shipped `relay.toml` declares). Each message is
 //!   acknowledged after it was printed, so it is consumed: point `tail` at a development
 //!   queue, never at a queue a real consumer reads.
+//! - NATS ([`nats`]): a core NATS subscription to the subjects the relay publishes to. It sees
+//!   each message as it is published and takes nothing from any stream.
 
+pub mod nats;
 pub mod rabbitmq;
 
+pub use nats::tail_nats;
 pub use rabbitmq::tail;
 
 /// Why `tail` stopped before its count.
@@ -37,6 +41,22 @@ pub enum TailError {
         queue: String,
         /// What lapin said.
         source: lapin::Error,
+    },
+    /// The NATS server could not be reached (or its URL is not usable).
+    #[error("cannot connect to NATS at {url}: {reason}")]
+    NatsConnect {
+        /// The server URL, credentials masked.
+        url: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The server refused or never confirmed the subscription.
+    #[error("cannot subscribe to {subject:?}: {reason}")]
+    Subscribe {
+        /// The subject pattern.
+        subject: String,
+        /// What went wrong.
+        reason: String,
     },
 }
 
