@@ -499,43 +499,94 @@ pub async fn dead_letters_apply(
     Ok(())
 }
 
-/// The queue `tail` reads and the broker URL, or why there is none (a usage error).
-pub fn tail_queue(config: &Config, queue: Option<&str>) -> Result<(String, String)> {
+/// What `tail` reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TailSource {
+    /// A RabbitMQ queue.
+    RabbitMq {
+        /// The broker URL.
+        url: String,
+        /// The queue.
+        queue: String,
+    },
+    /// NATS subjects (a core subscription).
+    Nats {
+        /// The server URL.
+        url: String,
+        /// The subject patterns.
+        subjects: Vec<String>,
+    },
+}
+
+/// What `tail` reads and where, or why it cannot (a usage error): `--queue` goes with
+/// RabbitMQ, `--subject` with NATS.
+pub fn tail_source(
+    config: &Config,
+    queue: Option<&str>,
+    subject: Option<&str>,
+) -> Result<TailSource> {
+    let kind = config.publisher.kind();
     if let PublisherConfig::Nats(n) = &config.publisher {
-        bail!(
-            "tail reads a RabbitMQ queue; to watch a NATS stream, subscribe to its subjects (e.g. `nats sub 'outbox.>'`, {:?} here) or read the stream (`nats stream view STREAM`): see docs/nats.md",
-            n.subject.as_str()
-        );
+        if queue.is_some() {
+            bail!(
+                "--queue names a RabbitMQ queue, but publisher.kind is \"nats\": pass --subject PATTERN (or nothing: the subjects the relay publishes to)"
+            );
+        }
+        let subjects = match subject {
+            Some(pattern) => {
+                if let Err(why) = outbox_relay::tail::nats::check_pattern(pattern) {
+                    bail!("--subject {pattern:?} is not a NATS subject pattern: {why}");
+                }
+                vec![pattern.to_owned()]
+            }
+            None => outbox_relay::publish::nats::subject_filters(
+                &outbox_relay::publish::nats_templates(config, n),
+            ),
+        };
+        return Ok(TailSource::Nats {
+            url: n.url.clone(),
+            subjects,
+        });
+    }
+    if subject.is_some() {
+        bail!("--subject goes with publisher.kind = \"nats\", but publisher.kind is {kind:?}");
     }
     if let PublisherConfig::Redis(r) = &config.publisher {
         bail!(
-            "tail reads a RabbitMQ queue; with publisher.kind = \"redis\" watch the stream with `redis-cli -u <url> XREAD BLOCK 0 STREAMS <key> $` (keys from {:?}; see docs/redis.md)",
+            "tail reads a RabbitMQ queue or NATS subjects; with publisher.kind = \"redis\" watch the stream with `redis-cli -u <url> XREAD BLOCK 0 STREAMS <key> $` (keys from {:?}; see docs/redis.md)",
             r.stream.as_str()
         );
     }
     let PublisherConfig::RabbitMq(q) = &config.publisher else {
-        bail!(
-            "tail reads a RabbitMQ queue, but publisher.kind is {:?}",
-            config.publisher.kind()
-        );
+        bail!("tail reads a RabbitMQ queue or NATS subjects, but publisher.kind is {kind:?}");
     };
     match queue.or(q.declare_queue.as_deref()) {
-        Some(name) => Ok((q.url.clone(), name.to_owned())),
+        Some(name) => Ok(TailSource::RabbitMq {
+            url: q.url.clone(),
+            queue: name.to_owned(),
+        }),
         None => {
             bail!("no queue to tail: pass --queue NAME or set publisher.rabbitmq.declare_queue")
         }
     }
 }
 
-/// `tail [--queue Q] [--count N]`.
+/// `tail [--queue Q | --subject PATTERN] [--count N]`.
 pub async fn tail(
     config: &Config,
     queue: Option<&str>,
+    subject: Option<&str>,
     count: Option<u64>,
     shutdown: tokio_util::sync::CancellationToken,
 ) -> Result<()> {
-    let (url, queue) = tail_queue(config, queue)?;
-    let printed = outbox_relay::tail::tail(&url, &queue, count, shutdown).await?;
+    let printed = match tail_source(config, queue, subject)? {
+        TailSource::RabbitMq { url, queue } => {
+            outbox_relay::tail::tail(&url, &queue, count, shutdown).await?
+        }
+        TailSource::Nats { url, subjects } => {
+            outbox_relay::tail::tail_nats(&url, &subjects, count, shutdown).await?
+        }
+    };
     if let Some(c) = count.filter(|&c| printed < c) {
         bail!("stopped after {printed} of {c} message(s)");
     }

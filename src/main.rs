@@ -54,11 +54,16 @@ enum Command {
         #[command(flatten)]
         outbox: OutboxArg,
     },
-    /// Print every message arriving on a RabbitMQ queue (development; consumes them).
+    /// Print every message arriving: on a RabbitMQ queue (development; consumes them), or on
+    /// NATS subjects (a core subscription; takes nothing from the stream).
     Tail {
-        /// Queue to consume (default: publisher.rabbitmq.declare_queue).
-        #[arg(long)]
+        /// RabbitMQ: the queue to consume (default: publisher.rabbitmq.declare_queue).
+        #[arg(long, conflicts_with = "subject")]
         queue: Option<String>,
+        /// NATS: the subject pattern to subscribe to (default: the subjects the relay
+        /// publishes to, e.g. `outbox.>`).
+        #[arg(long, value_name = "PATTERN")]
+        subject: Option<String>,
         /// Stop after this many messages (default: until Ctrl-C).
         #[arg(long)]
         count: Option<u64>,
@@ -179,11 +184,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// The usage errors (exit 2) found before connecting: a tail with no queue to read, an
+/// The usage errors (exit 2) found before connecting: a tail with nothing to read, an
 /// unknown `--outbox`. Returns the `--outbox` given, if any.
 fn usage_errors(config: &Config, command: &Command) -> anyhow::Result<Option<String>> {
-    if let Command::Tail { queue, .. } = command {
-        cli::tail_queue(config, queue.as_deref())?;
+    if let Command::Tail { queue, subject, .. } = command {
+        cli::tail_source(config, queue.as_deref(), subject.as_deref())?;
     }
     let only = match command {
         Command::Migrate { outbox, .. }
@@ -209,10 +214,21 @@ async fn execute(command: Command, config: Config, only: Option<&str>) -> anyhow
                 .await
                 .map_err(anyhow::Error::from)
         }
-        Command::Tail { queue, count } => {
+        Command::Tail {
+            queue,
+            subject,
+            count,
+        } => {
             let shutdown = CancellationToken::new();
             spawn_signal_handler(shutdown.clone());
-            cli::tail(&config, queue.as_deref(), count, shutdown).await
+            cli::tail(
+                &config,
+                queue.as_deref(),
+                subject.as_deref(),
+                count,
+                shutdown,
+            )
+            .await
         }
         Command::Migrate { print, .. } => cli::migrate(&config, print, only).await,
         Command::Check => cli::check(&config).await,

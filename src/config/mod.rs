@@ -408,6 +408,7 @@ impl RawConfig {
                 },
             )?
         };
+        publisher::check_declared_stream(&publisher, outboxes.iter().map(|o| o.route.clone()))?;
         Ok(Config {
             outboxes,
             database,

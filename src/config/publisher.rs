@@ -169,6 +169,10 @@ pub struct RawNats {
     pub subject: String,
     /// How long to wait for a stream's publish acknowledgement (default 30s).
     pub ack_timeout: HumanDuration,
+    /// A JetStream stream to create (file storage, capturing the subjects the templates
+    /// render) at start and after every reconnect unless it exists, for development (default
+    /// empty: none).
+    pub declare_stream: String,
 }
 
 impl Default for RawNats {
@@ -177,6 +181,7 @@ impl Default for RawNats {
             url: "nats://127.0.0.1:4222".into(),
             subject: "outbox.{aggregate_type}.{event_type}".into(),
             ack_timeout: HumanDuration(Duration::from_secs(30)),
+            declare_stream: String::new(),
         }
     }
 }
@@ -191,6 +196,8 @@ pub struct NatsConfig {
     pub subject: Template,
     /// Publish-acknowledgement wait.
     pub ack_timeout: Duration,
+    /// The development stream to create if it does not exist, if any.
+    pub declare_stream: Option<String>,
 }
 
 /// The validated RabbitMQ settings.
@@ -430,11 +437,67 @@ fn validate_nats(n: RawNats) -> Result<NatsConfig, ConfigError> {
         ));
     }
     positive("publisher.nats.ack_timeout", n.ack_timeout)?;
+    let declare_stream =
+        stream_name(&n.declare_stream).map_err(|why| ConfigError::invalid(DECLARE_STREAM, why))?;
     Ok(NatsConfig {
         url: n.url,
         subject,
         ack_timeout: n.ack_timeout.0,
+        declare_stream,
     })
+}
+
+/// The key of the development stream.
+const DECLARE_STREAM: &str = "publisher.nats.declare_stream";
+
+/// `publisher.nats.declare_stream` as a JetStream stream name: `None` when empty; an error
+/// for what JetStream refuses in a name (whitespace, `.`, `*`, `>`, path separators, control
+/// characters, more than 255 bytes).
+fn stream_name(raw: &str) -> Result<Option<String>, String> {
+    let name = raw.trim();
+    if name.is_empty() {
+        return Ok(None);
+    }
+    if name.len() > 255 {
+        return Err("is longer than 255 bytes".to_owned());
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|&c| c.is_whitespace() || c.is_control() || ".*>/\\".contains(c))
+    {
+        return Err(format!(
+            "{name:?} is not a JetStream stream name: it contains {c:?} (no spaces, '.', '*', '>', '/' or '\\'; e.g. OUTBOX)"
+        ));
+    }
+    Ok(Some(name.to_owned()))
+}
+
+/// With `publisher.nats.declare_stream`, every subject template in use (`route` of each
+/// outbox, else the publisher's) must start with a fixed token: the stream captures the
+/// subjects under it, and a stream cannot capture every subject (`>`).
+pub(super) fn check_declared_stream(
+    publisher: &PublisherConfig,
+    routes: impl Iterator<Item = Option<Template>>,
+) -> Result<(), ConfigError> {
+    let PublisherConfig::Nats(n) = publisher else {
+        return Ok(());
+    };
+    if n.declare_stream.is_none() {
+        return Ok(());
+    }
+    for route in routes {
+        let template = route.unwrap_or_else(|| n.subject.clone());
+        if crate::publish::nats::filter_of(&template) == ">" {
+            return Err(ConfigError::invalid(
+                DECLARE_STREAM,
+                format!(
+                    "needs subject templates that start with a fixed token (e.g. \"outbox.{{aggregate_type}}\"), but {:?} starts with a placeholder: a stream cannot capture every subject",
+                    template.as_str()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `publisher.rabbitmq.tls_ca_file`: the PEM text of the CA file, `None` when unset. The
@@ -692,6 +755,49 @@ mod tests {
         let env = [("PUBLISHER__NATS__SUBJECT", "env.{aggregate_type}")];
         let c = load_str("[publisher]\nkind = \"nats\"\n", &env).unwrap();
         assert_eq!(c.publisher.route().as_str(), "env.{aggregate_type}");
+    }
+
+    #[test]
+    fn declare_stream_is_a_stream_name_over_fixed_subjects() {
+        let nats = "[publisher]\nkind = \"nats\"\n[publisher.nats]\n";
+        let c = load_str(nats, &[]).unwrap();
+        let PublisherConfig::Nats(n) = &c.publisher else {
+            panic!("nats")
+        };
+        assert_eq!(n.declare_stream, None);
+        let env = [("PUBLISHER__NATS__DECLARE_STREAM", "OUTBOX_DEV")];
+        let c = load_str(nats, &env).unwrap();
+        let PublisherConfig::Nats(n) = &c.publisher else {
+            panic!("nats")
+        };
+        assert_eq!(n.declare_stream.as_deref(), Some("OUTBOX_DEV"));
+        for bad in ["out box", "out.box", "out*", "out>", "a/b", "a\\\\b"] {
+            err_has(
+                &format!("{nats}declare_stream = \"{bad}\"\n"),
+                &[DECLARE_STREAM, "not a JetStream stream name"],
+                &[],
+            );
+        }
+        err_has(
+            &format!("{nats}declare_stream = \"{}\"\n", "S".repeat(256)),
+            &[DECLARE_STREAM, "255"],
+            &[],
+        );
+        err_has(
+            &format!("{nats}declare_stream = \"S\"\nsubject = \"{{aggregate_type}}.x\"\n"),
+            &[DECLARE_STREAM, "fixed token", "{aggregate_type}.x"],
+            &[],
+        );
+        // An outbox's own subject is held to the same rule.
+        let outboxes = "[[outboxes]]\ntable = \"a\"\n[[outboxes]]\ntable = \"b\"\nsubject = \"{event_type}\"\n";
+        err_has(
+            &format!("{nats}declare_stream = \"S\"\n{outboxes}"),
+            &[DECLARE_STREAM, "\"{event_type}\""],
+            &[],
+        );
+        // Without the stream, such templates are fine; another publisher ignores the key.
+        load_str(&format!("{nats}subject = \"{{aggregate_type}}.x\"\n"), &[]).unwrap();
+        load_str("[publisher.nats]\ndeclare_stream = \"a.b\"\n", &[]).unwrap();
     }
 
     #[test]

@@ -40,18 +40,37 @@ pub fn build(config: &Config) -> Arc<dyn Publisher> {
             Arc::new(kafka::KafkaPublisher::for_ordering(c.clone(), ordering))
         }
         PublisherConfig::Stdout => Arc::new(stdout::StdoutPublisher::new()),
-        PublisherConfig::Nats(c) => Arc::new(
-            nats::NatsPublisher::new(c.clone(), config.relay.max_in_flight)
-                .with_window_audit(nats_window_audit(config, c)),
-        ),
+        PublisherConfig::Nats(c) => {
+            let audit = nats_window_audit(config, c);
+            let mut publisher = nats::NatsPublisher::new(c.clone(), config.relay.max_in_flight);
+            if let Some(name) = &c.declare_stream {
+                publisher = publisher.with_declared_stream(nats::StreamDeclaration::new(
+                    name,
+                    &audit.templates,
+                    audit.lease,
+                ));
+            }
+            Arc::new(publisher.with_window_audit(audit))
+        }
         PublisherConfig::Redis(c) => Arc::new(redis::RedisPublisher::new(c.clone())),
         PublisherConfig::Http(c) => Arc::new(http::HttpPublisher::new(c.clone())),
     }
 }
 
-/// The duplicate-window check for `config`'s subject templates (the publisher's, unless every
-/// outbox has its own) against its lease.
+/// The duplicate-window check for `config`'s subject templates against its lease.
 fn nats_window_audit(config: &Config, nats: &crate::config::NatsConfig) -> nats::WindowAudit {
+    nats::WindowAudit {
+        lease: config.relay.lease_timeout,
+        templates: nats_templates(config, nats),
+    }
+}
+
+/// The subject templates in use with `nats`: each outbox's own, or the publisher's for the
+/// outboxes without one; without repeats.
+pub fn nats_templates(
+    config: &Config,
+    nats: &crate::config::NatsConfig,
+) -> Vec<crate::template::Template> {
     let mut templates: Vec<crate::template::Template> = Vec::new();
     for outbox in &config.outboxes {
         let template = outbox.route.as_ref().unwrap_or(&nats.subject);
@@ -59,10 +78,7 @@ fn nats_window_audit(config: &Config, nats: &crate::config::NatsConfig) -> nats:
             templates.push(template.clone());
         }
     }
-    nats::WindowAudit {
-        lease: config.relay.lease_timeout,
-        templates,
-    }
+    templates
 }
 
 /// The result of publishing one message.

@@ -64,6 +64,14 @@ pub async fn nats_connect() -> Context {
 impl NatsStream {
     /// Creates the stream for `test`.
     pub async fn new(test: &str) -> Self {
+        let stream = Self::reserve(test).await;
+        stream.create(&[format!("{}.>", stream.prefix)]).await;
+        stream
+    }
+
+    /// A fresh name and prefix for `test`, without creating the stream (for a test in which
+    /// the relay creates it; [`NatsStream::teardown`] deletes it all the same).
+    pub async fn reserve(test: &str) -> Self {
         let hex = hex8();
         let s = slug(test, 40);
         let stream = Self {
@@ -74,8 +82,21 @@ impl NatsStream {
         if !GC_DONE.swap(true, std::sync::atomic::Ordering::SeqCst) {
             collect_old_streams(&stream.js).await;
         }
-        stream.create(&[format!("{}.>", stream.prefix)]).await;
         stream
+    }
+
+    /// The stream's configuration as the server has it, or `None` when it does not exist.
+    pub async fn config(&self) -> Option<Config> {
+        let mut stream = self.js.get_stream(&self.name).await.ok()?;
+        Some(stream.info().await.ok()?.config.clone())
+    }
+
+    /// Deletes the stream, leaving this handle usable (for a test that has it created anew).
+    pub async fn delete(&self) {
+        self.js
+            .delete_stream(&self.name)
+            .await
+            .unwrap_or_else(|e| panic!("cannot delete stream {}: {e}", self.name));
     }
 
     async fn create(&self, subjects: &[String]) {

@@ -19,14 +19,17 @@
 //!
 //! Files: `url` (the server URL and its credentials), `wire` (subject and headers),
 //! `classify` (errors to outcomes), `window` (the streams' duplicate windows against the
-//! lease, checked at the first connect).
+//! lease, checked at the first connect), `declare` (the development stream of
+//! `publisher.nats.declare_stream`, created at every connect unless it exists).
 
 mod classify;
+mod declare;
 mod url;
 mod window;
 mod wire;
 
 pub use classify::classify;
+pub use declare::{Declared, StreamDeclaration, subject_filters};
 pub use url::{Credentials, ServerUrl, redact};
 pub use window::{WindowAudit, filter_of, required_window};
 pub use wire::{check_subject, is_own};
@@ -86,6 +89,10 @@ pub struct NatsPublisher {
     audit: Option<WindowAudit>,
     /// What that check found (see [`Publisher::advisories`]); `None` until it ran.
     advisories: Mutex<Option<Vec<String>>>,
+    /// The development stream to create at every connect, if any.
+    declaration: Option<StreamDeclaration>,
+    /// Whether the declaration was logged (once; a stream created anew is logged again).
+    declared_logged: AtomicBool,
 }
 
 impl NatsPublisher {
@@ -102,7 +109,40 @@ impl NatsPublisher {
             lost: Arc::new(watch::channel(0).0),
             audit: None,
             advisories: Mutex::new(None),
+            declaration: None,
+            declared_logged: AtomicBool::new(false),
         }
+    }
+
+    /// Creates `declaration`'s stream, unless it exists, at every connect.
+    pub fn with_declared_stream(mut self, declaration: StreamDeclaration) -> Self {
+        self.declaration = Some(declaration);
+        self
+    }
+
+    /// Creates the development stream unless it exists; logs the first outcome, and every
+    /// creation after it (a server that lost the stream).
+    async fn declare_stream(&self, live: &Live) -> Result<(), ConnectError> {
+        let Some(declaration) = &self.declaration else {
+            return Ok(());
+        };
+        let wait = CONNECTION_TIMEOUT.min(self.cfg.ack_timeout);
+        let declared = tokio::time::timeout(wait, declaration.declare(&live.js))
+            .await
+            .map_err(|_| {
+                ConnectError(format!(
+                    "JetStream at {} did not answer within {} when asked for stream {:?} (publisher.nats.declare_stream)",
+                    self.shown(),
+                    humantime::format_duration(wait),
+                    declaration.name
+                ))
+            })?
+            .map_err(ConnectError)?;
+        let first = !self.declared_logged.swap(true, Ordering::Relaxed);
+        if first || declared == Declared::Created {
+            tracing::info!("{}", declaration.describe(&declared));
+        }
+        Ok(())
     }
 
     /// Checks, at the first successful connect, that the streams capturing the subjects keep
@@ -290,6 +330,7 @@ impl Publisher for NatsPublisher {
             }
         };
         self.probe(&live).await?;
+        self.declare_stream(&live).await?;
         self.audit_once(&live).await;
         self.up.store(true, Ordering::Relaxed);
         Ok(())
@@ -395,6 +436,7 @@ mod tests {
             url: "nats://app:hunter2@127.0.0.1:4222".into(),
             subject: crate::template::Template::parse("outbox.{aggregate_type}").unwrap(),
             ack_timeout: Duration::from_secs(30),
+            declare_stream: None,
         };
         let p = NatsPublisher::new(cfg, 1000);
         let d = p.describe();

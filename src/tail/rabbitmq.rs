@@ -1,9 +1,4 @@
-//! `outbox-relay tail`: a development consumer that prints every message arriving on a
-//! RabbitMQ queue (by default the `publisher.rabbitmq.declare_queue` the shipped `relay.toml`
-//! declares), so a newcomer can watch their event arrive without another client.
-//!
-//! Each message is acknowledged after it was printed, so it is consumed: point `tail` at a
-//! development queue, never at a queue a real consumer reads.
+//! `tail` on RabbitMQ: consumes a queue, acknowledging each message once printed.
 
 use futures::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
@@ -11,39 +6,9 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
+use super::{Shown, TailError, describe};
 use crate::publish::rabbitmq::declare_queue;
 use crate::redact::redact_url;
-
-/// Why `tail` stopped before its count.
-#[derive(Debug, thiserror::Error)]
-pub enum TailError {
-    /// The broker could not be reached.
-    #[error("cannot connect to {url}: {source}")]
-    Connect {
-        /// The AMQP URL, password masked.
-        url: String,
-        /// What lapin said.
-        source: lapin::Error,
-    },
-    /// The queue is not there (or not accessible).
-    #[error(
-        "queue {queue:?} is not available: {source} (start the relay once so that it declares publisher.rabbitmq.declare_queue, or pass --queue)"
-    )]
-    NoQueue {
-        /// The queue name.
-        queue: String,
-        /// What the broker said.
-        source: lapin::Error,
-    },
-    /// The connection broke while consuming.
-    #[error("consuming from {queue:?} failed: {source}")]
-    Consume {
-        /// The queue name.
-        queue: String,
-        /// What lapin said.
-        source: lapin::Error,
-    },
-}
 
 /// Consumes `queue` on the broker at `url` and prints each message to stdout until `count`
 /// messages were printed (all of them when `None`) or `shutdown` is cancelled.
@@ -110,10 +75,12 @@ pub async fn tail(
             "{}",
             describe(
                 printed,
-                delivery.exchange.as_str(),
-                delivery.routing_key.as_str(),
-                &delivery.properties,
-                &delivery.data,
+                &shown(
+                    delivery.exchange.as_str(),
+                    delivery.routing_key.as_str(),
+                    &delivery.properties,
+                    &delivery.data,
+                )
             )
         );
         delivery
@@ -126,37 +93,35 @@ pub async fn tail(
     Ok(printed)
 }
 
-/// One message as `tail` prints it: where it came from, its id and type, every header and
-/// the body (as text when it is UTF-8).
-pub fn describe(
-    n: u64,
+/// A delivery as `tail` shows it.
+pub fn shown<'a>(
     exchange: &str,
     routing_key: &str,
     props: &BasicProperties,
-    body: &[u8],
-) -> String {
-    let text = |v: &Option<ShortString>| v.as_ref().map_or("-".to_owned(), |s| s.to_string());
-    let mut out = format!(
-        "message {n}: exchange {exchange:?}, routing key {routing_key:?}\n  id: {}\n  type: {}\n  content_type: {}\n",
-        text(props.message_id()),
-        text(props.kind()),
-        text(props.content_type()),
-    );
-    if let Some(headers) = props.headers() {
-        for (k, v) in headers.inner() {
-            let v = match v {
-                AMQPValue::LongString(s) => s.to_string(),
-                AMQPValue::ShortString(s) => s.to_string(),
-                other => format!("{other:?}"),
-            };
-            out.push_str(&format!("  header {k}: {v}\n"));
-        }
+    body: &'a [u8],
+) -> Shown<'a> {
+    let text = |v: &Option<ShortString>| v.as_ref().map(ToString::to_string);
+    let headers = props.headers().as_ref().map_or_else(Vec::new, |h| {
+        h.inner()
+            .iter()
+            .map(|(k, v)| {
+                let v = match v {
+                    AMQPValue::LongString(s) => s.to_string(),
+                    AMQPValue::ShortString(s) => s.to_string(),
+                    other => format!("{other:?}"),
+                };
+                (k.to_string(), v)
+            })
+            .collect()
+    });
+    Shown {
+        origin: format!("exchange {exchange:?}, routing key {routing_key:?}"),
+        id: text(props.message_id()),
+        kind: text(props.kind()),
+        content_type: text(props.content_type()),
+        headers,
+        body,
     }
-    match std::str::from_utf8(body) {
-        Ok(s) => out.push_str(&format!("  body: {s}")),
-        Err(_) => out.push_str(&format!("  body: ({} bytes, not UTF-8)", body.len())),
-    }
-    out
 }
 
 #[cfg(test)]
@@ -175,18 +140,16 @@ mod tests {
             .with_type(ShortString::from("order.created"))
             .with_content_type(ShortString::from("application/json"))
             .with_headers(headers);
-        let s = describe(
-            1,
-            "outbox",
-            "order.order.created",
-            &props,
-            br#"{"total": 99}"#,
-        );
+        let body = br#"{"total": 99}"#;
+        let s = describe(1, &shown("outbox", "order.order.created", &props, body));
         assert_eq!(
             s,
             "message 1: exchange \"outbox\", routing key \"order.order.created\"\n  id: id-1\n  type: order.created\n  content_type: application/json\n  header cloudEvents:type: order.created\n  body: {\"total\": 99}"
         );
-        let s = describe(2, "x", "k", &BasicProperties::default(), &[0xff, 0xfe]);
+        let s = describe(
+            2,
+            &shown("x", "k", &BasicProperties::default(), &[0xff, 0xfe]),
+        );
         assert!(
             s.contains("id: -") && s.ends_with("body: (2 bytes, not UTF-8)"),
             "{s}"
