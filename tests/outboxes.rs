@@ -1,6 +1,7 @@
 //! One relay serving several outboxes (docs/configuration.md): each table is relayed with its own
-//! settings on both brokers, one outbox's database being down or its table missing does not
-//! stall the others, and a burst in one does not starve another.
+//! settings on every broker (RabbitMQ, Kafka, NATS JetStream, Redis Streams), one outbox's
+//! database being down or its table missing does not stall the others, and a burst in one does
+//! not starve another.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -9,11 +10,12 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::kafka::KAFKA;
+use common::nats::{NATS_URL, NatsStream};
 use common::rabbit::{Durability, declare_bound_queue};
 use common::transport::{Sink, Transport};
 use common::{
-    AMQP_URL, NewRow, PG_URL, Proxy, RabbitFixture, RelayBuilder, RelayProcess, TempDir, TestTable,
-    finish,
+    AMQP_URL, NewRow, PG_URL, Proxy, REDIS_URL, RabbitFixture, RedisStreams, RelayBuilder,
+    RelayProcess, TempDir, TestTable, analyse, finish,
 };
 use serde_json::json;
 use uuid::Uuid;
@@ -54,30 +56,131 @@ fn rows(n: usize, aggregate_type: &str) -> Vec<NewRow> {
 
 #[tokio::test]
 async fn rabbitmq_relays_each_outbox_with_its_own_route_and_source() {
-    each_outbox_with_its_own_route_and_source(Transport::RabbitMq).await;
+    each_outbox_with_its_own_route_and_source(Broker::Sink(Transport::RabbitMq)).await;
 }
 
 #[tokio::test]
 async fn kafka_relays_each_outbox_to_its_own_topic() {
-    each_outbox_with_its_own_route_and_source(Transport::Kafka).await;
+    each_outbox_with_its_own_route_and_source(Broker::Sink(Transport::Kafka)).await;
 }
 
-/// Two outboxes on one relay: `orders` with the publisher's route (routing key or topic
-/// template) and the default source; `billing` with a route and a source of its own (and an
-/// ordering, only accepted here). Every row arrives once, on its outbox's route with its
-/// outbox's source, and nothing else arrives.
-async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
+#[tokio::test]
+async fn nats_relays_each_outbox_to_its_own_subject() {
+    each_outbox_with_its_own_route_and_source(Broker::Nats).await;
+}
+
+#[tokio::test]
+async fn redis_relays_each_outbox_to_its_own_stream() {
+    each_outbox_with_its_own_route_and_source(Broker::Redis).await;
+}
+
+/// The broker a scenario of this file runs on: one of the shared [`Sink`]s, or NATS JetStream
+/// or Redis Streams.
+#[derive(Debug, Clone, Copy)]
+enum Broker {
+    Sink(Transport),
+    Nats,
+    Redis,
+}
+
+/// Where the scenario reads what the relay sent: the [`Sink`], the test's JetStream stream
+/// (capturing `<prefix>.>`), or the test's Redis stream keys (`<prefix>.…`).
+enum Dest {
+    Sink(Sink),
+    Nats(NatsStream),
+    Redis(RedisStreams),
+}
+
+impl Dest {
+    async fn new(broker: Broker, test: &str, types: &[&str]) -> Self {
+        match broker {
+            Broker::Sink(t) => Self::Sink(Sink::new(t, test, "#", types).await),
+            Broker::Nats => Self::Nats(NatsStream::new(test).await),
+            Broker::Redis => Self::Redis(RedisStreams::new(test).await),
+        }
+    }
+
+    /// Each arrival as (id, route, source), in arrival order (on Redis, stream by stream).
+    async fn arrivals(&self) -> Vec<(Uuid, String, Option<String>)> {
+        match self {
+            Self::Sink(Sink::RabbitMq(rabbit)) => {
+                let deliveries = rabbit.deliveries().into_iter();
+                deliveries
+                    .map(|d| {
+                        let source = d.headers().get("cloudEvents:source").cloned();
+                        (d.message_id.parse().unwrap(), d.routing_key, source)
+                    })
+                    .collect()
+            }
+            Self::Sink(Sink::Kafka { consumer, .. }) => {
+                let records = consumer.records().into_iter();
+                records
+                    .map(|r| {
+                        let key = r.key.as_deref();
+                        assert_eq!(key.map(|k| k.starts_with('k')), Some(true), "{r:?}");
+                        let source = r.header("ce_source").map(str::to_owned);
+                        (r.id().expect("ce_id"), r.topic, source)
+                    })
+                    .collect()
+            }
+            Self::Nats(stream) => {
+                let messages = stream.messages().await.into_iter();
+                messages
+                    .map(|m| {
+                        let source = m.header("ce-source").map(str::to_owned);
+                        (m.id().parse().expect("Nats-Msg-Id"), m.subject, source)
+                    })
+                    .collect()
+            }
+            Self::Redis(streams) => {
+                let all = streams.all_entries().await.into_iter();
+                all.flat_map(|(key, entries)| {
+                    entries.into_iter().map(move |e| {
+                        let id = e.field("id").expect("id field").parse().unwrap();
+                        (id, key.clone(), e.field("source"))
+                    })
+                })
+                .collect()
+            }
+        }
+    }
+
+    /// Stops `relay`, deletes what the test created on the broker and drops `table`.
+    async fn finish(self, relay: RelayProcess, table: TestTable) {
+        match self {
+            Self::Sink(sink) => sink.finish(relay, table).await,
+            Self::Nats(stream) => {
+                relay.stop().await;
+                stream.teardown().await;
+                table.drop_table().await;
+            }
+            Self::Redis(streams) => {
+                relay.stop().await;
+                streams.teardown().await;
+                table.drop_table().await;
+            }
+        }
+    }
+}
+
+/// Two outboxes on one relay: `orders` with the publisher's route (routing key, topic, subject
+/// or stream template) and the default source; `billing` with a route (Redis: its rows' own
+/// aggregate type in the publisher's `{aggregate_type}` template, as no outbox sets a stream
+/// of its own) and a source of its own, and an ordering (only accepted here). Every row
+/// arrives once, on its outbox's route with its outbox's source, `orders` (ordering
+/// `aggregate`) in order per aggregate, and nothing else arrives.
+async fn each_outbox_with_its_own_route_and_source(broker: Broker) {
     let orders = TestTable::new("multi_orders").await;
     let billing = TestTable::new("multi_billing").await;
-    let sink = Sink::new(transport, "multi", "#", &["order", "billing"]).await;
+    let dest = Dest::new(broker, "multi", &["order", "billing"]).await;
     // The publisher's route (for `orders`), billing's own, and where each outbox's rows go.
-    let (publisher, billing_route, routes) = match &sink {
-        Sink::RabbitMq(rabbit) => (
+    let (publisher, billing_route, routes) = match &dest {
+        Dest::Sink(Sink::RabbitMq(rabbit)) => (
             rabbit_publisher(&rabbit.exchange),
             "routing_key = \"billing.{event_type}\"".to_owned(),
             ["order.created".to_owned(), "billing.created".to_owned()],
         ),
-        Sink::Kafka { prefix, topics, .. } => (
+        Dest::Sink(Sink::Kafka { prefix, topics, .. }) => (
             format!(
                 "[publisher]\nkind = \"kafka\"\n[publisher.kafka]\nbrokers = \"{KAFKA}\"\n\
                  topic = \"{prefix}-{{aggregate_type}}\"\n"
@@ -85,10 +188,28 @@ async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
             format!("topic = \"{}\"", topics[1]),
             [topics[0].clone(), topics[1].clone()],
         ),
+        Dest::Nats(stream) => (
+            format!(
+                "[publisher]\nkind = \"nats\"\n[publisher.nats]\nurl = \"{NATS_URL}\"\n\
+                 subject = \"{}\"\n",
+                stream.subject_template()
+            ),
+            format!("subject = \"{}.billing.{{event_type}}\"", stream.prefix),
+            ["order.created", "billing.created"].map(|s| format!("{}.{s}", stream.prefix)),
+        ),
+        Dest::Redis(streams) => (
+            format!(
+                "[publisher]\nkind = \"redis\"\n[publisher.redis]\nurl = \"{REDIS_URL}\"\n\
+                 stream = \"{}\"\n",
+                streams.template()
+            ),
+            String::new(),
+            [streams.key("order"), streams.key("invoice")],
+        ),
     };
     let billing_extra = format!("source = \"/billing\"\n{billing_route}\nordering = \"none\"");
     let (relay, _dir) = spawn(
-        &format!("multi-{transport:?}"),
+        &format!("multi-{broker:?}"),
         &publisher,
         &[
             entry("orders", &orders.name, ""),
@@ -99,31 +220,19 @@ async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
     let b = billing.insert_ids(&rows(30, "invoice")).await;
     orders.wait_all_sent(WAIT).await;
     billing.wait_all_sent(WAIT).await;
-    sink.wait_received(WAIT).await;
+    if let Dest::Sink(sink) = &dest {
+        sink.wait_received(WAIT).await;
+    }
 
-    // Each arrival as (id, route, source).
-    let mut arrived: Vec<(Uuid, String, Option<String>)> = match &sink {
-        Sink::RabbitMq(rabbit) => {
-            let deliveries = rabbit.deliveries().into_iter();
-            deliveries
-                .map(|d| {
-                    let source = d.headers().get("cloudEvents:source").cloned();
-                    (d.message_id.parse().unwrap(), d.routing_key, source)
-                })
-                .collect()
-        }
-        Sink::Kafka { consumer, .. } => {
-            let records = consumer.records().into_iter();
-            records
-                .map(|r| {
-                    let key = r.key.as_deref();
-                    assert_eq!(key.map(|k| k.starts_with('k')), Some(true), "{r:?}");
-                    let source = r.header("ce_source").map(str::to_owned);
-                    (r.id().expect("ce_id"), r.topic, source)
-                })
-                .collect()
-        }
-    };
+    let mut arrived = dest.arrivals().await;
+    // `orders` is relayed with ordering `aggregate`: its rows of each aggregate in seq order.
+    let order_ids = arrived
+        .iter()
+        .filter(|(id, ..)| a.contains(id))
+        .map(|(id, ..)| id.to_string())
+        .collect::<Vec<_>>();
+    analyse(&orders.rows().await, order_ids.iter().map(String::as_str))
+        .assert_exactly_once("orders");
     // Each row with its outbox's (route, source).
     let with = |ids: &[Uuid], route: &str, source: &str| -> Vec<_> {
         let arrival = |id: &Uuid| (*id, route.to_owned(), Some(source.to_owned()));
@@ -141,7 +250,7 @@ async fn each_outbox_with_its_own_route_and_source(transport: Transport) {
         arrived, want,
         "every row once, on its outbox's route with its source, and no other"
     );
-    sink.finish(relay, orders).await;
+    dest.finish(relay, orders).await;
     billing.drop_table().await;
 }
 
