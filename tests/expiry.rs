@@ -1,11 +1,12 @@
 //! Messages that expire (docs/operations.md, docs/design.md): a row past its `expires_at` when it would be claimed
 //! is `expired`, never published, counted and shown, and does not hold back its aggregate;
 //! a row handed back by a broker outage expires when it is claimed anew; RabbitMQ messages of
-//! rows with a deadline carry the AMQP `expiration` property; retention removes expired rows.
+//! rows with a deadline carry the AMQP `expiration` property, NATS and Redis ones nothing (no
+//! per-message time to live); retention removes expired rows.
 //! (Schema version 2 applied in place to a version-1 table: tests/ops.rs.)
 //!
-//! The real binary against the local PostgreSQL and RabbitMQ, a table, exchange and queue per
-//! test.
+//! The real binary against the local PostgreSQL, RabbitMQ, NATS JetStream and Redis, a table and
+//! an exchange and queue, a stream or stream keys per test.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -13,11 +14,13 @@ mod common;
 
 use std::time::Duration;
 
+use common::nats::{NATS_URL, NatsStream, nats_relay};
 use common::{
-    Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TestTable, drop_both, finish, free_port,
-    table_and_exchange, wait_for_sample,
+    Proxy, RABBIT_ADDR, REDIS_URL, RabbitFixture, RedisStreams, RelayBuilder, RelayProcess,
+    TestTable, drop_both, finish, free_port, redis_relay, table_and_exchange, wait_for_sample,
 };
 use serde_json::Value;
+use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(60);
 
@@ -25,9 +28,152 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, label: &str) -> RelayBuilder
     RelayBuilder::for_test(table, rabbit, label).set("relay.poll_interval", "200ms")
 }
 
+/// The broker an expiry scenario runs on.
+#[derive(Debug, Clone, Copy)]
+enum Broker {
+    RabbitMq,
+    Nats,
+    Redis,
+}
+
+/// What the relay publishes to: the test's exchange and queue, JetStream stream (capturing
+/// `<prefix>.>`) or Redis stream keys (`<prefix>.{aggregate_type}`).
+enum Dest {
+    RabbitMq(RabbitFixture),
+    Nats(NatsStream),
+    Redis(RedisStreams),
+}
+
+impl Dest {
+    async fn new(broker: Broker, test: &str) -> Self {
+        match broker {
+            Broker::RabbitMq => Self::RabbitMq(RabbitFixture::new(test, "#", "it.barrier").await),
+            Broker::Nats => Self::Nats(NatsStream::new(test).await),
+            Broker::Redis => Self::Redis(RedisStreams::new(test).await),
+        }
+    }
+
+    fn relay(&self, table: &TestTable, label: &str) -> RelayBuilder {
+        match self {
+            Self::RabbitMq(rabbit) => relay(table, rabbit, label),
+            Self::Nats(stream) => nats_relay(table, stream, NATS_URL, label),
+            Self::Redis(streams) => redis_relay(table, REDIS_URL, &streams.template(), label),
+        }
+        .set("relay.poll_interval", "200ms")
+    }
+
+    /// The ids of every message the broker received, in arrival order, once `ids` are among
+    /// them (called when the rows are `sent`: the stream holds what it acknowledged).
+    async fn received(&self, ids: &[Uuid]) -> Vec<String> {
+        match self {
+            Self::RabbitMq(rabbit) => {
+                rabbit.wait_for_ids(ids, WAIT).await;
+                rabbit.barrier().await;
+                let deliveries = rabbit.deliveries();
+                deliveries.into_iter().map(|d| d.message_id).collect()
+            }
+            Self::Nats(stream) => {
+                let messages = stream.messages().await;
+                messages.iter().map(|m| m.id().to_owned()).collect()
+            }
+            Self::Redis(streams) => {
+                let entries = streams.all_entries().await.into_values().flatten();
+                entries.map(|e| e.field("id").unwrap_or_default()).collect()
+            }
+        }
+    }
+
+    /// What each broker does with a deadline (`with`, an hour away; `without`, none): RabbitMQ
+    /// carries the milliseconds left as the AMQP `expiration`; NATS and Redis have no
+    /// per-message time to live (docs/nats.md, docs/redis.md), so the message of a row with a
+    /// deadline carries the same headers (fields) as one without, and stays in the stream.
+    async fn assert_deadline_carried(&self, without: Uuid, with: Uuid) {
+        match self {
+            Self::RabbitMq(rabbit) => {
+                let delivered = rabbit.deliveries();
+                let find = |id: Uuid| {
+                    let d = delivered.iter().find(|d| d.message_id == id.to_string());
+                    d.expect("delivered").properties.expiration().clone()
+                };
+                assert_eq!(find(without), None);
+                let ms: u64 = find(with)
+                    .expect("an expiration on the row with expires_at")
+                    .as_str()
+                    .parse()
+                    .expect("expiration is milliseconds as a string");
+                assert!(
+                    (3_500_000..=3_600_000).contains(&ms),
+                    "expiration {ms} ms for a deadline an hour away"
+                );
+            }
+            Self::Nats(stream) => {
+                let messages = stream.messages().await;
+                let names = |id: Uuid| -> Vec<String> {
+                    let m = messages.iter().find(|m| m.id() == id.to_string());
+                    m.expect("in the stream").headers.keys().cloned().collect()
+                };
+                assert_eq!(names(with), names(without), "no header for the deadline");
+                assert!(
+                    !names(with)
+                        .iter()
+                        .any(|n| n.eq_ignore_ascii_case("Nats-TTL"))
+                );
+            }
+            Self::Redis(streams) => {
+                let entries = streams.all_entries().await.into_values().flatten();
+                let entries: Vec<_> = entries.collect();
+                let names = |id: Uuid| -> Vec<String> {
+                    let e = entries
+                        .iter()
+                        .find(|e| e.field("id") == Some(id.to_string()));
+                    e.expect("in the stream")
+                        .names()
+                        .into_iter()
+                        .map(str::to_owned)
+                        .collect()
+                };
+                assert_eq!(names(with), names(without), "no field for the deadline");
+            }
+        }
+    }
+
+    /// Stops `relay`, deletes what the test created on the broker and drops `table`.
+    async fn finish(self, relay: RelayProcess, table: TestTable) {
+        match self {
+            Self::RabbitMq(rabbit) => finish(relay, table, rabbit).await,
+            Self::Nats(stream) => {
+                relay.stop().await;
+                stream.teardown().await;
+                table.drop_table().await;
+            }
+            Self::Redis(streams) => {
+                relay.stop().await;
+                streams.teardown().await;
+                table.drop_table().await;
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate() {
-    let (table, rabbit) = table_and_exchange("expiry_before_claim").await;
+    past_deadline_is_expired_unpublished_and_frees_its_aggregate(Broker::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate() {
+    past_deadline_is_expired_unpublished_and_frees_its_aggregate(Broker::Nats).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate() {
+    past_deadline_is_expired_unpublished_and_frees_its_aggregate(Broker::Redis).await;
+}
+
+async fn past_deadline_is_expired_unpublished_and_frees_its_aggregate(broker: Broker) {
+    let test = format!("expiry_before_claim_{broker:?}").to_lowercase();
+    let table = TestTable::new(&test).await;
+    let dest = Dest::new(broker, &test).await;
     // Aggregate a-1 in order: an expired head, then a row without a deadline, then one with a
     // deadline an hour away. A row without aggregate id that expired. Inserted before the
     // relay starts, so the first claim meets them all.
@@ -40,17 +186,15 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
         .await;
     let loose = table.insert_expiring(None, "loose", Some(-0.001)).await;
     let port = free_port();
-    let relay = relay(&table, &rabbit, "expiry-before-claim")
+    let relay = dest
+        .relay(&table, &test.replace('_', "-"))
         .set("relay.ordering", "aggregate")
         .set("metrics.listen", format!("127.0.0.1:{port}"))
         .spawn();
 
-    rabbit.wait_for_ids(&[second, third], WAIT).await;
-    // Delivered, then settled: wait until the two live rows are sent too.
+    // Settled: the two live rows are sent (acknowledged by the broker).
     table.wait_count("status = 'sent'", 2, WAIT).await;
-    rabbit.barrier().await;
-    let delivered = rabbit.deliveries();
-    let ids: Vec<&str> = delivered.iter().map(|d| d.message_id.as_str()).collect();
+    let ids = dest.received(&[second, third]).await;
     assert_eq!(
         ids,
         [second.to_string(), third.to_string()],
@@ -67,22 +211,7 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     }
     assert_eq!(table.row(second).await.status, "sent");
     assert_eq!(table.row(third).await.status, "sent");
-
-    // The AMQP expiration: the milliseconds left (about an hour) on the row with a deadline
-    // (`third`), none on the row without (`second`).
-    assert_eq!(delivered[0].properties.expiration(), &None);
-    let ms: u64 = delivered[1]
-        .properties
-        .expiration()
-        .as_ref()
-        .expect("an expiration on the row with expires_at")
-        .as_str()
-        .parse()
-        .expect("expiration is milliseconds as a string");
-    assert!(
-        (3_500_000..=3_600_000).contains(&ms),
-        "expiration {ms} ms for a deadline an hour away"
-    );
+    dest.assert_deadline_carried(second, third).await;
 
     // Counted and shown.
     let outbox = [("outbox", table.name.as_str())];
@@ -98,7 +227,7 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     assert_eq!(v["by_aggregate_type"]["order"]["expired"], 2, "{v}");
     relay.wait_for_log("passed their expires_at", 1, WAIT).await;
 
-    finish(relay, table, rabbit).await;
+    dest.finish(relay, table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
