@@ -28,6 +28,14 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, label: &str) -> RelayBuilder
         .set("cleanup.interval", "1s")
 }
 
+/// `outbox-relay migrate` of `table` with `database.partition_interval = interval`.
+async fn migrate_partitioned(table: &str, interval: &str) -> common::CmdOutput {
+    RelayBuilder::operator(table)
+        .set("database.partition_interval", interval)
+        .output(&["migrate"], WAIT)
+        .await
+}
+
 /// Inserts a row of aggregate `aggregate` whose `created_at` is `offset` from now (an SQL
 /// interval), with `status` and, for a sent row, `sent_at` as long ago as its creation.
 async fn insert_at(table: &TestTable, aggregate: &str, offset: &str, status: &str) -> Uuid {
@@ -241,10 +249,7 @@ async fn a_plain_table_is_partitioned_in_place_while_a_writer_inserts_and_a_rela
         }
     })
     .await;
-    let out = RelayBuilder::operator(&table.name)
-        .set("database.partition_interval", "1m")
-        .output(&["migrate"], WAIT)
-        .await;
+    let out = migrate_partitioned(&table.name, "1m").await;
     assert!(
         out.status.success() && out.stdout.contains("partitioned by created_at every 1m"),
         "migrate: {}\n{}\n{}",
@@ -315,10 +320,7 @@ async fn migrate_finishes_a_conversion_an_interrupted_run_left_half_done() {
         ))
         .await
         .unwrap();
-    let out = RelayBuilder::operator(t)
-        .set("database.partition_interval", "1m")
-        .output(&["migrate"], WAIT)
-        .await;
+    let out = migrate_partitioned(t, "1m").await;
     assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
     assert!(
         out.stderr.contains("dropping the INVALID index"),
@@ -355,10 +357,7 @@ async fn migrate_refuses_a_table_it_cannot_partition_and_says_what_to_do() {
         ))
         .await
         .unwrap();
-    let out = RelayBuilder::operator(t)
-        .set("database.partition_interval", "1m")
-        .output(&["migrate"], WAIT)
-        .await;
+    let out = migrate_partitioned(t, "1m").await;
     assert_eq!(out.status.code(), Some(1), "{}", out.stderr);
     for needle in [
         "database.partition_interval",
@@ -379,10 +378,7 @@ async fn migrate_refuses_a_table_it_cannot_partition_and_says_what_to_do() {
         .unwrap()
         .get(0);
     assert_eq!(kind, "r", "the table is left as it was");
-    let bad = RelayBuilder::operator(t)
-        .set("database.partition_interval", "30s")
-        .output(&["migrate"], WAIT)
-        .await;
+    let bad = migrate_partitioned(t, "30s").await;
     assert_eq!(bad.status.code(), Some(2));
     assert!(
         bad.stderr.contains("database.partition_interval"),

@@ -299,6 +299,20 @@ impl Store {
     /// partition work's advisory lock; `false` when another session has it.
     async fn partition_work(&self, sql: &str) -> Result<bool> {
         let mut client = self.client().await?;
+        let Some(tx) = self.begin_partition_work(&mut client).await? else {
+            return Ok(false);
+        };
+        tx.batch_execute(sql).await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// A transaction under [`LOCK_TIMEOUT`] holding the partition work's advisory lock (one
+    /// relay at a time per table); `None` when another session has the lock.
+    async fn begin_partition_work<'a>(
+        &self,
+        client: &'a mut deadpool_postgres::Object,
+    ) -> Result<Option<deadpool_postgres::Transaction<'a>>> {
         let tx = client.transaction().await?;
         tx.execute(
             "SELECT set_config('lock_timeout', $1, true)",
@@ -306,12 +320,8 @@ impl Store {
         )
         .await?;
         let lock = PartitionSql::new(&self.table).lock;
-        if !tx.query_one(&lock, &[]).await?.try_get::<_, bool>(0)? {
-            return Ok(false);
-        }
-        tx.batch_execute(sql).await?;
-        tx.commit().await?;
-        Ok(true)
+        let held: bool = tx.query_one(&lock, &[]).await?.try_get(0)?;
+        Ok(held.then_some(tx))
     }
 
     /// Why `partition` cannot be dropped yet (a row in it is not finished), if it cannot.
@@ -348,16 +358,9 @@ impl Store {
         }
         let (t, p) = (self.table.qualified(), &partition.name);
         let mut client = self.client().await?;
-        let tx = client.transaction().await?;
-        tx.execute(
-            "SELECT set_config('lock_timeout', $1, true)",
-            &[&LOCK_TIMEOUT],
-        )
-        .await?;
-        let lock = PartitionSql::new(&self.table).lock;
-        if !tx.query_one(&lock, &[]).await?.try_get::<_, bool>(0)? {
+        let Some(tx) = self.begin_partition_work(&mut client).await? else {
             return Ok(Retired::Busy);
-        }
+        };
         match tx
             .batch_execute(&format!("ALTER TABLE {t} DETACH PARTITION {p}"))
             .await
