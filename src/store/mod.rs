@@ -100,7 +100,9 @@ impl StoreError {
     pub fn is_connection(&self) -> bool {
         match self {
             Self::Pool(_) => true,
-            Self::Db(e) => e.is_closed() || e.code().is_none(),
+            // Without an SQLSTATE: lost or refused connections, but also a value this side
+            // could not convert (a bug, not an outage: it must not be logged as one).
+            Self::Db(e) => e.is_closed() || (e.code().is_none() && !is_conversion(e)),
             Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
     }
@@ -118,6 +120,21 @@ impl StoreError {
             _ => false,
         }
     }
+}
+
+/// Whether `e` is a value the client could not convert or a statement it refused before
+/// sending it (tokio-postgres says so only in its message).
+fn is_conversion(e: &tokio_postgres::Error) -> bool {
+    let text = e.to_string();
+    [
+        "error serializing",
+        "error deserializing",
+        "invalid column",
+        "expected ",
+        "query returned an unexpected number of rows",
+    ]
+    .iter()
+    .any(|p| text.starts_with(p))
 }
 
 /// Short alias for store results.

@@ -10,9 +10,9 @@
 //! (<bound>)`, and is dropped like the others once its rows are finished and past retention.
 //!
 //! Locks: creating a partition (`CREATE TABLE … (LIKE …)`, then `ATTACH PARTITION`) takes
-//! SHARE UPDATE EXCLUSIVE on the table, which inserts and claims pass, and ACCESS EXCLUSIVE on
-//! the new table and on the DEFAULT partition; dropping one detaches it first, which takes
-//! ACCESS EXCLUSIVE on the table for a moment. Each is requested under [`LOCK_TIMEOUT`] and,
+//! SHARE UPDATE EXCLUSIVE on the table, which inserts pass, and ACCESS EXCLUSIVE on the new
+//! table and on the DEFAULT partition (claims wait for it); dropping one detaches it first,
+//! which takes ACCESS EXCLUSIVE on the table for a moment. Each is requested under [`LOCK_TIMEOUT`] and,
 //! when it is not granted, tried again at the next round rather than queue the application's
 //! inserts behind it. One relay at a time does this work (a transaction-level advisory lock
 //! per table).
@@ -30,10 +30,16 @@ use crate::config::TableName;
 /// How long the relay's partition work waits for a lock before it gives up for this round:
 /// the application's inserts queue behind a lock request on the table, so this bounds how
 /// long an insert can wait on the relay.
-pub const LOCK_TIMEOUT: &str = "1s";
+pub const LOCK_TIMEOUT: &str = "200ms";
 
-/// How far ahead of `now()` partitions exist: at least this many intervals.
+/// How far ahead of `now()` partitions exist: at least this many intervals, and at least
+/// [`AHEAD_AT_LEAST`].
 pub const AHEAD: u32 = 2;
+
+/// Partitions exist at least this far ahead, however short the interval: creating one needs
+/// a moment's exclusive lock on DEFAULT, which a long transaction reading the table delays; the
+/// partitions ahead carry the inserts meanwhile.
+pub const AHEAD_AT_LEAST: Duration = Duration::from_secs(10 * 60);
 
 /// A converted table's old rows stay in the `_plain` partition, whose upper bound is this far
 /// ahead (at least; rounded up to the interval): the bound's `CHECK` constraint is in force on
@@ -126,7 +132,8 @@ impl Layout {
             .filter_map(|p| p.upper)
             .max()
             .map_or(current, |u| u.max(current));
-        let target = self.now + step * i32::try_from(AHEAD).unwrap_or(2);
+        let at_least = chrono::Duration::from_std(AHEAD_AT_LEAST).unwrap_or_default();
+        let target = self.now + (step * i32::try_from(AHEAD).unwrap_or(2)).max(at_least);
         let mut out = Vec::new();
         while start < target {
             out.push((start, start + step));
@@ -279,10 +286,19 @@ impl Store {
         let bare = name.rsplit('.').next().unwrap_or(&name).to_owned();
         let part = as_table(self.table.schema.as_deref(), &bare);
         let (lo, hi) = (literal(lo), literal(hi));
-        let mut sql = format!(
+        // The locks ATTACH takes, taken first and in the order the relay's statements take
+        // them (the table, then its partitions): rows moved out of DEFAULT are then locked by
+        // nobody else (a settle of one of them waits for this transaction instead of holding
+        // a lock it would wait for: a deadlock), and no row reaches DEFAULT between the move
+        // and the attach (which would refuse the range).
+        let mut sql = format!("LOCK TABLE {t} IN SHARE UPDATE EXCLUSIVE MODE;\n");
+        if let Some(default) = default {
+            sql.push_str(&format!("LOCK TABLE {default} IN ACCESS EXCLUSIVE MODE;\n"));
+        }
+        sql.push_str(&format!(
             "CREATE TABLE {name} (LIKE {t} INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE);\n{}\n",
             storage_settings(&part).unwrap_or_default()
-        );
+        ));
         if let Some(default) = default {
             sql.push_str(&format!(
                 "WITH moved AS (DELETE FROM {default} WHERE created_at >= {lo} AND created_at < {hi} RETURNING *) \
@@ -838,4 +854,74 @@ fn wakeup_trigger(table: &TableName) -> Vec<String> {
         .filter(|s| s.starts_with("DROP TRIGGER") || s.starts_with("CREATE CONSTRAINT TRIGGER"))
         .map(|s| format!("{};", super::schema::render(s, table)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(s: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(s)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .with_timezone(&Utc)
+    }
+
+    fn range(lo: &str, hi: &str) -> Partition {
+        Partition {
+            name: format!("p_{lo}"),
+            default: false,
+            lower: Some(at(lo)),
+            upper: Some(at(hi)),
+        }
+    }
+
+    #[test]
+    fn ranges_align_on_the_epoch_and_are_named_by_their_utc_start() {
+        let day = Duration::from_secs(86_400);
+        assert_eq!(
+            align_down(at("2026-11-27T23:59:59Z"), day),
+            at("2026-11-27T00:00:00Z")
+        );
+        let t = TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            partition_name(&t, at("2026-11-27T05:30:00Z")),
+            "app.events_p20261127_0530"
+        );
+        assert_eq!(
+            literal(at("2026-11-27T05:30:00Z")),
+            "'2026-11-27 05:30:00+00'"
+        );
+    }
+
+    #[test]
+    fn missing_ranges_go_on_from_the_newest_partition_to_the_horizon() {
+        let hour = Duration::from_secs(3600);
+        let mut layout = Layout {
+            partitioned: true,
+            may_own: true,
+            now: at("2026-11-27T10:20:00Z"),
+            partitions: vec![range("2026-11-27T10:00:00Z", "2026-11-27T11:00:00Z")],
+        };
+        let missing = layout.missing_ahead(hour);
+        // Two hours ahead of 10:20: up to 12:20, so 11-12 and 12-13.
+        assert_eq!(
+            missing,
+            [
+                (at("2026-11-27T11:00:00Z"), at("2026-11-27T12:00:00Z")),
+                (at("2026-11-27T12:00:00Z"), at("2026-11-27T13:00:00Z"))
+            ]
+        );
+        // A one-minute interval still keeps ten minutes ahead; nothing is made in the past.
+        layout.partitions = vec![range("2026-11-27T09:00:00Z", "2026-11-27T09:01:00Z")];
+        let missing = layout.missing_ahead(Duration::from_secs(60));
+        assert_eq!(
+            missing.first().map(|r| r.0),
+            Some(at("2026-11-27T10:20:00Z"))
+        );
+        assert_eq!(
+            missing.last().map(|r| r.1),
+            Some(at("2026-11-27T10:30:00Z"))
+        );
+        assert_eq!(layout.newest_interval(), Some(Duration::from_secs(60)));
+    }
 }
