@@ -220,6 +220,11 @@ impl VariantResult {
         self.samples.iter().map(|h| h.dead).max().unwrap_or(0)
     }
 
+    /// Vacuums (manual and auto) at the end, of the relations there then.
+    fn vacuums(&self) -> i64 {
+        self.samples.last().map_or(0, Health::vacuum_count)
+    }
+
     fn partitions_max(&self) -> i64 {
         self.samples.iter().map(|h| h.partitions).max().unwrap_or(0)
     }
@@ -577,7 +582,7 @@ async fn register_detached(ctx: &mut Ctx, table: &str) -> Result<()> {
             "SELECT c.relname::text FROM pg_class c \
              WHERE c.relkind IN ('r', 'p') AND NOT c.relispartition \
                AND c.relnamespace = 'public'::regnamespace \
-               AND c.relname ~ ('^' || $1 || '_(p[0-9]{8}_[0-9]{4}|default)$')",
+               AND c.relname ~ ('^' || $1 || '_(p[0-9]{8}_[0-9]{4}|default|plain)$')",
             &[&table],
         )
         .await?;
@@ -633,9 +638,10 @@ fn result_text(r: &VariantResult) -> String {
             size_growth(r)
         ),
         format!(
-            "{} rows deleted, dead tuples max {}, claim {:.2} → {:.2} ms",
+            "{} rows deleted, dead tuples max {}, {} vacuums, claim {:.2} → {:.2} ms",
             r.deleted,
             r.dead_max(),
+            r.vacuums(),
             r.claim_first(),
             r.claim_last()
         ),
@@ -749,6 +755,12 @@ fn report_variant(ctx: &mut Ctx, r: &VariantResult) {
             "dead tuples, max".into(),
             r.dead_max() as f64,
             "tuples",
+        ),
+        (
+            "vacuums",
+            "vacuums (manual + auto) at the end, of the relations there then".into(),
+            r.vacuums() as f64,
+            "vacuums",
         ),
         (
             "claim_first_ms",
@@ -883,7 +895,7 @@ fn report_summary(ctx: &mut Ctx, runs: &[VariantResult]) {
         .max()
         .unwrap_or(3);
     let mut text = format!(
-        "{:<w$} {:>8} {:>8} {:>8} {:>7} {:>15} {:>6} {:>9} {:>9} {:>15} {:>6} {:>8}\n",
+        "{:<w$} {:>8} {:>8} {:>8} {:>7} {:>15} {:>6} {:>9} {:>9} {:>4} {:>15} {:>6} {:>8}\n",
         "variant",
         "commit/s",
         "c p99 ms",
@@ -893,13 +905,14 @@ fn report_summary(ctx: &mut Ctx, runs: &[VariantResult]) {
         "growth",
         "deleted",
         "dead max",
+        "vac",
         "claim ms 1st/last",
         "parts",
         "cpu/100k"
     );
     for r in runs {
         text.push_str(&format!(
-            "{:<w$} {:>8.0} {:>8.2} {:>8.0} {:>7.2} {:>15} {:>6.2} {:>9} {:>9} {:>15} {:>6} {:>8}\n",
+            "{:<w$} {:>8.0} {:>8.2} {:>8.0} {:>7.2} {:>15} {:>6.2} {:>9} {:>9} {:>4} {:>15} {:>6} {:>8}\n",
             r.label,
             r.commits_per_s(),
             r.commit_p99_ms,
@@ -909,6 +922,7 @@ fn report_summary(ctx: &mut Ctx, runs: &[VariantResult]) {
             size_growth(r),
             r.deleted,
             r.dead_max(),
+            r.vacuums(),
             format!("{:.2}/{:.2}", r.claim_first(), r.claim_last()),
             if r.variant.partitioned() {
                 r.partitions_max().to_string()
@@ -924,7 +938,8 @@ fn report_summary(ctx: &mut Ctx, runs: &[VariantResult]) {
         "(c = application commit; 1st = table + indexes, the largest over one partition interval \
          ({}) from the end of the first retention window (retention {} + clean-up interval {}, \
          + one partition interval when partitioned); end = the largest over the last partition \
-         interval; deleted = n_tup_del over the table and its partitions; parts = partitions, max; \
+         interval; deleted = n_tup_del over the table and its partitions; vac = vacuums, manual + \
+         auto, at the end; parts = partitions, max; \
          claim = the relay's claim in a rolled-back transaction every {:?}, median per minute; \
          cpu = relay CPU s per 100k rows)\n",
         humantime::format_duration(a.retention_partition_interval),

@@ -326,6 +326,11 @@ impl Health {
         })
     }
 
+    /// Vacuums, manual and auto, summed over the relations there now.
+    pub(super) fn vacuum_count(&self) -> i64 {
+        self.vacuums + self.autovacuums
+    }
+
     /// `n_tup_del` summed over the relations there now.
     pub(super) fn deleted(&self) -> i64 {
         self.deletes.iter().map(|(_, n)| n).sum()
@@ -800,11 +805,26 @@ pub(super) async fn claim_probe(ctx: &Ctx, table: &str) -> Result<Probe> {
     let batch = ctx.config(table, |_| {})?.relay.batch_size;
     let name = TableName::parse(table).map_err(|e| anyhow!("table name {table}: {e}"))?;
     let claim = hot_path_sql(&name).claim_aggregate;
-    // One per table (each run has its own): the name is free on this session.
+    // One per table (each run has its own). A run measured again after a service restart
+    // recreates its table under the same name, possibly on the same session: the earlier
+    // attempt's statement (planned for the dropped table) goes first.
     let statement: String = format!("probe_{table}")
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
+    let stale = ctx
+        .pg
+        .query_opt(
+            "SELECT 1 FROM pg_prepared_statements WHERE name = $1",
+            &[&statement],
+        )
+        .await?
+        .is_some();
+    if stale {
+        ctx.pg
+            .batch_execute(&format!("DEALLOCATE {statement}"))
+            .await?;
+    }
     ctx.pg
         .batch_execute(&format!("PREPARE {statement} AS {claim}"))
         .await
