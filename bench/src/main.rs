@@ -1007,7 +1007,9 @@ fn fmt_value(v: f64, unit: &str) -> String {
         return "n/a".into();
     }
     match unit {
-        "rows/s" | "msgs/s" | "pages" => group_thousands(v.round() as i64),
+        "rows/s" | "msgs/s" | "pages" | "rows" | "tuples" | "vacuums" | "partitions" => {
+            group_thousands(v.round() as i64)
+        }
         "×" => format!("{v:.2}"),
         "MiB" => format!("{v:.1}"),
         _ if v >= 100.0 => format!("{v:.0}"),
