@@ -28,6 +28,11 @@
 //! 14. `http` (only when named in `--only`): the relay draining N rows to a local endpoint that
 //!     answers 204 at once, ordering none and aggregate, beside a bare reqwest client sending
 //!     the relay's requests with `relay.max_in_flight` outstanding; relay CPU per 100k.
+//! 15. `retention` (only when named in `--only`): writers at 2,000 rows/s for minutes beside the
+//!     relay with a 2 min retention, on a plain table, a partitioned one
+//!     (`database.partition_interval`), and a partitioned one with a REPEATABLE READ transaction
+//!     held open for half the run: table size, rows deleted, dead tuples, partitions, claim time,
+//!     commits/s and relay CPU.
 //!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
 //! One file per phase under `phases/`; the relay process, topics and tables come from
@@ -62,7 +67,8 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Only these phases (comma-separated): db, broker, naive, relay, latency, insert, claim,
-    /// outboxes, steady, nats, redis, tracing, http (the last five run only when named here).
+    /// outboxes, steady, nats, redis, tracing, http, retention (steady and the last five run
+    /// only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<Phase>,
     /// Print only the JSON line on stdout (plans and table go nowhere; progress still on stderr).
@@ -129,6 +135,8 @@ struct Args {
     metrics: bool,
     #[command(flatten)]
     steady: phases::SteadyArgs,
+    #[command(flatten)]
+    retention: phases::RetentionArgs,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -159,6 +167,8 @@ enum Phase {
     Tracing,
     /// 14. HTTP webhooks, a bare reqwest client vs the relay (not part of the default run).
     Http,
+    /// 15. Retention on a plain and a partitioned table (not part of the default run).
+    Retention,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
@@ -688,6 +698,7 @@ async fn setup(args: Args) -> Result<Ctx> {
             Phase::Redis,
             Phase::Tracing,
             Phase::Http,
+            Phase::Retention,
         ]
         .iter()
         .any(|p| args.only.contains(p));
@@ -726,6 +737,7 @@ async fn run(ctx: &mut Ctx) {
                 && p != Phase::Redis
                 && p != Phase::Tracing
                 && p != Phase::Http
+                && p != Phase::Retention
         } else {
             ctx.args.only.contains(&p)
         }
@@ -744,6 +756,7 @@ async fn run(ctx: &mut Ctx) {
         Phase::Redis,
         Phase::Tracing,
         Phase::Http,
+        Phase::Retention,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -783,6 +796,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Redis => phases::redis_runs(ctx).await,
                     Phase::Tracing => phases::tracing_runs(ctx).await,
                     Phase::Http => phases::http_runs(ctx).await,
+                    Phase::Retention => phases::retention(ctx).await,
                 },
             )
             .await;
@@ -993,7 +1007,9 @@ fn fmt_value(v: f64, unit: &str) -> String {
         return "n/a".into();
     }
     match unit {
-        "rows/s" | "msgs/s" | "pages" => group_thousands(v.round() as i64),
+        "rows/s" | "msgs/s" | "pages" | "rows" | "tuples" | "vacuums" | "partitions" => {
+            group_thousands(v.round() as i64)
+        }
         "×" => format!("{v:.2}"),
         "MiB" => format!("{v:.1}"),
         _ if v >= 100.0 => format!("{v:.0}"),

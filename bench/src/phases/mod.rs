@@ -13,6 +13,7 @@ mod naive;
 mod nats;
 mod outboxes;
 mod redis;
+mod retention;
 mod steady;
 
 pub use broker::broker_ceiling;
@@ -26,6 +27,7 @@ pub use naive::naive;
 pub use nats::nats;
 pub use outboxes::outboxes;
 pub use redis::redis_runs;
+pub use retention::{RetentionArgs, retention};
 pub use steady::{SteadyArgs, steady};
 
 use std::time::Duration;

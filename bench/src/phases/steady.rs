@@ -294,28 +294,46 @@ async fn kafka_up(ctx: &Ctx) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // One run
 
-/// The table's health at one instant.
-struct Health {
-    at_s: f64,
-    total_bytes: i64,
+/// The table's health at one instant: for a partitioned table, the sums over its partitions.
+pub(super) struct Health {
+    pub(super) at_s: f64,
+    pub(super) total_bytes: i64,
     table_bytes: i64,
     index_bytes: i64,
     live: i64,
-    dead: i64,
+    pub(super) dead: i64,
     vacuums: i64,
     autovacuums: i64,
-    claim_ms: f64,
+    /// Leaf partitions (0 for a plain table).
+    pub(super) partitions: i64,
+    /// `n_tup_del` of each relation (the table, or each partition) by oid: a partition that
+    /// retention drops takes its count with it, so a caller that wants every delete keeps the
+    /// last count it saw of each.
+    pub(super) deletes: Vec<(u32, i64)>,
+    /// NaN when the claim was not probed in this sample.
+    pub(super) claim_ms: f64,
     claim_pages: u64,
 }
 
 impl Health {
-    fn json(&self) -> Value {
+    pub(super) fn json(&self) -> Value {
         json!({
             "at_s": self.at_s, "total_bytes": self.total_bytes, "table_bytes": self.table_bytes,
             "index_bytes": self.index_bytes, "live_tuples": self.live, "dead_tuples": self.dead,
             "vacuum_count": self.vacuums, "autovacuum_count": self.autovacuums,
+            "partitions": self.partitions, "rows_deleted": self.deleted(),
             "claim_ms": self.claim_ms, "claim_pages": self.claim_pages,
         })
+    }
+
+    /// Vacuums, manual and auto, summed over the relations there now.
+    pub(super) fn vacuum_count(&self) -> i64 {
+        self.vacuums + self.autovacuums
+    }
+
+    /// `n_tup_del` summed over the relations there now.
+    pub(super) fn deleted(&self) -> i64 {
+        self.deletes.iter().map(|(_, n)| n).sum()
     }
 }
 
@@ -402,14 +420,14 @@ fn filled_after_s(retention: Option<&str>) -> f64 {
 }
 
 /// The relay's side of a run: process, consumer, metrics port.
-struct Running {
-    relay: Relay,
-    consumer: Consumer,
-    port: u16,
+pub(super) struct Running {
+    pub(super) relay: Relay,
+    pub(super) consumer: Consumer,
+    pub(super) port: u16,
 }
 
 impl Running {
-    fn alive(&mut self) -> Result<()> {
+    pub(super) fn alive(&mut self) -> Result<()> {
         self.relay.check_alive()
     }
 }
@@ -423,15 +441,21 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
         .await?;
     let probe = claim_probe(ctx, &table).await?;
     let batch = if mode.batched() { a.steady_batch } else { 1 };
-    let insert_sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
-         SELECT 'order', a, 'OrderPlaced', p::jsonb FROM unnest($1::text[], $2::text[]) AS u(a, p) \
-         RETURNING id"
-    );
+    let insert_sql = insert_sql(&table);
     let flow = Flow::new();
     let sentinel = ctx.sentinel().await;
+    let mut case_env = Vec::new();
+    if case == Case::PollRabbitmq {
+        case_env.push(("RELAY_RELAY__NOTIFY".to_owned(), "false".to_owned()));
+    }
+    if let Some(retention) = &a.steady_retention {
+        case_env.push(("RELAY_CLEANUP__RETENTION".to_owned(), retention.clone()));
+    }
+    let tag = format!("st_{}", case.short());
     let mut running = match case.broker() {
-        Some(broker) => Some(start_relay(ctx, &table, case, broker, &key, &flow).await?),
+        Some(broker) => {
+            Some(start_relay(ctx, &table, (&tag, broker, &key), &flow, case_env).await?)
+        }
         None => None,
     };
     if let Some(r) = running.as_mut() {
@@ -443,7 +467,7 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     for _ in 0..conns {
         clients.push(pg_connect(&ctx.args.database_url).await?);
     }
-    let mut health = vec![sample_health(&ctx.pg, &table, &probe, 0.0).await?];
+    let mut health = vec![sample_health(&ctx.pg, &table, Some(&probe), 0.0).await?];
     ctx.progress(format!(
         "steady {label}: writing for {:?} into {table}",
         a.steady_duration
@@ -471,11 +495,7 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     }
 
     // Once a second: lag (from the table, and the relay's own gauge); once an interval: health.
-    let lag_sql = format!(
-        "SELECT coalesce(extract(epoch FROM now() - (SELECT created_at FROM {table} \
-           WHERE status = 'pending' AND available_at <= now() ORDER BY seq LIMIT 1)), 0)::float8"
-    );
-    let lag_stmt = ctx.pg.prepare(&lag_sql).await?;
+    let lag_stmt = ctx.pg.prepare(&lag_sql(&table)).await?;
     let mut lag_max_s = 0f64;
     let mut gauge_max: Option<f64> = None;
     let mut next_sample = origin + a.steady_sample_every;
@@ -500,7 +520,7 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
         }
         if Instant::now() >= next_sample && Instant::now() + Duration::from_secs(1) < end {
             let at = origin.elapsed().as_secs_f64();
-            let h = sample_health(&ctx.pg, &table, &probe, at).await?;
+            let h = sample_health(&ctx.pg, &table, Some(&probe), at).await?;
             ctx.progress(format!(
                 "steady {label}: {at:.0} s: {}, lag now {lag:.2} s",
                 health_text(&h)
@@ -515,7 +535,7 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     let window = end.saturating_duration_since(origin);
     let cpu_window = Instant::now().saturating_duration_since(cpu_at);
     let usage = cpu.usage();
-    health.push(sample_health(&ctx.pg, &table, &probe, window.as_secs_f64()).await?);
+    health.push(sample_health(&ctx.pg, &table, Some(&probe), window.as_secs_f64()).await?);
 
     let mut consumed = None;
     let mut relay_metrics = Value::Null;
@@ -581,32 +601,43 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     Ok(result)
 }
 
-/// The consumer, then the relay (its metrics on a free port), for `case`.
-async fn start_relay(
+/// The application's insert of [`WriterPlan::sql`] into `table`.
+pub(super) fn insert_sql(table: &str) -> String {
+    format!(
+        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
+         SELECT 'order', a, 'OrderPlaced', p::jsonb FROM unnest($1::text[], $2::text[]) AS u(a, p) \
+         RETURNING id"
+    )
+}
+
+/// The lag: age in seconds of the oldest row that could be published now (0 when none).
+pub(super) fn lag_sql(table: &str) -> String {
+    format!(
+        "SELECT coalesce(extract(epoch FROM now() - (SELECT created_at FROM {table} \
+           WHERE status = 'pending' AND available_at <= now() ORDER BY seq LIMIT 1)), 0)::float8"
+    )
+}
+
+/// The consumer (on a fresh exchange and queue, or topic, named after `tag`), then the relay
+/// `key` on `broker` (`rabbitmq` or `kafka`) with `case_env` besides the bench's own, its
+/// metrics on a free port.
+pub(super) async fn start_relay(
     ctx: &mut Ctx,
     table: &str,
-    case: Case,
-    broker: &str,
-    key: &str,
+    (tag, broker, key): (&str, &str, &str),
     flow: &Arc<Flow>,
+    case_env: Vec<(String, String)>,
 ) -> Result<Running> {
-    let a = &ctx.args.steady;
-    let tag = format!("st_{}", case.short());
     let mut env = ctx.relay_env(table);
     env.push(("RELAY_PUBLISHER__KIND".into(), broker.into()));
-    if case == Case::PollRabbitmq {
-        env.push(("RELAY_RELAY__NOTIFY".into(), "false".into()));
-    }
-    if let Some(retention) = &a.steady_retention {
-        env.push(("RELAY_CLEANUP__RETENTION".into(), retention.clone()));
-    }
+    env.extend(case_env);
     let port = crate::with_metrics_port(&mut env)?;
     let consumer = if broker == "rabbitmq" {
-        let name = ctx.new_binding(&tag).await?;
+        let name = ctx.new_binding(tag).await?;
         env.push(("RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(), name.clone()));
         Consumer::rabbitmq(&ctx.args.amqp_url, &name, Arc::clone(flow)).await?
     } else {
-        let topic = ctx.new_topic(&tag).await?;
+        let topic = ctx.new_topic(tag).await?;
         env.push(("RELAY_PUBLISHER__KAFKA__TOPIC".into(), topic.clone()));
         Consumer::kafka(
             &ctx.args.kafka_brokers,
@@ -625,7 +656,12 @@ async fn start_relay(
 }
 
 /// One row through the whole path before the clock starts.
-async fn warm_up(ctx: &Ctx, insert_sql: &str, flow: &Flow, r: &mut Running) -> Result<()> {
+pub(super) async fn warm_up(
+    ctx: &Ctx,
+    insert_sql: &str,
+    flow: &Flow,
+    r: &mut Running,
+) -> Result<()> {
     let rows = ctx
         .pg
         .query(
@@ -644,37 +680,38 @@ async fn warm_up(ctx: &Ctx, insert_sql: &str, flow: &Flow, r: &mut Running) -> R
 // The application's writers
 
 /// What every writer connection does.
-struct WriterPlan {
-    sql: String,
-    conns: usize,
+pub(super) struct WriterPlan {
+    /// `INSERT … SELECT … FROM unnest($1 aggregate ids, $2 payloads) RETURNING id`.
+    pub(super) sql: String,
+    pub(super) conns: usize,
     /// Rows per transaction.
-    batch: usize,
+    pub(super) batch: usize,
     /// Between two transactions of one connection; `None`: as fast as it goes.
-    period: Option<Duration>,
-    origin: Instant,
-    end: Instant,
-    aggregates: u64,
+    pub(super) period: Option<Duration>,
+    pub(super) origin: Instant,
+    pub(super) end: Instant,
+    pub(super) aggregates: u64,
     /// Where commits are reported when a relay runs (commit → consume).
-    flow: Option<Arc<Flow>>,
+    pub(super) flow: Option<Arc<Flow>>,
 }
 
 /// What the writers did.
 #[derive(Default)]
-struct WriterStats {
-    txs: u64,
-    rows: u64,
+pub(super) struct WriterStats {
+    pub(super) txs: u64,
+    pub(super) rows: u64,
     /// Commit latency (the statement, autocommit) of every transaction, ms.
-    lat_ms: Vec<f32>,
+    pub(super) lat_ms: Vec<f32>,
     /// Rows committed in each second after the origin.
-    rows_by_second: Vec<u64>,
+    pub(super) rows_by_second: Vec<u64>,
     /// Largest delay of a transaction's start after its scheduled instant.
-    max_late: Duration,
+    pub(super) max_late: Duration,
     /// How far behind its schedule a connection was when the run ended (the largest).
-    behind_at_end: Duration,
+    pub(super) behind_at_end: Duration,
 }
 
 impl WriterStats {
-    fn merge(&mut self, o: WriterStats) {
+    pub(super) fn merge(&mut self, o: WriterStats) {
         self.txs += o.txs;
         self.rows += o.rows;
         self.lat_ms.extend(o.lat_ms);
@@ -691,7 +728,7 @@ impl WriterStats {
 
 /// Connection `k`: one `batch`-row INSERT (autocommit) after another until `end`, each at its
 /// scheduled instant when paced (connections staggered over one period).
-async fn write(client: Client, k: usize, plan: Arc<WriterPlan>) -> Result<WriterStats> {
+pub(super) async fn write(client: Client, k: usize, plan: Arc<WriterPlan>) -> Result<WriterStats> {
     let stmt = client.prepare(&plan.sql).await?;
     let stagger = plan
         .period
@@ -764,15 +801,30 @@ const PROBED_CLAIM: &str = "claim_aggregate";
 /// the relay runs it: the library's own text (`store::bench::hot_path_sql`) prepared on
 /// `ctx.pg` with its placeholders, executed with the relay's session settings (a generic plan)
 /// and default parameters, unsplit.
-async fn claim_probe(ctx: &Ctx, table: &str) -> Result<Probe> {
+pub(super) async fn claim_probe(ctx: &Ctx, table: &str) -> Result<Probe> {
     let batch = ctx.config(table, |_| {})?.relay.batch_size;
     let name = TableName::parse(table).map_err(|e| anyhow!("table name {table}: {e}"))?;
     let claim = hot_path_sql(&name).claim_aggregate;
-    // One per table (each run has its own): the name is free on this session.
+    // One per table (each run has its own). A run measured again after a service restart
+    // recreates its table under the same name, possibly on the same session: the earlier
+    // attempt's statement (planned for the dropped table) goes first.
     let statement: String = format!("probe_{table}")
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
+    let stale = ctx
+        .pg
+        .query_opt(
+            "SELECT 1 FROM pg_prepared_statements WHERE name = $1",
+            &[&statement],
+        )
+        .await?
+        .is_some();
+    if stale {
+        ctx.pg
+            .batch_execute(&format!("DEALLOCATE {statement}"))
+            .await?;
+    }
     ctx.pg
         .batch_execute(&format!("PREPARE {statement} AS {claim}"))
         .await
@@ -793,46 +845,81 @@ async fn claim_probe(ctx: &Ctx, table: &str) -> Result<Probe> {
 }
 
 /// The claim probe: a setup run in its transaction, then the statement EXPLAINed.
-struct Probe {
+pub(super) struct Probe {
     setup: String,
     execute: String,
 }
 
-async fn sample_health(pg: &Client, table: &str, probe: &Probe, at_s: f64) -> Result<Health> {
-    let r = pg
-        .query_one(
-            "SELECT pg_total_relation_size(c.oid), pg_relation_size(c.oid), pg_indexes_size(c.oid), \
+/// The table's size and statistics, summed over its partitions when it has any (found in
+/// `pg_inherits`, which takes no lock), and the claim timed by `probe` if given.
+pub(super) async fn sample_health(
+    pg: &Client,
+    table: &str,
+    probe: Option<&Probe>,
+    at_s: f64,
+) -> Result<Health> {
+    let rows = pg
+        .query(
+            "WITH RECURSIVE tree(relid) AS ( \
+               SELECT $1::text::regclass::oid \
+               UNION ALL SELECT i.inhrelid FROM pg_inherits i JOIN tree t ON i.inhparent = t.relid) \
+             SELECT t.relid, c.relkind = 'r' AND t.relid <> $1::text::regclass::oid, \
+               coalesce(pg_total_relation_size(t.relid), 0), coalesce(pg_relation_size(t.relid), 0), \
+               coalesce(pg_indexes_size(t.relid), 0), \
                coalesce(s.n_live_tup, 0), coalesce(s.n_dead_tup, 0), \
-               coalesce(s.vacuum_count, 0), coalesce(s.autovacuum_count, 0) \
-             FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
-             WHERE c.oid = $1::text::regclass",
+               coalesce(s.vacuum_count, 0), coalesce(s.autovacuum_count, 0), coalesce(s.n_tup_del, 0) \
+             FROM tree t JOIN pg_class c ON c.oid = t.relid \
+             LEFT JOIN pg_stat_user_tables s ON s.relid = t.relid",
             &[&table],
         )
         .await
         .context("cannot read the table's size and statistics")?;
-    // In a transaction rolled back: the rows it claims go back at once.
-    let claim = explain(pg, (&probe.setup, &probe.execute), 1).await?;
-    Ok(Health {
+    let mut h = Health {
         at_s,
-        total_bytes: r.try_get(0)?,
-        table_bytes: r.try_get(1)?,
-        index_bytes: r.try_get(2)?,
-        live: r.try_get(3)?,
-        dead: r.try_get(4)?,
-        vacuums: r.try_get(5)?,
-        autovacuums: r.try_get(6)?,
-        claim_ms: claim.times_ms.first().copied().unwrap_or(f64::NAN),
-        claim_pages: claim.pages.first().copied().unwrap_or(0),
-    })
+        total_bytes: 0,
+        table_bytes: 0,
+        index_bytes: 0,
+        live: 0,
+        dead: 0,
+        vacuums: 0,
+        autovacuums: 0,
+        partitions: 0,
+        deletes: Vec::with_capacity(rows.len()),
+        claim_ms: f64::NAN,
+        claim_pages: 0,
+    };
+    for r in &rows {
+        h.partitions += i64::from(r.try_get::<_, bool>(1)?);
+        h.total_bytes += r.try_get::<_, i64>(2)?;
+        h.table_bytes += r.try_get::<_, i64>(3)?;
+        h.index_bytes += r.try_get::<_, i64>(4)?;
+        h.live += r.try_get::<_, i64>(5)?;
+        h.dead += r.try_get::<_, i64>(6)?;
+        h.vacuums += r.try_get::<_, i64>(7)?;
+        h.autovacuums += r.try_get::<_, i64>(8)?;
+        h.deletes.push((r.try_get(0)?, r.try_get(9)?));
+    }
+    if let Some(probe) = probe {
+        // In a transaction rolled back: the rows it claims go back at once.
+        let claim = explain(pg, (&probe.setup, &probe.execute), 1).await?;
+        h.claim_ms = claim.times_ms.first().copied().unwrap_or(f64::NAN);
+        h.claim_pages = claim.pages.first().copied().unwrap_or(0);
+    }
+    Ok(h)
 }
 
-fn mib(bytes: i64) -> f64 {
+pub(super) fn mib(bytes: i64) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)
 }
 
-fn health_text(h: &Health) -> String {
+pub(super) fn health_text(h: &Health) -> String {
+    let partitions = if h.partitions > 0 {
+        format!(" in {} partitions", h.partitions)
+    } else {
+        String::new()
+    };
     format!(
-        "table+indexes {:.1} MiB, {} live / {} dead tuples, claim {:.1} ms ({} buffers), vacuums {} + {} auto",
+        "table+indexes {:.1} MiB{partitions}, {} live / {} dead tuples, claim {:.1} ms ({} buffers), vacuums {} + {} auto",
         mib(h.total_bytes),
         h.live,
         h.dead,
