@@ -85,6 +85,7 @@ pub async fn vacuum_loop(
         told_owner: false,
         told_autovacuum: None,
         unremovable: 0,
+        vacuumed_at: None,
     };
     loop {
         if pace.due(false, Instant::now()) {
@@ -107,9 +108,18 @@ struct Keeper {
     /// The autovacuum setting last logged.
     told_autovacuum: Option<bool>,
     /// Dead tuples the last vacuum could not remove (a long transaction or a replication slot
-    /// still needs them): they do not count again, or every check would vacuum in vain.
+    /// still needs them): they do not count again, or every check would vacuum in vain. For
+    /// [`UNREMOVABLE_FOR`] only: once what held them back has ended they are removable, and
+    /// nothing else says when that is.
     unremovable: i64,
+    /// When the relay last vacuumed the table.
+    vacuumed_at: Option<Instant>,
 }
+
+/// How long dead tuples a vacuum could not remove are left out of the count (see
+/// [`Keeper::unremovable`]): at most one vacuum in vain per period while a long transaction
+/// holds them, and a vacuum within this long of its end.
+const UNREMOVABLE_FOR: Duration = Duration::from_secs(60);
 
 impl Keeper {
     /// One check: read the table's health, then vacuum or analyze it if due.
@@ -123,6 +133,12 @@ impl Keeper {
         };
         self.metrics.dead_tuples(h.dead_tuples);
         self.tell(&h);
+        if self
+            .vacuumed_at
+            .is_some_and(|t| t.elapsed() >= UNREMOVABLE_FOR)
+        {
+            self.unremovable = 0;
+        }
         self.unremovable = self.unremovable.min(h.dead_tuples);
         let mut fresh = h;
         fresh.dead_tuples -= self.unremovable;
@@ -164,6 +180,7 @@ impl Keeper {
         self.metrics.vacuumed();
         let after = self.store.table_health(self.table_oid).await.ok();
         self.unremovable = after.map_or(0, |a| a.dead_tuples);
+        self.vacuumed_at = Some(Instant::now());
         tracing::info!(
             table = %self.store.table(),
             reason,
