@@ -113,23 +113,7 @@ impl Outbox {
         tasks.spawn(name("backlog"), move |token| {
             backlog::backlog_loop(s, m, ordering, clean_waiters, token)
         });
-        let partitioned = store
-            .layout()
-            .await
-            .ok()
-            .flatten()
-            .is_some_and(|l| l.partitioned);
-        if partitioned || store.partition_interval().is_some() {
-            let (s, m, cfg) = (store.clone(), metrics.clone(), config.cleanup.clone());
-            tasks.spawn(name("partitions"), move |token| {
-                partitions::partitions_loop(s, m, cfg, token)
-            });
-        } else if !config.cleanup.retention.is_zero() {
-            let (s, cfg) = (store.clone(), config.cleanup.clone());
-            tasks.spawn(name("cleanup"), move |token| {
-                cleanup::cleanup_loop(s, cfg, token)
-            });
-        }
+        spawn_retention(tasks, &store, &metrics, config, &outbox.name).await;
 
         let envelope = EnvelopeConfig::for_outbox(config, &outbox, payload_kind);
         let engine = Relay::new(RelayParts {
@@ -185,6 +169,35 @@ async fn listen(
         listen::listen_loop(url, channel, wake, pid, token)
     });
     wake_up_waiter(store, listener, table_oid, config).await
+}
+
+/// Starts the table's retention: the partition work for a partitioned table (or one that
+/// `database.partition_interval` asks for), else the row clean-up unless rows are deleted on
+/// confirm.
+async fn spawn_retention(
+    tasks: &Tasks,
+    store: &Store,
+    metrics: &OutboxMetrics,
+    config: &Config,
+    outbox: &str,
+) {
+    let partitioned = store
+        .layout()
+        .await
+        .ok()
+        .flatten()
+        .is_some_and(|l| l.partitioned);
+    let (s, cfg) = (store.clone(), config.cleanup.clone());
+    if partitioned || store.partition_interval().is_some() {
+        let m = metrics.clone();
+        tasks.spawn(format!("partitions:{outbox}"), move |token| {
+            partitions::partitions_loop(s, m, cfg, token)
+        });
+    } else if !config.cleanup.retention.is_zero() {
+        tasks.spawn(format!("cleanup:{outbox}"), move |token| {
+            cleanup::cleanup_loop(s, cfg, token)
+        });
+    }
 }
 
 /// Migrates (when configured) and inspects the table, waiting out database outages; `None`
