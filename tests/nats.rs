@@ -505,35 +505,16 @@ async fn no_ack_within_ack_timeout_hands_the_row_back_without_spending_an_attemp
     )
     .set("publisher.nats.ack_timeout", "2s")
     .spawn();
-    let first = table
-        .insert_one(NewRow::new("order", Some("a-1"), "created", json!({})))
-        .await;
-    table.wait_all_sent(WAIT).await;
-
     // The publish reaches the stream; its acknowledgement never comes back.
-    proxy.hold_answers();
-    let held = table
-        .insert_one(NewRow::new("order", Some("a-2"), "created", json!({})))
-        .await;
-    stream.wait_count(2, WAIT).await;
-    relay
-        .wait_for_log("no publish acknowledgement within 2s", 1, WAIT)
-        .await;
-    let row = table
-        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
-        .await;
-    assert_eq!(
-        row.attempts, 0,
-        "connection-level: no attempt spent: {row:?}"
-    );
-
-    proxy.heal();
-    table.wait_all_sent(WAIT).await;
-    let rows = table.rows_by_id(&[first, held]).await;
-    assert_none(
-        "rows",
-        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
-    );
+    let (first, held) = common::an_unanswered_publish_is_handed_back(
+        &table,
+        &proxy,
+        &relay,
+        "order",
+        "no publish acknowledgement within 2s",
+        async |n| stream.wait_count(n as u64, WAIT).await,
+    )
+    .await;
     // Published twice, stored once: the republish fell in the duplicate window.
     let ids: Vec<String> = stream
         .messages()

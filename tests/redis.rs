@@ -654,35 +654,16 @@ async fn no_reply_within_the_timeout_hands_the_row_back_without_spending_an_atte
     let relay = redis_relay(&table, &url, &streams.template(), test)
         .set("publisher.redis.timeout", "2s")
         .spawn();
-    let first = table
-        .insert_one(NewRow::new("reply", Some("r-1"), "created", json!({})))
-        .await;
-    table.wait_all_sent(WAIT).await;
-
     // The XADD reaches Redis and is appended; its reply never comes back.
-    proxy.hold_answers();
-    let held = table
-        .insert_one(NewRow::new("reply", Some("r-2"), "created", json!({})))
-        .await;
-    streams.wait_for_entries(2, WAIT).await;
-    relay
-        .wait_for_log("handing the row back without spending an attempt", 1, WAIT)
-        .await;
-    let row = table
-        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
-        .await;
-    assert_eq!(
-        row.attempts, 0,
-        "connection-level: no attempt spent: {row:?}"
-    );
-
-    proxy.heal();
-    table.wait_all_sent(WAIT).await;
-    let rows = table.rows_by_id(&[first, held]).await;
-    assert_none(
-        "rows",
-        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
-    );
+    let (_, held) = common::an_unanswered_publish_is_handed_back(
+        &table,
+        &proxy,
+        &relay,
+        "reply",
+        "handing the row back without spending an attempt",
+        async |n| streams.wait_for_entries(n, WAIT).await,
+    )
+    .await;
     // At least once: the unanswered XADD was appended, and its republish may be too.
     let entries = streams.entries(&streams.key("reply")).await;
     let copies = entries

@@ -83,3 +83,55 @@ pub fn time_problem(name: &str, value: Option<&str>, created_at: DateTime<Utc>) 
         Err(e) => Some(format!("{name} {t:?} is not RFC 3339: {e}")),
     }
 }
+
+/// The shared middle of the "answer never comes back" tests (NATS, Redis): with one row of
+/// `aggregate_type` already sent, `proxy` holds the broker's answers while a second row is
+/// published; the broker stores it (`stored(2)` waits for that), the relay logs
+/// `handed_back` and hands the row back to `pending` without spending an attempt; once the
+/// proxy heals, both rows are sent once. Returns the two rows' ids.
+pub async fn an_unanswered_publish_is_handed_back(
+    table: &TestTable,
+    proxy: &Proxy,
+    relay: &RelayProcess,
+    aggregate_type: &str,
+    handed_back: &str,
+    stored: impl AsyncFn(usize),
+) -> (uuid::Uuid, uuid::Uuid) {
+    use serde_json::json;
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+    let first = table
+        .insert_one(NewRow::new(
+            aggregate_type,
+            Some("a-1"),
+            "created",
+            json!({}),
+        ))
+        .await;
+    table.wait_all_sent(WAIT).await;
+    proxy.hold_answers();
+    let held = table
+        .insert_one(NewRow::new(
+            aggregate_type,
+            Some("a-2"),
+            "created",
+            json!({}),
+        ))
+        .await;
+    stored(2).await;
+    relay.wait_for_log(handed_back, 1, WAIT).await;
+    let row = table
+        .wait_row(held, WAIT, "handed back", |r| r.status == "pending")
+        .await;
+    assert_eq!(
+        row.attempts, 0,
+        "connection-level: no attempt spent: {row:?}"
+    );
+    proxy.heal();
+    table.wait_all_sent(WAIT).await;
+    let rows = table.rows_by_id(&[first, held]).await;
+    assert_none(
+        "rows",
+        &not_sent_once(&rows.into_values().collect::<Vec<_>>()),
+    );
+    (first, held)
+}
