@@ -25,7 +25,7 @@ use super::steady::{
     Health, WriterPlan, WriterStats, claim_probe, health_text, insert_sql, lag_sql, mib,
     sample_health, start_relay, warm_up, write,
 };
-use super::{cpu_per_100k, cpu_text, scrape};
+use super::{cpu_per_100k, cpu_text};
 use crate::Ctx;
 use crate::flow::Flow;
 use crate::util::{CpuSample, CpuUsage, median, percentile, pg_connect};
@@ -358,27 +358,12 @@ async fn variant_run(ctx: &mut Ctx, variant: Variant) -> Result<VariantResult> {
     default_rows.push(default_partition_rows(&ctx.pg, &table).await?);
     samples.push(last);
 
-    let not_received = flow
-        .wait_delivered(Duration::from_secs(60), || running.alive())
-        .await?;
-    let relay_metrics = scrape(Some(running.port)).await;
-    let stopped = running.relay.stop(Duration::from_secs(45)).await;
-    running.consumer.stop().await;
-    let status = stopped?;
-    if !status.success() {
-        bail!(
-            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
-            running.relay.tail(20)
-        );
-    }
-    if let Some(k) = running.relay.peak_rss_kib() {
-        ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
-    }
-    let delivered = flow.take_delivered();
-    let in_window = delivered
-        .iter()
-        .filter(|d| d.received_s() <= cpu_window.as_secs_f64())
-        .count();
+    let super::steady::Stopped {
+        not_received,
+        metrics: relay_metrics,
+        delivered,
+        in_window,
+    } = running.stop(ctx, &flow, cpu_window).await?;
     register_detached(ctx, &table).await?;
     ctx.check(sentinel).await?;
 

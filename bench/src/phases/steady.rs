@@ -430,6 +430,56 @@ impl Running {
     pub(super) fn alive(&mut self) -> Result<()> {
         self.relay.check_alive()
     }
+
+    /// Waits (up to a minute) for what was committed to arrive, reads the relay's `/metrics`,
+    /// stops the relay (an error if it does not exit cleanly on SIGTERM) and the consumer, and
+    /// records the relay's peak RSS; `cpu_window` bounds the deliveries counted in `in_window`.
+    pub(super) async fn stop(
+        mut self,
+        ctx: &mut Ctx,
+        flow: &Flow,
+        cpu_window: Duration,
+    ) -> Result<Stopped> {
+        let not_received = flow
+            .wait_delivered(Duration::from_secs(60), || self.alive())
+            .await?;
+        let metrics = scrape(Some(self.port)).await;
+        let stopped = self.relay.stop(Duration::from_secs(45)).await;
+        self.consumer.stop().await;
+        let status = stopped?;
+        if !status.success() {
+            bail!(
+                "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+                self.relay.tail(20)
+            );
+        }
+        if let Some(k) = self.relay.peak_rss_kib() {
+            ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
+        }
+        let delivered = flow.take_delivered();
+        let in_window = delivered
+            .iter()
+            .filter(|d| d.received_s() <= cpu_window.as_secs_f64())
+            .count();
+        Ok(Stopped {
+            not_received,
+            metrics,
+            delivered,
+            in_window,
+        })
+    }
+}
+
+/// What [`Running::stop`] leaves.
+pub(super) struct Stopped {
+    /// Rows committed but never received.
+    pub(super) not_received: usize,
+    /// The relay's `/metrics`, as read before it stopped.
+    pub(super) metrics: Value,
+    /// What arrived.
+    pub(super) delivered: Vec<crate::flow::Delivered>,
+    /// How many arrived within the CPU window.
+    pub(super) in_window: usize,
 }
 
 async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResult> {
@@ -540,28 +590,14 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     let mut consumed = None;
     let mut relay_metrics = Value::Null;
     let mut relay_cpu = None;
-    if let Some(mut r) = running {
-        let not_received = flow
-            .wait_delivered(Duration::from_secs(60), || r.alive())
-            .await?;
-        relay_metrics = scrape(Some(r.port)).await;
-        let stopped = r.relay.stop(Duration::from_secs(45)).await;
-        r.consumer.stop().await;
-        let status = stopped?;
-        if !status.success() {
-            bail!(
-                "the relay exited with {status} after SIGTERM; end of its log:\n{}",
-                r.relay.tail(20)
-            );
-        }
-        if let Some(k) = r.relay.peak_rss_kib() {
-            ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
-        }
-        let delivered = flow.take_delivered();
-        let in_window = delivered
-            .iter()
-            .filter(|d| d.received_s() <= cpu_window.as_secs_f64())
-            .count();
+    if let Some(r) = running {
+        let Stopped {
+            not_received,
+            metrics,
+            delivered,
+            in_window,
+        } = r.stop(ctx, &flow, cpu_window).await?;
+        relay_metrics = metrics;
         relay_cpu = cpu_per_100k(&usage, "relay", cpu_window, in_window);
         consumed = Some(consumed_figures(
             &delivered,
