@@ -12,30 +12,47 @@ use crate::store::Store;
 /// `cleanup.interval`.
 pub async fn cleanup_loop(store: Store, cfg: CleanupConfig, shutdown: CancellationToken) {
     loop {
-        let mut total = 0u64;
-        loop {
-            match store.cleanup_batch(cfg.retention, cfg.batch_size).await {
-                Ok(n) => {
-                    total += n;
-                    if n < cfg.batch_size as u64 || shutdown.is_cancelled() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    if e.is_connection() {
-                        tracing::debug!(error = %e, "retention cleanup skipped");
-                    } else {
-                        tracing::warn!(error = %e, "retention cleanup failed");
-                    }
-                    break;
-                }
-            }
-        }
+        let total = delete_past_retention(&store, None, &cfg, &shutdown).await;
         if total > 0 {
             tracing::info!(deleted = total, retention = ?cfg.retention, "deleted sent rows past retention (and expired rows as long past their deadline)");
         }
         if !sleep_or_cancel(cfg.interval, &shutdown).await {
             return;
+        }
+    }
+}
+
+/// Deletes finished rows past `cleanup.retention` from `relation` (one partition; the table
+/// when `None`), `cleanup.batch_size` per statement until fewer are left or `shutdown`;
+/// returns how many. A failure ends the round (logged; retried at the next).
+pub async fn delete_past_retention(
+    store: &Store,
+    relation: Option<&str>,
+    cfg: &CleanupConfig,
+    shutdown: &CancellationToken,
+) -> u64 {
+    let (retention, batch) = (cfg.retention, cfg.batch_size);
+    let mut total = 0;
+    loop {
+        let result = match relation {
+            Some(r) => store.cleanup_batch_in(r, retention, batch).await,
+            None => store.cleanup_batch(retention, batch).await,
+        };
+        match result {
+            Ok(n) => {
+                total += n;
+                if n < batch as u64 || shutdown.is_cancelled() {
+                    return total;
+                }
+            }
+            Err(e) => {
+                if e.is_connection() {
+                    tracing::debug!(error = %e, "retention cleanup skipped");
+                } else {
+                    tracing::warn!(error = %e, "retention cleanup failed");
+                }
+                return total;
+            }
         }
     }
 }

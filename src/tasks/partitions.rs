@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+use super::cleanup::delete_past_retention;
 use crate::backoff::sleep_or_cancel;
 use crate::config::CleanupConfig;
 use crate::store::Store;
@@ -146,29 +147,9 @@ impl PartitionWork {
         (dropped, kept)
     }
 
-    /// Deletes finished rows past retention from `relation` (the table when `None`), a batch
-    /// at a time; returns how many.
+    /// Deletes finished rows past retention from `relation` (the table when `None`).
     async fn delete_rows(&self, relation: Option<&str>, shutdown: &CancellationToken) -> u64 {
-        let (retention, batch) = (self.cleanup.retention, self.cleanup.batch_size);
-        let mut total = 0;
-        loop {
-            let result = match relation {
-                Some(r) => self.store.cleanup_batch_in(r, retention, batch).await,
-                None => self.store.cleanup_batch(retention, batch).await,
-            };
-            match result {
-                Ok(n) => {
-                    total += n;
-                    if n < batch as u64 || shutdown.is_cancelled() {
-                        return total;
-                    }
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "retention cleanup skipped");
-                    return total;
-                }
-            }
-        }
+        delete_past_retention(&self.store, relation, &self.cleanup, shutdown).await
     }
 
     /// A plain table although `partition_interval` is set, or partitions this role may not
