@@ -164,9 +164,8 @@ impl Dest {
 }
 
 /// Two outboxes on one relay: `orders` with the publisher's route (routing key, topic, subject
-/// or stream template) and the default source; `billing` with a route (Redis: its rows' own
-/// aggregate type in the publisher's `{aggregate_type}` template, as no outbox sets a stream
-/// of its own) and a source of its own, and an ordering (only accepted here). Every row
+/// or stream template) and the default source; `billing` with a route, a source and an
+/// ordering of its own. Every row
 /// arrives once, on its outbox's route with its outbox's source, `orders` (ordering
 /// `aggregate`) in order per aggregate, and nothing else arrives.
 async fn each_outbox_with_its_own_route_and_source(broker: Broker) {
@@ -203,8 +202,8 @@ async fn each_outbox_with_its_own_route_and_source(broker: Broker) {
                  stream = \"{}\"\n",
                 streams.template()
             ),
-            String::new(),
-            [streams.key("order"), streams.key("invoice")],
+            format!("stream = \"{}\"", streams.key("billing.{event_type}")),
+            [streams.key("order"), streams.key("billing.created")],
         ),
     };
     let billing_extra = format!("source = \"/billing\"\n{billing_route}\nordering = \"none\"");

@@ -37,6 +37,9 @@ pub struct RawOutbox {
     /// NATS subject template (default `publisher.nats.subject`).
     #[serde(default)]
     pub subject: Option<String>,
+    /// Redis stream key template (default `publisher.redis.stream`).
+    #[serde(default)]
+    pub stream: Option<String>,
 }
 
 /// One validated outbox.
@@ -50,7 +53,7 @@ pub struct OutboxConfig {
     pub ordering: Ordering,
     /// Its CloudEvents `source`.
     pub source: String,
-    /// Its routing-key or topic template, when it overrides the publisher's.
+    /// Its routing-key, topic, subject or stream template, when it overrides the publisher's.
     pub route: Option<Template>,
 }
 
@@ -109,13 +112,13 @@ pub(super) fn validate(
         };
         let source = source(o.source.as_deref().or(inherited.source), &pg, &table)
             .map_err(|r| ConfigError::invalid(key("source"), r))?;
-        let route = match &o.subject {
-            Some(subject) => {
-                let others = o.routing_key.is_some() || o.topic.is_some();
-                Some(nats_subject(subject, others, inherited.publisher, &key)?)
-            }
-            None => route(&o.routing_key, &o.topic, inherited.publisher, &key)?,
-        };
+        let overrides = [
+            ("routing_key", o.routing_key),
+            ("topic", o.topic),
+            ("subject", o.subject),
+            ("stream", o.stream),
+        ];
+        let route = route(overrides, inherited.publisher, &key)?;
         out.push(OutboxConfig {
             name,
             database: DatabaseConfig {
@@ -158,34 +161,42 @@ fn source(
     }
 }
 
-/// The entry's routing override: `routing_key` for RabbitMQ, `topic` for Kafka.
+/// The publisher each route override applies to: (key, `publisher.kind`, what it routes).
+const ROUTE_KEYS: [(&str, &str, &str); 4] = [
+    ("routing_key", "rabbitmq", "RabbitMQ"),
+    ("topic", "kafka", "Kafka"),
+    ("subject", "nats", "NATS"),
+    ("stream", "redis", "Redis"),
+];
+
+/// The entry's routing override, if it sets one: at most one of `routing_key` (RabbitMQ),
+/// `topic` (Kafka), `subject` (NATS) or `stream` (Redis), the one of this relay's publisher,
+/// and a template (a NATS one that renders to a subject).
 fn route(
-    routing_key: &Option<String>,
-    topic: &Option<String>,
+    overrides: [(&str, Option<String>); 4],
     publisher: &PublisherConfig,
     key: &dyn Fn(&str) -> String,
 ) -> Result<Option<Template>, ConfigError> {
-    let (field, value, applies) = match (routing_key, topic) {
-        (Some(_), Some(_)) => {
-            return Err(ConfigError::invalid(
-                key("topic"),
-                "set either routing_key (RabbitMQ) or topic (Kafka), not both",
-            ));
-        }
-        (Some(v), None) => (
-            "routing_key",
-            v,
-            matches!(publisher, PublisherConfig::RabbitMq(_)),
-        ),
-        (None, Some(v)) => ("topic", v, matches!(publisher, PublisherConfig::Kafka(_))),
-        (None, None) => return Ok(None),
+    let mut set = overrides
+        .into_iter()
+        .filter_map(|(field, value)| Some((field, value?)));
+    let Some((field, value)) = set.next() else {
+        return Ok(None);
     };
-    if !applies {
-        let wants = if field == "routing_key" {
-            "rabbitmq"
-        } else {
-            "kafka"
-        };
+    if let Some((second, _)) = set.next() {
+        let all = ROUTE_KEYS
+            .map(|(k, _, what)| format!("{k} ({what})"))
+            .join(", ");
+        return Err(ConfigError::invalid(
+            key(second),
+            format!("set one of {all}, not several ({field} is set too)"),
+        ));
+    }
+    let wants = ROUTE_KEYS
+        .iter()
+        .find(|(k, ..)| *k == field)
+        .map_or("", |(_, kind, _)| *kind);
+    if publisher.kind() != wants {
         return Err(ConfigError::invalid(
             key(field),
             format!(
@@ -194,48 +205,22 @@ fn route(
             ),
         ));
     }
-    Template::parse(value)
-        .map(Some)
-        .map_err(|e| ConfigError::invalid(key(field), e.to_string()))
-}
-
-/// The entry's NATS `subject` override: only with `publisher.kind = "nats"`, alone, and a
-/// template that renders to a subject.
-fn nats_subject(
-    subject: &str,
-    others: bool,
-    publisher: &PublisherConfig,
-    key: &dyn Fn(&str) -> String,
-) -> Result<Template, ConfigError> {
-    if others {
-        return Err(ConfigError::invalid(
-            key("subject"),
-            "set one of routing_key (RabbitMQ), topic (Kafka) or subject (NATS), not several",
-        ));
+    let template =
+        Template::parse(&value).map_err(|e| ConfigError::invalid(key(field), e.to_string()))?;
+    if field == "subject" {
+        let sample = template.render(&crate::template::Fields {
+            aggregate_type: "a",
+            event_type: "e",
+            aggregate_id: Some("i"),
+        });
+        crate::publish::nats::check_subject(&sample).map_err(|why| {
+            ConfigError::invalid(
+                key(field),
+                format!("{value:?} does not render to a NATS subject: {why}"),
+            )
+        })?;
     }
-    if !matches!(publisher, PublisherConfig::Nats(_)) {
-        return Err(ConfigError::invalid(
-            key("subject"),
-            format!(
-                "applies only with publisher.kind = \"nats\" (this relay publishes with {:?})",
-                publisher.kind()
-            ),
-        ));
-    }
-    let template = Template::parse(subject)
-        .map_err(|e| ConfigError::invalid(key("subject"), e.to_string()))?;
-    let sample = template.render(&crate::template::Fields {
-        aggregate_type: "a",
-        event_type: "e",
-        aggregate_id: Some("i"),
-    });
-    crate::publish::nats::check_subject(&sample).map_err(|why| {
-        ConfigError::invalid(
-            key("subject"),
-            format!("{subject:?} does not render to a NATS subject: {why}"),
-        )
-    })?;
-    Ok(template)
+    Ok(Some(template))
 }
 
 /// The same error under the entry's own key.
@@ -293,7 +278,7 @@ mod tests {
                 "does not render to a NATS subject",
             ),
             ("subject = \"{nope}\"", "nope"),
-            ("subject = \"s\"\ntopic = \"t\"", "not several"),
+            ("topic = \"t\"\nsubject = \"s\"", "not several"),
         ] {
             let e = err(&format!("{nats}{extra}\n"));
             assert!(
@@ -304,6 +289,37 @@ mod tests {
         let e = err("[[outboxes]]\ntable = \"a\"\nsubject = \"s\"\n");
         assert!(
             e.contains("applies only with publisher.kind = \"nats\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_redis_outbox_may_have_its_own_stream() {
+        let redis = "[publisher]\nkind = \"redis\"\n[[outboxes]]\ntable = \"a\"\n";
+        let c = load_str(
+            &format!("{redis}stream = \"billing.{{event_type}}\"\n"),
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            c.outboxes[0].route.as_ref().unwrap().as_str(),
+            "billing.{event_type}"
+        );
+        let e = err(&format!("{redis}stream = \"{{nope}}\"\n"));
+        assert!(
+            e.starts_with("invalid value for outboxes[0].stream:"),
+            "{e}"
+        );
+        let e = err(&format!("{redis}stream = \"s\"\nrouting_key = \"r\"\n"));
+        assert!(
+            e.starts_with("invalid value for outboxes[0].stream:") && e.contains("not several"),
+            "{e}"
+        );
+        let e = err("[[outboxes]]\ntable = \"a\"\nstream = \"s\"\n");
+        assert!(
+            e.starts_with(
+                "invalid value for outboxes[0].stream: applies only with publisher.kind = \"redis\""
+            ),
             "{e}"
         );
     }
