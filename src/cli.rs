@@ -290,29 +290,30 @@ pub async fn status(config: &Config, json: bool, only: Option<&str>) -> Result<(
     Ok(())
 }
 
-/// A header, one line per `(name, counts)`, then `TOTAL` when given.
+/// A header, one line per `(name, counts)`, then `TOTAL` when given: columns as wide as their
+/// widest cell, names left-aligned, numbers right-aligned, no borders.
 fn counts_table<'a>(
     first: &str,
     lines: impl Iterator<Item = (&'a str, &'a StatusCounts)>,
     total: Option<&StatusCounts>,
 ) {
-    println!(
-        "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>8} {:>12}",
-        first,
-        "PENDING",
-        "READY",
-        "WAITING",
-        "PROCESSING",
-        "SENT",
-        "FAILED",
-        "EXPIRED",
-        "BLOCKED",
-        "OLDEST (s)"
-    );
-    let line = |name: &str, c: &StatusCounts| {
-        println!(
-            "{:<24} {:>9} {:>9} {:>9} {:>10} {:>10} {:>7} {:>8} {:>8} {:>12.1}",
-            name,
+    let mut table = comfy_table::Table::new();
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_header([
+            first,
+            "PENDING",
+            "READY",
+            "WAITING",
+            "PROCESSING",
+            "SENT",
+            "FAILED",
+            "EXPIRED",
+            "BLOCKED",
+            "OLDEST (s)",
+        ]);
+    let row = |name: &str, c: &StatusCounts| {
+        let counts = [
             c.pending,
             c.ready,
             c.waiting,
@@ -321,15 +322,25 @@ fn counts_table<'a>(
             c.failed,
             c.expired,
             c.blocked_aggregates,
-            c.oldest_pending_age_seconds
-        );
+        ];
+        let mut cells = vec![name.to_owned()];
+        cells.extend(counts.iter().map(i64::to_string));
+        cells.push(format!("{:.1}", c.oldest_pending_age_seconds));
+        cells
     };
     for (name, c) in lines {
-        line(name, c);
+        table.add_row(row(name, c));
     }
     if let Some(c) = total {
-        line("TOTAL", c);
+        table.add_row(row("TOTAL", c));
     }
+    for column in table.column_iter_mut() {
+        column.set_padding((0, 2));
+        if column.index > 0 {
+            column.set_cell_alignment(comfy_table::CellAlignment::Right);
+        }
+    }
+    println!("{}", table.trim_fmt());
 }
 
 /// One row of `dead-letters list --json`: the contract's keys plus its outbox.
