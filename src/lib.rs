@@ -1,8 +1,8 @@
 //! # outbox-relay
 //!
 //! A transactional outbox relay: applications insert event rows into an outbox table in the
-//! same transaction as their business change; the relay publishes them to RabbitMQ or Kafka,
-//! at least once, in order per aggregate.
+//! same transaction as their business change; the relay publishes them to RabbitMQ, Kafka, NATS
+//! JetStream, Redis Streams or HTTP endpoints, at least once, in order per aggregate.
 //!
 //! ## Map of the crate
 //! - [`config`]: figment loading (defaults ← `relay.toml` ← `RELAY_*`) and validation, once;
@@ -16,7 +16,8 @@
 //! - [`window`]: the in-flight window the outboxes share fairly.
 //! - [`tasks`]: background services beside the loop, one file each: [`tasks::listen`] (NOTIFY
 //!   wake-up), [`tasks::lease`] (renew + reclaim), [`tasks::backlog`] (gauges),
-//!   [`tasks::cleanup`] (retention), [`tasks::vacuum`]; on one named-task tracker.
+//!   [`tasks::cleanup`] (retention), [`tasks::vacuum`], [`tasks::partitions`]; on one named-task
+//!   tracker.
 //! - [`store`]: PostgreSQL — every SQL statement, a file per concern (hot path, wake-up record,
 //!   maintenance, operator commands, connection/TLS, schema).
 //! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker
@@ -26,7 +27,7 @@
 //! - [`backoff`]: reconnect delays (database, broker, LISTEN session).
 //! - [`retry`]: the backoff policy of rejected messages (pure).
 //! - [`signing`]: the `outbox-signature` header (HMAC-SHA256 over the message's identity).
-//! - [`template`]: routing-key / topic templates.
+//! - [`template`]: routing-key, topic, subject, stream and URL templates.
 //! - [`otel`]: OpenTelemetry traces: the OTLP export pipeline and the span of each publish
 //!   attempt, whose context the message carries as `traceparent` (every sink).
 //! - [`telemetry`]: metric names, each outbox's labelled metrics ([`telemetry::OutboxMetrics`]),

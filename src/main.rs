@@ -12,7 +12,7 @@ mod cli;
 
 use cli::DeadLetterAction;
 
-/// Transactional outbox relay: PostgreSQL outbox table → RabbitMQ or Kafka.
+/// Transactional outbox relay: PostgreSQL outbox table → RabbitMQ, Kafka, NATS, Redis or HTTP.
 #[derive(Debug, Parser)]
 #[command(name = "outbox-relay", version, about)]
 struct Cli {

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo build --release --workspace
-//! target/release/outbox-bench [--rows N] [--quick] [--only db,broker,naive,relay,latency,claim,outboxes] [--json-only]
+//! target/release/outbox-bench [--rows N] [--quick] [--only db,broker,naive,relay,latency,claim,outboxes,…] [--json-only]
 //! ```
 //!
 //! Phases (each on fresh `bench_<phase>_<run id>` tables, exchanges, queues and topics, removed
@@ -21,10 +21,13 @@
 //!    commit and commit → consume latency, lag, table size, dead tuples and claim time over time.
 //! 10. `outboxes`: one busy outbox drained alone and beside 19 idle ones; a 20-outbox relay's
 //!     idle CPU and peak RSS.
-//!
 //! 11. `nats` (only when named in `--only`): the relay draining N rows into a JetStream stream,
 //!     ordering none and aggregate, beside a bare async-nats client publishing the same messages
 //!     with the same number of acks outstanding; relay CPU per 100k.
+//! 12. `redis` (only when named in `--only`): the relay draining N rows into Redis streams,
+//!     ordering none and aggregate, beside a bare redis client pipelining the same `XADD`s.
+//! 13. `tracing` (only when named in `--only`): RabbitMQ and Kafka drains with tracing off, on
+//!     (every span exported to a receiver in the bench) and on with nothing listening.
 //! 14. `http` (only when named in `--only`): the relay draining N rows to a local endpoint that
 //!     answers 204 at once, ordering none and aggregate, beside a bare reqwest client sending
 //!     the relay's requests with `relay.max_in_flight` outstanding; relay CPU per 100k.
@@ -838,10 +841,11 @@ fn finish(ctx: &mut Ctx) {
     let kafka_none = r.get("relay_kafka_none_msgs_per_s");
     let db = r.get("db_ceiling_rows_per_s");
     let rmq_ceiling = r.get("rabbitmq_ceiling_msgs_per_s");
-    let min_ceiling = match (db, rmq_ceiling) {
+    let min = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
         _ => None,
     };
+    let min_ceiling = min(db, rmq_ceiling);
     let ratios = [
         (
             "ratio_relay_rabbitmq_none_vs_min_ceiling",
@@ -937,9 +941,29 @@ fn finish(ctx: &mut Ctx) {
             ),
         ),
     ];
-    for (key, label, value) in ratios {
+    // Each sink's drain against the lower of its two bare ceilings measured in this run:
+    // pgbench on the relay's statements and the sink's own client sending the relay's messages.
+    let pgbench = r.get("pgbench_claim_mark_rows_per_s");
+    let sinks = [
+        ("kafka", pgbench),
+        ("nats", min(pgbench, r.get("nats_bare_msgs_per_s"))),
+        ("redis", min(pgbench, r.get("redis_bare_msgs_per_s"))),
+        ("http", min(pgbench, r.get("http_bare_msgs_per_s"))),
+    ];
+    let per_sink = sinks.map(|(sink, ceiling)| {
+        (
+            format!("ratio_relay_{sink}_none_vs_bare_ceilings"),
+            format!("relay {sink} none / min(pgbench claim + mark sent, bare {sink} client)"),
+            ratio(r.get(&format!("relay_{sink}_none_msgs_per_s")), ceiling),
+        )
+    });
+    let ratios = ratios
+        .into_iter()
+        .map(|(k, l, v)| (k.to_owned(), l.to_owned(), v))
+        .chain(per_sink);
+    for (key, label, value) in ratios.collect::<Vec<_>>() {
         if let Some(v) = value {
-            ctx.report.figure("ratios", key, label, v, "×");
+            ctx.report.figure("ratios", &key, &label, v, "×");
         }
     }
 
