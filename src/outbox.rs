@@ -113,7 +113,7 @@ impl Outbox {
         tasks.spawn(name("backlog"), move |token| {
             backlog::backlog_loop(s, m, ordering, clean_waiters, token)
         });
-        spawn_retention(tasks, &store, &metrics, config, &outbox.name).await;
+        spawn_retention(tasks, &store, &metrics, config, name).await;
 
         let envelope = EnvelopeConfig::for_outbox(config, &outbox, payload_kind);
         let engine = Relay::new(RelayParts {
@@ -179,7 +179,7 @@ async fn spawn_retention(
     store: &Store,
     metrics: &OutboxMetrics,
     config: &Config,
-    outbox: &str,
+    name: impl Fn(&str) -> String,
 ) {
     let partitioned = store
         .layout()
@@ -190,11 +190,11 @@ async fn spawn_retention(
     let (s, cfg) = (store.clone(), config.cleanup.clone());
     if partitioned || store.partition_interval().is_some() {
         let m = metrics.clone();
-        tasks.spawn(format!("partitions:{outbox}"), move |token| {
+        tasks.spawn(name("partitions"), move |token| {
             partitions::partitions_loop(s, m, cfg, token)
         });
     } else if !config.cleanup.retention.is_zero() {
-        tasks.spawn(format!("cleanup:{outbox}"), move |token| {
+        tasks.spawn(name("cleanup"), move |token| {
             cleanup::cleanup_loop(s, cfg, token)
         });
     }
