@@ -137,12 +137,7 @@ async fn relay_run(
     let cpu = CpuSample::take();
     let started = Instant::now();
     let mut relay = Relay::spawn(&key, &env, &log)?;
-    if ctx.args.perf {
-        let out = ctx.dir.join(format!("{key}.perf.data"));
-        relay.attach_perf(&out)?;
-        ctx.report
-            .note(format!("{key}: perf profile in {}", out.display()));
-    }
+    super::profile_if_asked(ctx, &mut relay, &key)?;
     let waited = wait_drained(&ctx.pg, &table, ctx.timeout(), || relay.check_alive()).await;
     let elapsed = started.elapsed();
     let usage = cpu.usage();

@@ -52,6 +52,7 @@ async fn drain_and_report(
     let cpu = crate::util::CpuSample::take();
     let started = std::time::Instant::now();
     let mut relay = crate::util::Relay::spawn(key, env, &log)?;
+    profile_if_asked(ctx, &mut relay, key)?;
     let waited =
         crate::util::wait_drained(&ctx.pg, table, ctx.timeout(), || relay.check_alive()).await;
     let elapsed = started.elapsed();
@@ -78,6 +79,17 @@ async fn drain_and_report(
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage}),
     );
     Ok(r)
+}
+
+/// With `--perf`, samples `relay` into `<key>.perf.data` in the scratch dir until it stops.
+fn profile_if_asked(ctx: &mut crate::Ctx, relay: &mut crate::util::Relay, key: &str) -> Result<()> {
+    if ctx.args.perf {
+        let out = ctx.dir.join(format!("{key}.perf.data"));
+        relay.attach_perf(&out)?;
+        ctx.report
+            .note(format!("{key}: perf profile in {}", out.display()));
+    }
+    Ok(())
 }
 
 /// Stops a relay process that drained `table` and checks the run: the services survived it
