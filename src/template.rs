@@ -60,7 +60,7 @@ pub enum TemplateError {
 }
 
 /// The values a template is rendered with.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub struct Fields<'a> {
     /// The row's `aggregate_type`.
     pub aggregate_type: &'a str,
@@ -170,6 +170,11 @@ impl Template {
         &self.source[..end]
     }
 
+    /// Whether the template has no placeholder: every message renders the same text.
+    pub fn is_literal(&self) -> bool {
+        self.parts.iter().all(|p| matches!(p, Part::Literal(_)))
+    }
+
     /// The template as written in the configuration.
     pub fn as_str(&self) -> &str {
         &self.source
@@ -226,6 +231,8 @@ mod tests {
         assert_eq!(out, "a/order/x%2Fy?b");
         assert_eq!(t.literal_prefix(), "a/");
         assert_eq!(Template::parse("plain").unwrap().literal_prefix(), "plain");
+        assert!(Template::parse("plain").unwrap().is_literal());
+        assert!(!t.is_literal());
     }
 
     #[test]

@@ -63,6 +63,8 @@ pub struct HttpPublisher {
     // Built once; a failure (no TLS setup) is reported by every connect and publish.
     client: Result<Client, String>,
     method: reqwest::Method,
+    // The URL parsed once, when the template has no placeholder.
+    fixed_url: Option<Url>,
     static_headers: HeaderMap,
     // False while paused after a connection-level failure, and before the first connect.
     connected: AtomicBool,
@@ -120,10 +122,16 @@ impl HttpPublisher {
             crate::config::HttpMethod::Put => reqwest::Method::PUT,
             crate::config::HttpMethod::Patch => reqwest::Method::PATCH,
         };
+        let fixed_url = cfg
+            .url
+            .is_literal()
+            .then(|| Url::parse(&cfg.url.render(&Fields::default())).ok())
+            .flatten();
         Self {
             cfg,
             client,
             method,
+            fixed_url,
             static_headers,
             connected: AtomicBool::new(false),
             pause: Mutex::new(Pause {
@@ -139,16 +147,20 @@ impl HttpPublisher {
     /// The URL of `msg`: the template with the row's values percent-encoded, the path replaced
     /// by the row's `destination` when it has one.
     pub fn url_for(&self, msg: &OutboxMessage) -> Result<Url, String> {
-        let rendered = self.cfg.url.render_with(
-            &Fields {
-                aggregate_type: &msg.aggregate_type,
-                event_type: &msg.event_type,
-                aggregate_id: msg.aggregate_id.as_deref(),
-            },
-            percent_encode,
-        );
-        let mut url =
-            Url::parse(&rendered).map_err(|e| format!("the rendered URL is not valid: {e}"))?;
+        let mut url = match &self.fixed_url {
+            Some(url) => url.clone(),
+            None => {
+                let rendered = self.cfg.url.render_with(
+                    &Fields {
+                        aggregate_type: &msg.aggregate_type,
+                        event_type: &msg.event_type,
+                        aggregate_id: msg.aggregate_id.as_deref(),
+                    },
+                    percent_encode,
+                );
+                Url::parse(&rendered).map_err(|e| format!("the rendered URL is not valid: {e}"))?
+            }
+        };
         if let Some(path) = msg.destination.as_deref().filter(|d| !d.is_empty()) {
             url.set_path(path);
         }
@@ -165,11 +177,10 @@ impl HttpPublisher {
         let mut headers = self.row_and_static_headers(msg);
         let body = match self.cfg.mode {
             HttpMode::Binary => {
-                for (name, value) in envelope::cloud_event_attributes(msg, env) {
-                    let name = HeaderName::from_bytes(format!("ce-{name}").as_bytes())
-                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
-                    let value = HeaderValue::from_str(&ce_header_value(&value))
-                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
+                for (attr, value) in envelope::cloud_event_attributes(msg, env) {
+                    let name = attribute_header(attr)?;
+                    let value = HeaderValue::try_from(ce_header_value(&value))
+                        .map_err(|e| format!("CloudEvents attribute {attr}: {e}"))?;
                     headers.insert(name, value);
                 }
                 headers.insert(
@@ -490,6 +501,24 @@ pub fn percent_encode(value: &str, out: &mut String) {
     }
 }
 
+/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`), for the attributes
+/// of [`envelope::CLOUD_EVENT_ATTRIBUTES`] without building the name at run time.
+fn attribute_header(attr: &str) -> Result<HeaderName, String> {
+    Ok(HeaderName::from_static(match attr {
+        "specversion" => "ce-specversion",
+        "id" => "ce-id",
+        "type" => "ce-type",
+        "source" => "ce-source",
+        "time" => "ce-time",
+        "aggregatetype" => "ce-aggregatetype",
+        "subject" => "ce-subject",
+        other => {
+            return HeaderName::from_bytes(format!("ce-{other}").as_bytes())
+                .map_err(|e| format!("CloudEvents attribute {other}: {e}"));
+        }
+    }))
+}
+
 /// With `[signing]`, our `outbox-signature` and the Standard Webhooks headers
 /// (`webhook-id`, `webhook-timestamp`, `webhook-signature`) over `body`.
 fn sign(
@@ -705,6 +734,37 @@ mod tests {
             p.url_for(&m).unwrap().as_str(),
             "https://h.example.com/relative?e=x%3Dy"
         );
+    }
+
+    #[test]
+    fn a_url_without_placeholders_is_parsed_once_and_destination_still_replaces_its_path() {
+        let p = publisher("https://h.example.com/in?k=v", HttpMode::Binary, &[]);
+        assert!(p.fixed_url.is_some());
+        let mut m = message("{}");
+        assert_eq!(
+            p.url_for(&m).unwrap().as_str(),
+            "https://h.example.com/in?k=v"
+        );
+        m.destination = Some("/special/path".into());
+        assert_eq!(
+            p.url_for(&m).unwrap().as_str(),
+            "https://h.example.com/special/path?k=v"
+        );
+        m.destination = None;
+        assert_eq!(
+            p.url_for(&m).unwrap().as_str(),
+            "https://h.example.com/in?k=v"
+        );
+    }
+
+    #[test]
+    fn every_attribute_has_its_ce_header() {
+        for attr in envelope::CLOUD_EVENT_ATTRIBUTES {
+            assert_eq!(
+                attribute_header(attr).unwrap(),
+                format!("ce-{attr}").as_str()
+            );
+        }
     }
 
     #[test]

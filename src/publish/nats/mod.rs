@@ -77,7 +77,7 @@ pub struct NatsPublisher {
     /// abandoned on a lost connection (the client keeps them until `ack_timeout`) never make a
     /// new publish wait.
     max_acks: usize,
-    live: RwLock<Option<Live>>,
+    live: RwLock<Option<Arc<Live>>>,
     // Serialises connects so concurrent callers open one client, not many.
     connecting: tokio::sync::Mutex<()>,
     /// Whether the relay may publish: cleared when the connection drops or a publish finds no
@@ -175,7 +175,7 @@ impl NatsPublisher {
         *self.advisories.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
     }
 
-    fn live(&self) -> Option<Live> {
+    fn live(&self) -> Option<Arc<Live>> {
         self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
@@ -324,8 +324,8 @@ impl Publisher for NatsPublisher {
                 live
             }
             None => {
-                let live = self.open().await?;
-                *self.live.write().unwrap_or_else(|p| p.into_inner()) = Some(live.clone());
+                let live = Arc::new(self.open().await?);
+                *self.live.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&live));
                 live
             }
         };

@@ -60,33 +60,62 @@ pub fn headers(
     // The relay's own headers win: a row header of one of their names is dropped (and
     // warned about once per name).
     for (name, value) in envelope::row_headers_beside(msg, is_own) {
-        insert(&mut map, &name, &value, "row header")?;
+        let Ok(n) = HeaderName::try_from(name.as_str()) else {
+            return Err(format!(
+                "row header name {name:.60?} cannot be a NATS header name (no ':', spaces or control characters)"
+            ));
+        };
+        map.insert(n, value_of(value, &name, "row header")?);
     }
     for (attr, value) in envelope::cloud_event_attributes(msg, env) {
-        insert(&mut map, &format!("{CE_PREFIX}{attr}"), &value, "attribute")?;
+        map.insert(attribute_header(attr)?, value_of(value, attr, "attribute")?);
     }
-    insert(
-        &mut map,
-        CONTENT_TYPE,
-        env.payload_kind.content_type(),
-        "header",
-    )?;
-    insert(&mut map, MSG_ID, &msg.id.to_string(), "header")?;
+    map.insert(
+        HeaderName::from_static(CONTENT_TYPE),
+        HeaderValue::from(env.payload_kind.content_type()),
+    );
+    // A UUID's text: nothing to check.
+    map.insert(
+        HeaderName::from_static(MSG_ID),
+        HeaderValue::from(msg.id.to_string()),
+    );
     if let Some(sig) = envelope::signature(msg, env, subject) {
-        insert(&mut map, crate::signing::HEADER, &sig, "header")?;
+        let name = crate::signing::HEADER;
+        map.insert(
+            HeaderName::from_static(name),
+            value_of(sig, name, "header")?,
+        );
     }
     Ok(map)
 }
 
-fn insert(map: &mut HeaderMap, name: &str, value: &str, what: &str) -> Result<(), String> {
-    let n: HeaderName = name.parse().map_err(|_| {
-        format!("{what} name {name:.60?} cannot be a NATS header name (no ':', spaces or control characters)")
-    })?;
-    let v: HeaderValue = value.parse().map_err(|_| {
-        format!("{what} {name:.60?} has a value with CR or LF, which NATS headers cannot carry")
-    })?;
-    map.insert(n, v);
-    Ok(())
+/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`), for the attributes
+/// of [`envelope::CLOUD_EVENT_ATTRIBUTES`] without building the name at run time.
+fn attribute_header(attr: &str) -> Result<HeaderName, String> {
+    Ok(HeaderName::from_static(match attr {
+        "specversion" => "ce-specversion",
+        "id" => "ce-id",
+        "type" => "ce-type",
+        "source" => "ce-source",
+        "time" => "ce-time",
+        "aggregatetype" => "ce-aggregatetype",
+        "subject" => "ce-subject",
+        other => {
+            return HeaderName::try_from(format!("{CE_PREFIX}{other}"))
+                .map_err(|_| format!("attribute {other:.60?} cannot be a NATS header name"));
+        }
+    }))
+}
+
+/// `value` as a header value, taken over without a copy; an error naming `name` when it holds
+/// CR or LF, which NATS headers cannot carry.
+fn value_of(value: String, name: &str, what: &str) -> Result<HeaderValue, String> {
+    if value.contains(['\r', '\n']) {
+        return Err(format!(
+            "{what} {name:.60?} has a value with CR or LF, which NATS headers cannot carry"
+        ));
+    }
+    Ok(HeaderValue::from(value))
 }
 
 #[cfg(test)]
@@ -108,6 +137,14 @@ mod tests {
 
     fn get<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
         h.get(name).map(|v| v.as_str())
+    }
+
+    #[test]
+    fn every_attribute_has_its_ce_header() {
+        for attr in envelope::CLOUD_EVENT_ATTRIBUTES {
+            let name = attribute_header(attr).unwrap();
+            assert_eq!(AsRef::<str>::as_ref(&name), format!("ce-{attr}"));
+        }
     }
 
     #[test]
