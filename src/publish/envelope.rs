@@ -132,6 +132,21 @@ pub const CLOUD_EVENT_ATTRIBUTES: [&str; 7] = [
     "subject",
 ];
 
+/// The header `ce-<attr>` of the NATS and HTTP bindings for each of
+/// [`CLOUD_EVENT_ATTRIBUTES`], spelled out so that no sink builds the name per message.
+pub fn ce_dash_header(attr: &str) -> Option<&'static str> {
+    Some(match attr {
+        "specversion" => "ce-specversion",
+        "id" => "ce-id",
+        "type" => "ce-type",
+        "source" => "ce-source",
+        "time" => "ce-time",
+        "aggregatetype" => "ce-aggregatetype",
+        "subject" => "ce-subject",
+        _ => return None,
+    })
+}
+
 /// How many distinct colliding header names are logged; rows cannot grow the log's memory
 /// beyond this.
 const COLLISIONS_LOGGED: usize = 256;

@@ -501,22 +501,14 @@ pub fn percent_encode(value: &str, out: &mut String) {
     }
 }
 
-/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`), for the attributes
-/// of [`envelope::CLOUD_EVENT_ATTRIBUTES`] without building the name at run time.
+/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`): the name spelled out
+/// once ([`envelope::ce_dash_header`]) for the attributes the relay sets.
 fn attribute_header(attr: &str) -> Result<HeaderName, String> {
-    Ok(HeaderName::from_static(match attr {
-        "specversion" => "ce-specversion",
-        "id" => "ce-id",
-        "type" => "ce-type",
-        "source" => "ce-source",
-        "time" => "ce-time",
-        "aggregatetype" => "ce-aggregatetype",
-        "subject" => "ce-subject",
-        other => {
-            return HeaderName::from_bytes(format!("ce-{other}").as_bytes())
-                .map_err(|e| format!("CloudEvents attribute {other}: {e}"));
-        }
-    }))
+    match envelope::ce_dash_header(attr) {
+        Some(name) => Ok(HeaderName::from_static(name)),
+        None => HeaderName::from_bytes(format!("ce-{attr}").as_bytes())
+            .map_err(|e| format!("CloudEvents attribute {attr}: {e}")),
+    }
 }
 
 /// With `[signing]`, our `outbox-signature` and the Standard Webhooks headers

@@ -89,22 +89,14 @@ pub fn headers(
     Ok(map)
 }
 
-/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`), for the attributes
-/// of [`envelope::CLOUD_EVENT_ATTRIBUTES`] without building the name at run time.
+/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`): the name spelled out
+/// once ([`envelope::ce_dash_header`]) for the attributes the relay sets.
 fn attribute_header(attr: &str) -> Result<HeaderName, String> {
-    Ok(HeaderName::from_static(match attr {
-        "specversion" => "ce-specversion",
-        "id" => "ce-id",
-        "type" => "ce-type",
-        "source" => "ce-source",
-        "time" => "ce-time",
-        "aggregatetype" => "ce-aggregatetype",
-        "subject" => "ce-subject",
-        other => {
-            return HeaderName::try_from(format!("{CE_PREFIX}{other}"))
-                .map_err(|_| format!("attribute {other:.60?} cannot be a NATS header name"));
-        }
-    }))
+    match envelope::ce_dash_header(attr) {
+        Some(name) => Ok(HeaderName::from_static(name)),
+        None => HeaderName::try_from(format!("{CE_PREFIX}{attr}"))
+            .map_err(|_| format!("attribute {attr:.60?} cannot be a NATS header name")),
+    }
 }
 
 /// `value` as a header value, taken over without a copy; an error naming `name` when it holds
