@@ -68,7 +68,9 @@ pub fn headers(
         map.insert(n, value_of(value, &name, "row header")?);
     }
     for (attr, value) in envelope::cloud_event_attributes(msg, env) {
-        map.insert(attribute_header(attr)?, value_of(value, attr, "attribute")?);
+        let name = attribute_header(attr)?;
+        let value = value_of(value, AsRef::<str>::as_ref(&name), "attribute")?;
+        map.insert(name, value);
     }
     map.insert(
         HeaderName::from_static(CONTENT_TYPE),
@@ -186,7 +188,8 @@ mod tests {
         );
         let mut bad_type = message("{}");
         bad_type.event_type = "created\nx".into();
-        assert!(headers(&bad_type, &env(false), "s").is_err());
+        let err = headers(&bad_type, &env(false), "s").unwrap_err();
+        assert!(err.contains(r#"attribute "ce-type""#), "{err}");
     }
 
     #[test]
