@@ -54,4 +54,8 @@ pub struct OutboxMessage {
     pub created_at: DateTime<Utc>,
     /// Deadline after which the row is no longer published (`None`: never expires).
     pub expires_at: Option<DateTime<Utc>>,
+    /// The `traceparent` sent in place of the row's when tracing is on: this attempt's span
+    /// context ([`crate::otel::attempt`]). Never stored; `None` sends the row's headers as
+    /// they are.
+    pub traceparent: Option<String>,
 }

@@ -992,6 +992,7 @@ mod tests {
             attempts: 1,
             created_at: chrono::Utc::now(),
             expires_at: None,
+            traceparent: None,
         }
     }
 

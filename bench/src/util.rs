@@ -53,6 +53,7 @@ pub fn message(i: u64, aggregates: u64) -> outbox_relay::message::OutboxMessage 
         attempts: 1,
         created_at: chrono::Utc::now(),
         expires_at: None,
+        traceparent: None,
     }
 }
 

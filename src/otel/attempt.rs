@@ -1,13 +1,15 @@
 //! One PRODUCER span per publish attempt, and the `traceparent` the message carries.
 //!
 //! The row's `traceparent` header (W3C) is the parent of every attempt's span; the span's own
-//! context replaces it in the message's headers before the publisher renders them, and the
-//! row's `tracestate` stays as written (the relay adds no entry of its own). A row whose context
+//! context is the message's `traceparent`, which every transport sends in place of the row's
+//! (the row's headers JSON is only read, never rewritten), and the row's `tracestate` stays as
+//! written (the relay adds no entry of its own). A row whose context
 //! is not sampled gets a span that records nothing but whose context still propagates (flags
 //! `00`). A row without a context, or whose `traceparent` does not parse, starts a trace
 //! (sampled at `tracing.sample_ratio`); an unparsable `traceparent` is passed through unchanged,
 //! never an error.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -17,7 +19,7 @@ use opentelemetry::trace::{
 };
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
-use serde_json::{Map, Value};
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::Tracing;
 use crate::message::OutboxMessage;
@@ -28,6 +30,10 @@ use crate::publish::{Outcome, Publisher};
 pub const TRACEPARENT: &str = "traceparent";
 /// The W3C header carrying vendor state (passed through as the row wrote it).
 pub const TRACESTATE: &str = "tracestate";
+
+/// How many attributes a recording span starts with ([`Outbox::attributes`]); a failed
+/// attempt adds `error.type`.
+const ATTRIBUTES: usize = 10;
 
 /// One outbox's tracer: its spans carry the outbox's name. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -118,9 +124,10 @@ impl Outbox {
         outcomes
     }
 
-    /// Starts the span of one attempt to publish `msg` and puts its context in `msg`'s
-    /// `traceparent` header. The span's name and attributes are only built when it records
-    /// (sampled): an unsampled span costs its context and the header.
+    /// Starts the span of one attempt to publish `msg` and names its context in
+    /// `msg.traceparent`, which the transports send instead of the row's `traceparent`
+    /// ([`crate::publish::envelope::row_headers`]). The span's name and attributes are only
+    /// built when it records (sampled): an unsampled span costs its context and the header.
     pub fn start(
         &self,
         publisher: &dyn Publisher,
@@ -130,21 +137,34 @@ impl Outbox {
     ) -> AttemptSpan {
         let headers = RowHeaders::parse(&msg.headers);
         let parent = headers.parent();
+        let writes_header = !parent.keep_row_header && !matches!(headers, RowHeaders::Other);
         let tracer = &self.tracing.tracer;
-        let mut span = tracer
-            .span_builder("publish")
+        // The sampler's decision, foreseen so that a recording span gets its attributes with
+        // room for `error.type` in one allocation; checked again once the span has started.
+        let described = self.tracing.records(&parent.context);
+        let builder = if described {
+            let destination = publisher.destination_name(msg, envelope);
+            let mut builder = tracer.span_builder(format!("publish {destination}"));
+            let mut attributes = Vec::with_capacity(ATTRIBUTES + 1);
+            attributes.extend(self.attributes(publisher, msg, destination, claimed_at));
+            builder.attributes = Some(attributes);
+            builder
+        } else {
+            tracer.span_builder("publish")
+        };
+        let mut span = builder
             .with_kind(SpanKind::Producer)
             .start_with_context(tracer, &parent.context);
-        if span.is_recording() {
+        if !described && span.is_recording() {
             let destination = publisher.destination_name(msg, envelope);
             span.update_name(format!("publish {destination}"));
             span.set_attributes(self.attributes(publisher, msg, destination, claimed_at));
         }
-        if !parent.keep_row_header
-            && let Some(rewritten) = headers.with_traceparent(&span)
-        {
-            msg.headers = rewritten;
-        }
+        msg.traceparent = if writes_header {
+            traceparent_of(span.span_context())
+        } else {
+            None
+        };
         AttemptSpan(Some(span))
     }
 
@@ -155,7 +175,7 @@ impl Outbox {
         msg: &OutboxMessage,
         destination: String,
         claimed_at: DateTime<Utc>,
-    ) -> [KeyValue; 10] {
+    ) -> [KeyValue; ATTRIBUTES] {
         let queued = (claimed_at - msg.created_at)
             .to_std()
             .unwrap_or_default()
@@ -183,51 +203,73 @@ struct Parent {
     keep_row_header: bool,
 }
 
-/// The row's `headers`, as far as the trace context is concerned.
-enum RowHeaders {
-    /// No headers (NULL or empty).
+/// The row's `headers`, as far as the trace context is concerned: only the two W3C values
+/// are read (borrowed from the row's text where no escape forces a copy); the rest of the
+/// object is skipped, never built.
+enum RowHeaders<'a> {
+    /// No headers (NULL, empty or JSON `null`).
     None,
-    /// A JSON object.
-    Object(Map<String, Value>),
+    /// A JSON object and its W3C entries.
+    Object(W3c<'a>),
     /// Anything else: sent as is (the transports note it), no context read or written.
     Other,
 }
 
-impl RowHeaders {
-    fn parse(raw: &[u8]) -> Self {
+/// The `traceparent` and `tracestate` entries of a headers object. Names match ASCII
+/// case-insensitively, as W3C header names do; an exact spelling wins over another one.
+#[derive(Default)]
+struct W3c<'a> {
+    traceparent: Entry<'a>,
+    tracestate: Entry<'a>,
+}
+
+/// One W3C entry of the row's headers.
+#[derive(Default)]
+struct Entry<'a> {
+    /// `None`: absent; `Some(None)`: present but not a string (unparsable).
+    value: Option<Option<Cow<'a, str>>>,
+    /// The name was spelled exactly (lower case).
+    exact: bool,
+}
+
+impl<'a> Entry<'a> {
+    /// Keeps `value`, found under a spelling that is exact or not, unless an exact one was
+    /// kept before.
+    fn offer(&mut self, value: Option<Cow<'a, str>>, exact: bool) {
+        if exact || !self.exact {
+            self.value = Some(value);
+            self.exact = exact;
+        }
+    }
+}
+
+impl<'a> RowHeaders<'a> {
+    fn parse(raw: &'a [u8]) -> Self {
         if raw.is_empty() {
             return Self::None;
         }
-        match serde_json::from_slice::<Value>(raw) {
-            Ok(Value::Object(map)) => Self::Object(map),
-            Ok(Value::Null) => Self::None,
-            _ => Self::Other,
+        match serde_json::from_slice(raw) {
+            Ok(w3c) => Self::Object(w3c),
+            Err(_) if raw.trim_ascii() == b"null" => Self::None,
+            Err(_) => Self::Other,
         }
     }
 
-    /// The value of `name` (case-insensitive, as W3C header names are): a string, or `None`
-    /// when absent; a value of another JSON type counts as present and unparsable.
-    fn get(&self, name: &str) -> Option<Option<&str>> {
-        let Self::Object(map) = self else {
-            return None;
-        };
-        let value = map.get(name).or_else(|| {
-            map.iter()
-                .find(|(k, _)| k.eq_ignore_ascii_case(name))
-                .map(|(_, v)| v)
-        })?;
-        Some(value.as_str())
-    }
-
     fn parent(&self) -> Parent {
-        let Some(traceparent) = self.get(TRACEPARENT) else {
+        let Self::Object(w3c) = self else {
             return Parent {
                 context: Context::new(),
                 keep_row_header: false,
             };
         };
-        let tracestate = self.get(TRACESTATE).flatten();
-        let context = traceparent.map(|traceparent| {
+        let Some(traceparent) = &w3c.traceparent.value else {
+            return Parent {
+                context: Context::new(),
+                keep_row_header: false,
+            };
+        };
+        let tracestate = w3c.tracestate.value.as_ref().and_then(|v| v.as_deref());
+        let context = traceparent.as_deref().map(|traceparent| {
             TraceContextPropagator::new().extract(&Carrier {
                 traceparent,
                 tracestate,
@@ -244,31 +286,128 @@ impl RowHeaders {
             },
         }
     }
+}
 
-    /// The headers JSON with `span`'s context as `traceparent` (any other spelling of the name
-    /// removed); `None` when there is nothing to write (headers that are not an object, or a
-    /// span without a valid context: the tracer was shut down).
-    fn with_traceparent(self, span: &opentelemetry_sdk::trace::Span) -> Option<Vec<u8>> {
-        let traceparent = traceparent_of(span.span_context())?;
-        let mut map = match self {
-            // Hex digits and dashes: nothing to escape.
-            Self::None => return Some(format!(r#"{{"{TRACEPARENT}":"{traceparent}"}}"#).into()),
-            Self::Object(map) => map,
-            Self::Other => return None,
-        };
-        map.retain(|k, _| !k.eq_ignore_ascii_case(TRACEPARENT));
-        map.insert(TRACEPARENT.to_owned(), Value::String(traceparent));
-        serde_json::to_vec(&Value::Object(map)).ok()
+impl<'de> Deserialize<'de> for W3c<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_map(W3cVisitor)
     }
 }
 
-/// The W3C `traceparent` naming `cx` (as `TraceContextPropagator` writes it); `None` for an
-/// invalid context.
+/// Reads a headers object's W3C entries, skipping the others.
+struct W3cVisitor;
+
+impl<'de> Visitor<'de> for W3cVisitor {
+    type Value = W3c<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut w3c = W3c::default();
+        while let Some(Name(name)) = map.next_key()? {
+            let slot = if name.eq_ignore_ascii_case(TRACEPARENT) {
+                &mut w3c.traceparent
+            } else if name.eq_ignore_ascii_case(TRACESTATE) {
+                &mut w3c.tracestate
+            } else {
+                map.next_value::<IgnoredAny>()?;
+                continue;
+            };
+            let exact = name == TRACEPARENT || name == TRACESTATE;
+            let StringOrNot(value) = map.next_value()?;
+            slot.offer(value, exact);
+        }
+        Ok(w3c)
+    }
+}
+
+/// A header name, borrowed unless it holds an escape.
+struct Name<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Name<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(StringOrNotVisitor)
+            .and_then(|StringOrNot(s)| {
+                s.map(Name)
+                    .ok_or_else(|| de::Error::custom("a header name is not a string"))
+            })
+    }
+}
+
+/// A header value: the string (borrowed unless it holds an escape), or `None` for a value of
+/// another JSON type, which is skipped.
+struct StringOrNot<'a>(Option<Cow<'a, str>>);
+
+impl<'de> Deserialize<'de> for StringOrNot<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(StringOrNotVisitor)
+    }
+}
+
+struct StringOrNotVisitor;
+
+impl<'de> Visitor<'de> for StringOrNotVisitor {
+    type Value = StringOrNot<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(StringOrNot(Some(Cow::Borrowed(v))))
+    }
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(StringOrNot(Some(Cow::Owned(v.to_owned()))))
+    }
+    fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+        Ok(StringOrNot(Some(Cow::Owned(v))))
+    }
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(StringOrNot(None))
+    }
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(StringOrNot(None))
+    }
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(StringOrNot(None))
+    }
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(StringOrNot(None))
+    }
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(StringOrNot(None))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Self::Value, A::Error> {
+        IgnoredAny.visit_seq(seq).map(|_| StringOrNot(None))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+        IgnoredAny.visit_map(map).map(|_| StringOrNot(None))
+    }
+}
+
+/// The W3C `traceparent` naming `cx` (as `TraceContextPropagator` writes it: version `00`,
+/// lower-case hex ids, the sampled flag); `None` for an invalid context.
 fn traceparent_of(cx: &SpanContext) -> Option<String> {
-    cx.is_valid().then(|| {
-        let flags = cx.trace_flags() & TraceFlags::SAMPLED;
-        format!("00-{}-{}-{flags:02x}", cx.trace_id(), cx.span_id())
-    })
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    if !cx.is_valid() {
+        return None;
+    }
+    let flags = (cx.trace_flags() & TraceFlags::SAMPLED).to_u8();
+    let mut out = String::with_capacity(55);
+    out.push_str("00");
+    for bytes in [
+        &cx.trace_id().to_bytes()[..],
+        &cx.span_id().to_bytes()[..],
+        &[flags][..],
+    ] {
+        out.push('-');
+        for b in bytes {
+            out.push(char::from(HEX[usize::from(b >> 4)]));
+            out.push(char::from(HEX[usize::from(b & 0xf)]));
+        }
+    }
+    Some(out)
 }
 
 /// The propagator's view of the row's two W3C headers.
@@ -299,6 +438,7 @@ mod tests {
     use crate::publish::envelope::tests::message;
     use opentelemetry::trace::TracerProvider as _;
     use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
+    use serde_json::Value;
 
     const PARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
     const UNSAMPLED: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00";
@@ -311,7 +451,12 @@ mod tests {
             ))))
             .build();
         let tracer = provider.tracer("test");
-        Tracing { provider, tracer }.for_outbox("orders")
+        Tracing {
+            provider,
+            tracer,
+            samples_roots: ratio > 0.0,
+        }
+        .for_outbox("orders")
     }
 
     /// A publisher that confirms every message but the `reject`-th (0-based) and keeps the
@@ -338,7 +483,7 @@ mod tests {
         }
         async fn publish(&self, msg: &OutboxMessage, _: &EnvelopeConfig) -> Outcome {
             let mut given = self.headers.lock().unwrap();
-            given.push(msg.headers.clone());
+            given.push(sent(msg).into_bytes());
             if self.reject == Some(given.len() - 1) {
                 Outcome::Rejected("no".into())
             } else {
@@ -357,12 +502,23 @@ mod tests {
         }
     }
 
-    /// Starts the attempt's span for a row with `headers`; (span context, headers sent).
-    fn attempt(outbox: &Outbox, headers: &str) -> (opentelemetry::trace::SpanContext, String) {
+    /// Starts the attempt's span for a row with `headers`; (span context, the headers the
+    /// transports send, as a JSON object, and the row's headers afterwards).
+    fn attempt(outbox: &Outbox, headers: &str) -> (SpanContext, String, String) {
         let mut msg = message(headers);
         let span = outbox.start(&Sink::default(), &mut msg, &envelope(), Utc::now());
         let cx = span.0.as_ref().unwrap().span_context().clone();
-        (cx, String::from_utf8(msg.headers).unwrap())
+        (cx, sent(&msg), String::from_utf8(msg.headers).unwrap())
+    }
+
+    /// The headers the transports send for `msg`, as a JSON object.
+    fn sent(msg: &OutboxMessage) -> String {
+        let (headers, _) = crate::publish::envelope::row_headers(msg);
+        let map: serde_json::Map<String, Value> = headers
+            .into_iter()
+            .map(|(k, v)| (k, Value::String(v)))
+            .collect();
+        Value::Object(map).to_string()
     }
 
     fn json(text: &str) -> Value {
@@ -372,7 +528,8 @@ mod tests {
     #[test]
     fn the_span_is_a_child_of_the_rows_context_and_the_message_names_it() {
         let row = format!(r#"{{"traceparent":"{PARENT}","tracestate":"vendor=x","a":1}}"#);
-        let (cx, sent) = attempt(&outbox(1.0), &row);
+        let (cx, sent, kept) = attempt(&outbox(1.0), &row);
+        assert_eq!(kept, row, "the row's headers are read, not rewritten");
         assert_eq!(
             cx.trace_id().to_string(),
             "0af7651916cd43dd8448eb211c80319c"
@@ -384,13 +541,13 @@ mod tests {
             format!("00-{}-{}-01", cx.trace_id(), cx.span_id())
         );
         assert_eq!(sent["tracestate"], "vendor=x");
-        assert_eq!(sent["a"], 1);
+        assert_eq!(sent["a"], "1");
     }
 
     #[test]
     fn an_unsampled_parent_propagates_unsampled() {
         let row = format!(r#"{{"Traceparent":"{UNSAMPLED}"}}"#);
-        let (cx, sent) = attempt(&outbox(1.0), &row);
+        let (cx, sent, _) = attempt(&outbox(1.0), &row);
         assert!(!cx.is_sampled());
         let sent = json(&sent);
         assert_eq!(sent.as_object().unwrap().len(), 1, "{sent}");
@@ -404,13 +561,13 @@ mod tests {
 
     #[test]
     fn rows_without_a_context_start_a_trace_at_the_sample_ratio() {
-        let (cx, sent) = attempt(&outbox(1.0), "");
+        let (cx, sent, _) = attempt(&outbox(1.0), "");
         assert!(cx.is_valid() && cx.is_sampled());
         assert_eq!(
             json(&sent)["traceparent"],
             format!("00-{}-{}-01", cx.trace_id(), cx.span_id())
         );
-        let (cx, sent) = attempt(&outbox(0.0), r#"{"k":"v"}"#);
+        let (cx, sent, _) = attempt(&outbox(0.0), r#"{"k":"v"}"#);
         assert!(cx.is_valid() && !cx.is_sampled());
         assert!(
             json(&sent)["traceparent"]
@@ -452,22 +609,66 @@ mod tests {
             r#"{"traceparent":42}"#,
             r#"{"traceparent":"00-00000000000000000000000000000000-b7ad6b7169203331-01"}"#,
         ] {
-            let (cx, sent) = attempt(&outbox(1.0), bad);
+            let (cx, _, kept) = attempt(&outbox(1.0), bad);
             assert!(cx.is_valid(), "{bad}");
             assert_ne!(
                 cx.trace_id().to_string(),
                 "0af7651916cd43dd8448eb211c80319c"
             );
-            assert_eq!(sent, bad, "passed through byte for byte");
+            assert_eq!(kept, bad, "passed through byte for byte");
+            let mut msg = message(bad);
+            outbox(1.0).start(&Sink::default(), &mut msg, &envelope(), Utc::now());
+            assert_eq!(
+                msg.traceparent, None,
+                "no traceparent of the relay's: {bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_exact_spelling_wins_and_escaped_values_are_read() {
+        let escaped = PARENT.replacen('0', "\\u0030", 1);
+        for row in [
+            format!(r#"{{"TRACEPARENT":"garbage","traceparent":"{PARENT}","Traceparent":"x"}}"#),
+            format!(r#"{{"k":[{{"traceparent":1}}],"traceparent":"{escaped}","n":1.5e300}}"#),
+        ] {
+            let (cx, sent, _) = attempt(&outbox(1.0), &row);
+            assert_eq!(
+                cx.trace_id().to_string(),
+                "0af7651916cd43dd8448eb211c80319c",
+                "{row}"
+            );
+            assert!(
+                json(&sent)["traceparent"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with("-01")
+            );
+        }
+    }
+
+    #[test]
+    fn the_traceparent_is_written_as_the_w3c_propagator_writes_it() {
+        for ratio in [1.0, 0.0] {
+            let (cx, _, _) = attempt(&outbox(ratio), "");
+            let mut carrier = std::collections::HashMap::new();
+            TraceContextPropagator::new().inject_context(
+                &Context::new().with_remote_span_context(cx.clone()),
+                &mut carrier,
+            );
+            assert_eq!(traceparent_of(&cx).as_ref(), carrier.get(TRACEPARENT));
         }
     }
 
     #[test]
     fn headers_that_are_not_an_object_are_left_alone() {
         for other in ["[1,2]", "not json"] {
-            let (cx, sent) = attempt(&outbox(1.0), other);
+            let (cx, _, kept) = attempt(&outbox(1.0), other);
             assert!(cx.is_valid());
-            assert_eq!(sent, other);
+            assert_eq!(kept, other);
+            let mut msg = message(other);
+            outbox(1.0).start(&Sink::default(), &mut msg, &envelope(), Utc::now());
+            assert_eq!(msg.traceparent, None, "{other}");
         }
     }
 
@@ -491,7 +692,7 @@ mod tests {
             spans.iter().all(|s| s.0.is_none()),
             "each ended at its answer"
         );
-        assert_eq!(run[2].headers, b"{}", "the unsent row is untouched");
+        assert_eq!(run[2].traceparent, None, "the unsent row is untouched");
         let given = publisher.headers.lock().unwrap();
         assert_eq!(given.len(), 2, "published up to the rejection");
         for headers in given.iter() {

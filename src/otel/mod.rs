@@ -5,14 +5,17 @@
 //! tracing is on ([`crate::config::TracingConfig`]); nothing here runs when it is off, and the
 //! row's headers then pass unchanged. Per attempt ([`attempt`]): a PRODUCER span, child of the
 //! row's `traceparent` (every attempt, so a message's retries sit in its producer's trace), whose
-//! context replaces the row's `traceparent` header before the publisher renders the headers, so
-//! every transport (those of today and any added later) carries it without code of its own.
+//! context the message carries ([`crate::message::OutboxMessage::traceparent`]) and
+//! [`crate::publish::envelope::row_headers`] sends in place of the row's `traceparent`, so every
+//! transport (those of today and any added later) carries it without code of its own.
 //!
 //! Export never slows relaying: a span ends into a bounded queue ([`BoundedProcessor`], in front
 //! of the SDK's batch processor, which exports from a thread of its own); when the queue is full
 //! or an export fails the spans are dropped, counted in
 //! [`crate::telemetry::names::TRACE_SPANS_DROPPED`] and reported by one warning (and one note
-//! when export works again), never one line per span.
+//! when export works again), never one line per span. After a failed export each batch first
+//! checks that the collector accepts a connection ([`Probe`]) and is dropped unencoded while it
+//! does not, so that a collector that is down costs the relay little CPU.
 
 pub mod attempt;
 
@@ -60,6 +63,8 @@ pub enum OtelError {
 pub struct Tracing {
     provider: SdkTracerProvider,
     tracer: SdkTracer,
+    /// `sample_ratio` > 0: spans that start a trace may be recorded.
+    samples_roots: bool,
 }
 
 impl std::fmt::Debug for Tracing {
@@ -101,6 +106,8 @@ impl Tracing {
             inner: exporter,
             pending: Arc::clone(&pending),
             drops: Arc::clone(&drops),
+            probe: Probe::new(&cfg.endpoint),
+            failing: std::sync::atomic::AtomicBool::new(false),
         };
         let batch = BatchSpanProcessor::builder(exporter)
             .with_batch_config(
@@ -138,7 +145,25 @@ impl Tracing {
             sample_ratio = cfg.sample_ratio,
             "exporting OpenTelemetry traces"
         );
-        Ok(Self { provider, tracer })
+        Ok(Self {
+            provider,
+            tracer,
+            samples_roots: cfg.sample_ratio > 0.0,
+        })
+    }
+
+    /// Whether the sampler (parent-based, then `sample_ratio`) may record a span whose
+    /// parent is `parent`: a row's context decides by its sampled flag; a span that starts a
+    /// trace may be recorded unless `sample_ratio` is 0 (below 1 it still may not be).
+    fn records(&self, parent: &opentelemetry::Context) -> bool {
+        use opentelemetry::trace::TraceContextExt as _;
+        let span = parent.span();
+        let cx = span.span_context();
+        if cx.is_valid() {
+            cx.is_sampled()
+        } else {
+            self.samples_roots
+        }
     }
 
     /// Sends what is queued (up to a few seconds) and stops the export thread. Blocks: call
@@ -237,19 +262,78 @@ impl SpanProcessor for BoundedProcessor {
     }
 }
 
-/// The OTLP exporter, counting what leaves the queue and what fails to export.
+/// The OTLP exporter, counting what leaves the queue and what fails to export. After a failed
+/// export, each batch first checks that the collector accepts a connection ([`Probe`]): while
+/// it refuses, batches are dropped without being encoded.
 #[derive(Debug)]
 struct CountingExporter<E> {
     inner: E,
     pending: Arc<AtomicUsize>,
     drops: Arc<Drops>,
+    probe: Probe,
+    /// The last export failed.
+    failing: std::sync::atomic::AtomicBool,
+}
+
+/// How long a probe waits for the collector to accept a connection.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(250);
+
+/// A TCP connection to the collector's host and port, made instead of encoding a batch while
+/// exports fail: a collector that is down then costs the relay a refused connection per batch
+/// rather than the protobuf encoding of every span, and export resumes with the first batch
+/// after it is back.
+#[derive(Debug)]
+struct Probe {
+    /// `host:port` of the endpoint; `None` when it names none (then every batch is exported).
+    target: Option<String>,
+}
+
+impl Probe {
+    fn new(endpoint: &str) -> Self {
+        let target = url::Url::parse(endpoint).ok().and_then(|url| {
+            let host = url
+                .host_str()?
+                .trim_start_matches('[')
+                .trim_end_matches(']');
+            let port = url.port_or_known_default()?;
+            Some(if host.contains(':') {
+                format!("[{host}]:{port}")
+            } else {
+                format!("{host}:{port}")
+            })
+        });
+        Self { target }
+    }
+
+    /// Whether the collector accepts a TCP connection now (blocks up to [`PROBE_TIMEOUT`] per
+    /// address; called on the SDK's export thread).
+    fn reachable(&self) -> bool {
+        use std::net::ToSocketAddrs as _;
+        let Some(target) = &self.target else {
+            return true;
+        };
+        let Ok(addrs) = target.to_socket_addrs() else {
+            return false;
+        };
+        addrs
+            .into_iter()
+            .any(|addr| std::net::TcpStream::connect_timeout(&addr, PROBE_TIMEOUT).is_ok())
+    }
 }
 
 impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
         let n = batch.len();
         self.pending.fetch_sub(n, Ordering::AcqRel);
+        if self.failing.load(Ordering::Acquire) && !self.probe.reachable() {
+            let why = "the collector does not accept connections";
+            self.drops.dropped(n, "export_failed", &why);
+            return Err(opentelemetry_sdk::error::OTelSdkError::InternalFailure(
+                why.to_owned(),
+            ));
+        }
         let result = self.inner.export(batch).await;
+        self.failing.store(result.is_err(), Ordering::Release);
         match &result {
             Ok(()) => self.drops.exported(),
             Err(e) => self.drops.dropped(n, "export_failed", e),
@@ -273,6 +357,29 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_probe_tells_a_listening_collector_from_a_closed_port() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let probe = Probe::new(&format!("http://127.0.0.1:{port}/v1/traces"));
+        assert_eq!(probe.target.as_deref(), Some(&*format!("127.0.0.1:{port}")));
+        assert!(probe.reachable());
+        drop(listener);
+        assert!(!probe.reachable(), "nothing listens any more");
+        assert_eq!(
+            Probe::new("https://collector.example").target.as_deref(),
+            Some("collector.example:443")
+        );
+        assert_eq!(
+            Probe::new("http://[::1]:4318").target.as_deref(),
+            Some("[::1]:4318")
+        );
+        assert!(
+            Probe::new("not a url").reachable(),
+            "no target: always export"
+        );
+    }
 
     #[test]
     fn one_warning_per_stretch_of_drops_and_at_most_one_every_five_minutes() {

@@ -6,6 +6,7 @@ use serde_json::Value;
 
 use crate::config::{Config, OutboxConfig};
 use crate::message::{OutboxMessage, PayloadKind};
+use crate::otel::attempt::TRACEPARENT;
 use crate::template::{Fields, Template};
 
 /// One outbox's settings for its messages on the wire: what the envelope needs besides the
@@ -85,13 +86,24 @@ pub fn cloud_event_attributes<'a>(
 }
 
 /// The row's `headers` as `(name, value)` strings: strings as they are, other values as their
-/// JSON text, `null` omitted. A `headers` value that is not an object yields no headers and a
-/// note saying so (never an error).
+/// JSON text, `null` omitted; with the message's `traceparent` (tracing on) in place of the
+/// row's, under any spelling. A `headers` value that is not an object yields no headers and a
+/// note saying so (never an error); JSON `null` counts as no headers.
 pub fn row_headers(msg: &OutboxMessage) -> (Vec<(String, String)>, Option<String>) {
-    if msg.headers.is_empty() {
+    let (mut headers, note) = parse_row_headers(&msg.headers);
+    if let Some(traceparent) = &msg.traceparent {
+        headers.retain(|(name, _)| !name.eq_ignore_ascii_case(TRACEPARENT));
+        headers.push((TRACEPARENT.to_owned(), traceparent.clone()));
+    }
+    (headers, note)
+}
+
+/// [`row_headers`] as the row wrote them.
+fn parse_row_headers(raw: &[u8]) -> (Vec<(String, String)>, Option<String>) {
+    if raw.is_empty() {
         return (Vec::new(), None);
     }
-    match serde_json::from_slice::<Value>(&msg.headers) {
+    match serde_json::from_slice::<Value>(raw) {
         Ok(Value::Object(map)) => {
             let headers = map
                 .into_iter()
@@ -103,6 +115,7 @@ pub fn row_headers(msg: &OutboxMessage) -> (Vec<(String, String)>, Option<String
                 .collect();
             (headers, None)
         }
+        Ok(Value::Null) => (Vec::new(), None),
         Ok(other) => (
             Vec::new(),
             Some(format!(
@@ -261,6 +274,7 @@ pub(crate) mod tests {
             attempts: 1,
             created_at: chrono::Utc.with_ymd_and_hms(2026, 1, 2, 3, 4, 5).unwrap(),
             expires_at: None,
+            traceparent: None,
         }
     }
 
@@ -307,6 +321,33 @@ pub(crate) mod tests {
         assert!(is_attribute_header("cloudEvents:subject", "cloudEvents:"));
         assert!(!is_attribute_header("cloudEvents:", "cloudEvents:"));
         assert!(!is_attribute_header("ce", "ce_"));
+    }
+
+    #[test]
+    fn the_messages_traceparent_replaces_the_rows_under_any_spelling() {
+        let mut msg = message(r#"{"TraceParent":"row","tracestate":"v=1","a":"b"}"#);
+        msg.traceparent = Some("00-ours".into());
+        let (mut headers, note) = row_headers(&msg);
+        headers.sort();
+        assert_eq!(note, None);
+        assert_eq!(
+            headers,
+            [
+                ("a", "b"),
+                ("traceparent", "00-ours"),
+                ("tracestate", "v=1")
+            ]
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        );
+        for none in ["", "null"] {
+            let mut msg = message(none);
+            msg.traceparent = Some("00-ours".into());
+            assert_eq!(
+                row_headers(&msg),
+                (vec![("traceparent".into(), "00-ours".into())], None),
+                "{none:?}"
+            );
+        }
     }
 
     #[test]

@@ -587,6 +587,7 @@ fn message_of(r: &tokio_postgres::Row) -> Result<OutboxMessage, tokio_postgres::
         attempts: r.try_get(8)?,
         created_at: r.try_get(9)?,
         expires_at: r.try_get(10)?,
+        traceparent: None,
     })
 }
 

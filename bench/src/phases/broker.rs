@@ -34,6 +34,7 @@ fn synthetic(n: usize, aggregates: usize) -> Vec<OutboxMessage> {
             attempts: 1,
             created_at: now,
             expires_at: None,
+            traceparent: None,
         })
         .collect()
 }
