@@ -950,6 +950,7 @@ fn finish(ctx: &mut Ctx) {
         ("redis", min(pgbench, r.get("redis_bare_msgs_per_s"))),
         ("http", min(pgbench, r.get("http_bare_msgs_per_s"))),
     ];
+    let mut shared_ratios = Vec::new();
     let per_sink = sinks.map(|(sink, ceiling)| {
         (
             format!("ratio_relay_{sink}_none_vs_bare_ceilings"),
@@ -957,14 +958,52 @@ fn finish(ctx: &mut Ctx) {
             ratio(r.get(&format!("relay_{sink}_none_msgs_per_s")), ceiling),
         )
     });
+    // The same drains against what the machine allows a drain that runs both on these cores:
+    // the CPU (every process) that pgbench spends per message on the relay's statements plus
+    // the CPU the bare client and its server spend per message, over the machine's cores.
+    let cores = std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64);
+    let shared = |pgbench: &str, sink: &str| {
+        let cpu = r.get(&format!("{pgbench}_machine_cpu_s_per_100k"))?
+            + r.get(&format!("{sink}_bare_machine_cpu_s_per_100k"))?;
+        (cpu > 0.0).then(|| cores * 100_000.0 / cpu)
+    };
+    let mut shared_ceilings = Vec::new();
+    for sink in ["nats", "redis", "http"] {
+        for (ordering, pgbench) in [
+            ("none", "pgbench_claim_mark"),
+            ("aggregate", "pgbench_claim_aggregate_mark"),
+        ] {
+            let Some(ceiling) = shared(pgbench, sink) else {
+                continue;
+            };
+            shared_ceilings.push((
+                format!("ceiling_shared_{sink}_{ordering}_msgs_per_s"),
+                format!(
+                    "{cores} cores ÷ (machine CPU per message of {pgbench} + of the bare {sink} client)"
+                ),
+                ceiling,
+            ));
+            if let Some(relay) = r.get(&format!("relay_{sink}_{ordering}_msgs_per_s")) {
+                shared_ratios.push((
+                    format!("ratio_relay_{sink}_{ordering}_vs_shared_ceiling"),
+                    format!("relay {sink} {ordering} / the shared ceiling (pgbench and bare {sink} client on the same cores)"),
+                    Some(relay / ceiling),
+                ));
+            }
+        }
+    }
     let ratios = ratios
         .into_iter()
         .map(|(k, l, v)| (k.to_owned(), l.to_owned(), v))
-        .chain(per_sink);
+        .chain(per_sink)
+        .chain(shared_ratios);
     for (key, label, value) in ratios.collect::<Vec<_>>() {
         if let Some(v) = value {
             ctx.report.figure("ratios", &key, &label, v, "×");
         }
+    }
+    for (key, label, value) in shared_ceilings {
+        ctx.report.figure("ratios", &key, &label, value, "msgs/s");
     }
 
     ctx.report.figures.sort_by(|a, b| a.phase.cmp(&b.phase));

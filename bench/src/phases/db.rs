@@ -275,8 +275,10 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Res
     );
     let drained = (elapsed, &usage);
     drained_figure(ctx, &table, "db: pgbench", drained, key, &label).await?;
+    let short = key.trim_end_matches("_rows_per_s");
+    super::machine_cpu_figure(ctx, "1 db ceiling", short, &label, drained);
     ctx.report.detail(
-        key.trim_end_matches("_rows_per_s"),
+        short,
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage,
                "clients": PGBENCH_CLIENTS, "transactions_per_client": per_client,
                "script": script}),

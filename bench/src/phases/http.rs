@@ -175,6 +175,8 @@ async fn bare(ctx: &mut Ctx, endpoint: &Endpoint, url: &str, in_flight: usize) -
             "s",
         );
     }
+    let what = "bare reqwest client + endpoint";
+    super::machine_cpu_figure(ctx, PHASE, "http_bare", what, (elapsed, &usage));
     ctx.report.detail(
         "http_bare",
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "in_flight": in_flight, "cpu": usage}),

@@ -35,6 +35,7 @@ use std::time::Duration;
 use anyhow::{Result, bail};
 use serde_json::json;
 
+use crate::Ctx;
 use crate::util::CpuUsage;
 
 /// Runs the relay process with `env` until it has drained `table`, checks the run
@@ -144,6 +145,27 @@ async fn scrape(port: Option<u16>) -> serde_json::Value {
 fn cpu_per_100k(u: &CpuUsage, group: &str, elapsed: Duration, n: usize) -> Option<f64> {
     let cores = u.cores.get(group)?;
     Some(cores * elapsed.as_secs_f64() * 100_000.0 / n.max(1) as f64)
+}
+
+/// Reports the CPU of the whole machine (every process and the kernel) per 100,000 messages of
+/// a bare ceiling, as `<key>_machine_cpu_s_per_100k`: with pgbench's, what a drain that needs
+/// both the database statements and the sink pays on the same cores (the shared ceilings in
+/// the summary).
+fn machine_cpu_figure(
+    ctx: &mut Ctx,
+    phase: &str,
+    key: &str,
+    what: &str,
+    (elapsed, usage): (Duration, &CpuUsage),
+) {
+    let seconds = usage.machine_busy * elapsed.as_secs_f64() * 100_000.0 / ctx.rows.max(1) as f64;
+    ctx.report.figure(
+        phase,
+        &format!("{key}_machine_cpu_s_per_100k"),
+        &format!("{what}: machine CPU (every process) per 100k"),
+        seconds,
+        "s",
+    );
 }
 
 fn rate(n: usize, d: Duration) -> f64 {

@@ -13,9 +13,9 @@ use async_nats::jetstream::stream::{Config, StorageType};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 
-use super::rate;
+use super::{cpu_text, rate};
 use crate::Ctx;
-use crate::util::{fill, payload};
+use crate::util::{CpuSample, fill, payload};
 
 /// The relay's default window: acks outstanding in both the relay and the bare client.
 const IN_FLIGHT: usize = 1000;
@@ -76,6 +76,7 @@ async fn bare(ctx: &mut Ctx, js: &async_nats::jetstream::Context, prefix: &str) 
     let aggregates = ctx.args.aggregates as u64;
     let subject = format!("{prefix}.order.OrderPlaced");
     ctx.progress(format!("nats bare client: {} messages", ctx.rows));
+    let cpu = CpuSample::take();
     let started = Instant::now();
     let mut acks = FuturesUnordered::new();
     for i in 1..=ctx.rows as u64 {
@@ -113,8 +114,12 @@ async fn bare(ctx: &mut Ctx, js: &async_nats::jetstream::Context, prefix: &str) 
         done?;
     }
     let elapsed = started.elapsed();
+    let usage = cpu.usage();
     let r = rate(ctx.rows, elapsed);
-    ctx.progress(format!("nats bare client: {r:.0} msgs/s in {elapsed:.2?}"));
+    ctx.progress(format!(
+        "nats bare client: {r:.0} msgs/s in {elapsed:.2?}; {}",
+        cpu_text(&usage)
+    ));
     ctx.report.figure(
         "11 nats",
         "nats_bare_msgs_per_s",
@@ -122,6 +127,8 @@ async fn bare(ctx: &mut Ctx, js: &async_nats::jetstream::Context, prefix: &str) 
         r,
         "msgs/s",
     );
+    let what = "bare async-nats client + nats-server";
+    super::machine_cpu_figure(ctx, "11 nats", "nats_bare", what, (elapsed, &usage));
     Ok(r)
 }
 

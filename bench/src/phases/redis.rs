@@ -117,6 +117,8 @@ async fn bare(
         r,
         "msgs/s",
     );
+    let what = "bare redis client + redis-server";
+    super::machine_cpu_figure(ctx, "11 redis", "redis_bare", what, (elapsed, &usage));
     Ok(r)
 }
 
