@@ -346,6 +346,7 @@ impl<'de> Deserialize<'de> for StringOrNot<'de> {
     }
 }
 
+/// Reads a [`StringOrNot`], or a header name (a string).
 struct StringOrNotVisitor;
 
 impl<'de> Visitor<'de> for StringOrNotVisitor {
