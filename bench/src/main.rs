@@ -950,7 +950,6 @@ fn finish(ctx: &mut Ctx) {
         ("redis", min(pgbench, r.get("redis_bare_msgs_per_s"))),
         ("http", min(pgbench, r.get("http_bare_msgs_per_s"))),
     ];
-    let mut shared_ratios = Vec::new();
     let per_sink = sinks.map(|(sink, ceiling)| {
         (
             format!("ratio_relay_{sink}_none_vs_bare_ceilings"),
@@ -968,6 +967,7 @@ fn finish(ctx: &mut Ctx) {
         (cpu > 0.0).then(|| cores * 100_000.0 / cpu)
     };
     let mut shared_ceilings = Vec::new();
+    let mut shared_ratios = Vec::new();
     for sink in ["nats", "redis", "http"] {
         for (ordering, pgbench) in [
             ("none", "pgbench_claim_mark"),

@@ -31,7 +31,7 @@ pub const TRACEPARENT: &str = "traceparent";
 /// The W3C header carrying vendor state (passed through as the row wrote it).
 pub const TRACESTATE: &str = "tracestate";
 
-/// How many attributes a recording span starts with ([`Outbox::attributes`]); a failed
+/// How many attributes a recording span starts with ([`Outbox::description`]); a failed
 /// attempt adds `error.type`.
 const ATTRIBUTES: usize = 10;
 
@@ -141,13 +141,14 @@ impl Outbox {
         let tracer = &self.tracing.tracer;
         // The sampler's decision, foreseen so that a recording span gets its attributes with
         // room for `error.type` in one allocation; checked again once the span has started.
+        let describe = || self.description(publisher, msg, envelope, claimed_at);
         let described = self.tracing.records(&parent.context);
         let builder = if described {
-            let destination = publisher.destination_name(msg, envelope);
-            let mut builder = tracer.span_builder(format!("publish {destination}"));
-            let mut attributes = Vec::with_capacity(ATTRIBUTES + 1);
-            attributes.extend(self.attributes(publisher, msg, destination, claimed_at));
-            builder.attributes = Some(attributes);
+            let (name, attributes) = describe();
+            let mut builder = tracer.span_builder(name);
+            let mut all = Vec::with_capacity(ATTRIBUTES + 1);
+            all.extend(attributes);
+            builder.attributes = Some(all);
             builder
         } else {
             tracer.span_builder("publish")
@@ -156,9 +157,9 @@ impl Outbox {
             .with_kind(SpanKind::Producer)
             .start_with_context(tracer, &parent.context);
         if !described && span.is_recording() {
-            let destination = publisher.destination_name(msg, envelope);
-            span.update_name(format!("publish {destination}"));
-            span.set_attributes(self.attributes(publisher, msg, destination, claimed_at));
+            let (name, attributes) = describe();
+            span.update_name(name);
+            span.set_attributes(attributes);
         }
         msg.traceparent = if writes_header {
             traceparent_of(span.span_context())
@@ -168,19 +169,22 @@ impl Outbox {
         AttemptSpan(Some(span))
     }
 
-    /// The attributes of a recording span (docs/tracing.md).
-    fn attributes(
+    /// The name (`publish <destination>`) and attributes of a recording span
+    /// (docs/tracing.md).
+    fn description(
         &self,
         publisher: &dyn Publisher,
         msg: &OutboxMessage,
-        destination: String,
+        envelope: &EnvelopeConfig,
         claimed_at: DateTime<Utc>,
-    ) -> [KeyValue; ATTRIBUTES] {
+    ) -> (String, [KeyValue; ATTRIBUTES]) {
+        let destination = publisher.destination_name(msg, envelope);
+        let name = format!("publish {destination}");
         let queued = (claimed_at - msg.created_at)
             .to_std()
             .unwrap_or_default()
             .as_secs_f64();
-        [
+        let attributes = [
             KeyValue::new("messaging.system", publisher.kind()),
             KeyValue::new("messaging.operation.type", "send"),
             KeyValue::new("messaging.operation.name", "publish"),
@@ -191,7 +195,8 @@ impl Outbox {
             KeyValue::new("outbox.event_type", msg.event_type.clone()),
             KeyValue::new("outbox.attempt", i64::from(msg.attempts)),
             KeyValue::new("outbox.queued_seconds", queued),
-        ]
+        ];
+        (name, attributes)
     }
 }
 
