@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Starts what the relay and its tests need on a development machine, idempotently:
-# PostgreSQL (127.0.0.1:5432), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
+# PostgreSQL (127.0.0.1:5432), MariaDB (127.0.0.1:3306, root without a password, database
+# `test`), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
 # (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
 # NATS with JetStream (127.0.0.1:4222, store in /var/lib/nats-server), Redis (127.0.0.1:6379,
 # no persistence: a test server), Prometheus's promtool for the deploy/ checks, and OpenSSL's
@@ -22,6 +23,28 @@ if ! port_open 5432; then
 fi
 psql -h 127.0.0.1 -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1 \
     || psql -h 127.0.0.1 -U postgres -d postgres -qc "CREATE DATABASE test"
+
+# MariaDB (MySQL outboxes, tests/mysql.rs): Debian's mariadb-server, root over TCP without a
+# password, database `test`.
+if ! port_open 3306; then
+    if ! command -v mariadbd >/dev/null && [ ! -x /usr/sbin/mariadbd ]; then
+        say "installing mariadb-server from Debian's packages"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends mariadb-server mariadb-client >/dev/null
+    fi
+    say "starting MariaDB"
+    mkdir -p /run/mysqld && chown mysql:mysql /run/mysqld 2>/dev/null || true
+    if [ ! -d /var/lib/mysql/mysql ]; then
+        mariadb-install-db --user=mysql --datadir=/var/lib/mysql >/dev/null
+    fi
+    (cd / && nohup mariadbd-safe --user=mysql --bind-address=127.0.0.1 --port=3306 >/dev/null 2>&1 &)
+    wait_port 3306 MariaDB 600
+fi
+if ! mariadb -h 127.0.0.1 -P 3306 -u root -e "SELECT 1" >/dev/null 2>&1; then
+    say "letting root connect to MariaDB over 127.0.0.1 without a password (test server)"
+    mariadb -u root -e "ALTER USER root@localhost IDENTIFIED VIA unix_socket OR mysql_native_password USING PASSWORD('')"
+fi
+mariadb -h 127.0.0.1 -P 3306 -u root -e "CREATE DATABASE IF NOT EXISTS test"
 
 if ! port_open 5672; then
     say "starting RabbitMQ"

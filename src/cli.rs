@@ -6,9 +6,7 @@ use std::collections::BTreeMap;
 
 use anyhow::{Context, Result, bail};
 use outbox_relay::config::{Config, OutboxConfig, PublisherConfig};
-use outbox_relay::store::{
-    DeadLetter, Selection, StatusCounts, StatusReport, Store, StoreError, schema,
-};
+use outbox_relay::store::{DeadLetter, Selection, StatusCounts, StatusReport, Store, StoreError};
 
 /// The outboxes a command acts on: every configured one, or the one `--outbox` names. An
 /// unknown name is a usage error (the binary exits 2 with this sentence).
@@ -77,7 +75,7 @@ pub async fn migrate(config: &Config, print: bool, only: Option<&str>) -> Result
                 }
                 println!("-- outbox {}: table {}\n", o.name, o.database.table);
             }
-            print!("{}", schema::full_ddl(&o.database.table));
+            print!("{}", Store::ddl_for(&o.database));
         }
         return Ok(());
     }
@@ -98,8 +96,9 @@ pub async fn migrate(config: &Config, print: bool, only: Option<&str>) -> Result
         } else {
             println!("{prefix}{table}: applied schema versions {applied:?}");
         }
-        if let Some(interval) = t.store.partition_interval()
-            && let Ok(Some(layout)) = t.store.layout().await
+        if let Some(pg) = t.store.as_postgres()
+            && let Some(interval) = pg.partition_interval()
+            && let Ok(Some(layout)) = pg.layout().await
         {
             let newest = layout.ranges().filter_map(|p| p.upper).max();
             println!(
@@ -209,7 +208,10 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
         .inspect()
         .await
         .map_err(|e| format!("database: reachable, but {e}"))?;
-    let layout = t.store.layout().await.ok().flatten();
+    let layout = match t.store.as_postgres() {
+        Some(pg) => pg.layout().await.ok().flatten(),
+        None => None,
+    };
     let found = match layout {
         Some(l) if l.partitioned => format!(
             "table {table} found, partitioned by created_at: range partitions {}, and DEFAULT",

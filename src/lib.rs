@@ -1,7 +1,7 @@
 //! # outbox-relay
 //!
-//! A transactional outbox relay: applications insert event rows into an outbox table in the
-//! same transaction as their business change; the relay publishes them to RabbitMQ, Kafka, NATS
+//! A transactional outbox relay: applications insert event rows into an outbox table
+//! (PostgreSQL, MySQL or MariaDB) in the same transaction as their business change; the relay publishes them to RabbitMQ, Kafka, NATS
 //! JetStream, Redis Streams or HTTP endpoints, at least once, in order per aggregate.
 //!
 //! ## Map of the crate
@@ -18,8 +18,9 @@
 //!   wake-up), [`tasks::lease`] (renew + reclaim), [`tasks::backlog`] (gauges),
 //!   [`tasks::cleanup`] (retention), [`tasks::vacuum`], [`tasks::partitions`]; on one named-task
 //!   tracker.
-//! - [`store`]: PostgreSQL — every SQL statement, a file per concern (hot path, wake-up record,
-//!   maintenance, operator commands, connection/TLS, schema).
+//! - [`store`]: every SQL statement, behind one [`store::Store`]: [`store::postgres`]
+//!   (PostgreSQL, a file per concern: hot path, wake-up record, maintenance, operator
+//!   commands, connection/TLS, schema, partitions) and [`store::mysql`] (MySQL 8 and MariaDB).
 //! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker
 //!   (with its own tuning).
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).

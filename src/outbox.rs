@@ -17,7 +17,7 @@ use crate::message::PayloadKind;
 use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::relay::{LoopSettings, Relay, RelayParts};
-use crate::store::{OnConfirm, Store, StoreError};
+use crate::store::{OnConfirm, PgStore, Store, StoreError};
 use crate::tasks::lease::Held;
 use crate::tasks::{Tasks, backlog, cleanup, lease, listen, partitions, vacuum};
 use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
@@ -88,15 +88,22 @@ impl Outbox {
         let name = |task: &str| format!("{task}:{}", outbox.name);
         let wake = Arc::new(Notify::new());
 
-        let waiter = if config.relay.notify {
-            listen(tasks, &outbox, &store, table_oid, config, &wake).await
-        } else {
-            None
+        // PostgreSQL's own services: the NOTIFY wake-up and VACUUM. A MySQL outbox is woken by
+        // its poll and purged by InnoDB.
+        let waiter = match store.as_postgres() {
+            Some(pg) => {
+                let (s, m) = (pg.clone(), metrics.clone());
+                tasks.spawn(name("vacuum"), move |token| {
+                    vacuum::vacuum_loop(s, m, table_oid, token)
+                });
+                if config.relay.notify {
+                    listen(tasks, &outbox, pg, table_oid, config, &wake).await
+                } else {
+                    None
+                }
+            }
+            None => None,
         };
-        let (s, m) = (store.clone(), metrics.clone());
-        tasks.spawn(name("vacuum"), move |token| {
-            vacuum::vacuum_loop(s, m, table_oid, token)
-        });
         let held = Held::default();
         let (s, m, h, w) = (
             store.clone(),
@@ -157,7 +164,7 @@ fn loop_settings(config: &Config, outbox: &OutboxConfig, table_oid: u32) -> Loop
 async fn listen(
     tasks: &Tasks,
     outbox: &OutboxConfig,
-    store: &Store,
+    store: &PgStore,
     table_oid: u32,
     config: &Config,
     wake: &Arc<Notify>,
@@ -181,19 +188,24 @@ async fn spawn_retention(
     config: &Config,
     name: impl Fn(&str) -> String,
 ) {
-    let partitioned = store
-        .layout()
-        .await
-        .ok()
-        .flatten()
-        .is_some_and(|l| l.partitioned);
-    let (s, cfg) = (store.clone(), config.cleanup.clone());
-    if partitioned || store.partition_interval().is_some() {
-        let m = metrics.clone();
-        tasks.spawn(name("partitions"), move |token| {
-            partitions::partitions_loop(s, m, cfg, token)
-        });
-    } else if !config.cleanup.retention.is_zero() {
+    let cfg = config.cleanup.clone();
+    if let Some(pg) = store.as_postgres() {
+        let partitioned = pg
+            .layout()
+            .await
+            .ok()
+            .flatten()
+            .is_some_and(|l| l.partitioned);
+        if partitioned || pg.partition_interval().is_some() {
+            let (s, m) = (pg.clone(), metrics.clone());
+            tasks.spawn(name("partitions"), move |token| {
+                partitions::partitions_loop(s, m, cfg, token)
+            });
+            return;
+        }
+    }
+    let s = store.clone();
+    if !config.cleanup.retention.is_zero() {
         tasks.spawn(name("cleanup"), move |token| {
             cleanup::cleanup_loop(s, cfg, token)
         });
@@ -254,7 +266,7 @@ async fn prepare(
 
 /// The idle relay's waiting record, when the table has the wake-up of schema version 3.
 async fn wake_up_waiter(
-    store: &Store,
+    store: &PgStore,
     listener: ListenerPid,
     table_oid: u32,
     config: &Config,

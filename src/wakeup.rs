@@ -24,7 +24,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::backoff::doubled;
-use crate::store::Store;
+use crate::store::PgStore;
 
 /// The backend pid of the relay's LISTEN session, 0 while it is not listening.
 pub type ListenerPid = Arc<AtomicI32>;
@@ -88,7 +88,7 @@ enum State {
 
 /// One relay's waiting record for one outbox table.
 pub struct Waiter {
-    store: Store,
+    store: PgStore,
     listener: ListenerPid,
     table_oid: u32,
     poll: Duration,
@@ -105,7 +105,7 @@ pub struct Waiter {
 
 impl Waiter {
     /// A waiter for the table `table_oid` whose LISTEN session reports its pid in `listener`.
-    pub fn new(store: Store, listener: ListenerPid, table_oid: u32, poll: Duration) -> Self {
+    pub fn new(store: PgStore, listener: ListenerPid, table_oid: u32, poll: Duration) -> Self {
         Self {
             store,
             listener,
@@ -283,18 +283,19 @@ pub fn lifetime(poll: Duration) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{DatabaseConfig, TableName};
+    use crate::config::{DatabaseConfig, DatabaseKind, TableName};
 
     /// A waiter whose store never connects (nothing here reaches the database).
     fn waiter() -> Waiter {
         let cfg = DatabaseConfig {
             url: "postgres://u@127.0.0.1:1/none".into(),
+            kind: DatabaseKind::Postgres,
             pool_size: 1,
             table: TableName::parse("t").unwrap_or_else(|e| panic!("{e}")),
             auto_migrate: false,
             partition_interval: None,
         };
-        let store = Store::new(&cfg, "test").unwrap_or_else(|e| panic!("{e}"));
+        let store = PgStore::new(&cfg, "test").unwrap_or_else(|e| panic!("{e}"));
         Waiter::new(store, ListenerPid::default(), 1, Duration::from_secs(1))
     }
 

@@ -1,4 +1,5 @@
-//! `[database]`: the PostgreSQL URL, the pool and the outbox table's name.
+//! `[database]`: the database URL (PostgreSQL or MySQL/MariaDB), the pool and the outbox
+//! table's name.
 
 use serde::{Deserialize, Serialize};
 
@@ -12,7 +13,8 @@ use crate::redact::redact_url;
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawDatabase {
-    /// PostgreSQL URL (`postgres://user:pass@host:port/db?sslmode=...`).
+    /// Database URL: `postgres://user:pass@host:port/db?sslmode=...`, or
+    /// `mysql://user:pass@host:port/db?ssl-mode=...` for MySQL and MariaDB.
     pub url: String,
     /// Connections in the pool (default 8).
     pub pool_size: usize,
@@ -103,11 +105,69 @@ pub fn validate_identifier(ident: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Which database an outbox lives in, from its URL's scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DatabaseKind {
+    /// PostgreSQL 13+ (`postgres://`, `postgresql://` or a key=value connection string).
+    Postgres,
+    /// MySQL 8.0.1+ or MariaDB 10.6+ (`mysql://`).
+    Mysql,
+}
+
+impl DatabaseKind {
+    /// The kind a URL names: `mysql://` is MySQL/MariaDB, anything else PostgreSQL.
+    pub fn of(url: &str) -> Self {
+        let scheme = url.trim_start().split("://").next().unwrap_or_default();
+        if url.contains("://") && scheme.eq_ignore_ascii_case("mysql") {
+            Self::Mysql
+        } else {
+            Self::Postgres
+        }
+    }
+}
+
+/// Checks a database URL (`key` is the configuration key it came from, for the error) and
+/// returns the name of its database (the default CloudEvents source's).
+pub(super) fn database_name(key: &str, url: &str) -> Result<String, ConfigError> {
+    let key = key.to_owned();
+    match DatabaseKind::of(url) {
+        DatabaseKind::Postgres => {
+            let pg: tokio_postgres::Config = url.parse().map_err(|e| {
+                ConfigError::invalid(
+                    key.clone(),
+                    format!("{} is not a PostgreSQL URL: {e}", redact_url(url)),
+                )
+            })?;
+            Ok(pg.get_dbname().unwrap_or("postgres").to_owned())
+        }
+        DatabaseKind::Mysql => {
+            let opts = mysql_async::Opts::from_url(url).map_err(|e| {
+                ConfigError::invalid(
+                    key.clone(),
+                    format!("{} is not a MySQL URL: {e}", redact_url(url)),
+                )
+            })?;
+            match opts.db_name() {
+                Some(db) if !db.is_empty() => Ok(db.to_owned()),
+                _ => Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{} names no database: write mysql://user:password@host:3306/<database>",
+                        redact_url(url)
+                    ),
+                )),
+            }
+        }
+    }
+}
+
 /// The validated `[database]` section.
 #[derive(Debug, Clone)]
 pub struct DatabaseConfig {
     /// Connection URL (may hold a password: log only [`DatabaseConfig::redacted_url`]).
     pub url: String,
+    /// PostgreSQL or MySQL, from the URL.
+    pub kind: DatabaseKind,
     /// Pool size.
     pub pool_size: usize,
     /// Outbox table.
@@ -126,19 +186,15 @@ impl DatabaseConfig {
 }
 
 impl RawDatabase {
-    /// Checks the section; also returns the parsed URL (its database name is the default
-    /// CloudEvents source's).
-    pub(super) fn validate(self) -> Result<(DatabaseConfig, tokio_postgres::Config), ConfigError> {
+    /// Checks the section; also returns the URL's database name (the default CloudEvents
+    /// source's).
+    pub(super) fn validate(self) -> Result<(DatabaseConfig, String), ConfigError> {
         let d = self;
         if d.url.trim().is_empty() {
             return Err(ConfigError::invalid("database.url", "must not be empty"));
         }
-        let pg: tokio_postgres::Config = d.url.parse().map_err(|e| {
-            ConfigError::invalid(
-                "database.url",
-                format!("{} is not a PostgreSQL URL: {e}", redact_url(&d.url)),
-            )
-        })?;
+        let dbname = database_name("database.url", &d.url)?;
+        let kind = DatabaseKind::of(&d.url);
         if d.pool_size < 2 || d.pool_size > 1000 {
             return Err(ConfigError::invalid(
                 "database.pool_size",
@@ -162,17 +218,29 @@ impl RawDatabase {
             ));
         }
 
+        if kind == DatabaseKind::Mysql && partition_interval.is_some() {
+            return Err(not_on_mysql());
+        }
         Ok((
             DatabaseConfig {
                 url: d.url,
+                kind,
                 pool_size: d.pool_size,
                 table,
                 auto_migrate: d.auto_migrate,
                 partition_interval,
             },
-            pg,
+            dbname,
         ))
     }
+}
+
+/// `database.partition_interval` set for a MySQL outbox.
+pub(super) fn not_on_mysql() -> ConfigError {
+    ConfigError::invalid(
+        "database.partition_interval",
+        "partitioned outboxes are PostgreSQL only; on MySQL/MariaDB retention deletes sent rows in batches: remove the key",
+    )
 }
 
 #[cfg(test)]

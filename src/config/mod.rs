@@ -29,7 +29,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub use cleanup::{CleanupConfig, RawCleanup};
-pub use database::{DatabaseConfig, RawDatabase, TableName, validate_identifier};
+pub use database::{DatabaseConfig, DatabaseKind, RawDatabase, TableName, validate_identifier};
 pub use http::{
     HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp, TRACE_CONTEXT_HEADERS,
 };
@@ -375,8 +375,8 @@ impl RawConfig {
             .clone()
             .unwrap_or_else(|| database::DEFAULT_TABLE.to_owned());
         let explicit_source = self.relay.source.clone();
-        let (database, pg) = self.database.validate()?;
-        let relay = self.relay.validate(&pg, &database.table)?;
+        let (database, dbname) = self.database.validate()?;
+        let relay = self.relay.validate(&dbname, &database.table)?;
         let retry = self.retry.validate()?;
         let publisher = self.publisher.validate()?;
         let metrics_listen = self.metrics.validate()?;

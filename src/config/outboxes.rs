@@ -6,8 +6,10 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, DatabaseConfig, Ordering, PublisherConfig, TableName, choose};
-use crate::redact::redact_url;
+use super::database::{database_name, not_on_mysql};
+use super::{
+    ConfigError, DatabaseConfig, DatabaseKind, Ordering, PublisherConfig, TableName, choose,
+};
 use crate::template::Template;
 
 /// One `[[outboxes]]` entry as written.
@@ -89,12 +91,11 @@ pub(super) fn validate(
             ));
         }
         let url = o.url.unwrap_or_else(|| inherited.database.url.clone());
-        let pg: tokio_postgres::Config = url.parse().map_err(|e| {
-            ConfigError::invalid(
-                key("url"),
-                format!("{} is not a PostgreSQL URL: {e}", redact_url(&url)),
-            )
-        })?;
+        let dbname = database_name(&key("url"), &url)?;
+        let kind = DatabaseKind::of(&url);
+        if kind == DatabaseKind::Mysql && inherited.database.partition_interval.is_some() {
+            return Err(not_on_mysql());
+        }
         if let Some(first) = tables.insert((url.clone(), table.qualified()), i) {
             return Err(ConfigError::invalid(
                 key("table"),
@@ -110,7 +111,7 @@ pub(super) fn validate(
             .map_err(|e| rename(e, key("ordering")))?,
             None => inherited.ordering,
         };
-        let source = source(o.source.as_deref().or(inherited.source), &pg, &table)
+        let source = source(o.source.as_deref().or(inherited.source), &dbname, &table)
             .map_err(|r| ConfigError::invalid(key("source"), r))?;
         let overrides = [
             ("routing_key", o.routing_key),
@@ -123,6 +124,7 @@ pub(super) fn validate(
             name,
             database: DatabaseConfig {
                 url,
+                kind,
                 pool_size: inherited.database.pool_size,
                 table,
                 auto_migrate: inherited.database.auto_migrate,
@@ -147,17 +149,13 @@ fn check_name(name: &str) -> Result<(), String> {
 /// The CloudEvents `source`: the one configured, else `/outbox/<database>/<table>`.
 fn source(
     configured: Option<&str>,
-    pg: &tokio_postgres::Config,
+    dbname: &str,
     table: &TableName,
 ) -> Result<String, &'static str> {
     match configured {
         Some(s) if s.trim().is_empty() => Err("must not be empty"),
         Some(s) => Ok(s.to_owned()),
-        None => Ok(format!(
-            "/outbox/{}/{}",
-            pg.get_dbname().unwrap_or("postgres"),
-            table
-        )),
+        None => Ok(format!("/outbox/{dbname}/{table}")),
     }
 }
 

@@ -67,7 +67,7 @@ impl RawRelay {
     /// Checks the section; `database` names the CloudEvents source by default.
     pub(super) fn validate(
         self,
-        pg: &tokio_postgres::Config,
+        dbname: &str,
         table: &TableName,
     ) -> Result<RelayConfig, ConfigError> {
         let r = self;
@@ -103,11 +103,7 @@ impl RawRelay {
                 return Err(ConfigError::invalid("relay.source", "must not be empty"));
             }
             Some(s) => s,
-            None => format!(
-                "/outbox/{}/{}",
-                pg.get_dbname().unwrap_or("postgres"),
-                table
-            ),
+            None => format!("/outbox/{dbname}/{table}"),
         };
 
         Ok(RelayConfig {

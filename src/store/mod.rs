@@ -1,59 +1,34 @@
-//! PostgreSQL: every statement the relay runs lives in this module, by concern:
-//! - `claim`: the hot path's claims — by ordering mode, a suspect on its own — and the
-//!   expiry sweep run with them;
-//! - `settle`: settling claimed rows (sent, failed, handed back), lease renewal and reclaim;
-//! - `observe`: the ordering watermark's observation;
-//! - `predicates`: the SQL conditions several statements share;
-//! - `waiting`: the idle relay's wake-up record;
-//! - `maintenance`: the background tasks' backlog gauges, table health
-//!   and `VACUUM`;
-//! - `operator`: `status`, dead-letter commands and retention cleanup;
-//! - [`partitions`]: a partitioned table's conversion, partitions ahead and retention by
-//!   dropping partitions;
-//! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
-//! - [`steps`]: a migration file cut into the steps `migrate` runs (short transactions, and
-//!   index builds `CONCURRENTLY` outside any);
-//! - `connect`: the URL, TLS, the pool and its session settings, and the
-//!   LISTEN session's statements;
-//! - `bench` (the `bench` feature only): the hot-path statements and session settings, for the
-//!   benchmark's pgbench ceiling.
+//! The outbox table's store: every SQL statement the relay runs, behind one [`Store`] that the
+//! claim loop, the background tasks and the operator commands use without knowing which
+//! database holds the table.
+//! - [`postgres`]: PostgreSQL 13+ (the ordering guard's snapshots, NOTIFY wake-up, VACUUM,
+//!   partitioned tables);
+//! - [`mysql`]: MySQL 8.0.1+ and MariaDB 10.6+ (InnoDB, `SKIP LOCKED`, polling).
 //!
-//! Each file renders its statements once for the configured table ([`TableName`] is
-//! validated, so splicing it is safe) and runs them through [`Store`].
+//! The row types the loop and the commands exchange with a store ([`Claim`], [`Failure`],
+//! [`StatusReport`], …) are the same for both.
 
-mod claim;
-mod connect;
-mod maintenance;
-mod observe;
-mod operator;
-pub mod partitions;
-mod predicates;
-pub mod schema;
-mod settle;
-pub mod steps;
-mod waiting;
+pub mod mysql;
+pub mod postgres;
 
-pub use claim::{Claim, Expired, ExpirySweep};
-pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
-pub use maintenance::{Backlog, TableHealth};
-pub use observe::WriterSnapshot;
-pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
-pub use schema::{SchemaPlan, SchemaState};
-pub use settle::{FailOutcome, Failure, OnConfirm};
+pub use postgres::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use postgres::{
+    Backlog, Claim, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure, OnConfirm, SchemaPlan,
+    SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
+};
+pub use postgres::{PgStore, partitions, schema, steps};
 
-/// The relay's own hot-path statements and session settings, for the benchmark (`bench/`), whose
-/// pgbench ceiling replays them outside the relay. Behind the `bench` feature, which only the
-/// benchmark turns on: they are not part of the library's API.
+/// The relay's own hot-path statements and session settings, for the benchmark (`bench/`).
 #[cfg(feature = "bench")]
-pub mod bench {
-    pub use super::claim::{HotPathSql, hot_path_sql, scan_window};
-    pub use super::connect::SESSION_SETTINGS;
-}
+pub use postgres::bench;
 
-use deadpool_postgres::Pool;
+use std::time::Duration;
+
 use uuid::Uuid;
 
-use crate::config::TableName;
+use crate::config::{DatabaseConfig, DatabaseKind, Ordering, OutboxConfig, TableName};
+use crate::message::{OutboxMessage, PayloadKind};
+use mysql::MysqlStore;
 
 /// A database failure; none of these carry the connection URL.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +39,9 @@ pub enum StoreError {
     /// A statement failed.
     #[error("database error: {}", chain(.0))]
     Db(#[from] tokio_postgres::Error),
+    /// A MySQL/MariaDB statement or connection failed.
+    #[error("database error: {}", chain(.0))]
+    Mysql(#[from] mysql_async::Error),
     /// The schema is missing or not what the relay expects.
     #[error("{0}")]
     Schema(String),
@@ -103,6 +81,7 @@ impl StoreError {
             // Without an SQLSTATE: lost or refused connections, but also a value this side
             // could not convert (a bug, not an outage: it must not be logged as one).
             Self::Db(e) => e.is_closed() || (e.code().is_none() && !is_conversion(e)),
+            Self::Mysql(e) => mysql::is_connection(e),
             Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
     }
@@ -117,6 +96,7 @@ impl StoreError {
                 e.is_closed()
                     || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
             }
+            Self::Mysql(e) => mysql::answer_may_be_lost(e),
             _ => false,
         }
     }
@@ -140,59 +120,264 @@ fn is_conversion(e: &tokio_postgres::Error) -> bool {
 /// Short alias for store results.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
 
-/// The SQL text of every statement, rendered once for the configured table.
-#[derive(Debug, Clone)]
-struct Queries {
-    claim: claim::ClaimSql,
-    settle: settle::SettleSql,
-    observe: observe::ObserveSql,
-    waiting: waiting::WaitingSql,
-    maintenance: maintenance::MaintenanceSql,
-    operator: operator::OperatorSql,
+/// One outbox table in its database: PostgreSQL or MySQL/MariaDB. Cheap to clone (a pool
+/// handle and the table's rendered statements).
+#[derive(Clone)]
+pub enum Store {
+    /// A PostgreSQL table.
+    Postgres(PgStore),
+    /// A MySQL or MariaDB table.
+    Mysql(MysqlStore),
 }
 
-/// The outbox table and its connection pool.
-#[derive(Clone)]
-pub struct Store {
-    pool: Pool,
-    table: TableName,
-    instance_id: String,
-    // `database.partition_interval`: `migrate` partitions the table with it.
-    partition_interval: Option<std::time::Duration>,
-    q: std::sync::Arc<Queries>,
+/// Runs `$body` with `$s` bound to whichever store `$self` is.
+macro_rules! either {
+    ($self:expr, $s:ident => $body:expr) => {
+        match $self {
+            Store::Postgres($s) => $body,
+            Store::Mysql($s) => $body,
+        }
+    };
 }
 
 impl Store {
-    /// The configured table.
-    pub fn table(&self) -> &TableName {
-        &self.table
+    /// A store for the table of `cfg`, on the database its URL names (connecting lazily).
+    pub fn new(cfg: &DatabaseConfig, instance_id: &str) -> Result<Self> {
+        Ok(match cfg.kind {
+            DatabaseKind::Postgres => Self::Postgres(PgStore::new(cfg, instance_id)?),
+            DatabaseKind::Mysql => Self::Mysql(MysqlStore::new(cfg, instance_id)?),
+        })
     }
 
-    /// `database.partition_interval`, when set.
-    pub fn partition_interval(&self) -> Option<std::time::Duration> {
-        self.partition_interval
+    /// One store per outbox, in order; outboxes on the same database URL share one pool.
+    pub fn for_outboxes<'a>(
+        outboxes: impl IntoIterator<Item = &'a OutboxConfig>,
+        instance_id: &str,
+    ) -> Result<Vec<Self>> {
+        let mut pools: Vec<(&str, Self)> = Vec::new();
+        let mut out = Vec::new();
+        for o in outboxes {
+            let store = match pools.iter().find(|(url, _)| *url == o.database.url) {
+                Some((_, pool)) => pool.for_table(&o.database.table),
+                None => {
+                    let store = Self::new(&o.database, instance_id)?;
+                    pools.push((&o.database.url, store.clone()));
+                    store
+                }
+            };
+            out.push(store);
+        }
+        Ok(out)
+    }
+
+    /// Another table in the same database, sharing this store's pool.
+    pub fn for_table(&self, table: &TableName) -> Self {
+        match self {
+            Self::Postgres(s) => Self::Postgres(s.for_table(table)),
+            Self::Mysql(s) => Self::Mysql(s.for_table(table)),
+        }
+    }
+
+    /// The PostgreSQL store, for what only PostgreSQL has (NOTIFY wake-up, VACUUM, partitions).
+    pub fn as_postgres(&self) -> Option<&PgStore> {
+        match self {
+            Self::Postgres(s) => Some(s),
+            Self::Mysql(_) => None,
+        }
+    }
+
+    /// Which database holds the table.
+    pub fn kind(&self) -> DatabaseKind {
+        match self {
+            Self::Postgres(_) => DatabaseKind::Postgres,
+            Self::Mysql(_) => DatabaseKind::Mysql,
+        }
+    }
+
+    /// The configured table.
+    pub fn table(&self) -> &TableName {
+        either!(self, s => s.table())
+    }
+
+    /// `database.partition_interval`, when set (PostgreSQL only).
+    pub fn partition_interval(&self) -> Option<Duration> {
+        match self {
+            Self::Postgres(s) => s.partition_interval(),
+            Self::Mysql(_) => None,
+        }
     }
 
     /// This relay's `locked_by` value.
     pub fn instance_id(&self) -> &str {
-        &self.instance_id
-    }
-
-    /// A pooled connection (for callers such as tests and CLI tools).
-    pub async fn client(&self) -> Result<deadpool_postgres::Object> {
-        Ok(self.pool.get().await?)
+        either!(self, s => s.instance_id())
     }
 
     /// Round trip to the database.
     pub async fn ping(&self) -> Result<()> {
-        self.client().await?.simple_query("SELECT 1").await?;
-        Ok(())
+        either!(self, s => s.ping().await)
     }
 
-    /// Runs the one-row statement `sql` whose only parameter, `$1`, is the table's oid.
-    async fn query_one_by_oid(&self, sql: &str, table_oid: u32) -> Result<tokio_postgres::Row> {
-        let client = self.client().await?;
-        let stmt = client.prepare_cached(sql).await?;
-        Ok(client.query_one(&stmt, &[&table_oid]).await?)
+    /// Expires pending rows past their deadline (as `sweep` says), then claims up to `limit`
+    /// ready rows (see [`PgStore::claim_and_expire`] and [`MysqlStore::claim_and_expire`]).
+    pub async fn claim_and_expire(
+        &self,
+        ordering: Ordering,
+        limit: usize,
+        watermark: i64,
+        sweep: ExpirySweep,
+        parts: usize,
+    ) -> Result<Claim> {
+        match self {
+            Self::Postgres(s) => {
+                s.claim_and_expire(ordering, limit, watermark, sweep, parts)
+                    .await
+            }
+            Self::Mysql(s) => s.claim_and_expire(ordering, limit, sweep).await,
+        }
+    }
+
+    /// Claims up to `limit` ready rows (expiring those past their deadline first).
+    pub async fn claim(
+        &self,
+        ordering: Ordering,
+        limit: usize,
+        watermark: i64,
+    ) -> Result<Vec<OutboxMessage>> {
+        Ok(self
+            .claim_and_expire(ordering, limit, watermark, ExpirySweep::Mark, 1)
+            .await?
+            .rows)
+    }
+
+    /// The ordering guard's observation: the highest `seq` that is final, and the table's
+    /// writers (PostgreSQL). On MySQL the claim itself checks each aggregate's earlier rows,
+    /// so every `seq` is released here.
+    pub async fn observe(&self, table_oid: u32) -> Result<(i64, WriterSnapshot)> {
+        match self {
+            Self::Postgres(s) => s.observe(table_oid).await,
+            Self::Mysql(_) => Ok((i64::MAX, WriterSnapshot::default())),
+        }
+    }
+
+    /// Whether a row reclaimed from a dead relay is ready to be claimed.
+    pub async fn suspects_waiting(&self, watermark: i64) -> Result<bool> {
+        match self {
+            Self::Postgres(s) => s.suspects_waiting(watermark).await,
+            Self::Mysql(s) => s.suspects_waiting().await,
+        }
+    }
+
+    /// Claims one row that a dead relay held, if any is ready, to publish it alone.
+    pub async fn claim_suspect(&self, watermark: i64) -> Result<Option<OutboxMessage>> {
+        match self {
+            Self::Postgres(s) => s.claim_suspect(watermark).await,
+            Self::Mysql(s) => s.claim_suspect().await,
+        }
+    }
+
+    /// Confirmed rows become `sent` (or are deleted).
+    pub async fn mark_sent(&self, ids: &[Uuid], on_confirm: OnConfirm) -> Result<u64> {
+        either!(self, s => s.mark_sent(ids, on_confirm).await)
+    }
+
+    /// Rejected rows back off, or become dead letters after `max_attempts`.
+    pub async fn fail(&self, failures: &[Failure], max_attempts: u32) -> Result<FailOutcome> {
+        either!(self, s => s.fail(failures, max_attempts).await)
+    }
+
+    /// Hands rows back to `pending` without spending an attempt.
+    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
+        either!(self, s => s.release(ids).await)
+    }
+
+    /// Hands back the rows claimed in this relay's name that it does not hold.
+    pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
+        either!(self, s => s.release_unheld(held, lease).await)
+    }
+
+    /// Renews this relay's leases on `ids`.
+    pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
+        either!(self, s => s.heartbeat(ids).await)
+    }
+
+    /// Reclaims rows whose lease ran out: (reclaimed, dead-lettered).
+    pub async fn reclaim_expired(&self, lease: Duration, max_attempts: u32) -> Result<(u64, u64)> {
+        either!(self, s => s.reclaim_expired(lease, max_attempts).await)
+    }
+
+    /// Whether any row is pending.
+    pub async fn any_pending(&self) -> Result<bool> {
+        either!(self, s => s.any_pending().await)
+    }
+
+    /// The backlog gauges' figures.
+    pub async fn backlog(&self, ordering: Ordering) -> Result<Backlog> {
+        either!(self, s => s.backlog(ordering).await)
+    }
+
+    /// Deletes the waiting records of relays whose LISTEN session ended (PostgreSQL).
+    pub async fn clean_waiters(&self) -> Result<u64> {
+        match self {
+            Self::Postgres(s) => s.clean_waiters().await,
+            Self::Mysql(_) => Ok(0),
+        }
+    }
+
+    /// One batch of retention's delete; how many rows went.
+    pub async fn cleanup_batch(&self, retention: Duration, batch: usize) -> Result<u64> {
+        either!(self, s => s.cleanup_batch(retention, batch).await)
+    }
+
+    /// Counts by status, overall and per aggregate type.
+    pub async fn status(&self) -> Result<StatusReport> {
+        either!(self, s => s.status().await)
+    }
+
+    /// Up to `limit` dead letters, oldest first.
+    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>> {
+        either!(self, s => s.dead_letters(limit).await)
+    }
+
+    /// Sets dead letters back to `pending` with their attempts reset; the ids changed.
+    pub async fn retry_dead_letters(&self, sel: &Selection) -> Result<Vec<Uuid>> {
+        either!(self, s => s.retry_dead_letters(sel).await)
+    }
+
+    /// Deletes dead letters; the ids deleted.
+    pub async fn discard_dead_letters(&self, sel: &Selection) -> Result<Vec<Uuid>> {
+        either!(self, s => s.discard_dead_letters(sel).await)
+    }
+
+    /// Which of `ids` are dead letters.
+    pub async fn which_dead_letters(&self, ids: &[Uuid]) -> Result<Vec<Uuid>> {
+        either!(self, s => s.which_dead_letters(ids).await)
+    }
+
+    /// What start-up must do to the schema (with `auto_migrate`), or why it cannot start.
+    pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
+        either!(self, s => s.plan_schema(auto_migrate).await)
+    }
+
+    /// Applies the schema versions the table lacks; the versions applied.
+    pub async fn migrate(&self) -> Result<Vec<i32>> {
+        either!(self, s => s.migrate().await)
+    }
+
+    /// The table's recorded schema version and whether it exists.
+    pub async fn schema_state(&self) -> Result<SchemaState> {
+        either!(self, s => s.schema_state().await)
+    }
+
+    /// Checks the table's columns; its payload kind and (PostgreSQL) oid.
+    pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
+        either!(self, s => s.inspect().await)
+    }
+
+    /// The DDL `migrate` applies to the table of `cfg` (`migrate --print`), for its database.
+    pub fn ddl_for(cfg: &DatabaseConfig) -> String {
+        match cfg.kind {
+            DatabaseKind::Postgres => schema::full_ddl(&cfg.table),
+            DatabaseKind::Mysql => mysql::schema::full_ddl(&cfg.table),
+        }
     }
 }

@@ -35,7 +35,10 @@ pub async fn delete_past_retention(
     let mut total = 0;
     loop {
         let result = match relation {
-            Some(r) => store.cleanup_batch_in(r, retention, batch).await,
+            Some(r) => match store.as_postgres() {
+                Some(pg) => pg.cleanup_batch_in(r, retention, batch).await,
+                None => store.cleanup_batch(retention, batch).await,
+            },
             None => store.cleanup_batch(retention, batch).await,
         };
         match result {

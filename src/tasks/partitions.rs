@@ -13,8 +13,8 @@ use tokio_util::sync::CancellationToken;
 use super::cleanup::delete_past_retention;
 use crate::backoff::sleep_or_cancel;
 use crate::config::CleanupConfig;
-use crate::store::Store;
 use crate::store::partitions::{KeptFor, Layout, Retired};
+use crate::store::{PgStore, Store};
 use crate::telemetry::{OutboxMetrics, PartitionGauges};
 
 /// The shortest pause between two rounds.
@@ -22,7 +22,7 @@ const MIN_PERIOD: Duration = Duration::from_secs(5);
 
 /// What one outbox's partition work remembers between rounds: what it warned about.
 struct PartitionWork {
-    store: Store,
+    store: PgStore,
     metrics: OutboxMetrics,
     cleanup: CleanupConfig,
     // Partitions past retention last seen kept, and why (each is logged when it changes).
@@ -33,7 +33,7 @@ struct PartitionWork {
 /// Runs the partition work every `cleanup.interval` (or every half partition interval, if
 /// shorter) until `shutdown`.
 pub async fn partitions_loop(
-    store: Store,
+    store: PgStore,
     metrics: OutboxMetrics,
     cleanup: CleanupConfig,
     shutdown: CancellationToken,
@@ -149,7 +149,13 @@ impl PartitionWork {
 
     /// Deletes finished rows past retention from `relation` (the table when `None`).
     async fn delete_rows(&self, relation: Option<&str>, shutdown: &CancellationToken) -> u64 {
-        delete_past_retention(&self.store, relation, &self.cleanup, shutdown).await
+        delete_past_retention(
+            &Store::Postgres(self.store.clone()),
+            relation,
+            &self.cleanup,
+            shutdown,
+        )
+        .await
     }
 
     /// A plain table although `partition_interval` is set, or partitions this role may not

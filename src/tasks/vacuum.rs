@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Pace;
 use crate::backoff::sleep_or_cancel;
-use crate::store::{Store, TableHealth};
+use crate::store::{PgStore, TableHealth};
 use crate::telemetry::OutboxMetrics;
 
 /// How often the table's statistics are read.
@@ -72,7 +72,7 @@ pub fn should_vacuum(h: &TableHealth) -> Option<&'static str> {
 /// rows are claimed, every [`super::IDLE_EVERY`] while the outbox is idle, and vacuums it when
 /// [`should_vacuum`] says so, until `shutdown`.
 pub async fn vacuum_loop(
-    store: Store,
+    store: PgStore,
     metrics: OutboxMetrics,
     table_oid: u32,
     shutdown: CancellationToken,
@@ -99,7 +99,7 @@ pub async fn vacuum_loop(
 
 /// The vacuum task's state between checks.
 struct Keeper {
-    store: Store,
+    store: PgStore,
     metrics: OutboxMetrics,
     table_oid: u32,
     /// The role's lack of ownership was logged (once per process: privileges do not change

@@ -6,6 +6,8 @@
 //!   ([`RelayBuilder`], [`RelayProcess`]), temp dirs, the default log filter;
 //! - [`db`]: connections, a fresh outbox table per test ([`TestTable`], created by
 //!   `outbox-relay migrate`), rows to insert and concurrent or paced writers;
+//! - [`mysql`]: a fresh MySQL/MariaDB outbox table per test ([`MysqlTable`]), rows inserted
+//!   and read back as the application and an operator would;
 //! - [`rabbit`]: an exchange with a collecting consumer ([`RabbitFixture`]) and durable
 //!   exchange + queue pairs ([`DurableBinding`]);
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
@@ -31,6 +33,7 @@ pub mod check;
 pub mod db;
 pub mod http;
 pub mod kafka;
+pub mod mysql;
 pub mod nats;
 pub mod otlp;
 pub mod process;
@@ -45,6 +48,7 @@ pub use self::redis::{Entry, REDIS_ADDR, REDIS_URL, RedisStreams, redis_relay};
 pub use check::*;
 pub use db::*;
 pub use http::*;
+pub use mysql::{MYSQL_URL, MysqlTable, mysql_conn};
 pub use process::*;
 pub use proxy::*;
 pub use rabbit::*;

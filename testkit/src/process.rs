@@ -158,6 +158,17 @@ impl RelayBuilder {
             .set("relay.instance_id", instance)
     }
 
+    /// Configured for the MySQL `table` (no migration at start), instance id `instance`,
+    /// metrics server disabled; the publisher is left to the caller.
+    pub fn for_mysql(table: &crate::mysql::MysqlTable, instance: &str) -> Self {
+        Self::bare(instance)
+            .set("database.url", crate::mysql::MYSQL_URL)
+            .set("database.table", &table.name)
+            .set("database.auto_migrate", "false")
+            .set("metrics.listen", "")
+            .set("relay.instance_id", instance)
+    }
+
     /// Sets a raw environment variable (e.g. `RUST_LOG`).
     pub fn env(mut self, name: &str, value: impl Into<String>) -> Self {
         self.env.insert(name.to_owned(), value.into());

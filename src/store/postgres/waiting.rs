@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use super::{Result, Store};
+use super::{PgStore, Result};
 use crate::config::TableName;
 
 /// The wake-up's SQL text, rendered once for the configured table.
@@ -50,7 +50,7 @@ impl WaitingSql {
     }
 }
 
-impl Store {
+impl PgStore {
     /// Whether the table has the wake-up of schema version 3 (`<table>_waiters`).
     pub async fn has_waiters(&self) -> Result<bool> {
         let client = self.client().await?;
@@ -61,7 +61,7 @@ impl Store {
     }
 
     /// Records that this relay is idle and LISTENing on the backend `pid`, for `lifetime`: until
-    /// then (or [`Store::unmark_waiting`]) every inserting transaction NOTIFYs once.
+    /// then (or [`PgStore::unmark_waiting`]) every inserting transaction NOTIFYs once.
     pub async fn mark_waiting(&self, pid: i32, lifetime: Duration) -> Result<()> {
         let client = self.client().await?;
         let stmt = client.prepare_cached(&self.q.waiting.mark_waiting).await?;
@@ -72,7 +72,7 @@ impl Store {
         Ok(())
     }
 
-    /// [`Store::mark_waiting`], then [`Store::writers_active`] once the record is committed,
+    /// [`PgStore::mark_waiting`], then [`PgStore::writers_active`] once the record is committed,
     /// pipelined on one connection (one round trip; the server runs them in order).
     pub async fn mark_waiting_then_writers(
         &self,

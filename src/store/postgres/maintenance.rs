@@ -2,7 +2,7 @@
 //! autovacuum) and the relay's own `VACUUM`.
 
 use super::predicates::no_open_row_before;
-use super::{Result, Store};
+use super::{PgStore, Result};
 use crate::config::{Ordering, TableName};
 
 /// The outbox table's health as PostgreSQL's statistics see it.
@@ -139,7 +139,7 @@ impl MaintenanceSql {
     }
 }
 
-impl Store {
+impl PgStore {
     /// Dead tuples, size and autovacuum state of the table.
     pub async fn table_health(&self, table_oid: u32) -> Result<TableHealth> {
         let r = self

@@ -12,7 +12,7 @@ use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use super::predicates::{SUSPECT, no_open_row_before, not_due, not_suspect, open};
-use super::{Result, Store};
+use super::{PgStore, Result};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
 
@@ -44,7 +44,7 @@ impl<'a> FromSql<'a> for RawBytes {
     }
 }
 
-/// A row that passed its deadline before it could be published (see [`Store::claim_and_expire`]).
+/// A row that passed its deadline before it could be published (see [`PgStore::claim_and_expire`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expired {
     /// Row id.
@@ -79,7 +79,7 @@ pub struct Claim {
     /// aggregates than there were parts, and splitting the next claim would not pay.
     pub uneven: bool,
     /// A part of a split claim failed while other parts claimed rows: the failed part may
-    /// have committed before its answer was lost (see [`Store::release_unheld`]).
+    /// have committed before its answer was lost (see [`PgStore::release_unheld`]).
     pub answer_lost: bool,
 }
 
@@ -353,9 +353,9 @@ fn expire_delete(t: &str) -> String {
     )
 }
 
-impl Store {
+impl PgStore {
     /// Expires the pending rows whose deadline has passed (marked `expired`, never published),
-    /// then claims up to `limit` ready rows as [`Store::claim_and_expire`] does with expired
+    /// then claims up to `limit` ready rows as [`PgStore::claim_and_expire`] does with expired
     /// rows kept; returns the claimed rows only.
     pub async fn claim(
         &self,
@@ -472,7 +472,7 @@ impl Store {
         free
     }
 
-    /// One part of a claim (see [`Store::claim_and_expire`]): `part` of `shares.len()`, for
+    /// One part of a claim (see [`PgStore::claim_and_expire`]): `part` of `shares.len()`, for
     /// `shares[part]` rows, on `client`.
     async fn claim_part(
         &self,

@@ -13,7 +13,7 @@ use super::observe::ObserveSql;
 use super::operator::OperatorSql;
 use super::settle::SettleSql;
 use super::waiting::WaitingSql;
-use super::{Queries, Result, Store, StoreError};
+use super::{PgStore, Queries, Result, StoreError};
 use crate::config::{DatabaseConfig, TableName};
 use crate::message::APPLICATION_NAME;
 
@@ -30,7 +30,7 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("plan_cache_mode", "force_generic_plan"),
 ];
 
-impl Store {
+impl PgStore {
     /// Builds the pool; connects lazily, so this succeeds while the database is down.
     pub fn new(cfg: &DatabaseConfig, instance_id: &str) -> Result<Self> {
         let pg = pg_config(&cfg.url)?;
@@ -65,27 +65,6 @@ impl Store {
         let mut store = Self::with_pool(pool, &cfg.table, instance_id);
         store.partition_interval = cfg.partition_interval;
         Ok(store)
-    }
-
-    /// One store per outbox, in order; outboxes in the same database share one pool.
-    pub fn for_outboxes<'a>(
-        outboxes: impl IntoIterator<Item = &'a crate::config::OutboxConfig>,
-        instance_id: &str,
-    ) -> Result<Vec<Self>> {
-        let mut pools: Vec<(&str, Store)> = Vec::new();
-        let mut out = Vec::new();
-        for o in outboxes {
-            let store = match pools.iter().find(|(url, _)| *url == o.database.url) {
-                Some((_, pool)) => pool.for_table(&o.database.table),
-                None => {
-                    let store = Self::new(&o.database, instance_id)?;
-                    pools.push((&o.database.url, store.clone()));
-                    store
-                }
-            };
-            out.push(store);
-        }
-        Ok(out)
     }
 
     /// Another table in the same database, sharing this store's pool (several outboxes in

@@ -1,11 +1,11 @@
 //! The ordering guard's observation (see [`crate::watermark`]): the highest `seq` drawn so
 //! far and the transactions that may still commit rows to the outbox table.
 
-use super::{Result, Store};
+use super::{PgStore, Result};
 use crate::config::TableName;
 
 /// One observation for the ordering watermark (see [`crate::watermark`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct WriterSnapshot {
     /// Transactions (xid as text) that hold a lock on the outbox table, other than relays.
     pub writers: Vec<String>,
@@ -41,7 +41,7 @@ const WRITERS: &str = "SELECT a.backend_xid::text, extract(epoch FROM now() - a.
         AND a.backend_xid IS NOT NULL AND a.pid <> pg_backend_pid() \
         AND a.application_name NOT LIKE 'outbox-relay%'";
 
-impl Store {
+impl PgStore {
     /// One observation for the ordering guard: the highest `seq` drawn so far (committed or
     /// not), then the transactions that hold a lock on the outbox table and might still commit
     /// rows. The two statements are pipelined on one connection, which the server runs in the

@@ -7,7 +7,7 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::predicates::no_open_row_before;
-use super::{Result, Store, StoreError};
+use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
 
 /// Row counts for `status` (docs/operations.md).
@@ -160,7 +160,7 @@ pub(super) fn cleanup_sql(t: &str) -> String {
     )
 }
 
-impl Store {
+impl PgStore {
     /// Counts by status, overall and per aggregate type.
     pub async fn status(&self) -> Result<StatusReport> {
         let client = self.client().await?;

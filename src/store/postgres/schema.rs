@@ -13,7 +13,7 @@ use std::time::Duration;
 use tokio_postgres::error::SqlState;
 
 use super::steps::{Step, StepKind, steps};
-use super::{Result, Store, StoreError};
+use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
 use crate::message::PayloadKind;
 
@@ -52,22 +52,22 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_outbox_messages.sql",
-        sql: include_str!("../../sql/0001_outbox_messages.sql"),
+        sql: include_str!("../../../sql/0001_outbox_messages.sql"),
     },
     Migration {
         version: 2,
         name: "0002_expiry.sql",
-        sql: include_str!("../../sql/0002_expiry.sql"),
+        sql: include_str!("../../../sql/0002_expiry.sql"),
     },
     Migration {
         version: 3,
         name: "0003_wakeup_and_storage.sql",
-        sql: include_str!("../../sql/0003_wakeup_and_storage.sql"),
+        sql: include_str!("../../../sql/0003_wakeup_and_storage.sql"),
     },
     Migration {
         version: 4,
         name: "0004_bulk_wakeup.sql",
-        sql: include_str!("../../sql/0004_bulk_wakeup.sql"),
+        sql: include_str!("../../../sql/0004_bulk_wakeup.sql"),
     },
 ];
 
@@ -242,7 +242,7 @@ async fn in_transaction(
     tx.commit().await
 }
 
-impl Store {
+impl PgStore {
     /// Applies pending migrations; returns the versions applied.
     ///
     /// What is pending is decided by what exists, not only by what was recorded: when the
@@ -618,7 +618,7 @@ pub struct SchemaPlan {
     pub partition: bool,
 }
 
-impl Store {
+impl PgStore {
     /// Decides what start-up does about the schema; an error when `run` could not start.
     pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
         let store = self;

@@ -9,7 +9,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::predicates::SUSPECT;
-use super::{Result, Store};
+use super::{PgStore, Result};
 use crate::config::TableName;
 
 /// A message-level failure to record: back off, or dead-letter when out of attempts.
@@ -23,7 +23,7 @@ pub struct Failure {
     pub delay: Duration,
 }
 
-/// What [`Store::fail`] did with the failures.
+/// What [`PgStore::fail`] did with the failures.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FailOutcome {
     /// Rows scheduled for another attempt.
@@ -128,7 +128,7 @@ fn release_unheld(t: &str) -> String {
 
 /// Keeps this relay's leases alive while it waits for a slow broker, so only a relay that
 /// stopped ever has its rows reclaimed. Only the ids the relay holds: a row claimed in its
-/// name whose answer was lost is handed back ([`Store::release_unheld`]) or, if this relay
+/// name whose answer was lost is handed back ([`PgStore::release_unheld`]) or, if this relay
 /// stops first, expires. `$1` ids, `$2` instance id.
 fn heartbeat(t: &str) -> String {
     format!(
@@ -151,7 +151,7 @@ fn reclaim(t: &str) -> String {
     )
 }
 
-impl Store {
+impl PgStore {
     /// Marks confirmed rows `sent`, or deletes them, as `on_confirm` says.
     pub async fn mark_sent(&self, ids: &[Uuid], on_confirm: OnConfirm) -> Result<u64> {
         if ids.is_empty() {

@@ -24,7 +24,7 @@ use tokio_postgres::error::SqlState;
 
 use super::operator::cleanup_sql;
 use super::steps::statements;
-use super::{Result, Store, StoreError};
+use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
 
 /// How long the relay's partition work waits for a lock before it gives up for this round:
@@ -227,7 +227,7 @@ fn as_table(schema: Option<&str>, bare: &str) -> TableName {
     }
 }
 
-impl Store {
+impl PgStore {
     /// The table's partitioning as the catalog has it; `None` when the table does not exist.
     pub async fn layout(&self) -> Result<Option<Layout>> {
         let client = self.client().await?;
@@ -441,9 +441,9 @@ const SHAPE: &str = "SELECT \
       EXISTS (SELECT 1 FROM pg_inherits h WHERE h.inhrelid = c.oid OR h.inhparent = c.oid) \
     FROM pg_class c WHERE c.oid = to_regclass($1)";
 
-impl Store {
+impl PgStore {
     /// `migrate`'s last step with `partition_interval` set: partitions a plain table (a new
-    /// one in one transaction; an existing one in place, see [`Store::convert`]), then creates
+    /// one in one transaction; an existing one in place, see [`PgStore::convert`]), then creates
     /// the partitions ahead. On a partitioned table, only the latter.
     pub(super) async fn partition(
         &self,
@@ -507,7 +507,7 @@ impl Store {
     }
 }
 
-impl Store {
+impl PgStore {
     /// Runs one step of the conversion like a migration step (lock timeout, tries, the
     /// sentence naming who holds the table).
     async fn conversion_step(
@@ -541,7 +541,7 @@ fn key_index(table: &TableName) -> String {
     format!("{}_id_created_idx", table.name)
 }
 
-impl Store {
+impl PgStore {
     /// Partitions the plain table. A table created in this run (empty, used by nobody yet) is
     /// replaced in one transaction. An existing one is converted in place, each step
     /// idempotent so that a `migrate` that was interrupted finishes the job:
@@ -584,7 +584,7 @@ impl Store {
         self.swap(client, Some(bound)).await
     }
 
-    /// Step 2 of [`Store::convert`]: the bound's constraint, added unless one far enough ahead
+    /// Step 2 of [`PgStore::convert`]: the bound's constraint, added unless one far enough ahead
     /// is there (from an interrupted run), and validated; returns the bound.
     async fn conversion_bound(
         &self,
@@ -643,7 +643,7 @@ impl Store {
         Ok(bound)
     }
 
-    /// Step 3 of [`Store::convert`] (`bound` set), or the replacement of a new table (`None`),
+    /// Step 3 of [`PgStore::convert`] (`bound` set), or the replacement of a new table (`None`),
     /// in one transaction under `migrate`'s lock timeout, tried like a migration step.
     async fn swap(
         &self,

@@ -1,0 +1,166 @@
+//! The MySQL 8 / MariaDB store: every statement the relay runs on a MySQL outbox, by concern:
+//! - `connect`: the URL (`ssl-mode`, `ssl-ca`), the pool and its session settings;
+//! - [`schema`]: the DDL in `sql/mysql/`, `migrate` and the start-up inspection (server
+//!   version, columns);
+//! - `claim`: the claims by ordering mode (the ordering guard's locking probe), a suspect on
+//!   its own, and the expiry sweep;
+//! - `settle`: sent, rejected and handed-back rows, lease renewal and reclaim;
+//! - `operator`: `status`, dead letters, the backlog gauges and retention.
+//!
+//! Every session runs at READ COMMITTED: InnoDB then takes no gap locks for the relay's reads
+//! and updates, so an application's `INSERT` never waits behind the relay. Each file renders
+//! its statements once for the configured table ([`TableName`] is validated, so splicing it is
+//! safe); ids and `seq` values spliced into `IN (…)` lists are the relay's own typed values.
+
+mod claim;
+mod connect;
+mod operator;
+pub mod schema;
+mod settle;
+
+use std::sync::Arc;
+
+use chrono::{DateTime, NaiveDateTime, Utc};
+use mysql_async::Pool;
+use uuid::Uuid;
+
+pub use super::{Result, StoreError};
+use crate::config::TableName;
+
+/// Statement texts, rendered once for the configured table.
+#[derive(Debug)]
+struct Queries {
+    claim: claim::ClaimSql,
+    settle: settle::SettleSql,
+    operator: operator::OperatorSql,
+}
+
+/// A MySQL or MariaDB outbox table and its connection pool.
+#[derive(Clone)]
+pub struct MysqlStore {
+    pool: Pool,
+    table: TableName,
+    instance_id: String,
+    q: Arc<Queries>,
+}
+
+impl MysqlStore {
+    /// The configured table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// This relay's `locked_by` value.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    /// A pooled connection.
+    pub async fn conn(&self) -> Result<mysql_async::Conn> {
+        Ok(self.pool.get_conn().await?)
+    }
+
+    /// Round trip to the database.
+    pub async fn ping(&self) -> Result<()> {
+        use mysql_async::prelude::Queryable;
+        self.conn().await?.query_drop("SELECT 1").await?;
+        Ok(())
+    }
+}
+
+/// Whether `e` is a lost, refused or read-only connection, or a transient lock conflict: an
+/// outage to wait out rather than a bad statement.
+pub(super) fn is_connection(e: &mysql_async::Error) -> bool {
+    match e {
+        mysql_async::Error::Io(_) => true,
+        mysql_async::Error::Driver(d) => matches!(
+            d,
+            mysql_async::DriverError::ConnectionClosed
+                | mysql_async::DriverError::PoolDisconnected
+                | mysql_async::DriverError::PacketOutOfOrder
+                | mysql_async::DriverError::UnexpectedPacket { .. }
+        ),
+        mysql_async::Error::Server(s) => matches!(
+            s.code,
+            // too many connections, server shutdown, connection killed, read-only server
+            // (--read-only, super_read_only), lock wait timeout, deadlock
+            1040 | 1053 | 1927 | 1290 | 1836 | 1792 | 1205 | 1213 | 3572
+        ),
+        mysql_async::Error::Other(_) => true,
+        mysql_async::Error::Url(_) => false,
+    }
+}
+
+/// Whether a statement that failed this way may have committed with its answer lost.
+pub(super) fn answer_may_be_lost(e: &mysql_async::Error) -> bool {
+    matches!(
+        e,
+        mysql_async::Error::Io(_)
+            | mysql_async::Error::Driver(mysql_async::DriverError::ConnectionClosed)
+    )
+}
+
+/// A `TIMESTAMP` read in the relay's sessions (time zone `+00:00`): UTC.
+fn utc(t: NaiveDateTime) -> DateTime<Utc> {
+    DateTime::from_naive_utc_and_offset(t, Utc)
+}
+
+/// `ids` as an SQL list of string literals (`'…', '…'`): UUIDs print as hex and dashes only.
+fn id_list(ids: &[Uuid]) -> String {
+    let mut out = String::with_capacity(ids.len() * 39);
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push('\'');
+        out.push_str(&id.hyphenated().to_string());
+        out.push('\'');
+    }
+    out
+}
+
+/// `seqs` as an SQL list of integers.
+fn seq_list(seqs: &[i64]) -> String {
+    seqs.iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Parses the text id of a row.
+fn parse_id(text: &str) -> Result<Uuid> {
+    Uuid::parse_str(text)
+        .map_err(|e| StoreError::Schema(format!("a row's id {text:?} is not a UUID: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists_are_plain_literals() {
+        let a = Uuid::nil();
+        assert_eq!(
+            id_list(&[a, a]),
+            "'00000000-0000-0000-0000-000000000000','00000000-0000-0000-0000-000000000000'"
+        );
+        assert_eq!(seq_list(&[1, 22, 333]), "1,22,333");
+    }
+
+    #[test]
+    fn read_only_and_lost_connections_are_outages() {
+        let server = |code| {
+            mysql_async::Error::Server(mysql_async::ServerError {
+                code,
+                message: String::new(),
+                state: String::new(),
+            })
+        };
+        assert!(is_connection(&server(1290)));
+        assert!(is_connection(&server(1205)));
+        assert!(!is_connection(&server(1064)));
+        assert!(is_connection(&mysql_async::Error::Driver(
+            mysql_async::DriverError::ConnectionClosed
+        )));
+    }
+}

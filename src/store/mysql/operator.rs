@@ -1,0 +1,288 @@
+//! MySQL: `status`, the dead-letter commands, the backlog gauges and retention's batch delete.
+
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Row, TxOpts};
+use uuid::Uuid;
+
+use super::claim::column;
+use super::{MysqlStore, Result, id_list, parse_id, utc};
+use crate::config::{Ordering, TableName};
+use crate::store::{Backlog, DeadLetter, Selection, StatusCounts, StatusReport};
+
+/// The open statuses: rows that hold back the later rows of their aggregate.
+const OPEN: &str = "('pending', 'processing', 'failed')";
+
+/// The operator commands' and gauges' statements, rendered once for the table.
+#[derive(Debug)]
+pub(super) struct OperatorSql {
+    t: String,
+    status: String,
+    blocked_by_type: String,
+    dead_letters: String,
+    backlog_none: String,
+    backlog_aggregate: String,
+    any_pending: String,
+    cleanup_sent: String,
+    cleanup_expired: String,
+}
+
+/// No open row of the same aggregate before row `f` (its aggregate's head).
+fn head(t: &str, alias: &str) -> String {
+    format!(
+        "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.aggregate_type = {alias}.aggregate_type \
+         AND e.aggregate_id = {alias}.aggregate_id AND e.status IN {OPEN} AND e.seq < {alias}.seq)"
+    )
+}
+
+/// Seconds from `expr` (a `TIMESTAMP`) to now, as a double (0 when NULL).
+fn age(expr: &str) -> String {
+    format!("COALESCE(TIMESTAMPDIFF(MICROSECOND, {expr}, NOW(6)) / 1e6, 0e0)")
+}
+
+/// The backlog statement; `ready_head` limits the ready age to claimable heads.
+fn backlog(t: &str, ready_head: bool) -> String {
+    let only_heads = if ready_head {
+        format!("AND (c.aggregate_id IS NULL OR {})", head(t, "c"))
+    } else {
+        String::new()
+    };
+    let oldest = age(&format!(
+        "LEAST(COALESCE((SELECT created_at FROM {t} WHERE status = 'pending' AND sent_at IS NULL \
+                         ORDER BY seq LIMIT 1), NOW(6)), \
+               COALESCE((SELECT MIN(created_at) FROM {t} WHERE status = 'processing'), NOW(6)))"
+    ));
+    let ready_age = age(&format!(
+        "(SELECT MIN(GREATEST(c.created_at, c.available_at)) FROM {t} c \
+          WHERE c.status = 'pending' AND c.available_at <= NOW(6) \
+            AND (c.expires_at IS NULL OR c.expires_at > NOW(6)) {only_heads})"
+    ));
+    let waiting_age = age(&format!(
+        "(SELECT MIN(created_at) FROM {t} WHERE status = 'pending' AND available_at > NOW(6))"
+    ));
+    format!(
+        "SELECT \
+           CAST((SELECT COUNT(*) FROM {t} WHERE status = 'pending' AND available_at <= NOW(6)) AS SIGNED), \
+           CAST((SELECT COUNT(*) FROM {t} WHERE status = 'pending' AND available_at > NOW(6)) AS SIGNED), \
+           {oldest}, \
+           CAST((SELECT COUNT(*) FROM {t} WHERE status = 'failed') AS SIGNED), \
+           CAST((SELECT COUNT(*) FROM (SELECT DISTINCT f.aggregate_type, f.aggregate_id FROM {t} f \
+              WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND {}) b) AS SIGNED), \
+           {ready_age}, {waiting_age}",
+        head(t, "f")
+    )
+}
+
+impl OperatorSql {
+    pub(super) fn new(table: &TableName) -> Self {
+        let t = table.qualified();
+        let count = |cond: &str| format!("CAST(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END) AS SIGNED)");
+        Self {
+            status: format!(
+                "SELECT aggregate_type, {}, {}, {}, {}, {}, {}, {} \
+                 FROM {t} GROUP BY aggregate_type ORDER BY aggregate_type",
+                count("status = 'pending' AND available_at <= NOW(6)"),
+                count("status = 'pending' AND available_at > NOW(6)"),
+                count("status = 'processing'"),
+                count("status = 'sent'"),
+                count("status = 'failed'"),
+                age("MIN(CASE WHEN status IN ('pending', 'processing') THEN created_at END)"),
+                count("status = 'expired'"),
+            ),
+            blocked_by_type: format!(
+                "SELECT aggregate_type, CAST(COUNT(DISTINCT aggregate_id) AS SIGNED) FROM {t} f \
+                 WHERE f.status = 'failed' AND f.aggregate_id IS NOT NULL AND {} \
+                 GROUP BY aggregate_type",
+                head(&t, "f")
+            ),
+            dead_letters: format!(
+                "SELECT id, seq, aggregate_type, aggregate_id, event_type, attempts, last_error, \
+                   created_at, available_at \
+                 FROM {t} WHERE status = 'failed' ORDER BY seq LIMIT ?"
+            ),
+            backlog_none: backlog(&t, false),
+            backlog_aggregate: backlog(&t, true),
+            any_pending: format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending')"),
+            cleanup_sent: format!(
+                "DELETE FROM {t} WHERE status = 'sent' \
+                 AND sent_at < NOW(6) - INTERVAL ? MICROSECOND ORDER BY sent_at LIMIT ?"
+            ),
+            cleanup_expired: format!(
+                "DELETE FROM {t} WHERE expires_at < NOW(6) - INTERVAL ? MICROSECOND \
+                 AND status = 'expired' ORDER BY expires_at LIMIT ?"
+            ),
+            t,
+        }
+    }
+}
+
+impl MysqlStore {
+    /// Counts by status, overall and per aggregate type.
+    pub async fn status(&self) -> Result<StatusReport> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn.query(&self.q.operator.status).await?;
+        let blocked: Vec<Row> = conn.query(&self.q.operator.blocked_by_type).await?;
+        let mut report = StatusReport::default();
+        for mut r in rows {
+            let ready: i64 = column(&mut r, 1, "ready")?;
+            let waiting: i64 = column(&mut r, 2, "waiting")?;
+            let counts = StatusCounts {
+                pending: ready + waiting,
+                ready,
+                waiting,
+                processing: column(&mut r, 3, "processing")?,
+                sent: column(&mut r, 4, "sent")?,
+                failed: column(&mut r, 5, "failed")?,
+                oldest_pending_age_seconds: column(&mut r, 6, "age")?,
+                expired: column(&mut r, 7, "expired")?,
+                blocked_aggregates: 0,
+            };
+            report
+                .by_aggregate_type
+                .insert(column(&mut r, 0, "aggregate_type")?, counts);
+        }
+        for mut r in blocked {
+            let ty: String = column(&mut r, 0, "aggregate_type")?;
+            let n: i64 = column(&mut r, 1, "blocked")?;
+            report
+                .by_aggregate_type
+                .entry(ty)
+                .or_default()
+                .blocked_aggregates = n;
+        }
+        for c in report.by_aggregate_type.values() {
+            report.overall.add(c);
+        }
+        Ok(report)
+    }
+
+    /// Dead letters in `seq` order.
+    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn.exec(&self.q.operator.dead_letters, (limit,)).await?;
+        rows.into_iter()
+            .map(|mut r| {
+                let id: String = column(&mut r, 0, "id")?;
+                Ok(DeadLetter {
+                    id: parse_id(&id)?,
+                    seq: column(&mut r, 1, "seq")?,
+                    aggregate_type: column(&mut r, 2, "aggregate_type")?,
+                    aggregate_id: column(&mut r, 3, "aggregate_id")?,
+                    event_type: column(&mut r, 4, "event_type")?,
+                    attempts: column(&mut r, 5, "attempts")?,
+                    last_error: column(&mut r, 6, "last_error")?,
+                    created_at: utc(column(&mut r, 7, "created_at")?),
+                    available_at: utc(column(&mut r, 8, "available_at")?),
+                })
+            })
+            .collect()
+    }
+
+    /// Sets dead letters back to `pending` with attempts reset (keeping `last_error`); returns
+    /// the ids changed.
+    pub async fn retry_dead_letters(&self, sel: &Selection) -> Result<Vec<Uuid>> {
+        self.apply_dead(
+            "UPDATE {t} SET status = 'pending', attempts = 0, available_at = NOW(6)",
+            sel,
+        )
+        .await
+    }
+
+    /// Deletes dead letters; returns the ids removed.
+    pub async fn discard_dead_letters(&self, sel: &Selection) -> Result<Vec<Uuid>> {
+        self.apply_dead("DELETE FROM {t}", sel).await
+    }
+
+    /// Runs `action` (`{t}` standing for the table) on the selected dead letters in one
+    /// transaction; the ids it applied to.
+    async fn apply_dead(&self, action: &str, sel: &Selection) -> Result<Vec<Uuid>> {
+        let t = &self.q.operator.t;
+        let which = match sel {
+            Selection::All => String::new(),
+            Selection::Ids(ids) if ids.is_empty() => return Ok(Vec::new()),
+            Selection::Ids(ids) => format!("AND id IN ({})", id_list(ids)),
+        };
+        let mut conn = self.conn().await?;
+        let mut tx = conn.start_transaction(TxOpts::default()).await?;
+        let ids: Vec<String> = tx
+            .query(format!(
+                "SELECT id FROM {t} WHERE status = 'failed' {which} ORDER BY seq FOR UPDATE"
+            ))
+            .await?;
+        let ids = ids
+            .iter()
+            .map(|id| parse_id(id))
+            .collect::<Result<Vec<_>>>()?;
+        if !ids.is_empty() {
+            tx.query_drop(format!(
+                "{} WHERE status = 'failed' AND id IN ({})",
+                action.replace("{t}", t),
+                id_list(&ids)
+            ))
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(ids)
+    }
+
+    /// Which of `ids` are dead letters in this table.
+    pub async fn which_dead_letters(&self, ids: &[Uuid]) -> Result<Vec<Uuid>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.conn().await?;
+        let found: Vec<String> = conn
+            .query(format!(
+                "SELECT id FROM {} WHERE status = 'failed' AND id IN ({})",
+                self.q.operator.t,
+                id_list(ids)
+            ))
+            .await?;
+        found.iter().map(|id| parse_id(id)).collect()
+    }
+
+    /// Deletes up to `batch` rows sent (or expired) longer than `retention` ago; how many.
+    pub async fn cleanup_batch(&self, retention: Duration, batch: usize) -> Result<u64> {
+        let micros = i64::try_from(retention.as_micros()).unwrap_or(i64::MAX);
+        let batch = u64::try_from(batch).unwrap_or(u64::MAX);
+        let mut conn = self.conn().await?;
+        conn.exec_drop(&self.q.operator.cleanup_sent, (micros, batch))
+            .await?;
+        let mut deleted = conn.affected_rows();
+        if deleted < batch {
+            conn.exec_drop(&self.q.operator.cleanup_expired, (micros, batch - deleted))
+                .await?;
+            deleted += conn.affected_rows();
+        }
+        Ok(deleted)
+    }
+
+    /// Whether any row is pending.
+    pub async fn any_pending(&self) -> Result<bool> {
+        let mut conn = self.conn().await?;
+        let found: Option<bool> = conn.query_first(&self.q.operator.any_pending).await?;
+        Ok(found.unwrap_or(false))
+    }
+
+    /// The backlog gauges' figures.
+    pub async fn backlog(&self, ordering: Ordering) -> Result<Backlog> {
+        let sql = match ordering {
+            Ordering::None => &self.q.operator.backlog_none,
+            Ordering::Aggregate => &self.q.operator.backlog_aggregate,
+        };
+        let mut conn = self.conn().await?;
+        let Some(mut r): Option<Row> = conn.query_first(sql).await? else {
+            return Ok(Backlog::default());
+        };
+        Ok(Backlog {
+            ready: column(&mut r, 0, "ready")?,
+            waiting: column(&mut r, 1, "waiting")?,
+            oldest_pending_age: column(&mut r, 2, "oldest_pending_age")?,
+            failed: column(&mut r, 3, "failed")?,
+            blocked_aggregates: column(&mut r, 4, "blocked_aggregates")?,
+            oldest_ready_age: column(&mut r, 5, "oldest_ready_age")?,
+            oldest_waiting_age: column(&mut r, 6, "oldest_waiting_age")?,
+        })
+    }
+}

@@ -1,0 +1,205 @@
+//! Settling claimed rows on MySQL (sent, rejected, handed back), lease renewal and reclaim.
+//! Every statement names this relay's `locked_by` and `status = 'processing'`, so a row
+//! another relay reclaimed in the meantime is left alone.
+
+use std::time::Duration;
+
+use mysql_async::prelude::Queryable;
+use mysql_async::{Row, TxOpts};
+use uuid::Uuid;
+
+use super::claim::{SUSPECT, column};
+use super::{MysqlStore, Result, id_list, parse_id};
+use crate::config::TableName;
+use crate::store::{FailOutcome, Failure, OnConfirm};
+
+/// The statements of settling, rendered once for the table (the id lists are spliced per call).
+#[derive(Debug)]
+pub(super) struct SettleSql {
+    t: String,
+    /// Rejected: `?` max attempts (twice), `?` delay (µs), `?` error, `?` id, `?` instance.
+    fail: String,
+    /// Rows whose lease ran out, locked: `?` lease (µs).
+    expired_leases: String,
+}
+
+impl SettleSql {
+    pub(super) fn new(table: &TableName) -> Self {
+        let t = table.qualified();
+        Self {
+            fail: format!(
+                "UPDATE {t} SET \
+                   status = CASE WHEN attempts >= ? THEN 'failed' ELSE 'pending' END, \
+                   available_at = CASE WHEN attempts >= ? THEN available_at \
+                                  ELSE NOW(6) + INTERVAL ? MICROSECOND END, \
+                   last_error = ?, locked_by = NULL, locked_at = NULL \
+                 WHERE id = ? AND status = 'processing' AND locked_by = ?"
+            ),
+            expired_leases: format!(
+                "SELECT seq, attempts FROM {t} WHERE status = 'processing' \
+                 AND locked_at < NOW(6) - INTERVAL ? MICROSECOND FOR UPDATE SKIP LOCKED"
+            ),
+            t,
+        }
+    }
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+impl MysqlStore {
+    /// Confirmed rows become `sent` (or are deleted with retention 0).
+    pub async fn mark_sent(&self, ids: &[Uuid], on_confirm: OnConfirm) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let t = &self.q.settle.t;
+        let sql = match on_confirm {
+            OnConfirm::MarkSent => format!(
+                "UPDATE {t} SET status = 'sent', sent_at = NOW(6), locked_by = NULL, \
+                   locked_at = NULL, last_error = NULL \
+                 WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
+                id_list(ids)
+            ),
+            OnConfirm::Delete => format!(
+                "DELETE FROM {t} WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
+                id_list(ids)
+            ),
+        };
+        let mut conn = self.conn().await?;
+        conn.exec_drop(sql, (&self.instance_id,)).await?;
+        Ok(conn.affected_rows())
+    }
+
+    /// Rejected rows go back to `pending` after their delay, or become `failed` once they
+    /// used `max_attempts`; `last_error` says why. One transaction.
+    pub async fn fail(&self, failures: &[Failure], max_attempts: u32) -> Result<FailOutcome> {
+        let mut outcome = FailOutcome::default();
+        if failures.is_empty() {
+            return Ok(outcome);
+        }
+        let mut conn = self.conn().await?;
+        let mut tx = conn.start_transaction(TxOpts::default()).await?;
+        for f in failures {
+            tx.exec_drop(
+                &self.q.settle.fail,
+                (
+                    max_attempts,
+                    max_attempts,
+                    micros(f.delay),
+                    &f.error,
+                    f.id.hyphenated().to_string(),
+                    &self.instance_id,
+                ),
+            )
+            .await?;
+        }
+        let ids: Vec<Uuid> = failures.iter().map(|f| f.id).collect();
+        let dead: Vec<String> = tx
+            .query(format!(
+                "SELECT id FROM {} WHERE id IN ({}) AND status = 'failed'",
+                self.q.settle.t,
+                id_list(&ids)
+            ))
+            .await?;
+        tx.commit().await?;
+        for id in dead {
+            outcome.dead_lettered.push(parse_id(&id)?);
+        }
+        outcome.retried = (failures.len() - outcome.dead_lettered.len()) as u64;
+        Ok(outcome)
+    }
+
+    /// The rows back to `pending` without spending the attempt the claim counted.
+    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "UPDATE {} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
+               locked_by = NULL, locked_at = NULL \
+             WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
+            self.q.settle.t,
+            id_list(ids)
+        );
+        let mut conn = self.conn().await?;
+        conn.exec_drop(sql, (&self.instance_id,)).await?;
+        Ok(conn.affected_rows())
+    }
+
+    /// As [`MysqlStore::release`], for the rows in this relay's name that it does not hold (a
+    /// claim whose answer the connection lost), within the lease.
+    pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
+        let not_held = if held.is_empty() {
+            String::new()
+        } else {
+            format!("AND id NOT IN ({})", id_list(held))
+        };
+        let sql = format!(
+            "UPDATE {} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
+               locked_by = NULL, locked_at = NULL \
+             WHERE status = 'processing' AND locked_by = ? {not_held} \
+               AND locked_at >= NOW(6) - INTERVAL ? MICROSECOND",
+            self.q.settle.t
+        );
+        let mut conn = self.conn().await?;
+        conn.exec_drop(sql, (&self.instance_id, micros(lease)))
+            .await?;
+        Ok(conn.affected_rows())
+    }
+
+    /// Keeps this relay's leases on `ids` alive.
+    pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "UPDATE {} SET locked_at = NOW(6) \
+             WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
+            self.q.settle.t,
+            id_list(ids)
+        );
+        let mut conn = self.conn().await?;
+        conn.exec_drop(sql, (&self.instance_id,)).await?;
+        Ok(conn.affected_rows())
+    }
+
+    /// Rows whose lease ran out (their relay stopped) go back to `pending` as suspects, or
+    /// become `failed` when out of attempts; returns (reclaimed, dead-lettered).
+    pub async fn reclaim_expired(&self, lease: Duration, max_attempts: u32) -> Result<(u64, u64)> {
+        let mut conn = self.conn().await?;
+        let mut tx = conn.start_transaction(TxOpts::default()).await?;
+        let rows: Vec<Row> = tx
+            .exec(&self.q.settle.expired_leases, (micros(lease),))
+            .await?;
+        if rows.is_empty() {
+            return Ok((0, 0));
+        }
+        let mut seqs = Vec::with_capacity(rows.len());
+        let mut dead = 0u64;
+        for mut r in rows {
+            seqs.push(column::<i64>(&mut r, 0, "seq")?.to_string());
+            let attempts: i64 = column(&mut r, 1, "attempts")?;
+            if attempts >= i64::from(max_attempts) {
+                dead += 1;
+            }
+        }
+        tx.exec_drop(
+            format!(
+                "UPDATE {} SET \
+                   status = CASE WHEN attempts >= ? THEN 'failed' ELSE 'pending' END, \
+                   last_error = CONCAT('{SUSPECT} relay ', COALESCE(locked_by, '?'), \
+                     ' stopped while holding the row'), \
+                   available_at = NOW(6), locked_by = NULL, locked_at = NULL \
+                 WHERE seq IN ({})",
+                self.q.settle.t,
+                seqs.join(",")
+            ),
+            (max_attempts,),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((seqs.len() as u64, dead))
+    }
+}

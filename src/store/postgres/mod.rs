@@ -1,0 +1,116 @@
+//! The PostgreSQL store: every statement the relay runs on a PostgreSQL outbox lives in this
+//! module, by concern:
+//! - `claim`: the hot path's claims — by ordering mode, a suspect on its own — and the
+//!   expiry sweep run with them;
+//! - `settle`: settling claimed rows (sent, failed, handed back), lease renewal and reclaim;
+//! - `observe`: the ordering watermark's observation;
+//! - `predicates`: the SQL conditions several statements share;
+//! - `waiting`: the idle relay's wake-up record;
+//! - `maintenance`: the background tasks' backlog gauges, table health
+//!   and `VACUUM`;
+//! - `operator`: `status`, dead-letter commands and retention cleanup;
+//! - [`partitions`]: a partitioned table's conversion, partitions ahead and retention by
+//!   dropping partitions;
+//! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
+//! - [`steps`]: a migration file cut into the steps `migrate` runs (short transactions, and
+//!   index builds `CONCURRENTLY` outside any);
+//! - `connect`: the URL, TLS, the pool and its session settings, and the
+//!   LISTEN session's statements;
+//! - `bench` (the `bench` feature only): the hot-path statements and session settings, for the
+//!   benchmark's pgbench ceiling.
+//!
+//! Each file renders its statements once for the configured table ([`TableName`] is
+//! validated, so splicing it is safe) and runs them through [`PgStore`].
+
+mod claim;
+mod connect;
+mod maintenance;
+mod observe;
+mod operator;
+pub mod partitions;
+mod predicates;
+pub mod schema;
+mod settle;
+pub mod steps;
+mod waiting;
+
+pub(crate) use claim::scan_window;
+pub use claim::{Claim, Expired, ExpirySweep};
+pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use maintenance::{Backlog, TableHealth};
+pub use observe::WriterSnapshot;
+pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
+pub use schema::{SchemaPlan, SchemaState};
+pub use settle::{FailOutcome, Failure, OnConfirm};
+
+/// The relay's own hot-path statements and session settings, for the benchmark (`bench/`), whose
+/// pgbench ceiling replays them outside the relay. Behind the `bench` feature, which only the
+/// benchmark turns on: they are not part of the library's API.
+#[cfg(feature = "bench")]
+pub mod bench {
+    pub use super::claim::{HotPathSql, hot_path_sql, scan_window};
+    pub use super::connect::SESSION_SETTINGS;
+}
+
+use deadpool_postgres::Pool;
+
+pub use super::{Result, StoreError};
+
+use crate::config::TableName;
+
+/// The SQL text of every statement, rendered once for the configured table.
+#[derive(Debug, Clone)]
+struct Queries {
+    claim: claim::ClaimSql,
+    settle: settle::SettleSql,
+    observe: observe::ObserveSql,
+    waiting: waiting::WaitingSql,
+    maintenance: maintenance::MaintenanceSql,
+    operator: operator::OperatorSql,
+}
+
+/// The outbox table and its connection pool.
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+    table: TableName,
+    instance_id: String,
+    // `database.partition_interval`: `migrate` partitions the table with it.
+    partition_interval: Option<std::time::Duration>,
+    q: std::sync::Arc<Queries>,
+}
+
+impl PgStore {
+    /// The configured table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// `database.partition_interval`, when set.
+    pub fn partition_interval(&self) -> Option<std::time::Duration> {
+        self.partition_interval
+    }
+
+    /// This relay's `locked_by` value.
+    pub fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    /// A pooled connection (for callers such as tests and CLI tools).
+    pub async fn client(&self) -> Result<deadpool_postgres::Object> {
+        Ok(self.pool.get().await?)
+    }
+
+    /// Round trip to the database.
+    pub async fn ping(&self) -> Result<()> {
+        self.client().await?.simple_query("SELECT 1").await?;
+        Ok(())
+    }
+
+    /// Runs the one-row statement `sql` whose only parameter, `$1`, is the table's oid.
+    async fn query_one_by_oid(&self, sql: &str, table_oid: u32) -> Result<tokio_postgres::Row> {
+        let client = self.client().await?;
+        let stmt = client.prepare_cached(sql).await?;
+        Ok(client.query_one(&stmt, &[&table_oid]).await?)
+    }
+}
