@@ -1,6 +1,7 @@
 //! Partitioned outbox tables (docs/operations.md#partitioned-tables): partitions made ahead,
-//! rows outside them caught by DEFAULT and relayed, retention dropping finished partitions and
-//! keeping one that holds a dead letter until it is retried or discarded, the in-place
+//! rows outside them caught by DEFAULT and relayed, retention dropping partitions whole (their
+//! dead letters and rows in flight moved to DEFAULT, unchanged, under traffic) and keeping one
+//! with too many dead letters whole until they are retried or discarded, the in-place
 //! conversion of a plain table while a writer inserts and a relay runs, a conversion an
 //! interrupted `migrate` left half done, and a table `migrate` refuses to partition.
 //!
@@ -14,9 +15,10 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    NewRow, RabbitFixture, RelayBuilder, TestTable, finish, free_port, spawn_paced_writer,
-    wait_for_sample, wait_until,
+    NewRow, Proxy, RABBIT_ADDR, RabbitFixture, RelayBuilder, TestTable, finish, free_port,
+    spawn_paced_writer, wait_for_sample, wait_until,
 };
+use outbox_relay::store::partitions::MOVE_AT_MOST;
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(90);
@@ -119,14 +121,202 @@ async fn partitions_are_made_ahead_and_rows_outside_them_go_to_default_and_are_r
     finish(relay, table, rabbit).await;
 }
 
+/// `n_tup_del` of `relation` as the statistics have it (`None` once it is gone).
+async fn rows_deleted_from(table: &TestTable, relation: &str) -> Option<i64> {
+    table
+        .db
+        .query_opt(
+            "SELECT n_tup_del FROM pg_stat_user_tables WHERE relid = to_regclass($1)",
+            &[&relation],
+        )
+        .await
+        .unwrap()
+        .map(|r| r.get(0))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retention_drops_finished_partitions_and_keeps_one_holding_a_dead_letter_until_it_is_dealt_with()
+async fn a_partition_past_retention_holding_a_dead_letter_and_a_row_in_flight_is_dropped_whole_its_unfinished_rows_moved()
+ {
+    let table = TestTable::partitioned("part_leftovers", "1m").await;
+    let rabbit = RabbitFixture::new("part_leftovers", "#", "it.barrier").await;
+    let t = &table.name;
+    let (old, default) = (format!("{t}_old"), format!("{t}_default"));
+    // A partition of ten minutes ago (made by hand: the relay treats any range partition
+    // alike) holding 900 sent rows, a dead letter, and a row of its aggregate waiting behind
+    // it, which a row inserted now must wait for in turn.
+    table
+        .db
+        .batch_execute(&format!(
+            "CREATE TABLE {old} PARTITION OF {t} FOR VALUES \
+               FROM (date_trunc('minute', now()) - interval '20 minutes') \
+               TO (date_trunc('minute', now()) - interval '8 minutes'); \
+             INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts, created_at, sent_at) \
+             SELECT 'part', 's-' || (n % 30), 'placed', '{{}}', 'sent', 1, \
+                    now() - interval '10 minutes', now() - interval '10 minutes' \
+               FROM generate_series(1, 900) n;"
+        ))
+        .await
+        .unwrap();
+    let dead = insert_at(&table, "d-0", "-10 minutes", "failed").await;
+    let waiting = insert_at(&table, "d-0", "-10 minutes", "pending").await;
+    let after = insert_at(&table, "d-0", "0 minutes", "pending").await;
+
+    // A relay whose broker stops answering holds a row of the old partition in flight
+    // (`processing`, its lease renewed) while another relay drops the partition. Its
+    // retention is long: the partition work is the other relay's.
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    let holder = relay(&table, &rabbit, "part-leftovers-holder")
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .set("publisher.rabbitmq.confirm_timeout", "120s")
+        .set("cleanup.retention", "1h")
+        .spawn();
+    holder
+        .wait_for_log("connected to the broker", 1, WAIT)
+        .await;
+    proxy.stall();
+    let in_flight = insert_at(&table, "h-0", "-10 minutes", "pending").await;
+    let held = table
+        .wait_row(in_flight, WAIT, "the row in flight", |r| {
+            r.status == "processing"
+        })
+        .await;
+    assert_eq!(partition_of(&table, in_flight).await, old);
+    let before = table.rows_by_id(&[dead, waiting, in_flight]).await;
+    assert_eq!(rows_deleted_from(&table, &old).await, Some(0));
+
+    // Rows keep coming while the partition goes.
+    let writer = spawn_paced_writer(t, 100, 5, Duration::from_millis(100), |round, i| {
+        NewRow::new(
+            "part",
+            Some(&format!("w-{}", i % 4)),
+            "written",
+            serde_json::json!({ "r": round, "i": i }),
+        )
+    });
+    let port = free_port();
+    let relay = relay(&table, &rabbit, "part-leftovers")
+        .set("cleanup.retention", "5m")
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .spawn();
+    // Dropped, not emptied row by row: its statistics never count a deleted row.
+    let mut deleted = 0;
+    wait_until(
+        WAIT,
+        "the old partition dropped",
+        async || match rows_deleted_from(&table, &old).await {
+            Some(n) => {
+                deleted = deleted.max(n);
+                Err(format!("{n} rows deleted from it so far"))
+            }
+            None => Ok(()),
+        },
+    )
+    .await;
+    assert_eq!(deleted, 0, "rows deleted one by one from {old}");
+    assert!(!table.partitions().await.contains(&old));
+    let outbox = [("outbox", t.as_str())];
+    wait_for_sample(
+        port,
+        WAIT,
+        "outbox_partitions_dropped_total",
+        &outbox,
+        |n| n >= 1.0,
+    )
+    .await;
+    assert_eq!(
+        table
+            .count_where("created_at < now() - interval '8 minutes' AND status = 'sent'")
+            .await,
+        0,
+        "the sent rows went with the partition"
+    );
+
+    // The unfinished rows are the same rows, in DEFAULT: id, seq, created_at, status, lease.
+    let moved = table.rows_by_id(&[dead, waiting, in_flight]).await;
+    for id in [dead, waiting, in_flight] {
+        let (was, now) = (&before[&id], &moved[&id]);
+        assert_eq!(partition_of(&table, id).await, default);
+        assert_eq!(
+            (
+                now.seq,
+                now.created_at,
+                &now.status,
+                now.attempts,
+                &now.locked_by,
+                now.locked_at
+            ),
+            (
+                was.seq,
+                was.created_at,
+                &was.status,
+                was.attempts,
+                &was.locked_by,
+                was.locked_at
+            ),
+            "{id} moved unchanged"
+        );
+    }
+    assert_eq!(moved[&in_flight].locked_by, held.locked_by);
+    assert_eq!(moved[&in_flight].status, "processing");
+
+    // The dead letter is listed, counted and blocks its aggregate as before.
+    let listed = RelayBuilder::operator(t)
+        .output(&["dead-letters", "list", "--json"], WAIT)
+        .await;
+    assert!(listed.status.success(), "{}", listed.stderr);
+    assert!(
+        listed.stdout.contains(&dead.to_string()),
+        "{}",
+        listed.stdout
+    );
+    let status = RelayBuilder::operator(t)
+        .output(&["status", "--json"], WAIT)
+        .await;
+    assert!(status.status.success(), "{}", status.stderr);
+    let v: serde_json::Value = serde_json::from_str(&status.stdout).unwrap();
+    assert_eq!(v["failed"], 1, "{v}");
+    wait_for_sample(port, WAIT, "outbox_failed_messages", &outbox, |n| n == 1.0).await;
+    wait_for_sample(port, WAIT, "outbox_blocked_aggregates", &outbox, |n| {
+        n == 1.0
+    })
+    .await;
+
+    // The relay that held the row in flight settles it where it now is.
+    proxy.heal();
+    table
+        .wait_row(in_flight, WAIT, "the row in flight settled", |r| {
+            r.status == "sent"
+        })
+        .await;
+    // Retried, the dead letter goes out, then the rows of its aggregate behind it, in order.
+    let out = RelayBuilder::operator(t)
+        .output(&["dead-letters", "retry", "--id", &dead.to_string()], WAIT)
+        .await;
+    assert!(out.status.success(), "retry: {}", out.stderr);
+    rabbit
+        .wait_for_ids(&[dead, waiting, after, in_flight], WAIT)
+        .await;
+
+    writer.await.unwrap();
+    table.wait_all_sent(WAIT).await;
+    rabbit.barrier().await;
+    let expected = table.rows().await;
+    assert_eq!(expected.len(), 500 + 4, "nothing lost");
+    rabbit
+        .analyse(&expected)
+        .assert_complete("a partition dropped under traffic");
+    holder.stop().await;
+    finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_drops_finished_partitions_and_keeps_one_with_too_many_dead_letters_whole_until_they_are_dealt_with()
  {
     let table = TestTable::partitioned("part_retention", "1m").await;
     let rabbit = RabbitFixture::new("part_retention", "#", "it.barrier").await;
     let t = &table.name;
-    // Three partitions of half an hour ago, made by hand (the relay treats any range
-    // partition alike): one of sent and expired rows, two holding a dead letter each.
+    // Three partitions of half an hour ago, made by hand: one of sent and expired rows, one
+    // holding more dead letters than retention moves, one holding a single dead letter.
     table
         .db
         .batch_execute(&format!(
@@ -155,9 +345,20 @@ async fn retention_drops_finished_partitions_and_keeps_one_holding_a_dead_letter
         .await
         .unwrap();
     let kept_sent = insert_at(&table, "k-0", "-32 minutes", "sent").await;
-    let retried = insert_at(&table, "k-1", "-32 minutes", "failed").await;
-    let discarded = insert_at(&table, "k-2", "-31 minutes", "failed").await;
-    assert_eq!(partition_of(&table, retried).await, format!("{t}_old_b"));
+    let many = MOVE_AT_MOST + 1;
+    table
+        .db
+        .batch_execute(&format!(
+            "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status, attempts, created_at, last_error) \
+             SELECT 'part', 'k-' || n, 'placed', '{{}}', 'failed', 1, \
+                    date_trunc('minute', now()) - interval '32 minutes' + interval '1 second', 'refused by the test' \
+               FROM generate_series(1, {many}) n"
+        ))
+        .await
+        .unwrap();
+    let retried = insert_at(&table, "r-0", "-31 minutes", "failed").await;
+    assert_eq!(partition_of(&table, kept_sent).await, format!("{t}_old_b"));
+    assert_eq!(partition_of(&table, retried).await, format!("{t}_old_c"));
 
     let port = free_port();
     let relay = relay(&table, &rabbit, "part-retention")
@@ -166,33 +367,45 @@ async fn retention_drops_finished_partitions_and_keeps_one_holding_a_dead_letter
         .spawn();
     let outbox = [("outbox", t.as_str())];
     let kept = [("outbox", t.as_str()), ("reason", "failed")];
-    wait_for_sample(port, WAIT, "outbox_partitions_kept", &kept, |n| n == 2.0).await;
+    wait_for_sample(port, WAIT, "outbox_partitions_kept", &kept, |n| n == 1.0).await;
     let parts = table.partitions().await;
-    assert!(!parts.contains(&format!("{t}_old_a")), "{parts:?}");
-    assert!(parts.contains(&format!("{t}_old_b")) && parts.contains(&format!("{t}_old_c")));
+    assert!(parts.contains(&format!("{t}_old_b")), "{parts:?}");
+    for gone in ["a", "c"] {
+        assert!(!parts.contains(&format!("{t}_old_{gone}")), "{parts:?}");
+    }
     assert_eq!(table.count_where(&format!("id = '{expired}'")).await, 0);
-    // The kept partition's finished rows go one by one; the dead letter stays visible.
-    table
-        .wait_count(&format!("id = '{kept_sent}'"), 0, WAIT)
-        .await;
+    // The single dead letter moved to DEFAULT; the partition with too many stays whole: its
+    // sent row is not deleted one by one (the gauge is set after the round's deletes).
+    assert_eq!(partition_of(&table, retried).await, format!("{t}_default"));
+    assert_eq!(table.count_where(&format!("id = '{kept_sent}'")).await, 1);
+    assert_eq!(
+        rows_deleted_from(&table, &format!("{t}_old_b")).await,
+        Some(0)
+    );
     let listed = RelayBuilder::operator(t)
-        .output(&["dead-letters", "list", "--json"], WAIT)
+        .output(&["dead-letters", "list", "--json", "--limit", "5000"], WAIT)
         .await;
     assert!(listed.status.success(), "{}", listed.stderr);
-    assert!(
-        listed.stdout.contains(&retried.to_string())
-            && listed.stdout.contains(&discarded.to_string())
+    assert!(listed.stdout.contains(&retried.to_string()));
+    assert_eq!(
+        listed.stdout.matches("refused by the test").count(),
+        usize::try_from(many).unwrap() + 1
     );
 
-    // Retried: relayed, then its partition goes. Discarded: its partition goes.
-    for (command, id) in [("retry", retried), ("discard", discarded)] {
-        let out = RelayBuilder::operator(t)
-            .output(&["dead-letters", command, "--id", &id.to_string()], WAIT)
-            .await;
-        assert!(out.status.success(), "{command}: {}", out.stderr);
-    }
+    // Retried: relayed from DEFAULT. The rest discarded: their partition goes.
+    let out = RelayBuilder::operator(t)
+        .output(
+            &["dead-letters", "retry", "--id", &retried.to_string()],
+            WAIT,
+        )
+        .await;
+    assert!(out.status.success(), "retry: {}", out.stderr);
     rabbit.wait_for_ids(&[retried], WAIT).await;
-    wait_until(WAIT, "both kept partitions dropped", async || {
+    let out = RelayBuilder::operator(t)
+        .output(&["dead-letters", "discard", "--all"], WAIT)
+        .await;
+    assert!(out.status.success(), "discard: {}", out.stderr);
+    wait_until(WAIT, "every old partition dropped", async || {
         let parts = table.partitions().await;
         let left: Vec<&String> = parts.iter().filter(|p| p.contains("_old_")).collect();
         if left.is_empty() {

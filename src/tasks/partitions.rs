@@ -1,9 +1,8 @@
 //! The partitions of a partitioned outbox table (see [`crate::store::partitions`]): created
-//! ahead of time, dropped once past `cleanup.retention` with every row finished, and the rows
-//! retention still deletes one by one (those in DEFAULT, and in partitions kept past
-//! retention). It replaces [`super::cleanup`] for such a table, and falls back to it (with
-//! one warning) where partitions cannot be managed: a plain table, or a role that does not
-//! own the table.
+//! ahead of time, dropped once past `cleanup.retention` (their few unfinished rows moved to
+//! DEFAULT first), and the rows retention still deletes one by one: those in DEFAULT only. It
+//! replaces [`super::cleanup`] for such a table, and falls back to it (with one warning) where
+//! partitions cannot be managed: a plain table, or a role that does not own the table.
 
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
@@ -13,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::cleanup::delete_past_retention;
 use crate::backoff::sleep_or_cancel;
 use crate::config::CleanupConfig;
-use crate::store::partitions::{KeptFor, Layout, Retired};
+use crate::store::partitions::{KeptFor, Layout, MOVE_AT_MOST, Retired};
 use crate::store::{PgStore, Store};
 use crate::telemetry::{OutboxMetrics, PartitionGauges};
 
@@ -73,14 +72,15 @@ impl PartitionWork {
         }
         let created = self.create_ahead(&layout).await;
         let (dropped, kept) = self.retire(&layout).await;
-        let mut deleted = 0;
+        // Partitions kept past retention keep their finished rows too: deleting them one by
+        // one is the cost partitioning exists to avoid, and the partition goes whole once its
+        // unfinished rows are few enough to move.
         let default = layout.default_partition().map(|p| p.name.clone());
-        let held = kept.iter().filter(|(_, why)| *why != KeptFor::Locked);
-        for name in held.map(|(n, _)| n).chain(default.iter()) {
-            deleted += self.delete_rows(Some(name), shutdown).await;
-        }
-        if deleted > 0 {
-            tracing::info!(deleted, retention = ?self.cleanup.retention, "deleted finished rows past retention from DEFAULT and from partitions kept past retention");
+        if let Some(name) = &default {
+            let deleted = self.delete_rows(Some(name), shutdown).await;
+            if deleted > 0 {
+                tracing::info!(deleted, retention = ?self.cleanup.retention, "deleted finished rows past retention from DEFAULT");
+            }
         }
         self.gauges(&layout, created, &dropped, &kept, default.as_deref())
             .await;
@@ -110,20 +110,25 @@ impl PartitionWork {
         }
     }
 
-    /// Drops the partitions past retention whose rows are all finished, oldest first; returns
-    /// how many it dropped and the ones it kept, with why.
+    /// Drops the partitions past retention, oldest first, their unfinished rows moved to
+    /// DEFAULT; returns the ones it dropped and the ones it kept, with why.
     async fn retire(&mut self, layout: &Layout) -> (Vec<String>, Vec<(String, KeptFor)>) {
         let retention = chrono::Duration::from_std(self.cleanup.retention).unwrap_or_default();
         let cutoff = layout.now - retention;
+        let default = layout.default_partition().map(|p| p.name.as_str());
         let (mut dropped, mut kept) = (Vec::new(), Vec::new());
         for p in layout
             .ranges()
             .filter(|p| p.upper.is_some_and(|u| u <= cutoff))
         {
-            match self.store.retire_partition(p).await {
-                Ok(Retired::Dropped) => {
+            match self.store.retire_partition(p, default).await {
+                Ok(Retired::Dropped(moved)) => {
                     dropped.push(p.name.clone());
-                    tracing::info!(table = %self.store.table(), partition = %p.name, "dropped partition past retention");
+                    if moved.total() > 0 {
+                        tracing::info!(table = %self.store.table(), partition = %p.name, failed = moved.failed, processing = moved.processing, pending = moved.pending, "dropped partition past retention, its unfinished rows moved to DEFAULT");
+                    } else {
+                        tracing::info!(table = %self.store.table(), partition = %p.name, "dropped partition past retention");
+                    }
                 }
                 // A lock not granted on this one would not be on the next ones either.
                 Ok(Retired::Kept(KeptFor::Locked)) => {
@@ -140,7 +145,11 @@ impl PartitionWork {
         }
         for (name, why) in &kept {
             if self.kept.get(name) != Some(why) && *why != KeptFor::Locked {
-                tracing::warn!(table = %self.store.table(), partition = %name, reason = why.label(), "partition past retention kept: it holds a {} row (its finished rows are deleted one by one meanwhile)", why.label());
+                if default.is_some() {
+                    tracing::warn!(table = %self.store.table(), partition = %name, reason = why.label(), "partition past retention kept whole: it holds more than {MOVE_AT_MOST} unfinished rows, {} ones among them, too many to move to DEFAULT under the table's lock; it is dropped once they are fewer", why.label());
+                } else {
+                    tracing::warn!(table = %self.store.table(), partition = %name, reason = why.label(), "partition past retention kept whole: it holds {} rows and the table has no DEFAULT partition to move them to; it is dropped once they are finished", why.label());
+                }
             }
         }
         self.kept = kept.iter().cloned().collect();

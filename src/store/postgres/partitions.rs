@@ -7,12 +7,17 @@
 //! range) cover `[start, start + interval)`, aligned on the Unix epoch; `<name>_default` catches
 //! any row outside them, so an insert never fails for want of a partition. A converted table
 //! keeps its rows where they are: it becomes the partition `<name>_plain`, `FROM (MINVALUE) TO
-//! (<bound>)`, and is dropped like the others once its rows are finished and past retention.
+//! (<bound>)`, and is dropped like the others once past retention.
+//!
+//! Retention: a partition whose range ended more than `cleanup.retention` ago is dropped
+//! whole; its few unfinished rows (a dead letter, a row still pending or in flight) are moved
+//! to DEFAULT first, the same rows with the same columns (see [`Store::retire_partition`]).
 //!
 //! Locks: creating a partition (`CREATE TABLE … (LIKE …)`, then `ATTACH PARTITION`) takes
 //! SHARE UPDATE EXCLUSIVE on the table, which inserts pass, and ACCESS EXCLUSIVE on the new
 //! table and on the DEFAULT partition (claims wait for it); dropping one detaches it first,
-//! which takes ACCESS EXCLUSIVE on the table for a moment. Each is requested under [`LOCK_TIMEOUT`] and,
+//! which takes ACCESS EXCLUSIVE on the table for a moment (the detach, the move of at most
+//! [`MOVE_AT_MOST`] rows by index, the drop). Each is requested under [`LOCK_TIMEOUT`] and,
 //! when it is not granted, tried again at the next round rather than queue the application's
 //! inserts behind it. One relay at a time does this work (a transaction-level advisory lock
 //! per table).
@@ -47,14 +52,16 @@ pub const AHEAD_AT_LEAST: Duration = Duration::from_secs(10 * 60);
 /// stay ahead of `now()` while the constraint is validated.
 const CONVERSION_MARGIN: Duration = Duration::from_secs(15 * 60);
 
-/// Why a partition past retention is kept.
+/// Why a partition past retention is kept. A partition's unfinished rows are moved out when
+/// it is dropped, so the first three apply only to one with more than [`MOVE_AT_MOST`] of
+/// them (or some, and no DEFAULT partition): the most urgent status among them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum KeptFor {
-    /// It holds a dead letter (kept until an operator retries or discards it).
+    /// It holds dead letters (kept until an operator retries or discards enough of them).
     Failed,
-    /// It holds a row being published.
+    /// It holds rows being published.
     Processing,
-    /// It holds a row not yet published.
+    /// It holds rows not yet published.
     Pending,
     /// Its lock was not granted within [`LOCK_TIMEOUT`] (tried again next round).
     Locked,
@@ -163,12 +170,66 @@ fn literal(at: DateTime<Utc>) -> String {
 /// What became of a partition that retention looked at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retired {
-    /// Detached and dropped.
-    Dropped,
-    /// Kept, and why.
+    /// Detached and dropped, after its unfinished rows (counted here) were moved to DEFAULT.
+    Dropped(Leftovers),
+    /// Kept, whole, and why: more than [`MOVE_AT_MOST`] unfinished rows (or some, and no
+    /// DEFAULT partition to take them), the most urgent status among them; or its lock.
     Kept(KeptFor),
     /// Another relay holds the partition work now.
     Busy,
+}
+
+/// At most this many unfinished rows are moved out of a partition past retention so that it
+/// can be dropped: the move runs while the table's `ACCESS EXCLUSIVE` lock is held, so it must
+/// stay short (tens of milliseconds). A partition with more is kept whole until it has fewer.
+pub const MOVE_AT_MOST: i64 = 1000;
+
+/// The unfinished rows of a partition, by status.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Leftovers {
+    /// Dead letters.
+    pub failed: i64,
+    /// Rows being published (their lease, relay and attempts move with them).
+    pub processing: i64,
+    /// Rows not yet published.
+    pub pending: i64,
+}
+
+impl Leftovers {
+    /// From `(status, count)` rows.
+    fn from_rows(rows: &[tokio_postgres::Row]) -> std::result::Result<Self, tokio_postgres::Error> {
+        let mut out = Self::default();
+        for r in rows {
+            let n: i64 = r.try_get(1)?;
+            match r.try_get::<_, String>(0)?.as_str() {
+                "failed" => out.failed += n,
+                "processing" => out.processing += n,
+                // Any other unfinished status counts as waiting to be published.
+                _ => out.pending += n,
+            }
+        }
+        Ok(out)
+    }
+
+    /// All of them.
+    pub fn total(&self) -> i64 {
+        self.failed + self.processing + self.pending
+    }
+
+    /// Why they keep their partition, if they do: more than [`MOVE_AT_MOST`], or any when
+    /// there is no DEFAULT partition to take them.
+    fn keeps(&self, has_default: bool) -> Option<KeptFor> {
+        let moveable = self.total() <= MOVE_AT_MOST && (has_default || self.total() == 0);
+        if moveable {
+            None
+        } else if self.failed > 0 {
+            Some(KeptFor::Failed)
+        } else if self.processing > 0 {
+            Some(KeptFor::Processing)
+        } else {
+            Some(KeptFor::Pending)
+        }
+    }
 }
 
 /// The partition work's statements, rendered for the table.
@@ -340,67 +401,108 @@ impl PgStore {
         Ok(held.then_some(tx))
     }
 
-    /// Why `partition` cannot be dropped yet (a row in it is not finished), if it cannot.
-    /// Each probe reads one partial index.
-    pub async fn unfinished_in(&self, partition: &str) -> Result<Option<KeptFor>> {
-        let client = self.client().await?;
-        let row = client
-            .query_one(
-                &format!(
-                    "SELECT EXISTS (SELECT 1 FROM {partition} WHERE status = 'failed'), \
-                            EXISTS (SELECT 1 FROM {partition} WHERE status = 'processing'), \
-                            EXISTS (SELECT 1 FROM {partition} WHERE status = 'pending')"
-                ),
-                &[],
-            )
-            .await?;
-        Ok(if row.try_get(0)? {
-            Some(KeptFor::Failed)
-        } else if row.try_get(1)? {
-            Some(KeptFor::Processing)
-        } else if row.try_get(2)? {
-            Some(KeptFor::Pending)
-        } else {
-            None
-        })
-    }
-
-    /// Detaches and drops `partition` if none of its rows is unfinished (checked before, and
-    /// again once it is detached and can receive no row: a row an application inserted with
-    /// an old `created_at` meanwhile keeps it).
-    pub async fn retire_partition(&self, partition: &Partition) -> Result<Retired> {
-        if let Some(why) = self.unfinished_in(&partition.name).await? {
-            return Ok(Retired::Kept(why));
-        }
-        let (t, p) = (self.table.qualified(), &partition.name);
+    /// Detaches and drops `partition`, moving its unfinished rows (`pending`, `processing`,
+    /// `failed`) out first: in one transaction under [`LOCK_TIMEOUT`], it detaches the
+    /// partition (from then on no row can reach or leave it), inserts those rows through the
+    /// table, where `default` (the DEFAULT partition) catches them since no range covers theirs
+    /// any more, and drops it. Every column is copied (id, seq, `created_at`, status, lease,
+    /// attempts), so the rows are the same rows to the relay, its ordering and the operator
+    /// commands. Kept instead, whole, when it holds more than [`MOVE_AT_MOST`] unfinished rows
+    /// or has some and the table has no DEFAULT partition: see [`Retired`].
+    pub async fn retire_partition(
+        &self,
+        partition: &Partition,
+        default: Option<&str>,
+    ) -> Result<Retired> {
         let mut client = self.client().await?;
+        let columns = self.copied_columns(&client).await?;
         let Some(tx) = self.begin_partition_work(&mut client).await? else {
             return Ok(Retired::Busy);
         };
-        match tx
-            .batch_execute(&format!("ALTER TABLE {t} DETACH PARTITION {p}"))
+        match self
+            .move_out_and_drop(&tx, &partition.name, default, &columns)
             .await
         {
-            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
-                return Ok(Retired::Kept(KeptFor::Locked));
+            Ok(Retired::Dropped(moved)) => {
+                tx.commit().await?;
+                Ok(Retired::Dropped(moved))
             }
-            other => other?,
+            Ok(kept) => {
+                tx.rollback().await?;
+                Ok(kept)
+            }
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await?;
+                Ok(Retired::Kept(KeptFor::Locked))
+            }
+            Err(e) => Err(e.into()),
         }
-        let recheck = tx
-            .query_one(
-                &format!(
-                    "SELECT EXISTS (SELECT 1 FROM {p} WHERE status IN ('pending', 'processing', 'failed'))"
-                ),
-                &[],
+    }
+
+    /// [`Store::retire_partition`]'s statements in `tx`; the caller commits only on
+    /// [`Retired::Dropped`].
+    async fn move_out_and_drop(
+        &self,
+        tx: &deadpool_postgres::Transaction<'_>,
+        p: &str,
+        default: Option<&str>,
+        columns: &str,
+    ) -> std::result::Result<Retired, tokio_postgres::Error> {
+        let t = self.table.qualified();
+        // Every read of the partition below goes through its partial index of unfinished rows
+        // (version 2's `<table>_open_idx`), never a sequential scan of its sent rows, whatever
+        // its statistics say: from the DETACH on, the application's inserts wait for this
+        // transaction.
+        tx.batch_execute("SET LOCAL enable_seqscan = off").await?;
+        let unfinished = format!(
+            "SELECT status, count(*) FROM (SELECT status FROM {p} \
+               WHERE status NOT IN ('sent', 'expired') LIMIT {}) u GROUP BY status",
+            MOVE_AT_MOST + 1
+        );
+        let before = Leftovers::from_rows(&tx.query(&unfinished, &[]).await?)?;
+        if let Some(why) = before.keeps(default.is_some()) {
+            return Ok(Retired::Kept(why));
+        }
+        tx.batch_execute(&format!("ALTER TABLE {t} DETACH PARTITION {p}"))
+            .await?;
+        // Again, detached: a row inserted with an old `created_at` or claimed meanwhile counts.
+        let leftovers = Leftovers::from_rows(&tx.query(&unfinished, &[]).await?)?;
+        if let Some(why) = leftovers.keeps(default.is_some()) {
+            return Ok(Retired::Kept(why));
+        }
+        if leftovers.total() > 0 {
+            // The rows are not new: no wake-up for them. Schema version 4's trigger queues
+            // none once this transaction's flag is set, and its one deferred call would run at
+            // commit, while the lock is held, and costs there far more than the move itself.
+            tx.execute(
+                "SELECT set_config('outbox.woke_' || to_regclass($1)::oid::text, '1', true)",
+                &[&t],
             )
             .await?;
-        if recheck.try_get(0)? {
-            tx.rollback().await?;
-            return Ok(Retired::Kept(KeptFor::Pending));
+            tx.batch_execute(&format!(
+                "INSERT INTO {t} ({columns}) OVERRIDING SYSTEM VALUE \
+                   SELECT {columns} FROM {p} WHERE status NOT IN ('sent', 'expired')"
+            ))
+            .await?;
         }
         tx.batch_execute(&format!("DROP TABLE {p}")).await?;
-        tx.commit().await?;
-        Ok(Retired::Dropped)
+        Ok(Retired::Dropped(leftovers))
+    }
+
+    /// The table's columns that an insert may set (not generated ones), quoted and in order,
+    /// for copying rows between partitions whose column order may differ (a converted table
+    /// keeps its own).
+    async fn copied_columns(&self, client: &deadpool_postgres::Object) -> Result<String> {
+        let row = client
+            .query_one(
+                "SELECT string_agg(quote_ident(attname), ', ' ORDER BY attnum) FROM pg_attribute \
+                  WHERE attrelid = to_regclass($1) AND attnum > 0 AND NOT attisdropped \
+                    AND attgenerated = ''",
+                &[&self.table.qualified()],
+            )
+            .await?;
+        row.try_get::<_, Option<String>>(0)?
+            .ok_or_else(|| StoreError::Schema(format!("table {} does not exist", self.table)))
     }
 
     /// Rows in the DEFAULT partition.
@@ -923,5 +1025,39 @@ mod tests {
             Some(at("2026-11-27T10:30:00Z"))
         );
         assert_eq!(layout.newest_interval(), Some(Duration::from_secs(60)));
+    }
+
+    #[test]
+    fn a_few_unfinished_rows_are_moved_and_too_many_keep_their_partition_for_the_most_urgent_reason()
+     {
+        let few = Leftovers {
+            failed: 1,
+            processing: 2,
+            pending: MOVE_AT_MOST - 3,
+        };
+        assert_eq!(few.keeps(true), None);
+        assert_eq!(Leftovers::default().keeps(false), None, "nothing to move");
+        assert_eq!(
+            few.keeps(false),
+            Some(KeptFor::Failed),
+            "no DEFAULT to take them"
+        );
+        let many = Leftovers {
+            pending: few.pending + 1,
+            ..few
+        };
+        assert_eq!(many.total(), MOVE_AT_MOST + 1);
+        assert_eq!(many.keeps(true), Some(KeptFor::Failed));
+        let in_flight = Leftovers {
+            failed: 0,
+            pending: many.pending + 1,
+            ..many
+        };
+        assert_eq!(in_flight.keeps(true), Some(KeptFor::Processing));
+        let behind = Leftovers {
+            pending: MOVE_AT_MOST + 1,
+            ..Leftovers::default()
+        };
+        assert_eq!(behind.keeps(true), Some(KeptFor::Pending));
     }
 }
