@@ -34,7 +34,7 @@ pub mod steps;
 mod waiting;
 
 pub use claim::{Claim, Expired, ExpirySweep};
-pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
@@ -96,15 +96,28 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 impl StoreError {
-    /// Whether the error is a lost or refused connection rather than a bad statement.
+    /// Whether the error is a lost or refused connection rather than a bad statement. A
+    /// server that refuses writes ([`StoreError::is_read_only`]) counts: until the relay
+    /// reaches the one that takes them, it is an outage like any other.
     pub fn is_connection(&self) -> bool {
         match self {
             Self::Pool(_) => true,
             // Without an SQLSTATE: lost or refused connections, but also a value this side
             // could not convert (a bug, not an outage: it must not be logged as one).
-            Self::Db(e) => e.is_closed() || (e.code().is_none() && !is_conversion(e)),
+            Self::Db(e) => {
+                e.is_closed() || (e.code().is_none() && !is_conversion(e)) || self.is_read_only()
+            }
             Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
+    }
+
+    /// Whether the server refused a write because it is read-only (SQLSTATE 25006): a
+    /// primary turned read-only, or a standby (in recovery) that the session reached. The
+    /// statement was rolled back; the session must be given up for one on the server that
+    /// takes writes now ([`Store::note_error`]).
+    pub fn is_read_only(&self) -> bool {
+        matches!(self, Self::Db(e)
+            if e.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION))
     }
 
     /// Whether a statement that failed this way may have run to its commit with its answer
@@ -160,6 +173,9 @@ pub struct Store {
     // `database.partition_interval`: `migrate` partitions the table with it.
     partition_interval: Option<std::time::Duration>,
     q: std::sync::Arc<Queries>,
+    // Shared with the pool's recycle hook and the LISTEN session: a read-only refusal makes
+    // the relay give up its sessions on that server.
+    stale: StaleSessions,
 }
 
 impl Store {
@@ -181,6 +197,26 @@ impl Store {
     /// A pooled connection (for callers such as tests and CLI tools).
     pub async fn client(&self) -> Result<deadpool_postgres::Object> {
         Ok(self.pool.get().await?)
+    }
+
+    /// Looks at a failed statement's error: when the server refused the write as read-only,
+    /// every session made so far is given up (closed at its next checkout instead of
+    /// reused, the LISTEN session started over), so that the next ones find the server that
+    /// takes writes now (`target_session_attrs=read-write` in a multi-host URL). Returns
+    /// whether it did.
+    pub fn note_error(&self, e: &StoreError) -> bool {
+        if !e.is_read_only() {
+            return false;
+        }
+        self.stale.mark();
+        tracing::warn!(table = %self.table, "the database refused a write as read-only (SQLSTATE 25006): leaving the sessions on that server to reconnect to the one that takes writes");
+        true
+    }
+
+    /// The sessions given up on read-only refusals (for the LISTEN session, which is not
+    /// pooled).
+    pub fn stale_sessions(&self) -> &StaleSessions {
+        &self.stale
     }
 
     /// Round trip to the database.
