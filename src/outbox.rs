@@ -172,8 +172,9 @@ async fn listen(
     let listener = ListenerPid::default();
     let (url, channel) = (outbox.database.url.clone(), store.table().channel());
     let (wake, pid) = (Arc::clone(wake), Arc::clone(&listener));
+    let stale = store.stale_sessions().clone();
     tasks.spawn(format!("listen:{}", outbox.name), move |token| {
-        listen::listen_loop(url, channel, wake, pid, token)
+        listen::listen_loop(url, channel, wake, pid, stale, token)
     });
     wake_up_waiter(store, listener, table_oid, config).await
 }

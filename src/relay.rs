@@ -385,6 +385,7 @@ impl Relay {
                 Err(e) if Instant::now() < deadline => {
                     let delay = backoff.next_delay();
                     self.database.set(false);
+                    self.store.note_error(&e);
                     tracing::warn!(error = %e, retry_in = ?delay, "cannot record publish outcomes yet; retrying");
                     tokio::time::sleep(delay).await;
                 }
@@ -808,10 +809,12 @@ impl<'a> Dispatch<'a> {
         Ok(())
     }
 
-    /// Marks the database down and waits out the next reconnect delay; the round ends.
+    /// Marks the database down and waits out the next reconnect delay; the round ends. A
+    /// server that refused a write as read-only is left for the one that takes writes.
     async fn database_down(&mut self, e: &StoreError) -> Exit {
         let delay = self.db_backoff.next_delay();
         self.relay.database.set(false);
+        self.relay.store.note_error(e);
         tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
         sleep_or_cancel(delay, self.shutdown).await;
         Exit::Again

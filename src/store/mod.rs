@@ -11,7 +11,7 @@
 pub mod mysql;
 pub mod postgres;
 
-pub use postgres::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use postgres::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use postgres::{
     Backlog, Claim, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure, OnConfirm, SchemaPlan,
     SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
@@ -74,16 +74,29 @@ fn chain(e: &dyn std::error::Error) -> String {
 }
 
 impl StoreError {
-    /// Whether the error is a lost or refused connection rather than a bad statement.
+    /// Whether the error is a lost or refused connection rather than a bad statement. A
+    /// server that refuses writes ([`StoreError::is_read_only`]) counts: until the relay
+    /// reaches the one that takes them, it is an outage like any other.
     pub fn is_connection(&self) -> bool {
         match self {
             Self::Pool(_) => true,
             // Without an SQLSTATE: lost or refused connections, but also a value this side
             // could not convert (a bug, not an outage: it must not be logged as one).
-            Self::Db(e) => e.is_closed() || (e.code().is_none() && !is_conversion(e)),
+            Self::Db(e) => {
+                e.is_closed() || (e.code().is_none() && !is_conversion(e)) || self.is_read_only()
+            }
             Self::Mysql(e) => mysql::is_connection(e),
             Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
+    }
+
+    /// Whether the server refused a write because it is read-only (SQLSTATE 25006): a
+    /// primary turned read-only, or a standby (in recovery) that the session reached. The
+    /// statement was rolled back; the session must be given up for one on the server that
+    /// takes writes now ([`Store::note_error`]).
+    pub fn is_read_only(&self) -> bool {
+        matches!(self, Self::Db(e)
+            if e.code() == Some(&tokio_postgres::error::SqlState::READ_ONLY_SQL_TRANSACTION))
     }
 
     /// Whether a statement that failed this way may have run to its commit with its answer
@@ -210,6 +223,15 @@ impl Store {
     /// This relay's `locked_by` value.
     pub fn instance_id(&self) -> &str {
         either!(self, s => s.instance_id())
+    }
+
+    /// Looks at a failed statement's error: a PostgreSQL server that refused the write as
+    /// read-only has its sessions given up ([`PgStore::note_error`]). Returns whether it did.
+    pub fn note_error(&self, e: &StoreError) -> bool {
+        match self {
+            Self::Postgres(s) => s.note_error(e),
+            Self::Mysql(_) => false,
+        }
     }
 
     /// Round trip to the database.

@@ -94,6 +94,7 @@ pub async fn lease_loop(
         if !ids.is_empty()
             && let Err(e) = store.heartbeat(&ids).await
         {
+            store.note_error(&e);
             tracing::warn!(error = %e, "cannot renew leases; rows may be reclaimed by another relay if this lasts longer than lease_timeout");
         }
         match store.reclaim_expired(lease, retry.max_attempts).await {
@@ -111,7 +112,10 @@ pub async fn lease_loop(
                 }
                 wake.notify_one();
             }
-            Err(e) => tracing::warn!(error = %e, "lease reclaim failed; retrying"),
+            Err(e) => {
+                store.note_error(&e);
+                tracing::warn!(error = %e, "lease reclaim failed; retrying");
+            }
         }
         if !sleep_or_cancel(period, &shutdown).await {
             return;

@@ -1,6 +1,9 @@
 //! The wake-up listener: a dedicated connection LISTENs on the table's channel and wakes the
 //! claim loop on every NOTIFY (the insert trigger sends one while a relay waits, see
-//! [`crate::wakeup`]). The loop also polls, so a lost session only costs latency.
+//! [`crate::wakeup`]). The loop also polls, so a lost session only costs latency. When the
+//! server refuses the relay's writes as read-only ([`crate::store::StaleSessions`]) the session
+//! starts over too, so that it follows the pool to the server that takes writes (NOTIFYs are
+//! sent there).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -9,30 +12,37 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::{Backoff, sleep_or_cancel};
-use crate::store::{self, StoreError};
+use crate::store::{self, StaleSessions, StoreError};
 use crate::wakeup::ListenerPid;
 
 /// LISTENs on `channel` and wakes the loop on every NOTIFY; after a lost connection it
 /// reconnects, re-LISTENs and wakes the loop once so that nothing inserted meanwhile waits for
 /// the poll. `listener` holds the session's backend pid while it listens (0 otherwise): the
-/// relay's waiting record names it.
+/// relay's waiting record names it. A session made before `stale` is marked again ends.
 pub async fn listen_loop(
     url: String,
     channel: String,
     wake: Arc<Notify>,
     listener: ListenerPid,
+    stale: StaleSessions,
     shutdown: CancellationToken,
 ) {
     let mut backoff = Backoff::session();
     while !shutdown.is_cancelled() {
+        // Only a mark made after this session starts ends it.
+        let mut marked = stale.subscribe();
         let session = async {
             let pg = store::pg_config(&url)?;
+            let ends = Ends {
+                marked: &mut marked,
+                shutdown: &shutdown,
+            };
             if store::tls_required(&pg) {
                 let tls = store::make_tls()?;
-                listen_session(&pg, tls, &channel, &wake, &listener, &shutdown).await
+                listen_session(&pg, tls, &channel, &wake, &listener, ends).await
             } else {
                 let tls = tokio_postgres::NoTls;
-                listen_session(&pg, tls, &channel, &wake, &listener, &shutdown).await
+                listen_session(&pg, tls, &channel, &wake, &listener, ends).await
             }
         }
         .await;
@@ -51,14 +61,22 @@ pub async fn listen_loop(
     }
 }
 
-/// One LISTEN connection: `Ok(None)` on shutdown, `Ok(Some(reason))` when it was lost.
+/// What ends a LISTEN session besides its connection: the shutdown, or the relay's sessions
+/// marked stale (the server refused a write as read-only).
+struct Ends<'a> {
+    marked: &'a mut tokio::sync::watch::Receiver<Option<std::time::Instant>>,
+    shutdown: &'a CancellationToken,
+}
+
+/// One LISTEN connection: `Ok(None)` on shutdown, `Ok(Some(reason))` when it was lost or
+/// given up.
 async fn listen_session<T>(
     pg: &tokio_postgres::Config,
     tls: T,
     channel: &str,
     wake: &Arc<Notify>,
     listener: &ListenerPid,
-    shutdown: &CancellationToken,
+    ends: Ends<'_>,
 ) -> Result<Option<String>, StoreError>
 where
     T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
@@ -95,7 +113,8 @@ where
     wake.notify_one();
     let ended = tokio::select! {
         r = &mut closed => Some(r.unwrap_or_else(|_| "connection task ended".to_owned())),
-        () = shutdown.cancelled() => None,
+        Ok(()) = ends.marked.changed() => Some("the server refused a write as read-only; reconnecting".to_owned()),
+        () = ends.shutdown.cancelled() => None,
     };
     drop(client);
     Ok(ended)

@@ -88,13 +88,26 @@ pub fn spawn_steady_writer(
     aggregates: usize,
     batch: usize,
 ) -> (CancellationToken, JoinHandle<usize>) {
+    spawn_steady_writer_at(PG_URL, table, tag, aggregates, batch)
+}
+
+/// [`spawn_steady_writer`] on the database at `url` (a failover pair's multi-host URL, say:
+/// each reconnect finds the server that takes writes now).
+pub fn spawn_steady_writer_at(
+    url: &str,
+    table: &str,
+    tag: &str,
+    aggregates: usize,
+    batch: usize,
+) -> (CancellationToken, JoinHandle<usize>) {
     let (table, tag, stop) = (table.to_owned(), tag.to_owned(), CancellationToken::new());
+    let url = url.to_owned();
     let token = stop.clone();
     let task = tokio::spawn(async move {
         let (mut client, mut n, mut inserted) = (None::<Client>, 0, 0);
         while !stop.is_cancelled() {
             let Some(c) = client.as_ref() else {
-                match try_pg_connect(PG_URL, "outbox-testkit-writer").await {
+                match try_pg_connect(&url, "outbox-testkit-writer").await {
                     Ok(c) => client = Some(c),
                     Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
                 }
@@ -159,7 +172,13 @@ pub async fn try_pg_connect(
 /// `outbox-relay migrate` for `table` on the test database; returns the schema versions it
 /// applied (empty when the table was up to date). Panics with its output if it fails.
 pub async fn migrate_table(table: &str) -> Vec<i32> {
+    migrate_table_at(PG_URL, table).await
+}
+
+/// [`migrate_table`] on the database at `url`.
+pub async fn migrate_table_at(url: &str, table: &str) -> Vec<i32> {
     let out = RelayBuilder::operator(table)
+        .set("database.url", url)
         .output(&["migrate"], Duration::from_secs(60))
         .await;
     assert!(
@@ -444,16 +463,25 @@ pub struct TestTable {
 impl TestTable {
     /// Creates `it_<test>_<hex>` with `outbox-relay migrate`, as an operator would.
     pub async fn new(test: &str) -> Self {
+        let table = Self::at(PG_URL, test).await;
+        if !GC_DONE.swap(true, Ordering::SeqCst) {
+            collect_old_tables(&table.db).await;
+        }
+        table
+    }
+
+    /// Creates `it_<test>_<hex>` with `outbox-relay migrate` in the database at `url` (a
+    /// failover pair's, say), its client connected there.
+    pub async fn at(url: &str, test: &str) -> Self {
         let name = format!("it_{}_{}", slug(test, 24), hex8());
-        let applied = migrate_table(&name).await;
+        let applied = migrate_table_at(url, &name).await;
         assert!(
             applied.first() == Some(&1) && applied.windows(2).all(|w| w[0] < w[1]),
             "a fresh table gets every migration from 1 on, in order: {applied:?}"
         );
-        let db = pg_connect().await;
-        if !GC_DONE.swap(true, Ordering::SeqCst) {
-            collect_old_tables(&db).await;
-        }
+        let db = try_pg_connect(url, "outbox-testkit")
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to the test table's database: {e}"));
         Self { name, db }
     }
 

@@ -10,6 +10,8 @@
 //!   and read back as the application and an operator would;
 //! - [`rabbit`]: an exchange with a collecting consumer ([`RabbitFixture`]) and durable
 //!   exchange + queue pairs ([`DurableBinding`]);
+//! - [`failover`]: a PostgreSQL primary and its synchronous streaming standby ([`PgPair`]),
+//!   to crash, promote or turn read-only;
 //! - [`kafka`]: topics (through the tansu CLI), a collecting consumer, a private tansu, a TLS
 //!   front;
 //! - [`nats`]: a JetStream stream per test, read back in stream order;
@@ -31,6 +33,7 @@
 
 pub mod check;
 pub mod db;
+pub mod failover;
 pub mod http;
 pub mod kafka;
 pub mod mysql;
@@ -47,6 +50,7 @@ use std::time::{Duration, Instant};
 pub use self::redis::{Entry, REDIS_ADDR, REDIS_URL, RedisStreams, redis_relay};
 pub use check::*;
 pub use db::*;
+pub use failover::{PgPair, PgServer};
 pub use http::*;
 pub use mysql::{MYSQL_URL, MysqlTable, mysql_conn};
 pub use process::*;

@@ -1,8 +1,9 @@
 //! Connections: the libpq URL (with the relay's `application_name`), TLS for
-//! `sslmode=require`, the pool and the settings of every pooled session, and the statements of
-//! the wake-up listener's own session.
+//! `sslmode=require`, the pool and the settings of every pooled session, the sessions given up
+//! when a server turns read-only, and the statements of the wake-up listener's own session.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tokio_postgres::NoTls;
@@ -30,6 +31,36 @@ pub const SESSION_SETTINGS: &[(&str, &str)] = &[
     ("plan_cache_mode", "force_generic_plan"),
 ];
 
+/// The sessions to give up because a server refused a write as read-only: every session made
+/// until the last such refusal. The pool closes them at their next checkout instead of reusing
+/// them (a primary turned read-only keeps its sessions open, and a session, once made, never
+/// looks for another server), and the LISTEN session starts over. Clones share the mark.
+#[derive(Debug, Clone)]
+pub struct StaleSessions(Arc<tokio::sync::watch::Sender<Option<Instant>>>);
+
+impl Default for StaleSessions {
+    fn default() -> Self {
+        Self(Arc::new(tokio::sync::watch::Sender::new(None)))
+    }
+}
+
+impl StaleSessions {
+    /// Every session made until now is stale.
+    pub fn mark(&self) {
+        self.0.send_replace(Some(Instant::now()));
+    }
+
+    /// Whether a session made at `created` is stale.
+    pub fn is_stale(&self, created: Instant) -> bool {
+        self.0.borrow().is_some_and(|mark| created <= mark)
+    }
+
+    /// Changes with every [`StaleSessions::mark`] after this call.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<Option<Instant>> {
+        self.0.subscribe()
+    }
+}
+
 impl PgStore {
     /// Builds the pool; connects lazily, so this succeeds while the database is down.
     pub fn new(cfg: &DatabaseConfig, instance_id: &str) -> Result<Self> {
@@ -42,12 +73,25 @@ impl PgStore {
         } else {
             Manager::from_config(pg, NoTls, mgr_cfg)
         };
+        let stale = StaleSessions::default();
         let pool = Pool::builder(mgr)
             .max_size(cfg.pool_size)
             .runtime(Runtime::Tokio1)
             .create_timeout(Some(Duration::from_secs(5)))
             .wait_timeout(Some(Duration::from_secs(10)))
             .recycle_timeout(Some(Duration::from_secs(5)))
+            .pre_recycle({
+                let stale = stale.clone();
+                deadpool_postgres::Hook::sync_fn(move |_, metrics| {
+                    if stale.is_stale(metrics.created) {
+                        Err(deadpool_postgres::HookError::message(
+                            "made before the server refused a write as read-only",
+                        ))
+                    } else {
+                        Ok(())
+                    }
+                })
+            })
             .post_create(deadpool_postgres::Hook::async_fn(|client, _| {
                 Box::pin(async move {
                     let set: Vec<String> = SESSION_SETTINGS
@@ -62,7 +106,7 @@ impl PgStore {
             }))
             .build()
             .map_err(|e| StoreError::Build(e.to_string()))?;
-        let mut store = Self::with_pool(pool, &cfg.table, instance_id);
+        let mut store = Self::with_pool(pool, stale, &cfg.table, instance_id);
         store.partition_interval = cfg.partition_interval;
         Ok(store)
     }
@@ -70,14 +114,20 @@ impl PgStore {
     /// Another table in the same database, sharing this store's pool (several outboxes in
     /// one database use one pool).
     pub fn for_table(&self, table: &TableName) -> Self {
-        let mut store = Self::with_pool(self.pool.clone(), table, &self.instance_id);
+        let mut store = Self::with_pool(
+            self.pool.clone(),
+            self.stale.clone(),
+            table,
+            &self.instance_id,
+        );
         store.partition_interval = self.partition_interval;
         store
     }
 
-    fn with_pool(pool: Pool, table: &TableName, instance_id: &str) -> Self {
+    fn with_pool(pool: Pool, stale: StaleSessions, table: &TableName, instance_id: &str) -> Self {
         Self {
             pool,
+            stale,
             table: table.clone(),
             instance_id: instance_id.to_owned(),
             partition_interval: None,
@@ -153,6 +203,21 @@ mod tests {
             .map(|_| ())
             .unwrap_err();
         assert!(matches!(e, StoreError::Build(_)), "{e}");
+    }
+
+    #[test]
+    fn sessions_made_before_a_read_only_refusal_are_stale() {
+        let stale = StaleSessions::default();
+        let before = Instant::now();
+        assert!(!stale.is_stale(before), "nothing is stale before a refusal");
+        let listener = stale.subscribe();
+        stale.clone().mark();
+        assert!(stale.is_stale(before), "clones share the mark");
+        assert!(!stale.is_stale(Instant::now() + Duration::from_millis(1)));
+        assert!(
+            listener.has_changed().unwrap_or(false),
+            "the LISTEN session is told"
+        );
     }
 
     #[test]

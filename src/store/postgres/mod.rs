@@ -36,7 +36,7 @@ mod waiting;
 
 pub(crate) use claim::scan_window;
 pub use claim::{Claim, Expired, ExpirySweep};
-pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
@@ -78,6 +78,9 @@ pub struct PgStore {
     // `database.partition_interval`: `migrate` partitions the table with it.
     partition_interval: Option<std::time::Duration>,
     q: std::sync::Arc<Queries>,
+    // Shared with the pool's recycle hook and the LISTEN session: a read-only refusal makes
+    // the relay give up its sessions on that server.
+    stale: StaleSessions,
 }
 
 impl PgStore {
@@ -94,6 +97,26 @@ impl PgStore {
     /// This relay's `locked_by` value.
     pub fn instance_id(&self) -> &str {
         &self.instance_id
+    }
+
+    /// Looks at a failed statement's error: when the server refused the write as read-only,
+    /// every session made so far is given up (closed at its next checkout instead of
+    /// reused, the LISTEN session started over), so that the next ones find the server that
+    /// takes writes now (`target_session_attrs=read-write` in a multi-host URL). Returns
+    /// whether it did.
+    pub fn note_error(&self, e: &StoreError) -> bool {
+        if !e.is_read_only() {
+            return false;
+        }
+        self.stale.mark();
+        tracing::warn!(table = %self.table, "the database refused a write as read-only (SQLSTATE 25006): leaving the sessions on that server to reconnect to the one that takes writes");
+        true
+    }
+
+    /// The sessions given up on read-only refusals (for the LISTEN session, which is not
+    /// pooled).
+    pub fn stale_sessions(&self) -> &StaleSessions {
+        &self.stale
     }
 
     /// A pooled connection (for callers such as tests and CLI tools).
