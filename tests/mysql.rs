@@ -510,3 +510,88 @@ async fn migrate_check_and_bad_configuration_on_mysql() {
         .unwrap();
     table.drop_table().await;
 }
+
+#[tokio::test]
+async fn expired_rows_are_never_published_and_hold_nothing_back() {
+    let (table, rabbit) = table_and_exchange("my_expiry").await;
+    let rows = table
+        .insert(&[
+            NewRow::new("acct", Some("e"), "stale", json!({ "late": true })),
+            NewRow::new("acct", Some("e"), "fresh", json!({ "n": 2 })),
+        ])
+        .await;
+    let (stale, fresh) = (rows[0], rows[1]);
+    let mut conn = mysql_conn().await;
+    conn.query_drop(format!(
+        "UPDATE {} SET expires_at = NOW(6) - INTERVAL 1 SECOND WHERE seq = {}",
+        table.name, stale.seq
+    ))
+    .await
+    .unwrap();
+    let relay = relay(&table, &rabbit, "my-expiry").spawn();
+    rabbit.wait_for_ids(&[fresh.id], WAIT).await;
+    table.wait_count("status = 'expired'", 1, WAIT).await;
+    rabbit.barrier().await;
+    assert_eq!(delivered(&rabbit, stale.id), 0, "an expired row went out");
+    let row = table.row(stale.id).await;
+    assert!(
+        row.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("expired: its deadline"),
+        "{:?}",
+        row.last_error
+    );
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+#[tokio::test]
+async fn the_documented_grants_are_enough_for_the_relay_and_the_application() {
+    let (table, rabbit) = table_and_exchange("my_grants").await;
+    let suffix = &table.name[table.name.len() - 8..];
+    let (app, relay_user) = (format!("app_{suffix}"), format!("relay_{suffix}"));
+    let mut root = mysql_conn().await;
+    // The GRANTs of docs/mysql.md, for this test's table.
+    for sql in [
+        format!("CREATE USER '{app}'@'127.0.0.1' IDENTIFIED BY 'app-secret'"),
+        format!("GRANT INSERT ON test.{} TO '{app}'@'127.0.0.1'", table.name),
+        format!("CREATE USER '{relay_user}'@'127.0.0.1' IDENTIFIED BY 'relay-secret'"),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON test.{} TO '{relay_user}'@'127.0.0.1'",
+            table.name
+        ),
+        format!("GRANT SELECT ON test.outbox_relay_schema_version TO '{relay_user}'@'127.0.0.1'"),
+    ] {
+        root.query_drop(sql).await.unwrap();
+    }
+    let relay_url = format!("mysql://{relay_user}:relay-secret@127.0.0.1:3306/test");
+    let relay = relay(&table, &rabbit, "my-grants")
+        .set("database.url", &relay_url)
+        .spawn();
+    // The application inserts with INSERT alone.
+    let app_url = format!("mysql://{app}:app-secret@127.0.0.1:3306/test");
+    let mut app_conn = mysql_async::Conn::new(mysql_async::Opts::from_url(&app_url).unwrap())
+        .await
+        .unwrap();
+    app_conn
+        .query_drop(format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload) \
+             VALUES ('acct', 'g', 'created', '{{\"ok\": true}}')",
+            table.name
+        ))
+        .await
+        .unwrap();
+    drop(app_conn);
+    table.wait_all_sent(WAIT).await;
+    assert_eq!(rabbit.count(), 1);
+    relay.stop().await;
+    for user in [&app, &relay_user] {
+        root.query_drop(format!("DROP USER '{user}'@'127.0.0.1'"))
+            .await
+            .unwrap();
+    }
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
