@@ -26,13 +26,37 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{ConsoleConfig, Ordering, OutboxConfig};
-use crate::store::{ConsoleCounts, Store};
+use crate::store::{ConsoleCounts, Store, StoreError};
 use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
 use history::{History, SAMPLE_EVERY, Sample};
 
 /// How long one reading of an outbox's counts serves every page that asks: a page polls every
 /// few seconds, and ten open pages must not cost ten statements.
 pub const COUNTS_FRESH_FOR: Duration = Duration::from_secs(2);
+
+/// How long a page waits for one of its reads before it says the database did not answer.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why a console read gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    /// The statement failed or no connection could be had.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// No answer within [`READ_TIMEOUT`] (a database that stalls rather than refuses).
+    #[error("no answer within {}s", READ_TIMEOUT.as_secs())]
+    Timeout,
+}
+
+/// `read`, or [`ReadError::Timeout`] when it takes longer than [`READ_TIMEOUT`].
+async fn within<T>(
+    read: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, ReadError> {
+    match tokio::time::timeout(READ_TIMEOUT, read).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(ReadError::Timeout),
+    }
+}
 
 /// The console: what it shows of each outbox, and its settings. One per relay; the outboxes
 /// register as they start ([`Console::register`]).
@@ -74,14 +98,14 @@ struct View {
 
 impl View {
     /// The counts, read again when older than [`COUNTS_FRESH_FOR`].
-    async fn counts(&self) -> Result<ConsoleCounts, crate::store::StoreError> {
+    async fn counts(&self) -> Result<ConsoleCounts, ReadError> {
         let mut cached = self.counts.lock().await;
         if let Some((at, counts)) = *cached
             && at.elapsed() < COUNTS_FRESH_FOR
         {
             return Ok(counts);
         }
-        let counts = self.store.console_counts().await?;
+        let counts = within(self.store.console_counts()).await?;
         *cached = Some((Instant::now(), counts));
         Ok(counts)
     }

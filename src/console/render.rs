@@ -79,11 +79,14 @@ pub fn plural(n: i64, thing: &str) -> String {
     }
 }
 
-/// A number of seconds as a person reads it: `0 s`, `3.2 s`, `42 s`, `4 min 10 s`,
+/// A number of seconds as a person reads it: `0 s`, `17 ms`, `3.2 s`, `42 s`, `4 min 10 s`,
 /// `2 h 3 min`, `3 d 4 h`.
 pub fn duration(secs: f64) -> String {
     if !secs.is_finite() || secs <= 0.0 {
         return "0 s".to_owned();
+    }
+    if secs < 0.9995 {
+        return format!("{} ms", (secs * 1000.0).round());
     }
     if secs < 10.0 {
         return format!("{secs:.1} s");
@@ -558,7 +561,7 @@ pub fn dead_letters(d: &DeadLetters<'_>) -> String {
     if d.actions {
         let _ = write!(
             out,
-            "<span class=\"spacer\"></span>{}{}",
+            "<span class=\"bulk\">{}{}</span>",
             action_button(
                 "Retry all",
                 &d.api("/retry-all"),
@@ -582,13 +585,17 @@ pub fn dead_letters(d: &DeadLetters<'_>) -> String {
     out.push_str("</div>");
     let _ = write!(
         out,
-        "<p class=\"muted small\">Oldest first. Open a row for its error{}{}.</p>",
+        "<p class=\"muted small\">Oldest first. Open a row to see its whole error{}{}.</p>",
         if d.show_payloads {
-            ", payload and headers"
+            ", its payload and its headers"
         } else {
             " (payloads and headers are hidden: console.show_payloads = false)"
         },
-        if d.actions { " and its actions" } else { "" }
+        if d.actions {
+            ", and to retry or discard it"
+        } else {
+            ""
+        }
     );
     let _ = write!(
         out,
@@ -755,6 +762,13 @@ pub fn message_body(found: &[Found], show_payloads: bool) -> String {
     for f in found {
         let r = &f.row;
         let opt_time = |t: Option<DateTime<Utc>>| t.map(time).unwrap_or_else(|| "—".to_owned());
+        let sent = match r.sent_at {
+            Some(at) => {
+                let after = (at - r.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+                format!("{} · {} after it was created", time(at), duration(after))
+            }
+            None => "—".to_owned(),
+        };
         let error = r
             .last_error
             .as_deref()
@@ -803,7 +817,6 @@ pub fn message_body(found: &[Found], show_payloads: bool) -> String {
             error = escape(&error),
             created = time(r.created_at),
             available = time(r.available_at),
-            sent = opt_time(r.sent_at),
             expires = opt_time(r.expires_at),
             destination = r
                 .destination
@@ -854,6 +867,8 @@ mod tests {
     fn durations_keep_two_units_at_most() {
         assert_eq!(duration(0.0), "0 s");
         assert_eq!(duration(f64::NAN), "0 s");
+        assert_eq!(duration(0.0174), "17 ms");
+        assert_eq!(duration(0.9996), "1.0 s");
         assert_eq!(duration(3.24), "3.2 s");
         assert_eq!(duration(42.4), "42 s");
         assert_eq!(duration(250.0), "4 min 10 s");

@@ -18,7 +18,7 @@ use uuid::Uuid;
 use super::chart::{self, Chart};
 use super::history::Point;
 use super::render::{self, Card, DeadLetters, Found, Layout, Notice, PER_PAGE};
-use super::{Console, View};
+use super::{Console, View, within};
 use crate::store::{Selection, StoreError};
 
 /// How often a refused action may be logged (the rest are counted into the next line).
@@ -111,7 +111,7 @@ impl Problem {
         }
     }
 
-    fn database(outbox: &str, e: &StoreError) -> Self {
+    fn database(outbox: &str, e: &dyn std::fmt::Display) -> Self {
         Self::Unavailable(Notice {
             title: format!("The database of outbox {outbox} did not answer"),
             text: format!("{e}. The page retries on its own; the relay reconnects by itself."),
@@ -341,11 +341,12 @@ async fn dead_letter_data(
 ) -> Result<(Arc<View>, DeadLetterData), Problem> {
     let view = c.view(outbox).ok_or_else(|| c.unknown_outbox(outbox))?;
     let page = page_number(query, outbox)?;
-    let read = view
-        .store
-        .dead_letter_page(page - 1, PER_PAGE, c.config.show_payloads)
-        .await
-        .map_err(|e| Problem::database(outbox, &e))?;
+    let read = within(
+        view.store
+            .dead_letter_page(page - 1, PER_PAGE, c.config.show_payloads),
+    )
+    .await
+    .map_err(|e| Problem::database(outbox, &e))?;
     let pages = ((read.total + PER_PAGE - 1) / PER_PAGE).max(1);
     if page > pages {
         let first = format!(
@@ -461,7 +462,7 @@ async fn find(c: &Console, id: Uuid) -> Result<Vec<Found>, Problem> {
     let lookups = views.iter().map(|v| async move {
         (
             v.name.clone(),
-            v.store.console_message(id, c.config.show_payloads).await,
+            within(v.store.console_message(id, c.config.show_payloads)).await,
         )
     });
     let mut found = Vec::new();

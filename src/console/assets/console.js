@@ -99,7 +99,11 @@
     if (!api) return;
     if (!document.hidden || force) {
       try {
-        const r = await fetch(api, { headers: { Accept: "application/json" }, cache: "no-store" });
+        const r = await fetch(api, {
+          headers: { Accept: "application/json" },
+          cache: "no-store",
+          signal: AbortSignal.timeout(15000),
+        });
         const data = await r.json();
         offline.hidden = true;
         if (r.status === 404) { location.reload(); return; }
