@@ -37,9 +37,9 @@
 //! - [`redact`]: masking passwords before anything is logged.
 //! - [`tail`]: the development consumer behind `outbox-relay tail`.
 //!
-//! Start-up ([`run`]) is here: the metrics server (and the console), the shared publisher, one pool per database,
-//! then one [`outbox::Outbox`] per configured outbox, each preparing its own table (migrating
-//! when configured, waiting out its database's outages).
+//! Start-up ([`run`]) is here: the metrics server (and the console), the shared publisher, one
+//! pool per database, then one [`outbox::Outbox`] per configured outbox, each preparing its own
+//! table (migrating when configured, waiting out its database's outages).
 //!
 //! Around this crate (a Cargo workspace): the binary in `src/main.rs` + `src/cli.rs`, the
 //! integration tests in `tests/`, the shared test kit in `testkit/` (`outbox-testkit`: the binary
@@ -129,8 +129,14 @@ pub async fn run_with(
     let health = Arc::new(Health::default());
     telemetry::install();
     telemetry::record_info(&config.relay.instance_id, config.publisher.kind());
+    // The console is served by the metrics server: without one there is nothing to sample for.
+    let console_config = config::ConsoleConfig {
+        enabled: config.console.enabled && config.metrics_listen.is_some(),
+        ..config.console.clone()
+    };
     let console = console::Console::start(
-        config.console.clone(),
+        console_config,
+        &config.outboxes,
         Arc::clone(&health),
         &config.relay.instance_id,
         &shutdown,

@@ -7,7 +7,7 @@
 //! the pages fit 360 px and follow the dark scheme.
 //!
 //! `screenshots` (ignored; `cargo test --test console screenshots -- --ignored`) writes the
-//! pictures in docs/.
+//! pictures in docs/images/.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -520,7 +520,7 @@ async fn dead_letters_show_their_error_and_payload_and_retry_and_discard_act_wit
     })
     .await;
     assert!(
-        rabbit.id_counts().get(&ids[1].to_string()).is_none(),
+        !rabbit.id_counts().contains_key(&ids[1].to_string()),
         "a discarded row is never published"
     );
     assert_eq!(relay.log_count("console: dead letters retried"), 1);
@@ -803,13 +803,13 @@ async fn bad_input_gets_a_clear_message_never_a_500() {
     // The JSON endpoints and the actions answer the same way.
     let bearer = format!("Bearer {TOKEN}");
     for (path, post, status) in [
-        (format!("/api/messages/not-a-uuid"), false, 400),
+        ("/api/messages/not-a-uuid".to_owned(), false, 400),
         (
             format!("/api/outboxes/{t}/dead-letters?page=-1"),
             false,
             400,
         ),
-        (format!("/api/outboxes/nope/dead-letters"), false, 404),
+        ("/api/outboxes/nope/dead-letters".to_owned(), false, 404),
         (
             format!("/api/outboxes/{t}/dead-letters/not-a-uuid/retry"),
             true,
@@ -831,7 +831,7 @@ async fn bad_input_gets_a_clear_message_never_a_500() {
             404,
         ),
         (
-            format!("/api/outboxes/nope/dead-letters/retry-all"),
+            "/api/outboxes/nope/dead-letters/retry-all".to_owned(),
             true,
             404,
         ),
@@ -947,10 +947,10 @@ fn invoice_row(round: usize, lost: bool) -> NewRow {
 
 /// Two outboxes (`orders`, `billing`) relayed with traffic for about three and a half minutes,
 /// a 30 s broker outage and a few unroutable invoices; then writes
-/// docs/console-<page>-<width>.png for the overview, the dead letters (one open) and a lookup,
-/// at 1280 and 360 px wide, and the overview at 360 in the dark scheme.
+/// docs/images/console-<page>-<width>.png for the overview, the dead letters (one open) and a
+/// lookup, at 1280 and 360 px wide, and the overview at 360 in the dark scheme.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "writes docs/*.png; run by hand: cargo test --test console screenshots -- --ignored"]
+#[ignore = "writes docs/images/*.png; run by hand: cargo test --test console screenshots -- --ignored"]
 async fn screenshots() {
     let orders = TestTable::new("orders").await;
     let billing = TestTable::new("billing").await;
@@ -997,8 +997,8 @@ async fn screenshots() {
         }
         tokio::time::sleep(Duration::from_millis(900)).await;
     }
-    let failed = format!("status = 'failed' AND destination = 'erp.invoices'");
-    billing.wait_count(&failed, lost.len() as i64, WAIT).await;
+    let failed = "status = 'failed' AND destination = 'erp.invoices'";
+    billing.wait_count(failed, lost.len() as i64, WAIT).await;
     let sent = orders.insert_one(order_row(0, 0)).await;
     orders
         .wait_row(sent, WAIT, "the looked-up row is sent", |r| {
@@ -1007,7 +1007,7 @@ async fn screenshots() {
         .await;
     tokio::time::sleep(Duration::from_secs(6)).await;
 
-    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs");
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/images");
     let b = Browser::start().await;
     let shoot = async |path: &str, name: &str, width: u32, dark: bool, open: Option<Uuid>| {
         b.dark(dark).await;

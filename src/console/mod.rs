@@ -66,6 +66,9 @@ pub struct Console {
     instance: String,
     // Where the relay publishes, secrets masked: known once the publisher is built.
     publisher: OnceLock<String>,
+    // The outboxes' names in the configuration's order, which the pages keep (they start in
+    // any order).
+    order: Vec<String>,
     outboxes: RwLock<Vec<Arc<View>>>,
     // Refused actions are logged at most once a minute.
     refusals: Mutex<routes::RateLimit>,
@@ -116,7 +119,8 @@ impl View {
         match self.store.backlog(self.ordering).await {
             Ok(b) => self.metrics.backlog(&b),
             Err(e) => {
-                tracing::debug!(outbox = %self.name, error = %e, "backlog not refreshed after a console action")
+                let outbox = &self.name;
+                tracing::debug!(%outbox, error = %e, "backlog not refreshed after a console action");
             }
         }
         *self.counts.lock().await = None;
@@ -136,10 +140,12 @@ impl View {
 }
 
 impl Console {
-    /// The console for a relay with `config`, whose health flags are `health`. When the
-    /// console is on, a task samples every outbox's counters every 10 s until `shutdown`.
+    /// The console for a relay with `config` serving `outboxes`, whose health flags are
+    /// `health`. When the console is on, a task samples every outbox's counters every 10 s
+    /// until `shutdown`.
     pub fn start(
         config: ConsoleConfig,
+        outboxes: &[OutboxConfig],
         health: Arc<Health>,
         instance: &str,
         shutdown: &CancellationToken,
@@ -149,6 +155,7 @@ impl Console {
             health,
             instance: instance.to_owned(),
             publisher: OnceLock::new(),
+            order: outboxes.iter().map(|o| o.name.clone()).collect(),
             outboxes: RwLock::new(Vec::new()),
             refusals: Mutex::new(routes::RateLimit::new(routes::REFUSALS_LOGGED_EVERY)),
         });
@@ -209,10 +216,13 @@ impl Console {
         });
         // The charts' first interval starts now.
         view.sample(Instant::now());
-        self.outboxes
+        let position = |name: &str| self.order.iter().position(|n| n == name);
+        let mut views = self
+            .outboxes
             .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(view);
+            .unwrap_or_else(PoisonError::into_inner);
+        views.push(view);
+        views.sort_by_key(|v| position(&v.name));
     }
 
     fn views(&self) -> Vec<Arc<View>> {
