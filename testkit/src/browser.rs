@@ -1,5 +1,7 @@
-//! A real Chromium for the console's tests: `chromedriver` (Debian's `chromium-driver`) on a
-//! free loopback port and a headless session on it, driven over WebDriver with `fantoccini`.
+//! A real Chromium for the console's tests: a headless Chromium started here, `chromedriver`
+//! (Debian's `chromium-driver`) on a free loopback port attached to it, driven over WebDriver
+//! with `fantoccini`. The kit starts the browser itself (rather than letting the driver do it)
+//! so that both end with the [`Browser`], also when a test panics before closing it.
 //! `scripts/services.sh` installs Debian's `chromium` and `chromium-driver` when they are
 //! missing.
 
@@ -18,6 +20,9 @@ use tokio::process::{Child, Command};
 
 use crate::{TempDir, free_port, wait_until};
 
+/// How long the browser and its driver may take to start.
+const WAIT: Duration = Duration::from_secs(60);
+
 /// The Chromium binary: `$CHROME_BIN`, else Debian's `/usr/bin/chromium`.
 pub fn chromium_bin() -> PathBuf {
     std::env::var_os("CHROME_BIN")
@@ -32,11 +37,13 @@ pub fn chromedriver_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/usr/bin/chromedriver"))
 }
 
-/// A headless Chromium session and its own chromedriver (both end when this is dropped).
+/// A headless Chromium, its own chromedriver and a WebDriver session (all end when this is
+/// dropped).
 pub struct Browser {
     /// The WebDriver session.
     pub client: Client,
     driver: Child,
+    chromium: Child,
     _profile: TempDir,
 }
 
@@ -80,6 +87,38 @@ impl Browser {
                 bin.display()
             );
         }
+        let profile = TempDir::new("chromium");
+        let chromium = Command::new(&chromium)
+            .args([
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-extensions",
+                "--no-first-run",
+                "--no-default-browser-check",
+                "--hide-scrollbars",
+                "--force-device-scale-factor=1",
+                "--remote-debugging-address=127.0.0.1",
+                "--remote-debugging-port=0",
+            ])
+            .arg(format!("--window-size={width},{height}"))
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg("about:blank")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", chromium.display()));
+        // Chromium writes the DevTools port it chose into its profile.
+        let active = profile.path().join("DevToolsActivePort");
+        let devtools = wait_until(WAIT, "Chromium opens its DevTools port", async || {
+            let text = std::fs::read_to_string(&active).map_err(|e| e.to_string())?;
+            let port = text.lines().next().unwrap_or_default().trim();
+            port.parse::<u16>().map_err(|e| format!("{port:?}: {e}"))
+        })
+        .await;
         let port = free_port();
         let driver = Command::new(&driver_bin)
             .arg(format!("--port={port}"))
@@ -90,30 +129,15 @@ impl Browser {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", driver_bin.display()));
         let url = format!("http://127.0.0.1:{port}");
-        let profile = TempDir::new("chromium");
         let mut caps = serde_json::Map::new();
         caps.insert("browserName".into(), json!("chrome"));
         caps.insert(
             "goog:chromeOptions".into(),
-            json!({
-                "binary": chromium.to_string_lossy(),
-                "args": [
-                    "--headless=new",
-                    "--no-sandbox",
-                    "--disable-gpu",
-                    "--disable-dev-shm-usage",
-                    "--disable-extensions",
-                    "--no-first-run",
-                    "--hide-scrollbars",
-                    "--force-device-scale-factor=1",
-                    format!("--window-size={width},{height}"),
-                    format!("--user-data-dir={}", profile.path().display()),
-                ],
-            }),
+            json!({ "debuggerAddress": format!("127.0.0.1:{devtools}") }),
         );
         let client = wait_until(
-            Duration::from_secs(60),
-            "chromedriver starts a headless Chromium session",
+            WAIT,
+            "chromedriver attaches a session to the headless Chromium",
             async || {
                 ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
                     .capabilities(caps.clone())
@@ -126,6 +150,7 @@ impl Browser {
         Self {
             client,
             driver,
+            chromium,
             _profile: profile,
         }
     }
@@ -214,9 +239,10 @@ impl Browser {
         png
     }
 
-    /// Ends the session and the driver.
+    /// Ends the session, the driver and the browser.
     pub async fn close(mut self) {
         let _ = self.client.clone().close().await;
         let _ = self.driver.kill().await;
+        let _ = self.chromium.kill().await;
     }
 }
