@@ -4,8 +4,8 @@
 # `test`), RabbitMQ (127.0.0.1:5672), tansu, a Kafka-protocol broker
 # (127.0.0.1:9092; built once into the cache by scripts/tansu.sh, ~15 minutes the first time),
 # NATS with JetStream (127.0.0.1:4222, store in /var/lib/nats-server), Redis (127.0.0.1:6379,
-# no persistence: a test server), Prometheus's promtool for the deploy/ checks, and OpenSSL's
-# headers for rdkafka.
+# no persistence: a test server), Prometheus's promtool for the deploy/ checks, OpenSSL's
+# headers for rdkafka, and Chromium with its WebDriver for the console's browser tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -92,6 +92,13 @@ if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
     say "installing prometheus (promtool) from Debian's packages"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+fi
+
+# tests/console.rs drives the web console in a headless Chromium through chromedriver.
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+    say "installing chromium and chromium-driver from Debian's packages (console browser tests)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver fonts-liberation >/dev/null
 fi
 
 scripts/tansu.sh start

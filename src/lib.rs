@@ -33,12 +33,14 @@
 //!   attempt, whose context the message carries as `traceparent` (every sink).
 //! - [`telemetry`]: metric names, each outbox's labelled metrics ([`telemetry::OutboxMetrics`]),
 //!   the `/metrics` + health server.
+//! - [`console`]: the web console that server also serves at `/` (counts, lag, charts, dead
+//!   letters, lookup by id; retry and discard behind a token).
 //! - [`redact`]: masking passwords before anything is logged.
 //! - [`tail`]: the development consumer behind `outbox-relay tail`.
 //!
-//! Start-up ([`run`]) is here: the metrics server, the shared publisher, one pool per database,
-//! then one [`outbox::Outbox`] per configured outbox, each preparing its own table (migrating
-//! when configured, waiting out its database's outages).
+//! Start-up ([`run`]) is here: the metrics server (and the console), the shared publisher, one
+//! pool per database, then one [`outbox::Outbox`] per configured outbox, each preparing its own
+//! table (migrating when configured, waiting out its database's outages).
 //!
 //! Around this crate (a Cargo workspace): the binary in `src/main.rs` + `src/cli.rs`, the
 //! integration tests in `tests/`, the shared test kit in `testkit/` (`outbox-testkit`: the binary
@@ -52,6 +54,7 @@
 
 pub mod backoff;
 pub mod config;
+pub mod console;
 #[cfg(feature = "fault-injection")]
 mod fault_injection;
 pub mod message;
@@ -127,12 +130,25 @@ pub async fn run_with(
     let health = Arc::new(Health::default());
     telemetry::install();
     telemetry::record_info(&config.relay.instance_id, config.publisher.kind());
-    let server = serve_metrics(config.metrics_listen, &health, &shutdown).await?;
+    // The console is served by the metrics server: without one there is nothing to sample for.
+    let console_config = config::ConsoleConfig {
+        enabled: config.console.enabled && config.metrics_listen.is_some(),
+        ..config.console.clone()
+    };
+    let console = console::Console::start(
+        console_config,
+        &config.outboxes,
+        Arc::clone(&health),
+        &config.relay.instance_id,
+        &shutdown,
+    );
+    let server = serve_metrics(config.metrics_listen, &health, &console, &shutdown).await?;
 
     let publisher = match publisher {
         Some(make) => make(),
         None => publish::build(&config),
     };
+    console.set_publisher(publisher.describe());
     tracing::info!(
         instance = %config.relay.instance_id,
         outboxes = config.outboxes.len(),
@@ -147,6 +163,7 @@ pub async fn run_with(
         publisher: Arc::clone(&publisher),
         health,
         tracing: tracing.clone(),
+        console,
     };
     let failed = run_outboxes(config, shared, &shutdown).await?;
     publisher.close().await;
@@ -166,11 +183,12 @@ pub async fn run_with(
     Ok(())
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` on `listen` (none: no server) until
-/// `shutdown`.
+/// Serves `/metrics`, `/healthz`, `/readyz` and the console on `listen` (none: no server)
+/// until `shutdown`.
 async fn serve_metrics(
     listen: Option<std::net::SocketAddr>,
     health: &Arc<Health>,
+    console: &Arc<console::Console>,
     shutdown: &CancellationToken,
 ) -> Result<Option<tokio::task::JoinHandle<()>>, RunError> {
     let Some(addr) = listen else {
@@ -180,9 +198,12 @@ async fn serve_metrics(
         .await
         .map_err(|source| RunError::MetricsBind { addr, source })?;
     tracing::info!(%addr, "serving /metrics, /healthz and /readyz");
-    let (health, token) = (Arc::clone(health), shutdown.clone());
+    if let Some(mode) = console.mode() {
+        tracing::info!(url = %format!("http://{addr}/"), mode, "serving the web console");
+    }
+    let (health, token, routes) = (Arc::clone(health), shutdown.clone(), console.router());
     Ok(Some(tokio::spawn(async move {
-        if let Err(e) = telemetry::serve(listener, health, token).await {
+        if let Err(e) = telemetry::serve(listener, health, routes, token).await {
             tracing::error!(error = %e, "metrics server stopped");
         }
     })))

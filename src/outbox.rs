@@ -37,6 +37,8 @@ pub struct SharedParts {
     pub health: Arc<Health>,
     /// The tracer when tracing is on.
     pub tracing: Option<crate::otel::Tracing>,
+    /// The web console, which shows every outbox.
+    pub console: Arc<crate::console::Console>,
 }
 
 /// An outbox table to relay.
@@ -72,6 +74,9 @@ impl Outbox {
         } = self;
         let metrics = OutboxMetrics::new(&outbox.name);
         let database = shared.health.database_slot(&outbox.name);
+        shared
+            .console
+            .register(&outbox, &store, &metrics, &database);
         let Some((payload_kind, table_oid)) =
             prepare(&store, &outbox, config, &database, alone, &shutdown).await?
         else {

@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::OnceLock;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -165,6 +165,33 @@ pub struct OutboxMetrics {
     publish_duration: metrics::Histogram,
     end_to_end: metrics::Histogram,
     published: std::sync::Arc<std::sync::Mutex<HashMap<String, metrics::Counter>>>,
+    // What the console reads (clones share them): the Prometheus counters cannot be read back
+    // from inside the process, so the events its charts sample are also summed here, and the
+    // backlog task's last figures are kept instead of being read from the table again.
+    totals: std::sync::Arc<Totals>,
+    last_backlog: std::sync::Arc<std::sync::Mutex<Option<(std::time::Instant, Backlog)>>>,
+}
+
+/// One outbox's running totals since start, as the console samples them.
+#[derive(Debug, Default)]
+struct Totals {
+    published: AtomicU64,
+    message_failures: AtomicU64,
+    connection_failures: AtomicU64,
+    dead_lettered: AtomicU64,
+}
+
+/// One outbox's totals since start, read at one moment (see [`OutboxMetrics::totals`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TotalsSnapshot {
+    /// Messages confirmed.
+    pub published: u64,
+    /// Message-level publish failures.
+    pub message_failures: u64,
+    /// Connection-level publish failures (lost connections and failed reconnects included).
+    pub connection_failures: u64,
+    /// Rows dead-lettered.
+    pub dead_lettered: u64,
 }
 
 impl std::fmt::Debug for OutboxMetrics {
@@ -186,6 +213,8 @@ impl OutboxMetrics {
             outbox,
             claimed: std::sync::Arc::default(),
             published: std::sync::Arc::default(),
+            totals: std::sync::Arc::default(),
+            last_backlog: std::sync::Arc::default(),
         };
         let o = m.label();
         metrics::counter!(names::PUBLISH_FAILURES, "outbox" => o.clone(), "kind" => "message")
@@ -215,6 +244,7 @@ impl OutboxMetrics {
 
     /// A message was confirmed by the broker.
     pub fn published(&self, aggregate_type: &str, publish: Duration, end_to_end: Duration) {
+        self.totals.published.fetch_add(1, Ordering::Relaxed);
         {
             let mut counters = self.published.lock().unwrap_or_else(|p| p.into_inner());
             match counters.get(aggregate_type) {
@@ -233,7 +263,12 @@ impl OutboxMetrics {
 
     /// A publish failed; `connection` says whether it was connection-level.
     pub fn publish_failure(&self, connection: bool) {
-        let kind = if connection { "connection" } else { "message" };
+        let (kind, total) = if connection {
+            ("connection", &self.totals.connection_failures)
+        } else {
+            ("message", &self.totals.message_failures)
+        };
+        total.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(names::PUBLISH_FAILURES, "outbox" => self.label(), "kind" => kind)
             .increment(1);
     }
@@ -248,6 +283,7 @@ impl OutboxMetrics {
 
     /// Rows were dead-lettered.
     pub fn dead_lettered(&self, n: u64) {
+        self.totals.dead_lettered.fetch_add(n, Ordering::Relaxed);
         metrics::counter!(names::DEAD_LETTERED, "outbox" => self.label()).increment(n);
     }
 
@@ -261,6 +297,23 @@ impl OutboxMetrics {
         self.claimed
             .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         metrics::histogram!(names::CLAIM_BATCH_SIZE, "outbox" => self.label()).record(n as f64);
+    }
+
+    /// What this outbox has published, failed and dead-lettered since start.
+    pub fn totals(&self) -> TotalsSnapshot {
+        let t = &self.totals;
+        TotalsSnapshot {
+            published: t.published.load(Ordering::Relaxed),
+            message_failures: t.message_failures.load(Ordering::Relaxed),
+            connection_failures: t.connection_failures.load(Ordering::Relaxed),
+            dead_lettered: t.dead_lettered.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The backlog figures last published ([`OutboxMetrics::backlog`]) and when; `None` before
+    /// the first.
+    pub fn last_backlog(&self) -> Option<(std::time::Instant, Backlog)> {
+        *self.last_backlog.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Rows this outbox's loop has claimed since start.
@@ -290,6 +343,8 @@ impl OutboxMetrics {
 
     /// Publishes the backlog gauges.
     pub fn backlog(&self, b: &Backlog) {
+        *self.last_backlog.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((std::time::Instant::now(), *b));
         let o = self.label();
         metrics::gauge!(names::PENDING, "outbox" => o.clone(), "state" => "ready")
             .set(b.ready as f64);
@@ -404,10 +459,12 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
     tokio::net::TcpListener::bind(addr).await
 }
 
-/// Serves `/metrics`, `/healthz` and `/readyz` until `shutdown`.
+/// Serves `/metrics`, `/healthz` and `/readyz`, and the routes of `extra` (the console's),
+/// until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     health: std::sync::Arc<Health>,
+    extra: Router,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
     let state = ServerState {
@@ -418,7 +475,8 @@ pub async fn serve(
         .route("/metrics", get(metrics_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(ready_handler))
-        .with_state(state);
+        .with_state(state)
+        .merge(extra);
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await

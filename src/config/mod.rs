@@ -3,13 +3,14 @@
 //!
 //! The raw structs mirror `relay.toml` one to one (unknown keys are rejected), a file per
 //! section: `database`, `relay`, `retry`, `publisher`, `metrics`, `cleanup`,
-//! `signing`, `traces` (`[tracing]`); each validates its own section. Closed sets are serde enums
+//! `signing`, `traces` (`[tracing]`), `console`; each validates its own section. Closed sets are serde enums
 //! (`publisher.rabbitmq.exchange_type`, `cloudevents_prefix`) or, where the raw field stays a
 //! string (`relay.ordering`, `publisher.kind`: the benchmark sets them as text), matched by one
 //! helper that names every choice. [`Config`] holds parsed durations, templates and
 //! identifiers. Every rejection names the key at fault.
 
 mod cleanup;
+mod console;
 mod database;
 mod http;
 mod metrics;
@@ -29,6 +30,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub use cleanup::{CleanupConfig, RawCleanup};
+pub use console::{CONSOLE_TOKEN_ENV, ConsoleConfig, MIN_CONSOLE_TOKEN_CHARS, RawConsole};
 pub use database::{DatabaseConfig, DatabaseKind, RawDatabase, TableName, validate_identifier};
 pub use http::{
     HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp, TRACE_CONTEXT_HEADERS,
@@ -140,6 +142,9 @@ pub struct RawConfig {
     /// `[tracing]`
     #[serde(default)]
     pub tracing: RawTracing,
+    /// `[console]`
+    #[serde(default)]
+    pub console: RawConsole,
     /// `[[outboxes]]`: the tables this relay serves (none: one, `database.table`).
     #[serde(default)]
     pub outboxes: Vec<RawOutbox>,
@@ -211,6 +216,7 @@ impl Default for RawConfig {
             },
             signing: RawSigning::default(),
             tracing: RawTracing::default(),
+            console: RawConsole::default(),
             outboxes: Vec::new(),
         }
     }
@@ -235,6 +241,8 @@ pub struct Config {
     pub signing: Option<SigningConfig>,
     /// `[tracing]`; `None`: tracing is off (no endpoint configured).
     pub tracing: Option<TracingConfig>,
+    /// `[console]`
+    pub console: ConsoleConfig,
     /// The outboxes served: `[[outboxes]]`, or the one table of `[database]` (never empty).
     /// With `[[outboxes]]`, `database.table` above is the first outbox's table.
     pub outboxes: Vec<OutboxConfig>,
@@ -275,11 +283,18 @@ impl Config {
             }
         }
         // RELAY_CONFIG names the file and RELAY_LOG_* tune logging; neither is a config key.
-        // The signing key is read from the environment as is (see SIGNING_KEY_ENV).
+        // The signing key and the console token are read from the environment as is (see
+        // SIGNING_KEY_ENV, CONSOLE_TOKEN_ENV).
         let env = env.split("__").filter(|k| {
-            !["config", "log_format", "log", "signing.key"]
-                .iter()
-                .any(|n| k.as_str().eq_ignore_ascii_case(n))
+            ![
+                "config",
+                "log_format",
+                "log",
+                "signing.key",
+                "console.token",
+            ]
+            .iter()
+            .any(|n| k.as_str().eq_ignore_ascii_case(n))
         });
         let mut raw: RawConfig = figment
             .merge(env)
@@ -287,6 +302,9 @@ impl Config {
             .map_err(|e| ConfigError::Load(describe_figment_error(e)))?;
         if let Ok(key) = std::env::var(SIGNING_KEY_ENV) {
             raw.signing.key = Some(Secret(key));
+        }
+        if let Ok(token) = std::env::var(CONSOLE_TOKEN_ENV) {
+            raw.console.token = Some(Secret(token));
         }
         raw.validate_with(&OtelEnv::from_process())
     }
@@ -307,8 +325,11 @@ fn describe_figment_error(e: figment::Error) -> String {
             {
                 return message;
             }
-            // A value that did not parse is quoted in the error: never the signing key's.
-            let what = if key.starts_with("signing.key") && !key.starts_with("signing.key_id") {
+            // A value that did not parse is quoted in the error: never the signing key's or
+            // the console token's.
+            let secret = (key.starts_with("signing.key") && !key.starts_with("signing.key_id"))
+                || key.starts_with("console.token");
+            let what = if secret {
                 "not a string (the value is not shown)".to_owned()
             } else {
                 redact_url(&e.kind.to_string())
@@ -383,6 +404,7 @@ impl RawConfig {
         let signing = self.signing.validate()?;
         let tracing = self.tracing.validate(otel)?;
         let cleanup = self.cleanup.validate()?;
+        let console = self.console.validate()?;
         let outboxes = if self.outboxes.is_empty() {
             vec![OutboxConfig {
                 name: table_as_written,
@@ -419,6 +441,7 @@ impl RawConfig {
             cleanup,
             signing,
             tracing,
+            console,
         })
     }
 }

@@ -16,6 +16,7 @@ pub use postgres::{
     Backlog, Claim, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure, OnConfirm, SchemaPlan,
     SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
 };
+pub use postgres::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
 pub use postgres::{PgStore, partitions, schema, steps};
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`).
@@ -368,6 +369,30 @@ impl Store {
     /// Deletes dead letters; the ids deleted.
     pub async fn discard_dead_letters(&self, sel: &Selection) -> Result<Vec<Uuid>> {
         either!(self, s => s.discard_dead_letters(sel).await)
+    }
+
+    /// The console's counts: rows in flight, sent and expired (each up to [`COUNT_CAP`]).
+    pub async fn console_counts(&self) -> Result<ConsoleCounts> {
+        either!(self, s => s.console_counts().await)
+    }
+
+    /// Page `page` (from 0) of `per_page` dead letters, with their number (up to [`COUNT_CAP`]).
+    pub async fn dead_letter_page(
+        &self,
+        page: i64,
+        per_page: i64,
+        show_payloads: bool,
+    ) -> Result<DeadLetterPage> {
+        either!(self, s => s.dead_letter_page(page, per_page, show_payloads).await)
+    }
+
+    /// The row with `id`, whatever its status, for the console's lookup.
+    pub async fn console_message(
+        &self,
+        id: Uuid,
+        show_payloads: bool,
+    ) -> Result<Option<MessageRow>> {
+        either!(self, s => s.console_message(id, show_payloads).await)
     }
 
     /// Which of `ids` are dead letters.

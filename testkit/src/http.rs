@@ -15,12 +15,39 @@ pub fn local(port: u16) -> SocketAddr {
 
 /// A plain HTTP/1.0 GET (the server closes the connection after the answer): (status, body).
 pub async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+    http_request(addr, "GET", path, &[]).await
+}
+
+/// A plain HTTP/1.0 POST without a body, with `headers`: (status, body).
+pub async fn http_post(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<(u16, String), String> {
+    http_request(addr, "POST", path, headers).await
+}
+
+/// One HTTP/1.0 request without a body: (status, body).
+async fn http_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<(u16, String), String> {
+    let mut head = format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if method != "GET" {
+        head.push_str("Content-Length: 0\r\n");
+    }
+    head.push_str("\r\n");
     let exchange = async {
         let mut stream = tokio::net::TcpStream::connect(addr)
             .await
             .map_err(|e| format!("connect {addr}: {e}"))?;
         stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+            .write_all(head.as_bytes())
             .await
             .map_err(|e| format!("write to {addr}: {e}"))?;
         let mut raw = Vec::new();
@@ -41,7 +68,7 @@ pub async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), Str
     };
     tokio::time::timeout(Duration::from_secs(10), exchange)
         .await
-        .map_err(|_| format!("GET http://{addr}{path}: no answer within 10s"))?
+        .map_err(|_| format!("{method} http://{addr}{path}: no answer within 10s"))?
 }
 
 /// The relay's `/metrics` text on `127.0.0.1:port`.

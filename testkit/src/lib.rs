@@ -18,7 +18,8 @@
 //! - [`redis`]: a test's own stream keys read back with `XRANGE` ([`RedisStreams`]), the
 //!   relay configured for Redis;
 //! - [`proxy`]: a TCP proxy that can cut or stall a connection;
-//! - [`http`]: a plain GET, the relay's `/metrics` text and its samples;
+//! - [`http`]: a plain GET or POST, the relay's `/metrics` text and its samples;
+//! - [`browser`]: a headless Chromium on its own chromedriver, for the console's pages;
 //! - [`webhook`]: a scripted HTTP endpoint (plain or TLS) that records every request;
 //! - [`otlp`]: an OTLP/HTTP trace receiver that decodes what the relay exports;
 //! - [`check`]: deliveries checked against rows (lost, duplicated, foreign, out of order).
@@ -31,6 +32,7 @@
 //! Every fixture gets a unique name (`it_<test>_<hex>`, `it.<test>.<hex>`) so tests run in
 //! parallel without seeing each other's rows or messages.
 
+pub mod browser;
 pub mod check;
 pub mod db;
 pub mod failover;

@@ -5,7 +5,8 @@
 //! - `claim`: the claims by ordering mode (the ordering guard's locking probe), a suspect on
 //!   its own, and the expiry sweep;
 //! - `settle`: sent, rejected and handed-back rows, lease renewal and reclaim;
-//! - `operator`: `status`, dead letters, the backlog gauges and retention.
+//! - `operator`: `status`, dead letters, the backlog gauges and retention;
+//! - `console`: the web console's bounded reads.
 //!
 //! Every session runs at READ COMMITTED: InnoDB then takes no gap locks for the relay's reads
 //! and updates, so an application's `INSERT` never waits behind the relay. Each file renders
@@ -14,6 +15,7 @@
 
 mod claim;
 mod connect;
+mod console;
 mod operator;
 pub mod schema;
 mod settle;

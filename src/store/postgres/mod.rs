@@ -9,6 +9,7 @@
 //! - `maintenance`: the background tasks' backlog gauges, table health
 //!   and `VACUUM`;
 //! - `operator`: `status`, dead-letter commands and retention cleanup;
+//! - `console`: the web console's bounded reads (counts, a page of dead letters, one message);
 //! - [`partitions`]: a partitioned table's conversion, partitions ahead and retention by
 //!   dropping partitions;
 //! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
@@ -24,6 +25,7 @@
 
 mod claim;
 mod connect;
+mod console;
 mod maintenance;
 mod observe;
 mod operator;
@@ -37,6 +39,7 @@ mod waiting;
 pub(crate) use claim::scan_window;
 pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
+pub use console::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
