@@ -542,47 +542,10 @@ async fn expired_rows_are_never_published_and_hold_nothing_back() {
         "{:?}",
         row.last_error
     );
-async fn the_console_reads_a_mysql_outbox() {
-    let table = MysqlTable::new("my_console").await;
-    let rabbit = RabbitFixture::new("my_console", "ok.#", "ok.barrier").await;
-    let port = common::free_port();
-    let relay = relay(&table, &rabbit, "my-console")
-        .set("metrics.listen", format!("127.0.0.1:{port}"))
-        .set("retry.max_attempts", "1")
-        .spawn();
-    let rows = table
-        .insert(&[
-            NewRow::new("acct", Some("s"), "e", json!({ "fine": 1 })).destination("ok.s"),
-            NewRow::new("acct", Some("d"), "e", json!({ "poison": 1 })).destination("nowhere.d"),
-        ])
-        .await;
-    let (sent, dead) = (rows[0], rows[1]);
-    table.wait_count("status = 'sent'", 1, WAIT).await;
-    table.wait_count("status = 'failed'", 1, WAIT).await;
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let get = |path: String| async move { common::http_get(addr, &path).await.unwrap() };
-    let (status, overview) = get("/api/overview".into()).await;
-    assert_eq!(status, 200, "{overview}");
-    let overview: Value = serde_json::from_str(&overview).unwrap();
-    assert_eq!(
-        overview["outboxes"][0]["name"],
-        table.name.as_str(),
-        "{overview}"
-    );
-    let (status, page) = get(format!("/api/outboxes/{}/dead-letters", table.name)).await;
-    assert_eq!(status, 200, "{page}");
-    assert!(page.contains(&dead.id.to_string()), "{page}");
-    assert!(page.contains("poison"), "the dead letter's payload: {page}");
-    let (status, message) = get(format!("/api/messages/{}", sent.id)).await;
-    assert_eq!(status, 200, "{message}");
-    assert!(message.contains("sent"), "{message}");
-    let (status, _) = get(format!("/api/messages/{}", Uuid::new_v4())).await;
-    assert_eq!(status, 404);
     relay.stop().await;
     rabbit.teardown().await;
     table.drop_table().await;
 }
-<<<<<<< HEAD
 
 #[tokio::test]
 async fn the_documented_grants_are_enough_for_the_relay_and_the_application() {
@@ -632,5 +595,45 @@ async fn the_documented_grants_are_enough_for_the_relay_and_the_application() {
     rabbit.teardown().await;
     table.drop_table().await;
 }
-=======
->>>>>>> merge
+
+#[tokio::test]
+async fn the_console_reads_a_mysql_outbox() {
+    let table = MysqlTable::new("my_console").await;
+    let rabbit = RabbitFixture::new("my_console", "ok.#", "ok.barrier").await;
+    let port = common::free_port();
+    let relay = relay(&table, &rabbit, "my-console")
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .set("retry.max_attempts", "1")
+        .spawn();
+    let rows = table
+        .insert(&[
+            NewRow::new("acct", Some("s"), "e", json!({ "fine": 1 })).destination("ok.s"),
+            NewRow::new("acct", Some("d"), "e", json!({ "poison": 1 })).destination("nowhere.d"),
+        ])
+        .await;
+    let (sent, dead) = (rows[0], rows[1]);
+    table.wait_count("status = 'sent'", 1, WAIT).await;
+    table.wait_count("status = 'failed'", 1, WAIT).await;
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let get = |path: String| async move { common::http_get(addr, &path).await.unwrap() };
+    let (status, overview) = get("/api/overview".into()).await;
+    assert_eq!(status, 200, "{overview}");
+    let overview: Value = serde_json::from_str(&overview).unwrap();
+    assert_eq!(
+        overview["outboxes"][0]["name"],
+        table.name.as_str(),
+        "{overview}"
+    );
+    let (status, page) = get(format!("/api/outboxes/{}/dead-letters", table.name)).await;
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains(&dead.id.to_string()), "{page}");
+    assert!(page.contains("poison"), "the dead letter's payload: {page}");
+    let (status, message) = get(format!("/api/messages/{}", sent.id)).await;
+    assert_eq!(status, 200, "{message}");
+    assert!(message.contains("sent"), "{message}");
+    let (status, _) = get(format!("/api/messages/{}", Uuid::new_v4())).await;
+    assert_eq!(status, 404);
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
