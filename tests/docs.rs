@@ -1,6 +1,7 @@
 //! The manual stays true to the code: every configuration key the relay accepts has a row in
 //! `docs/configuration.md`, and every row names a key it accepts; every metric the relay
-//! exports has a row in `docs/operations.md`, and every row names one it exports.
+//! exports has a row in `docs/operations.md`, and every row names one it exports; the README's
+//! configuration snippet and the crate's description name every publisher kind.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -9,7 +10,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use common::repo_file;
-use outbox_relay::config::{RawConfig, RawOutbox};
+use outbox_relay::config::{PublisherKind, RawConfig, RawOutbox};
 use outbox_relay::telemetry::names;
 use serde_json::Value;
 
@@ -134,4 +135,48 @@ fn the_readme_is_a_short_manual_that_links_every_page_of_docs() {
             "README.md does not link docs/{name}"
         );
     }
+}
+
+/// Every `publisher.kind` the relay accepts, read from the closed set itself: the choices
+/// serde names when it rejects a kind that does not exist.
+fn publisher_kinds() -> Vec<String> {
+    let rejected = serde_json::from_str::<PublisherKind>("\"?\"").unwrap_err();
+    let message = rejected.to_string();
+    let (_, choices) = message.split_once("expected one of ").unwrap();
+    let kinds: Vec<String> = choices
+        .split(", ")
+        .map(|c| c.split('`').nth(1).unwrap().to_owned())
+        .collect();
+    assert!(kinds.len() >= 6, "{message}");
+    kinds
+}
+
+#[test]
+fn the_readme_snippet_and_the_crate_description_name_every_publisher_kind() {
+    let kinds = publisher_kinds();
+    let readme = repo_file("README.md");
+    let line = readme
+        .lines()
+        .find(|l| l.starts_with("kind = \"rabbitmq\""))
+        .expect("README.md's configuration snippet sets publisher.kind");
+    let missing: Vec<&String> = kinds
+        .iter()
+        .filter(|k| !line.contains(&format!("\"{k}\"")))
+        .collect();
+    assert!(missing.is_empty(), "README.md: {line:?} omits {missing:?}");
+
+    let manifest = repo_file("Cargo.toml");
+    let description = manifest
+        .lines()
+        .find_map(|l| l.strip_prefix("description = "))
+        .expect("Cargo.toml has a description");
+    let lower = description.to_lowercase();
+    let missing: Vec<&String> = kinds
+        .iter()
+        .filter(|k| !lower.contains(k.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "Cargo.toml's description {description:?} omits {missing:?}"
+    );
 }
