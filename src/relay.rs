@@ -207,28 +207,23 @@ impl Relay {
         });
     }
 
-    /// Publishes one claimed batch and records every row's outcome. Each chain gives its
-    /// share of the in-flight window back as soon as its last row is answered; whatever else
-    /// `permit` holds (a suspect's whole window) is kept until the batch is settled.
+    /// Publishes one claimed batch and records every row's outcome. `permit`, the batch's share
+    /// of the in-flight window, is given back only once the batch is settled: a message counts
+    /// against `relay.max_in_flight` from its claim until its outcome is in the database, so a
+    /// crash at any moment publishes at most that many messages again. (Giving a chain's share
+    /// back at its last answer would let the loop claim and publish more while the batch's
+    /// answered rows still wait for their settle.)
     async fn process_batch(
         self: Arc<Self>,
         rows: Vec<OutboxMessage>,
-        mut permit: Permit,
+        permit: Permit,
         claimed_at: chrono::DateTime<chrono::Utc>,
         hard_stop: CancellationToken,
     ) {
         let chains = chains(rows, self.settings.relay.ordering);
         let mut running: FuturesUnordered<_> = chains
             .into_iter()
-            .map(|chain| {
-                let share = permit.split(chain.len());
-                let publishing = self.publish_chain(chain, claimed_at, &hard_stop);
-                async move {
-                    let results = publishing.await;
-                    drop(share);
-                    results
-                }
-            })
+            .map(|chain| self.publish_chain(chain, claimed_at, &hard_stop))
             .collect();
         let mut results: Vec<(OutboxMessage, RowResult)> = Vec::new();
         while let Some(chain) = running.next().await {
@@ -427,9 +422,9 @@ struct Dispatch<'a> {
     db_backoff: Backoff,
     next_suspect_check: Instant,
     // Whether the last claim filled its batch (so more rows are waiting). Permits come back
-    // chain by chain as confirms arrive; with a backlog, claiming on the first free permit
-    // would make many tiny claims, so the loop waits for `refill` permits (half a window, at
-    // most a batch).
+    // batch by batch as batches are settled, some of them small; with a backlog, claiming on
+    // the first free permit would make many tiny claims, so the loop waits for `refill` permits
+    // (half a window, at most a batch).
     backlog: bool,
     refill: usize,
     // Whether the next claim is split (see `CLAIM_PARTS`).

@@ -120,6 +120,7 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
                 within: LONG,
             }
         }
+        Transport::Http => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     };
     // Start the clock only once the relay is up (its start-up is not part of any delay).
     let relay = &case.relay;
@@ -210,6 +211,7 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
             backoff_attempts.contains(&1) || backoff_attempts.contains(&2),
             "the bad rows should be seen waiting for a retry: {backoff_attempts:?}"
         ),
+        Transport::Http => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     }
 
     // The good rows: sent (some while the first bad row was in backoff), each exactly once,

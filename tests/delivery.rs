@@ -208,6 +208,7 @@ async fn bulk(
                 }
             }
         }
+        Sink::Http(_) => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     }
     assert_none("envelope or row problems", &problems);
     table.drop_table().await;
@@ -263,6 +264,7 @@ async fn ten_thousand_rows(transport: Transport) {
     let ordering = match transport {
         Transport::RabbitMq => "none",
         Transport::Kafka => "aggregate",
+        Transport::Http => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     };
     let pause = Duration::from_millis(1);
     let (rows, sink) = bulk(transport, ordering, (4, 2500, 25), pause, |_, n| {
@@ -282,6 +284,7 @@ async fn ten_thousand_rows(transport: Transport) {
             assert!(records.iter().all(|r| r.header("gone").is_none()));
             assert_ordered_per_key(&rows, &records);
         }
+        Sink::Http(_) => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     }
     sink.teardown().await;
 }
@@ -556,6 +559,7 @@ async fn colliding_row_headers(transport: Transport) {
     let (prefix, test) = match transport {
         Transport::RabbitMq => ("cloudEvents:", "hdr_collide_amqp"),
         Transport::Kafka => ("ce_", "hdr_collide_kafka"),
+        Transport::Http => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     };
     let mut headers = serde_json::Map::new();
     headers.insert(format!("{prefix}id"), json!("spoofed-id"));
@@ -594,6 +598,7 @@ async fn colliding_row_headers(transport: Transport) {
             .into_iter()
             .map(|r| (r.key.clone().unwrap_or_default(), r.headers))
             .collect(),
+        Sink::Http(_) => unreachable!("this scenario runs on RabbitMQ and Kafka"),
     };
     assert_eq!(received.len(), ids.len(), "{received:?}");
     let mut problems = Vec::new();

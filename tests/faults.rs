@@ -5,6 +5,9 @@
 //!    serialised per aggregate on a version counter), each followed by a restart: nothing lost,
 //!    per-aggregate order of first arrival intact (and equal to the writers' version order), and
 //!    every duplicate explained by a claim of a killed incarnation (a trigger audits claims).
+//!    And SIGKILLs of a relay draining a backlog, over HTTP and on RabbitMQ: at
+//!    every kill at most `relay.max_in_flight` rows claimed and not settled, every duplicate
+//!    one of those published, nothing lost or reordered.
 //! 2. Outages the relay must ride out in the same process without spending an attempt: its
 //!    RabbitMQ (with publishes in flight; ordering none and aggregate) or PostgreSQL connections
 //!    cut by a proxy (one scenario, the service a parameter), RabbitMQ restarted for real
@@ -49,6 +52,8 @@ use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
 use common::kafka::{KAFKA, Tansu, create_topic, finish_topics, kafka_relay, read_ids, topic_name};
+use common::transport::{Sink, Transport};
+use common::webhook::Reply;
 use common::{
     AMQP_URL, Analysis, DurableQueue, Inserted, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
     RelayBuilder, RelayProcess, RowState, TempDir, TestTable, analyse, assert_none, drop_both,
@@ -393,6 +398,135 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     let drop_versions = format!("DROP TABLE {}_versions", table.name);
     table.db.batch_execute(&drop_versions).await.unwrap();
     audit.drop_all(table, rabbit).await;
+}
+
+/// The window of [`kills_republish_at_most_the_window`]: `relay.max_in_flight`.
+const KILL_WINDOW: usize = 200;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kills_republish_at_most_the_window_over_http() {
+    kills_republish_at_most_the_window(Transport::Http).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kills_republish_at_most_the_window_on_rabbitmq() {
+    kills_republish_at_most_the_window(Transport::RabbitMq).await;
+}
+
+/// A relay draining a backlog (10,000 rows of 500 aggregates, `batch_size = 100`,
+/// `max_in_flight = 200`) killed (SIGKILL) and restarted at once, a few times: every row arrives,
+/// first arrivals in `seq` order per aggregate, and what a crash sends twice stays within the
+/// window. At each kill the rows still `processing` in the victim's name (claimed, not yet
+/// settled) number at most `max_in_flight`, whatever the moment of the kill; those of them the
+/// sink had received are what the next relay publishes again, and every duplicate is one of
+/// them. Over HTTP one request in a hundred is answered late, so most of a batch is answered
+/// long before the batch can be settled (what let the relay claim beyond its window when a
+/// chain's share came back at its last answer).
+async fn kills_republish_at_most_the_window(transport: Transport) {
+    let _shared = SERVICES.read().await;
+    let kills = pick(3, 10);
+    let test = format!("f_window_{transport:?}").to_lowercase();
+    let table = TestTable::new(&test).await;
+    let sink = Sink::new(transport, &test, "#", &["account"]).await;
+    let rows: Vec<NewRow> = (0..10_000)
+        .map(|n| {
+            let aggregate = format!("a{}", n % 500);
+            NewRow::new("account", Some(&aggregate), "changed", json!({ "n": n }))
+        })
+        .collect();
+    if let Sink::Http(endpoint) = &sink {
+        // One request in a hundred is answered late: the rest of its batch is answered long
+        // before the batch can be settled.
+        endpoint.script(|r| {
+            let body: Value = serde_json::from_slice(&r.body).unwrap_or_default();
+            let late = body["n"].as_u64().is_some_and(|n| n % 100 == 1);
+            let reply = Reply::status(204);
+            if late {
+                reply.after(Duration::from_millis(500))
+            } else {
+                reply
+            }
+        });
+    }
+    table.insert(&rows).await;
+    let spawn = |instance: &str| {
+        sink.relay(&table, instance)
+            .ordered()
+            .set("relay.batch_size", "100")
+            .set("relay.max_in_flight", KILL_WINDOW.to_string())
+            .set("relay.lease_timeout", "2s")
+            // Each kill spends an attempt of every row the victim held.
+            .set("retry.max_attempts", "100")
+            .spawn()
+    };
+    let mut relay = spawn("w0");
+    let mut unsettled_at_kill = Vec::new();
+    for k in 0..kills {
+        let label = relay.label.clone();
+        let held_now = format!("status = 'processing' AND locked_by = '{label}'");
+        let since = table.count_where("status = 'sent'").await;
+        // Strike while the victim holds rows and drains the backlog at full speed.
+        let what = format!("{label} holds rows and sends 500 more");
+        wait_until(LONG, &what, async || {
+            let held = table.count_where(&held_now).await;
+            let sent = table.count_where("status = 'sent'").await - since;
+            if held > 0 && sent >= 500 {
+                Ok(())
+            } else {
+                Err(format!("{held} held by {label}, {sent} sent since"))
+            }
+        })
+        .await;
+        relay.sigkill();
+        let status = relay.wait_exit(secs(10)).await;
+        assert_eq!(status.signal(), Some(9), "{label} should die by SIGKILL");
+        sink.wait_received(LONG).await;
+        // Published (the sink has it) and not settled (still `processing` in the victim's
+        // name): the next relay publishes these again.
+        let held: HashSet<String> = table
+            .rows()
+            .await
+            .into_iter()
+            .filter(|r| r.status == "processing" && r.locked_by.as_deref() == Some(&label))
+            .map(|r| r.id.to_string())
+            .collect();
+        let received: HashSet<String> = sink.received_ids().into_iter().collect();
+        unsettled_at_kill.push((held.len(), held.intersection(&received).count()));
+        relay = spawn(&format!("w{}", k + 1));
+    }
+    table.wait_all_sent(LONG).await;
+    sink.wait_received(LONG).await;
+
+    let rows = table.rows().await;
+    assert_eq!(rows.len(), 10_000);
+    let analysis = sink.analyse(&rows);
+    let note = format!("held_and_published_unsettled_at_each_kill={unsettled_at_kill:?}");
+    summary(
+        &format!("{test}-sigkill"),
+        kills,
+        rows.len(),
+        &analysis,
+        &note,
+    );
+    let beyond: Vec<&(usize, usize)> = unsettled_at_kill
+        .iter()
+        .filter(|(held, _)| *held > KILL_WINDOW)
+        .collect();
+    let why = format!(
+        "kills that left more than max_in_flight {KILL_WINDOW} rows claimed and not settled \
+         (held, of which published)"
+    );
+    assert_none(&why, &beyond);
+    let explained: usize = unsettled_at_kill
+        .iter()
+        .map(|(_, published)| published)
+        .sum();
+    assert!(
+        analysis.duplicates <= explained,
+        "{} duplicate deliveries, but only {explained} rows were published and unsettled at the kills",
+        analysis.duplicates
+    );
+    sink.finish(relay, table).await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -123,6 +123,7 @@ impl Dest {
                     })
                     .collect()
             }
+            Self::Sink(Sink::Http(_)) => unreachable!("this scenario runs on RabbitMQ and Kafka"),
             Self::Nats(stream) => {
                 let messages = stream.messages().await.into_iter();
                 messages
@@ -187,6 +188,7 @@ async fn each_outbox_with_its_own_route_and_source(broker: Broker) {
             format!("topic = \"{}\"", topics[1]),
             [topics[0].clone(), topics[1].clone()],
         ),
+        Dest::Sink(Sink::Http(_)) => unreachable!("this scenario runs on RabbitMQ and Kafka"),
         Dest::Nats(stream) => (
             format!(
                 "[publisher]\nkind = \"nats\"\n[publisher.nats]\nurl = \"{NATS_URL}\"\n\

@@ -91,6 +91,10 @@ struct FakeBroker {
     connects: AtomicUsize,
     in_flight: AtomicUsize,
     high_water: AtomicUsize,
+    /// With [`FakeBroker::audit`]: the table whose rows it looks up at each publish, and the
+    /// most rows ever published and still `processing` (not settled) at once.
+    audited: std::sync::OnceLock<(tokio_postgres::Client, String)>,
+    unsettled_high_water: AtomicUsize,
 }
 
 impl FakeBroker {
@@ -105,7 +109,29 @@ impl FakeBroker {
             connects: AtomicUsize::default(),
             in_flight: AtomicUsize::default(),
             high_water: AtomicUsize::default(),
+            audited: std::sync::OnceLock::new(),
+            unsettled_high_water: AtomicUsize::default(),
         })
+    }
+
+    /// At each publish, counts the rows of `table` published so far (this one included) that
+    /// are still `processing`: what a crash at that moment would have published and not
+    /// settled, to be published again.
+    async fn audit(&self, table: &TestTable) {
+        let set = self.audited.set((pg_connect().await, table.name.clone()));
+        assert!(set.is_ok(), "audited once");
+    }
+
+    async fn count_unsettled(&self) {
+        let Some((db, table)) = self.audited.get() else {
+            return;
+        };
+        let published: Vec<Uuid> = self.log.lock().unwrap().iter().map(|p| p.msg.id).collect();
+        let sql =
+            format!("SELECT count(*) FROM {table} WHERE status = 'processing' AND id = ANY($1)");
+        let n: i64 = db.query_one(&sql, &[&published]).await.unwrap().get(0);
+        self.unsettled_high_water
+            .fetch_max(usize::try_from(n).unwrap(), SeqCst);
     }
 
     /// A broker that confirms each publish once the test adds a permit to its gate.
@@ -169,6 +195,7 @@ impl Publisher for FakeBroker {
             self.high_water.fetch_max(now, SeqCst);
             (log.len() - 1, (self.script)(msg, before))
         };
+        self.count_unsettled().await;
         self.gate.acquire().await.unwrap().forget();
         if !latency.is_zero() {
             tokio::time::sleep(latency).await;
@@ -395,7 +422,7 @@ async fn reclaimed_rows_go_out_one_at_a_time() {
 }
 
 /// With `max_in_flight = 4` the broker never has more than 4 publishes outstanding; while they
-/// hang the loop claims nothing more, and as answers return it claims again.
+/// hang the loop claims nothing more, and once the batch is answered and settled it claims again.
 #[tokio::test]
 async fn in_flight_window_bounds_concurrent_publishes() {
     let settings = "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n";
@@ -417,10 +444,10 @@ async fn in_flight_window_bounds_concurrent_publishes() {
     assert_eq!(table.count_where("status = 'processing'").await, 4);
     assert_eq!(broker.publishes().len(), 4);
 
-    // Two answers free half the window (the refill a backlog waits for): two more go out.
-    broker.gate.add_permits(2);
-    wait_for("the loop refills the two returned permits", || {
-        window_full() && broker.publishes().len() == 6
+    // The batch answered and settled frees the window: the next four go out.
+    broker.gate.add_permits(4);
+    wait_for("the loop refills the returned window", || {
+        window_full() && broker.publishes().len() == 8
     })
     .await;
 
@@ -430,6 +457,33 @@ async fn in_flight_window_bounds_concurrent_publishes() {
     assert_eq!(broker.publishes().len(), 24, "each row published once");
     let most = broker.high_water.load(SeqCst);
     assert_eq!(most, 4, "most publishes outstanding at once");
+    table.drop_table().await;
+}
+
+/// The window bounds what a crash would publish twice: messages published and not yet settled,
+/// not only those awaiting their answer. One slow answer in each batch of 4 (`max_in_flight =
+/// 4`) keeps the batch's other three answered but unsettled meanwhile; their permits come back
+/// only with the batch's settle, so at no publish are more than 4 published rows `processing`.
+#[tokio::test]
+async fn the_window_holds_published_rows_until_they_are_settled() {
+    let settings = "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n";
+    let rows = NewRow::numbered(24, "loop", None, "e");
+    let (table, config, inserted) = setup("loop_unsettled", settings, &rows).await;
+    let slow: HashSet<Uuid> = inserted.iter().step_by(4).map(|r| r.id).collect();
+    let broker = FakeBroker::new(move |msg, _| {
+        let latency = if slow.contains(&msg.id) { 300 } else { 0 };
+        (Answer::Confirm, Duration::from_millis(latency))
+    });
+    broker.audit(&table).await;
+    let relay = start(config, &broker);
+    table.wait_all_sent(WAIT).await;
+    stop(relay).await;
+    assert_eq!(broker.publishes().len(), 24, "each row published once");
+    let most = broker.unsettled_high_water.load(SeqCst);
+    assert!(
+        (1..=4).contains(&most),
+        "{most} rows published and not yet settled at once; max_in_flight is 4"
+    );
     table.drop_table().await;
 }
 

@@ -61,6 +61,7 @@ async fn received_headers(sink: &Sink, id: Uuid) -> BTreeMap<String, String> {
             let headers = record.headers.into_iter();
             headers.filter_map(|(k, v)| Some((k, v?))).collect()
         }
+        Sink::Http(_) => unreachable!("the webhook is Target::Webhook"),
     }
 }
 
@@ -142,7 +143,9 @@ impl Target {
                     .await
                     .unwrap();
             }
-            Self::Broker(Sink::Kafka { .. }) | Self::Webhook(_) => unreachable!("never parked"),
+            Self::Broker(Sink::Kafka { .. } | Sink::Http(_)) | Self::Webhook(_) => {
+                unreachable!("never parked")
+            }
         }
     }
 
@@ -152,7 +155,7 @@ impl Target {
             Self::Broker(Sink::RabbitMq(_)) => &["unroutable", "NO_ROUTE"],
             Self::Nats(_) => &["no JetStream stream captures"],
             Self::Redis(_) => &["WRONGTYPE"],
-            Self::Broker(Sink::Kafka { .. }) | Self::Webhook(_) => &[],
+            Self::Broker(Sink::Kafka { .. } | Sink::Http(_)) | Self::Webhook(_) => &[],
         }
     }
 
@@ -175,6 +178,7 @@ impl Target {
         match self {
             Self::Broker(Sink::RabbitMq(rabbit)) => ("rabbitmq", rabbit.exchange.clone()),
             Self::Broker(Sink::Kafka { topics, .. }) => ("kafka", topics[0].clone()),
+            Self::Broker(Sink::Http(_)) => unreachable!("the webhook is Target::Webhook"),
             Self::Webhook(_) => ("http", "127.0.0.1/hooks/order".to_owned()),
             Self::Nats(stream) => ("nats", format!("{}.order.created", stream.prefix)),
             Self::Redis(streams) => ("redis", streams.key("order")),

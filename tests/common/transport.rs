@@ -1,9 +1,10 @@
-//! A scenario that is the same on both brokers takes the broker as a parameter ([`Transport`])
-//! and reads what the relay sent through a [`Sink`]: the test's own exchange or topics.
+//! A scenario that is the same on every sink takes it as a parameter ([`Transport`]) and reads
+//! what the relay sent through a [`Sink`]: the test's own exchange, topics or webhook endpoint.
 
 use std::time::Duration;
 
 use super::kafka::{Collector, KAFKA, create_topic, delete_topic, kafka_relay, topic_name};
+use super::webhook::{Endpoint, Reply};
 use super::{Analysis, RabbitFixture, RelayBuilder, RelayProcess, RowState, TestTable, analyse};
 
 /// The broker a scenario runs on.
@@ -13,6 +14,8 @@ pub enum Transport {
     RabbitMq,
     /// The local Kafka (tansu).
     Kafka,
+    /// A webhook endpoint on loopback (`publisher.kind = "http"`) answering 204 at once.
+    Http,
 }
 
 /// Where a test reads what the relay sent.
@@ -28,12 +31,15 @@ pub enum Sink {
         /// Reads every partition of `topics` from the beginning.
         consumer: Collector,
     },
+    /// The test's own endpoint, recording every request.
+    Http(Endpoint),
 }
 
 impl Sink {
     /// The sink of `test` on `transport` for rows of the aggregate types `types`. On RabbitMQ
     /// an exchange whose queue is bound with `binding` (`#`, or e.g. `ok.#` to leave other
-    /// routing keys unroutable); on Kafka a topic `<prefix>-<type>` for each type.
+    /// routing keys unroutable); on Kafka a topic `<prefix>-<type>` for each type; over HTTP an
+    /// endpoint that accepts every request (`binding` and `types` do not apply).
     pub async fn new(transport: Transport, test: &str, binding: &str, types: &[&str]) -> Self {
         match transport {
             Transport::RabbitMq => {
@@ -55,11 +61,13 @@ impl Sink {
                     consumer,
                 }
             }
+            Transport::Http => Self::Http(Endpoint::start(|_| Reply::status(204)).await),
         }
     }
 
     /// `outbox-relay run` for `table` (instance id `instance`) publishing here: to the exchange
-    /// (routing key `{aggregate_type}.{event_type}`), or to `<prefix>-{aggregate_type}`.
+    /// (routing key `{aggregate_type}.{event_type}`), to `<prefix>-{aggregate_type}`, or to the
+    /// endpoint's `/events/{aggregate_type}`.
     pub fn relay(&self, table: &TestTable, instance: &str) -> RelayBuilder {
         match self {
             Self::RabbitMq(rabbit) => RelayBuilder::for_test(table, rabbit, instance),
@@ -67,12 +75,18 @@ impl Sink {
                 let template = format!("{prefix}-{{aggregate_type}}");
                 kafka_relay(table, KAFKA, &template, instance)
             }
+            Self::Http(endpoint) => RelayBuilder::for_table(table, instance)
+                .set("publisher.kind", "http")
+                .set(
+                    "publisher.http.url",
+                    endpoint.url("/events/{aggregate_type}"),
+                ),
         }
     }
 
     /// Waits until everything the broker had accepted has been received: a barrier message
     /// through the queue (30 s at most), or each topic read up to its high watermarks (`timeout`
-    /// for each).
+    /// for each); an endpoint has every request it answered already.
     pub async fn wait_received(&self, timeout: Duration) {
         match self {
             Self::RabbitMq(rabbit) => rabbit.barrier().await,
@@ -83,25 +97,45 @@ impl Sink {
                     consumer.wait_caught_up(KAFKA, topic, timeout).await;
                 }
             }
+            Self::Http(_) => {}
         }
     }
 
-    /// What was received so far (message ids; `ce_id`s, in reading order) checked against
-    /// `expected` (see [`analyse`]).
+    /// The message ids received so far, in arrival order (`message_id`, `ce_id`, `ce-id`).
+    pub fn received_ids(&self) -> Vec<String> {
+        match self {
+            Self::RabbitMq(rabbit) => rabbit
+                .deliveries()
+                .into_iter()
+                .map(|d| d.message_id)
+                .collect(),
+            Self::Kafka { consumer, .. } => consumer
+                .records()
+                .iter()
+                .map(|r| r.header("ce_id").unwrap_or("<no ce_id>").to_owned())
+                .collect(),
+            Self::Http(endpoint) => endpoint
+                .messages()
+                .iter()
+                .map(|r| r.id().unwrap_or_else(|| "<no ce-id>".to_owned()))
+                .collect(),
+        }
+    }
+
+    /// What was received so far ([`Sink::received_ids`]) checked against `expected` (see
+    /// [`analyse`]).
     pub fn analyse(&self, expected: &[RowState]) -> Analysis {
         match self {
             Self::RabbitMq(rabbit) => rabbit.analyse(expected),
-            Self::Kafka { consumer, .. } => {
-                let records = consumer.records();
-                let ids = records
-                    .iter()
-                    .map(|r| r.header("ce_id").unwrap_or("<no ce_id>"));
-                analyse(expected, ids)
+            Self::Kafka { .. } | Self::Http(_) => {
+                let ids = self.received_ids();
+                analyse(expected, ids.iter().map(String::as_str))
             }
         }
     }
 
-    /// Deletes the exchange, or stops the consumer and deletes the topics.
+    /// Deletes the exchange, or stops the consumer and deletes the topics (an endpoint stops
+    /// when dropped).
     pub async fn teardown(self) {
         match self {
             Self::RabbitMq(rabbit) => rabbit.teardown().await,
@@ -113,6 +147,7 @@ impl Sink {
                     delete_topic(topic).await;
                 }
             }
+            Self::Http(_) => {}
         }
     }
 
