@@ -165,8 +165,9 @@ async fn listen(
     let listener = ListenerPid::default();
     let (url, channel) = (outbox.database.url.clone(), store.table().channel());
     let (wake, pid) = (Arc::clone(wake), Arc::clone(&listener));
+    let timeout = store.query_timeout();
     tasks.spawn(format!("listen:{}", outbox.name), move |token| {
-        listen::listen_loop(url, channel, wake, pid, token)
+        listen::listen_loop(url, channel, timeout, wake, pid, token)
     });
     wake_up_waiter(store, listener, table_oid, config).await
 }
@@ -182,7 +183,7 @@ async fn spawn_retention(
     name: impl Fn(&str) -> String,
 ) {
     let partitioned = store
-        .layout()
+        .bounded(store.layout())
         .await
         .ok()
         .flatten()
@@ -212,15 +213,17 @@ async fn prepare(
 ) -> Result<Option<(PayloadKind, u32)>, StoreError> {
     let mut backoff = Backoff::session();
     loop {
+        // Migrations are not bounded: an index build on a large table may take long.
         let attempt = async {
-            let plan = store.plan_schema(config.database.auto_migrate).await?;
+            let plan = store.plan_schema(config.database.auto_migrate);
+            let plan = store.bounded(plan).await?;
             if !plan.apply.is_empty() || plan.partition {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
                     tracing::info!(outbox = %outbox.name, table = %store.table(), versions = ?applied, "applied schema migrations");
                 }
             }
-            store.inspect().await
+            store.bounded(store.inspect()).await
         }
         .await;
         let delay = match attempt {
@@ -259,7 +262,7 @@ async fn wake_up_waiter(
     table_oid: u32,
     config: &Config,
 ) -> Option<Waiter> {
-    match store.has_waiters().await {
+    match store.bounded(store.has_waiters()).await {
         Ok(true) => Some(Waiter::new(
             store.clone(),
             listener,

@@ -44,6 +44,10 @@ fn suspect_check_period(lease_timeout: Duration) -> Duration {
     (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15))
 }
 
+/// After rows of a claim whose answer was lost were handed back, how often to look for more
+/// (see `Dispatch::release_lost_claims`).
+const RELEASE_AGAIN_EVERY: Duration = Duration::from_secs(1);
+
 /// How many statements claim at once while a backlog is waiting (the last claim filled its
 /// share of the batch): one claim statement keeps one PostgreSQL server process busy, and
 /// with a backlog that process is the limit. Split in two, on a 2-core machine: the database
@@ -359,17 +363,20 @@ impl Relay {
         loop {
             let result = async {
                 if !sent.is_empty() {
-                    self.store.mark_sent(&sent, on_confirm).await?;
+                    let store = &self.store;
+                    store.bounded(store.mark_sent(&sent, on_confirm)).await?;
                     sent.clear();
                 }
                 if !failures.is_empty() {
-                    let outcome = self.store.fail(&failures, max_attempts).await?;
+                    let store = &self.store;
+                    let outcome = store.bounded(store.fail(&failures, max_attempts)).await?;
                     self.metrics
                         .dead_lettered(outcome.dead_lettered.len() as u64);
                     failures.clear();
                 }
                 if !hand_back.is_empty() {
-                    self.store.release(&hand_back).await?;
+                    let store = &self.store;
+                    store.bounded(store.release(&hand_back)).await?;
                     hand_back.clear();
                 }
                 Ok::<(), StoreError>(())
@@ -442,6 +449,10 @@ struct Dispatch<'a> {
     // this relay whose answer never came back. Cleared once they are handed back
     // ([`Store::release_unheld`]).
     answer_lost: bool,
+    // After that hand-back, when to hand back again and until when: a claim that got no answer
+    // in time may sit in a connection the database has not read yet and commit once it
+    // answers again (see `RELEASE_AGAIN_EVERY`).
+    release_again: Option<(Instant, Instant)>,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -482,6 +493,7 @@ impl<'a> Dispatch<'a> {
             polled: false,
             observed: None,
             answer_lost: false,
+            release_again: None,
         }
     }
 
@@ -544,20 +556,34 @@ impl<'a> Dispatch<'a> {
         }
     }
 
-    /// After a claim whose answer was lost (the connection dropped while it ran), hands back
-    /// the rows it may have committed to this relay: every `processing` row in this relay's
-    /// name that no batch holds and whose lease has not run out (those are the lease task's
-    /// to reclaim). Runs before the next claim of this loop; a lost claim still running on the
-    /// server commits its rows after this, and those wait out the lease.
+    /// After a claim whose answer was lost (the connection dropped while it ran, or no answer
+    /// came within `database.query_timeout`), hands back the rows it may have committed to
+    /// this relay: every `processing` row in this relay's name that no batch holds and whose
+    /// lease has not run out (those are the lease task's to reclaim). Runs before the next
+    /// claim of this loop, then again every `RELEASE_AGAIN_EVERY` for `database.query_timeout`:
+    /// a claim the database had not read yet (a stalled connection) commits its rows when it
+    /// answers again, at about the time of that first hand-back. A lost claim that commits
+    /// later still leaves its rows to wait out the lease.
     async fn release_lost_claims(&mut self) -> Step<()> {
-        if !self.answer_lost {
+        let now = Instant::now();
+        let again = self.release_again.is_some_and(|(next, _)| now >= next);
+        if !self.answer_lost && !again {
             return Ok(());
         }
         let relay = self.relay;
         let lease = relay.settings.relay.lease_timeout;
-        match relay.store.release_unheld(&relay.held.ids(), lease).await {
+        let store = &relay.store;
+        match store
+            .bounded(store.release_unheld(&relay.held.ids(), lease))
+            .await
+        {
             Ok(released) => {
+                let until = match self.release_again {
+                    Some((_, until)) if !self.answer_lost => until,
+                    _ => now + store.query_timeout(),
+                };
                 self.answer_lost = false;
+                self.release_again = (now < until).then_some((now + RELEASE_AGAIN_EVERY, until));
                 if released > 0 {
                     tracing::warn!(released, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
                 }
@@ -603,10 +629,10 @@ impl<'a> Dispatch<'a> {
         {
             return Ok((self.watermark.released(), permit));
         }
-        let (last, writers) = match self
-            .relay
-            .store
-            .observe(self.relay.settings.table_oid)
+        let relay = self.relay;
+        let store = &relay.store;
+        let (last, writers) = match store
+            .bounded(store.observe(self.relay.settings.table_oid))
             .await
         {
             Ok(observed) => observed,
@@ -648,7 +674,9 @@ impl<'a> Dispatch<'a> {
         if Instant::now() < self.next_suspect_check && !reclaimed {
             return Ok(Some(permit));
         }
-        match self.relay.store.suspects_waiting(mark).await {
+        let relay = self.relay;
+        let store = &relay.store;
+        match store.bounded(store.suspects_waiting(mark)).await {
             Ok(false) => {
                 self.suspects_checked();
                 return Ok(Some(permit));
@@ -665,7 +693,7 @@ impl<'a> Dispatch<'a> {
             }
         }
         let window = self.acquire_all().await?;
-        match self.relay.store.claim_suspect(mark).await {
+        match store.bounded(store.claim_suspect(mark)).await {
             Ok(Some(row)) => {
                 tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
                 self.relay
@@ -705,9 +733,9 @@ impl<'a> Dispatch<'a> {
         let now = Instant::now();
         let sweep = self.sweeps.due(now);
         let parts = self.split.parts(self.backlog, limit, now);
-        let claimed = relay
-            .store
-            .claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts)
+        let store = &relay.store;
+        let claimed = store
+            .bounded(store.claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts))
             .await;
         let (rows, expired, more) = match claimed {
             Ok(claim) => {

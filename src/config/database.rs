@@ -24,6 +24,9 @@ pub struct RawDatabase {
     /// unset: one plain table.
     #[serde(default)]
     pub partition_interval: Option<HumanDuration>,
+    /// How long the relay waits for the database's answer to one of its statements before it
+    /// counts the connection as lost (default 30s).
+    pub query_timeout: HumanDuration,
 }
 
 /// A validated table name: `name` or `schema.name`, each a bare SQL identifier.
@@ -116,6 +119,8 @@ pub struct DatabaseConfig {
     pub auto_migrate: bool,
     /// The partitions' width, when the table is partitioned (see `store::partitions`).
     pub partition_interval: Option<std::time::Duration>,
+    /// How long a statement may go unanswered before the connection counts as lost.
+    pub query_timeout: std::time::Duration,
 }
 
 impl DatabaseConfig {
@@ -162,6 +167,7 @@ impl RawDatabase {
             ));
         }
 
+        super::positive("database.query_timeout", d.query_timeout)?;
         Ok((
             DatabaseConfig {
                 url: d.url,
@@ -169,6 +175,7 @@ impl RawDatabase {
                 table,
                 auto_migrate: d.auto_migrate,
                 partition_interval,
+                query_timeout: d.query_timeout.0,
             },
             pg,
         ))
@@ -238,6 +245,10 @@ mod tests {
         rejects(
             "[database]\npool_size = 1001\n",
             "invalid value for database.pool_size: 1001 is out of range (2..=1000)",
+        );
+        rejects(
+            "[database]\nquery_timeout = \"0s\"\n",
+            "invalid value for database.query_timeout: must be greater than zero",
         );
         let long = "t".repeat(41);
         err_has(

@@ -77,6 +77,10 @@ pub enum StoreError {
     /// Some ids given to a dead-letter command are not dead letters; nothing was changed.
     #[error("not dead letters (nothing was changed): {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
     NotDeadLetters(Vec<Uuid>),
+    /// The database did not answer within the call's deadline ([`Store::bounded`]): an outage,
+    /// like a lost connection; the statement may still have run.
+    #[error("the database did not answer within {} (database.query_timeout)", humantime::format_duration(*.0))]
+    Timeout(std::time::Duration),
 }
 
 /// An error and its causes, `outer: inner: innermost` (tokio-postgres hides the cause of
@@ -103,12 +107,14 @@ impl StoreError {
             // Without an SQLSTATE: lost or refused connections, but also a value this side
             // could not convert (a bug, not an outage: it must not be logged as one).
             Self::Db(e) => e.is_closed() || (e.code().is_none() && !is_conversion(e)),
+            Self::Timeout(_) => true,
             Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
         }
     }
 
     /// Whether a statement that failed this way may have run to its commit with its answer
-    /// lost on the way: the connection closed or broke (an I/O error) under it. Not a pool
+    /// lost on the way: the connection closed or broke (an I/O error) under it, or no answer
+    /// came in time (the statement may run when the database answers again). Not a pool
     /// timeout (nothing was sent), a server error (rolled back) or a value that could not be
     /// decoded (the answer arrived).
     pub fn answer_may_be_lost(&self) -> bool {
@@ -117,6 +123,7 @@ impl StoreError {
                 e.is_closed()
                     || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
             }
+            Self::Timeout(_) => true,
             _ => false,
         }
     }
@@ -151,6 +158,11 @@ struct Queries {
     operator: operator::OperatorSql,
 }
 
+/// How many times `database.query_timeout` the maintenance work (retention deletes, `VACUUM`,
+/// `ANALYZE`, partitions) may take per call ([`Store::bounded_maintenance`]): such statements
+/// legitimately run for minutes on a large table.
+pub const MAINTENANCE_TIMEOUT_FACTOR: u32 = 20;
+
 /// The outbox table and its connection pool.
 #[derive(Clone)]
 pub struct Store {
@@ -159,6 +171,8 @@ pub struct Store {
     instance_id: String,
     // `database.partition_interval`: `migrate` partitions the table with it.
     partition_interval: Option<std::time::Duration>,
+    // `database.query_timeout`: see `Store::bounded`.
+    query_timeout: std::time::Duration,
     q: std::sync::Arc<Queries>,
 }
 
@@ -181,6 +195,46 @@ impl Store {
     /// A pooled connection (for callers such as tests and CLI tools).
     pub async fn client(&self) -> Result<deadpool_postgres::Object> {
         Ok(self.pool.get().await?)
+    }
+
+    /// `database.query_timeout`.
+    pub fn query_timeout(&self) -> std::time::Duration {
+        self.query_timeout
+    }
+
+    /// Runs `call` (one of this store's operations) within `database.query_timeout`: a
+    /// database that accepts connections but stops answering (a black hole, a hung server)
+    /// becomes [`StoreError::Timeout`], a connection-level failure, instead of a hang. The
+    /// claim loop, the lease and backlog tasks and the wake-up record call the database
+    /// through this.
+    pub async fn bounded<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        self.within(self.query_timeout, call).await
+    }
+
+    /// [`Store::bounded`] with [`MAINTENANCE_TIMEOUT_FACTOR`] times the deadline, for the
+    /// maintenance tasks' calls.
+    pub async fn bounded_maintenance<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        let limit = self
+            .query_timeout
+            .saturating_mul(MAINTENANCE_TIMEOUT_FACTOR);
+        self.within(limit, call).await
+    }
+
+    /// `call` within `limit`. When it gets no answer in time, the idle connections of the pool
+    /// are dropped too (the one that got none is back among them by then): the next call
+    /// connects afresh instead of queueing behind a statement that may never be answered.
+    async fn within<T>(
+        &self,
+        limit: std::time::Duration,
+        call: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(limit, call).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.pool.retain(|_, _| false);
+                Err(StoreError::Timeout(limit))
+            }
+        }
     }
 
     /// Round trip to the database.

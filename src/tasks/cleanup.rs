@@ -35,8 +35,14 @@ pub async fn delete_past_retention(
     let mut total = 0;
     loop {
         let result = match relation {
-            Some(r) => store.cleanup_batch_in(r, retention, batch).await,
-            None => store.cleanup_batch(retention, batch).await,
+            Some(r) => {
+                let call = store.cleanup_batch_in(r, retention, batch);
+                store.bounded_maintenance(call).await
+            }
+            None => {
+                let call = store.cleanup_batch(retention, batch);
+                store.bounded_maintenance(call).await
+            }
         };
         match result {
             Ok(n) => {
