@@ -18,6 +18,7 @@ use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::relay::{LoopSettings, Relay, RelayParts};
 use crate::store::{OnConfirm, Store, StoreError};
+use crate::tasks::instance::InstanceLockSlot;
 use crate::tasks::lease::Held;
 use crate::tasks::{Tasks, backlog, cleanup, lease, listen, partitions, vacuum};
 use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
@@ -47,16 +48,20 @@ pub struct Outbox {
     pub store: Store,
     /// Its share of the in-flight window.
     pub lane: Lane,
+    /// The instance locks of its database (shared with the outboxes of the same database).
+    pub instance_lock: InstanceLockSlot,
 }
 
 impl Outbox {
-    /// Waits for the table to be usable (migrating it when configured), starts its background
-    /// tasks on `tasks` (named `<task>:<outbox>`), then runs its claim loop until `shutdown`
-    /// and its drain. The tasks keep running: the caller stops them with [`Tasks::stop`].
+    /// Waits for the table to be usable (migrating it when configured), takes its instance
+    /// lock, starts its background tasks on `tasks` (named `<task>:<outbox>`), then runs its
+    /// claim loop until `shutdown` and its drain. The tasks keep running: the caller stops
+    /// them with [`Tasks::stop`].
     ///
-    /// An error only when the table can never be used as configured and `alone` (the relay's
-    /// only outbox): the relay then stops with it. Beside other outboxes the error is logged
-    /// and the table looked at again every 30 s.
+    /// An error when another relay with this relay's `relay.instance_id` serves the table
+    /// ([`StoreError::InstanceTaken`]: the relay stops), or when the table can never
+    /// be used as configured and `alone` (the relay's only outbox): the relay then stops with
+    /// it. Beside other outboxes the latter is logged and the table looked at again every 30 s.
     pub async fn run(
         self,
         config: &Config,
@@ -69,6 +74,7 @@ impl Outbox {
             config: outbox,
             store,
             lane,
+            instance_lock,
         } = self;
         let metrics = OutboxMetrics::new(&outbox.name);
         let database = shared.health.database_slot(&outbox.name);
@@ -76,6 +82,10 @@ impl Outbox {
             prepare(&store, &outbox, config, &database, alone, &shutdown).await?
         else {
             return Ok(()); // shut down before the table could be used
+        };
+        let lock = instance_lock.acquire(&store, &outbox.name, tasks, &shutdown);
+        let Some(lock_held) = lock.await? else {
+            return Ok(()); // shut down before the lock could be taken
         };
         tracing::info!(
             outbox = %outbox.name,
@@ -127,6 +137,7 @@ impl Outbox {
             lane,
             wake,
             held,
+            lock_held,
             tracer: shared.tracing.as_ref().map(|t| t.for_outbox(&outbox.name)),
         });
         engine.run(shutdown, waiter).await;

@@ -28,6 +28,7 @@ use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
 use crate::store::{Expired, ExpirySweep, Failure, OnConfirm, Store, StoreError};
+use crate::tasks::instance::LockHeld;
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
@@ -118,6 +119,9 @@ pub struct RelayParts {
     pub wake: Arc<Notify>,
     /// The ids this loop holds (renewed by the lease task).
     pub held: Held,
+    /// Whether this relay holds its instance locks in the outbox's database (its table's among
+    /// them): it claims only while it does ([`crate::tasks::instance`]).
+    pub lock_held: LockHeld,
     /// This outbox's tracer when tracing is on: every publish attempt gets a span and its
     /// message that span's `traceparent` ([`crate::otel`]).
     pub tracer: Option<crate::otel::Outbox>,
@@ -507,6 +511,7 @@ impl<'a> Dispatch<'a> {
     }
 
     async fn round(&mut self) -> Step<()> {
+        self.instance_lock().await?;
         self.reconnect().await?;
         self.release_lost_claims().await?;
         let permit = self.take_window().await?;
@@ -516,6 +521,18 @@ impl<'a> Dispatch<'a> {
         };
         let claimed = self.claim(mark, permit).await?;
         self.adaptive_wait(claimed).await
+    }
+
+    /// Claims nothing while this relay does not hold its instance locks (their session was
+    /// lost; the keeper takes them again, or says which relay took one): the database counts
+    /// as down meanwhile. Batches in flight still settle.
+    async fn instance_lock(&mut self) -> Step<()> {
+        if self.relay.lock_held.is_held() {
+            return Ok(());
+        }
+        self.relay.database.set(false);
+        sleep_or_cancel(crate::tasks::instance::CHECK_EVERY / 5, self.shutdown).await;
+        Err(Exit::Again)
     }
 
     /// Connects the publisher when it is not: no row is claimed while the broker is away.

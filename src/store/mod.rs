@@ -15,6 +15,8 @@
 //!   index builds `CONCURRENTLY` outside any);
 //! - `connect`: the URL, TLS, the pool and its session settings, and the
 //!   LISTEN session's statements;
+//! - `instance`: the instance lock (an advisory lock on `relay.instance_id` and the table, on
+//!   a session of its own);
 //! - `bench` (the `bench` feature only): the hot-path statements and session settings, for the
 //!   benchmark's pgbench ceiling.
 //!
@@ -23,6 +25,7 @@
 
 mod claim;
 mod connect;
+mod instance;
 mod maintenance;
 mod observe;
 mod operator;
@@ -35,6 +38,7 @@ mod waiting;
 
 pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, listen_sql, make_tls, pg_config, tls_required};
+pub use instance::{LockHolder, LockSession, SessionId};
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
@@ -77,6 +81,21 @@ pub enum StoreError {
     /// Some ids given to a dead-letter command are not dead letters; nothing was changed.
     #[error("not dead letters (nothing was changed): {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
     NotDeadLetters(Vec<Uuid>),
+    /// Another relay with this relay's `relay.instance_id` holds the instance lock of `table`
+    /// (see [`LockSession::lock`]).
+    #[error(
+        "another relay with relay.instance_id {instance:?} serves {table} in {database} (its session: {holder}): give every relay its own relay.instance_id (left unset it is the host name and pid), or stop the other relay first"
+    )]
+    InstanceTaken {
+        /// The instance id.
+        instance: String,
+        /// The outbox table.
+        table: String,
+        /// The database, its URL's password masked.
+        database: String,
+        /// Who holds the lock.
+        holder: String,
+    },
     /// The database did not answer within the call's deadline ([`Store::bounded`]): an outage,
     /// like a lost connection; the statement may still have run.
     #[error("the database did not answer within {} (database.query_timeout)", humantime::format_duration(*.0))]
@@ -108,7 +127,11 @@ impl StoreError {
             // could not convert (a bug, not an outage: it must not be logged as one).
             Self::Db(e) => e.is_closed() || (e.code().is_none() && !is_conversion(e)),
             Self::Timeout(_) => true,
-            Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
+            Self::Schema(_)
+            | Self::Build(_)
+            | Self::Locked(_)
+            | Self::NotDeadLetters(_)
+            | Self::InstanceTaken { .. } => false,
         }
     }
 
