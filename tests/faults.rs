@@ -5,7 +5,7 @@
 //!    serialised per aggregate on a version counter), each followed by a restart: nothing lost,
 //!    per-aggregate order of first arrival intact (and equal to the writers' version order), and
 //!    every duplicate explained by a claim of a killed incarnation (a trigger audits claims).
-//!    And SIGKILLs of a relay draining a backlog, over HTTP and on RabbitMQ: at
+//!    And SIGKILLs of a relay draining a backlog, over HTTP, on RabbitMQ and on Kafka: at
 //!    every kill at most `relay.max_in_flight` rows claimed and not settled, every duplicate
 //!    one of those published, nothing lost or reordered.
 //! 2. Outages the relay must ride out in the same process without spending an attempt: its
@@ -412,6 +412,11 @@ async fn kills_republish_at_most_the_window_over_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kills_republish_at_most_the_window_on_rabbitmq() {
     kills_republish_at_most_the_window(Transport::RabbitMq).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kills_republish_at_most_the_window_on_kafka() {
+    kills_republish_at_most_the_window(Transport::Kafka).await;
 }
 
 /// A relay draining a backlog (10,000 rows of 500 aggregates, `batch_size = 100`,
