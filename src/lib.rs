@@ -84,6 +84,7 @@ use crate::outbox::Outbox;
 use crate::publish::Publisher;
 use crate::store::{Store, StoreError};
 use crate::tasks::Tasks;
+use crate::tasks::instance::InstanceLockSlot;
 use crate::telemetry::Health;
 
 /// How long the background tasks get to stop once the claim loop has drained.
@@ -234,18 +235,28 @@ async fn run_outboxes(
     shutdown: &CancellationToken,
 ) -> Result<Option<StoreError>, RunError> {
     let window = window::Window::new(config.relay.max_in_flight);
-    // One pool per database: outboxes in the same database share it.
+    // One pool per database: outboxes in the same database share it, and the session of
+    // their instance locks.
     let stores = Store::for_outboxes(&config.outboxes, &config.relay.instance_id)?;
-    let outboxes: Vec<Outbox> = config
-        .outboxes
-        .iter()
-        .zip(stores)
-        .map(|(o, store)| Outbox {
+    let mut locks: Vec<(&str, InstanceLockSlot)> = Vec::new();
+    let mut outboxes: Vec<Outbox> = Vec::new();
+    for (o, store) in config.outboxes.iter().zip(stores) {
+        let url = o.database.url.as_str();
+        let instance_lock = match locks.iter().find(|(u, _)| *u == url) {
+            Some((_, slot)) => slot.clone(),
+            None => {
+                let slot = InstanceLockSlot::new(o.database.redacted_url());
+                locks.push((url, slot.clone()));
+                slot
+            }
+        };
+        outboxes.push(Outbox {
             config: o.clone(),
             store,
             lane: window.lane(),
-        })
-        .collect();
+            instance_lock,
+        });
+    }
     let tasks = Tasks::new();
     let alone = outboxes.len() == 1;
     let config = Arc::new(config);
@@ -264,7 +275,13 @@ async fn run_outboxes(
     while let Some(done) = loops.join_next().await {
         match done {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => failed = Some(e),
+            Ok(Err(e)) => {
+                if matches!(e, StoreError::InstanceTaken { .. }) {
+                    // Not under this id: the other outboxes stop too.
+                    shutdown.cancel();
+                }
+                failed = Some(e);
+            }
             Err(e) => tracing::error!(error = %e, "an outbox's loop panicked"),
         }
     }

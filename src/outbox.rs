@@ -18,6 +18,7 @@ use crate::publish::Publisher;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::relay::{LoopSettings, Relay, RelayParts};
 use crate::store::{OnConfirm, PgStore, Store, StoreError};
+use crate::tasks::instance::InstanceLockSlot;
 use crate::tasks::lease::Held;
 use crate::tasks::{Tasks, backlog, cleanup, lease, listen, partitions, vacuum};
 use crate::telemetry::{DatabaseHealth, Health, OutboxMetrics};
@@ -49,16 +50,20 @@ pub struct Outbox {
     pub store: Store,
     /// Its share of the in-flight window.
     pub lane: Lane,
+    /// The instance locks of its database (shared with the outboxes of the same database).
+    pub instance_lock: InstanceLockSlot,
 }
 
 impl Outbox {
-    /// Waits for the table to be usable (migrating it when configured), starts its background
-    /// tasks on `tasks` (named `<task>:<outbox>`), then runs its claim loop until `shutdown`
-    /// and its drain. The tasks keep running: the caller stops them with [`Tasks::stop`].
+    /// Waits for the table to be usable (migrating it when configured), takes its instance
+    /// lock, starts its background tasks on `tasks` (named `<task>:<outbox>`), then runs its
+    /// claim loop until `shutdown` and its drain. The tasks keep running: the caller stops
+    /// them with [`Tasks::stop`].
     ///
-    /// An error only when the table can never be used as configured and `alone` (the relay's
-    /// only outbox): the relay then stops with it. Beside other outboxes the error is logged
-    /// and the table looked at again every 30 s.
+    /// An error when another relay with this relay's `relay.instance_id` serves the table
+    /// ([`StoreError::InstanceTaken`]: the relay stops), or when the table can never
+    /// be used as configured and `alone` (the relay's only outbox): the relay then stops with
+    /// it. Beside other outboxes the latter is logged and the table looked at again every 30 s.
     pub async fn run(
         self,
         config: &Config,
@@ -71,6 +76,7 @@ impl Outbox {
             config: outbox,
             store,
             lane,
+            instance_lock,
         } = self;
         let metrics = OutboxMetrics::new(&outbox.name);
         let database = shared.health.database_slot(&outbox.name);
@@ -81,6 +87,10 @@ impl Outbox {
             prepare(&store, &outbox, config, &database, alone, &shutdown).await?
         else {
             return Ok(()); // shut down before the table could be used
+        };
+        let lock = instance_lock.acquire(&store, &outbox.name, tasks, &shutdown);
+        let Some(lock_held) = lock.await? else {
+            return Ok(()); // shut down before the lock could be taken
         };
         tracing::info!(
             outbox = %outbox.name,
@@ -139,6 +149,7 @@ impl Outbox {
             lane,
             wake,
             held,
+            lock_held,
             tracer: shared.tracing.as_ref().map(|t| t.for_outbox(&outbox.name)),
         });
         engine.run(shutdown, waiter).await;
@@ -178,8 +189,9 @@ async fn listen(
     let (url, channel) = (outbox.database.url.clone(), store.table().channel());
     let (wake, pid) = (Arc::clone(wake), Arc::clone(&listener));
     let stale = store.stale_sessions().clone();
+    let timeout = store.query_timeout();
     tasks.spawn(format!("listen:{}", outbox.name), move |token| {
-        listen::listen_loop(url, channel, wake, pid, stale, token)
+        listen::listen_loop(url, channel, timeout, wake, pid, stale, token)
     });
     wake_up_waiter(store, listener, table_oid, config).await
 }
@@ -197,7 +209,7 @@ async fn spawn_retention(
     let cfg = config.cleanup.clone();
     if let Some(pg) = store.as_postgres() {
         let partitioned = pg
-            .layout()
+            .bounded(pg.layout())
             .await
             .ok()
             .flatten()
@@ -230,15 +242,17 @@ async fn prepare(
 ) -> Result<Option<(PayloadKind, u32)>, StoreError> {
     let mut backoff = Backoff::session();
     loop {
+        // Migrations are not bounded: an index build on a large table may take long.
         let attempt = async {
-            let plan = store.plan_schema(config.database.auto_migrate).await?;
+            let plan = store.plan_schema(config.database.auto_migrate);
+            let plan = store.bounded(plan).await?;
             if !plan.apply.is_empty() || plan.partition {
                 let applied = store.migrate().await?;
                 if !applied.is_empty() {
                     tracing::info!(outbox = %outbox.name, table = %store.table(), versions = ?applied, "applied schema migrations");
                 }
             }
-            store.inspect().await
+            store.bounded(store.inspect()).await
         }
         .await;
         let delay = match attempt {
@@ -277,7 +291,7 @@ async fn wake_up_waiter(
     table_oid: u32,
     config: &Config,
 ) -> Option<Waiter> {
-    match store.has_waiters().await {
+    match store.bounded(store.has_waiters()).await {
         Ok(true) => Some(Waiter::new(
             store.clone(),
             listener,

@@ -28,6 +28,7 @@ use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
 use crate::store::{Expired, ExpirySweep, Failure, OnConfirm, Store, StoreError};
+use crate::tasks::instance::LockHeld;
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
@@ -43,6 +44,10 @@ use crate::window::{Lane, Permit};
 fn suspect_check_period(lease_timeout: Duration) -> Duration {
     (lease_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15))
 }
+
+/// After rows of a claim whose answer was lost were handed back, how often to look for more
+/// (see `Dispatch::release_lost_claims`).
+const RELEASE_AGAIN_EVERY: Duration = Duration::from_secs(1);
 
 /// How many statements claim at once while a backlog is waiting (the last claim filled its
 /// share of the batch): one claim statement keeps one PostgreSQL server process busy, and
@@ -114,6 +119,9 @@ pub struct RelayParts {
     pub wake: Arc<Notify>,
     /// The ids this loop holds (renewed by the lease task).
     pub held: Held,
+    /// Whether this relay holds its instance locks in the outbox's database (its table's among
+    /// them): it claims only while it does ([`crate::tasks::instance`]).
+    pub lock_held: LockHeld,
     /// This outbox's tracer when tracing is on: every publish attempt gets a span and its
     /// message that span's `traceparent` ([`crate::otel`]).
     pub tracer: Option<crate::otel::Outbox>,
@@ -359,17 +367,20 @@ impl Relay {
         loop {
             let result = async {
                 if !sent.is_empty() {
-                    self.store.mark_sent(&sent, on_confirm).await?;
+                    let store = &self.store;
+                    store.bounded(store.mark_sent(&sent, on_confirm)).await?;
                     sent.clear();
                 }
                 if !failures.is_empty() {
-                    let outcome = self.store.fail(&failures, max_attempts).await?;
+                    let store = &self.store;
+                    let outcome = store.bounded(store.fail(&failures, max_attempts)).await?;
                     self.metrics
                         .dead_lettered(outcome.dead_lettered.len() as u64);
                     failures.clear();
                 }
                 if !hand_back.is_empty() {
-                    self.store.release(&hand_back).await?;
+                    let store = &self.store;
+                    store.bounded(store.release(&hand_back)).await?;
                     hand_back.clear();
                 }
                 Ok::<(), StoreError>(())
@@ -443,6 +454,10 @@ struct Dispatch<'a> {
     // this relay whose answer never came back. Cleared once they are handed back
     // ([`Store::release_unheld`]).
     answer_lost: bool,
+    // After that hand-back, when to hand back again and until when: a claim that got no answer
+    // in time may sit in a connection the database has not read yet and commit once it
+    // answers again (see `RELEASE_AGAIN_EVERY`).
+    release_again: Option<(Instant, Instant)>,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -483,6 +498,7 @@ impl<'a> Dispatch<'a> {
             polled: false,
             observed: None,
             answer_lost: false,
+            release_again: None,
         }
     }
 
@@ -496,6 +512,7 @@ impl<'a> Dispatch<'a> {
     }
 
     async fn round(&mut self) -> Step<()> {
+        self.instance_lock().await?;
         self.reconnect().await?;
         self.release_lost_claims().await?;
         let permit = self.take_window().await?;
@@ -505,6 +522,18 @@ impl<'a> Dispatch<'a> {
         };
         let claimed = self.claim(mark, permit).await?;
         self.adaptive_wait(claimed).await
+    }
+
+    /// Claims nothing while this relay does not hold its instance locks (their session was
+    /// lost; the keeper takes them again, or says which relay took one): the database counts
+    /// as down meanwhile. Batches in flight still settle.
+    async fn instance_lock(&mut self) -> Step<()> {
+        if self.relay.lock_held.is_held() {
+            return Ok(());
+        }
+        self.relay.database.set(false);
+        sleep_or_cancel(crate::tasks::instance::CHECK_EVERY / 5, self.shutdown).await;
+        Err(Exit::Again)
     }
 
     /// Connects the publisher when it is not: no row is claimed while the broker is away.
@@ -545,20 +574,34 @@ impl<'a> Dispatch<'a> {
         }
     }
 
-    /// After a claim whose answer was lost (the connection dropped while it ran), hands back
-    /// the rows it may have committed to this relay: every `processing` row in this relay's
-    /// name that no batch holds and whose lease has not run out (those are the lease task's
-    /// to reclaim). Runs before the next claim of this loop; a lost claim still running on the
-    /// server commits its rows after this, and those wait out the lease.
+    /// After a claim whose answer was lost (the connection dropped while it ran, or no answer
+    /// came within `database.query_timeout`), hands back the rows it may have committed to
+    /// this relay: every `processing` row in this relay's name that no batch holds and whose
+    /// lease has not run out (those are the lease task's to reclaim). Runs before the next
+    /// claim of this loop, then again every `RELEASE_AGAIN_EVERY` for `database.query_timeout`:
+    /// a claim the database had not read yet (a stalled connection) commits its rows when it
+    /// answers again, at about the time of that first hand-back. A lost claim that commits
+    /// later still leaves its rows to wait out the lease.
     async fn release_lost_claims(&mut self) -> Step<()> {
-        if !self.answer_lost {
+        let now = Instant::now();
+        let again = self.release_again.is_some_and(|(next, _)| now >= next);
+        if !self.answer_lost && !again {
             return Ok(());
         }
         let relay = self.relay;
         let lease = relay.settings.relay.lease_timeout;
-        match relay.store.release_unheld(&relay.held.ids(), lease).await {
+        let store = &relay.store;
+        match store
+            .bounded(store.release_unheld(&relay.held.ids(), lease))
+            .await
+        {
             Ok(released) => {
+                let until = match self.release_again {
+                    Some((_, until)) if !self.answer_lost => until,
+                    _ => now + store.query_timeout(),
+                };
                 self.answer_lost = false;
+                self.release_again = (now < until).then_some((now + RELEASE_AGAIN_EVERY, until));
                 if released > 0 {
                     tracing::warn!(released, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
                 }
@@ -604,10 +647,10 @@ impl<'a> Dispatch<'a> {
         {
             return Ok((self.watermark.released(), permit));
         }
-        let (last, writers) = match self
-            .relay
-            .store
-            .observe(self.relay.settings.table_oid)
+        let relay = self.relay;
+        let store = &relay.store;
+        let (last, writers) = match store
+            .bounded(store.observe(self.relay.settings.table_oid))
             .await
         {
             Ok(observed) => observed,
@@ -649,7 +692,9 @@ impl<'a> Dispatch<'a> {
         if Instant::now() < self.next_suspect_check && !reclaimed {
             return Ok(Some(permit));
         }
-        match self.relay.store.suspects_waiting(mark).await {
+        let relay = self.relay;
+        let store = &relay.store;
+        match store.bounded(store.suspects_waiting(mark)).await {
             Ok(false) => {
                 self.suspects_checked();
                 return Ok(Some(permit));
@@ -666,7 +711,7 @@ impl<'a> Dispatch<'a> {
             }
         }
         let window = self.acquire_all().await?;
-        match self.relay.store.claim_suspect(mark).await {
+        match store.bounded(store.claim_suspect(mark)).await {
             Ok(Some(row)) => {
                 tracing::debug!(id = %row.id, seq = row.seq, attempts = row.attempts, "publishing a row reclaimed from a relay that stopped while holding it, on its own");
                 self.relay
@@ -706,9 +751,9 @@ impl<'a> Dispatch<'a> {
         let now = Instant::now();
         let sweep = self.sweeps.due(now);
         let parts = self.split.parts(self.backlog, limit, now);
-        let claimed = relay
-            .store
-            .claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts)
+        let store = &relay.store;
+        let claimed = store
+            .bounded(store.claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts))
             .await;
         let (rows, expired, more) = match claimed {
             Ok(claim) => {

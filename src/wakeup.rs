@@ -127,7 +127,8 @@ impl Waiter {
             ..
         } = &mut self.state
         {
-            *writers = match self.store.writers_active(self.table_oid).await {
+            let store = &self.store;
+            *writers = match store.bounded(store.writers_active(self.table_oid)).await {
                 Ok(active) => Some(active),
                 Err(e) => {
                     tracing::debug!(error = %e, "wake-up recheck failed");
@@ -161,7 +162,7 @@ impl Waiter {
         }
         self.state = State::Busy;
         tracing::trace!("busy: waiting record deleted");
-        if let Err(e) = self.store.unmark_waiting().await {
+        if let Err(e) = self.store.bounded(self.store.unmark_waiting()).await {
             // The record expires on its own; meanwhile inserts notify needlessly.
             tracing::debug!(error = %e, "cannot clear the waiting record");
         }
@@ -241,7 +242,10 @@ impl Waiter {
             // Busy, a new LISTEN session, or a record that may have expired: publish it.
             _ => match self
                 .store
-                .mark_waiting_then_writers(pid, self.lifetime, self.table_oid)
+                .bounded(
+                    self.store
+                        .mark_waiting_then_writers(pid, self.lifetime, self.table_oid),
+                )
                 .await
             {
                 Ok(active) => {
@@ -265,7 +269,8 @@ impl Waiter {
 
     /// Extends the record; returns when it was renewed (`at` unchanged when that failed).
     async fn renew(&self, pid: i32, at: Instant, now: Instant) -> Instant {
-        match self.store.mark_waiting(pid, self.lifetime).await {
+        let store = &self.store;
+        match store.bounded(store.mark_waiting(pid, self.lifetime)).await {
             Ok(()) => now,
             Err(e) => {
                 tracing::debug!(error = %e, "cannot renew the waiting record");
@@ -294,6 +299,7 @@ mod tests {
             table: TableName::parse("t").unwrap_or_else(|e| panic!("{e}")),
             auto_migrate: false,
             partition_interval: None,
+            query_timeout: Duration::from_secs(30),
         };
         let store = PgStore::new(&cfg, "test").unwrap_or_else(|e| panic!("{e}"));
         Waiter::new(store, ListenerPid::default(), 1, Duration::from_secs(1))

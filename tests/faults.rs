@@ -12,8 +12,9 @@
 //!    RabbitMQ (with publishes in flight; ordering none and aggregate) or PostgreSQL connections
 //!    cut by a proxy (one scenario, the service a parameter), RabbitMQ restarted for real
 //!    (`rabbitmqctl stop_app`/`start_app`, a durable queue and a reconnecting consumer),
-//!    PostgreSQL restarted for real (`pg_ctlcluster … restart`), a database outage longer than
-//!    the lease, a claim whose answer was lost (made by hand: back after the lease; made by a
+//!    PostgreSQL restarted for real (`pg_ctlcluster … restart`), PostgreSQL black-holed by a
+//!    proxy (connections open, nothing answered), a database outage longer than the lease, a
+//!    claim whose answer was lost (made by hand: back after the lease; made by a
 //!    proxy that holds the answer back: handed back as soon as the database answers).
 //! 3. Kafka broker restarts are covered by `tests/shutdown_and_outages.rs`
 //!    (`broker_killed_and_restarted_mid_stream_spends_no_attempt`), not repeated here.
@@ -57,8 +58,8 @@ use common::webhook::Reply;
 use common::{
     AMQP_URL, Analysis, DurableQueue, Inserted, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
     RelayBuilder, RelayProcess, RowState, TempDir, TestTable, analyse, assert_none, drop_both,
-    finish, free_port, hex8, insert_rows, listening_addrs, local, not_sent_once, pg_connect,
-    scrape, spawn_steady_writer, table_and_exchange, wait_for_count, wait_until,
+    finish, free_port, hex8, http_get, insert_rows, listening_addrs, local, not_sent_once,
+    pg_connect, scrape, spawn_steady_writer, table_and_exchange, wait_for_count, wait_until,
 };
 use lapin::{Connection, ConnectionProperties};
 use rand::seq::SliceRandom;
@@ -718,6 +719,96 @@ async fn connection_cut(service: Service, ordering: &str) {
     summary(&fault, 1, rows.len(), &analysis, &note);
     relay.stop().await;
     audit.drop_all(table, rabbit).await;
+}
+
+/// `/readyz`'s status on `port` (an error text when it does not answer).
+async fn readyz(port: u16) -> Result<u16, String> {
+    http_get(local(port), "/readyz")
+        .await
+        .map(|(status, _)| status)
+}
+
+/// PostgreSQL black-holed mid-drain: a proxy keeps every connection of the relay open (its
+/// pool, its LISTEN session, its background tasks: all go through it) and forwards nothing
+/// either way, as a hung server or a dead path behind a live load balancer would. Within
+/// `database.query_timeout` (2 s here) that is an outage, not a hang: the claim loop logs it,
+/// `/readyz` fails, the LISTEN session gives up its connection, and no attempt is spent while
+/// it lasts. Un-black-holed, the relay comes back by itself and every row is sent with one
+/// attempt, delivered in order per aggregate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_black_holed_is_an_outage_and_spends_no_attempt() {
+    let _shared = SERVICES.read().await;
+    let outage = pick(secs(6), secs(30));
+    let test = "f_pg_black_hole";
+    let (table, rabbit) = table_and_exchange(test).await;
+    let proxy = Proxy::start("127.0.0.1:5432").await;
+    let port = free_port();
+    let relay = RelayBuilder::for_test(&table, &rabbit, test)
+        .ordered()
+        .set(
+            "database.url",
+            format!("postgres://postgres@{}/test", proxy.addr()),
+        )
+        .set("database.query_timeout", "2s")
+        // Far longer than the outage: only the outage could touch attempts.
+        .set("relay.lease_timeout", "120s")
+        .set("metrics.listen", local(port).to_string())
+        .spawn();
+    let writer = spawn_steady_writer(&table.name, "bh", 13, 20);
+    wait_for_count(LONG, "300 messages before the black hole", 300, || {
+        rabbit.count()
+    })
+    .await;
+    let ready = readyz(port).await;
+    assert_eq!(ready, Ok(200), "/readyz before the black hole");
+    let listen_lost = "LISTEN connection lost";
+    let listen_before = relay.log_count(listen_lost);
+    let outage_log = Outage::before(&relay, DATABASE_LOGS);
+
+    proxy.stall();
+    outage_log.ride_out(&table, secs(30), outage).await;
+    let what = "/readyz fails while the database does not answer";
+    let not_ready = wait_until(secs(30), what, async || match readyz(port).await {
+        Ok(200) => Err("200".to_owned()),
+        other => Ok(other),
+    })
+    .await;
+    relay
+        .wait_for_log(listen_lost, listen_before + 1, secs(30))
+        .await;
+    let pending_at_heal = table.count_where("status <> 'sent'").await;
+    assert!(
+        pending_at_heal > 0,
+        "rows should have piled up during the outage"
+    );
+
+    proxy.heal();
+    outage_log.back().await;
+    let written = stop_and_drain(&table, writer).await;
+    assert!(written > 0, "the writer inserted nothing");
+    wait_until(
+        secs(30),
+        "/readyz answers 200 again",
+        async || match readyz(port).await {
+            Ok(200) => Ok(()),
+            other => Err(format!("{other:?}")),
+        },
+    )
+    .await;
+    rabbit.barrier().await;
+    let rows = table.rows().await;
+    assert_none("rows not sent with attempts = 1", &not_sent_once(&rows));
+    let note = format!(
+        "outage={outage:?} attempts_spent=0 unsent_at_heal={pending_at_heal} readyz_during={not_ready:?}"
+    );
+    summary(
+        "postgres-black-hole",
+        1,
+        rows.len(),
+        &rabbit.analyse(&rows),
+        &note,
+    );
+    finish(relay, table, rabbit).await;
 }
 
 /// Runs a service-control command to completion; panics with its output when it fails, and

@@ -1309,3 +1309,132 @@ async fn config_errors_exit_2_with_one_line_naming_the_key() {
         }
     }
 }
+
+// ---- one relay per instance id -----------------------------------------------------------------
+
+/// The key of the instance lock of relay `$1` on table `public.$2`, as docs/operations.md gives
+/// it.
+const LOCK_KEY: &str = "hashtextextended('outbox-relay:' || $1 || ':public.' || $2, 0)";
+
+/// The backend pid of the session holding `instance`'s lock on `table`, if any: `pg_locks`
+/// shows a `bigint` key's high half in `classid`, its low half in `objid`.
+async fn lock_holder(table: &TestTable, instance: &str) -> Option<i32> {
+    let sql = format!(
+        "SELECT l.pid FROM pg_locks l, (SELECT {LOCK_KEY} AS key) k \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND l.classid = ((k.key >> 32) & 4294967295)::oid \
+           AND l.objid = (k.key & 4294967295)::oid"
+    );
+    let row = table.db.query_opt(&sql, &[&instance, &table.name]).await;
+    row.unwrap().map(|r| r.get(0))
+}
+
+/// A second relay with the `relay.instance_id` of a running one, for the same table, refuses
+/// to start: exit 1, its last line one sentence naming the id, the table, the database, the
+/// session that holds the lock and what to do. The first keeps relaying; once it stops, the id
+/// is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_relay_with_the_same_instance_id_refuses_to_start() {
+    let (table, rabbit) = table_and_exchange("ops_same_id").await;
+    let instance = format!("same-id-{}", hex8());
+    let spawn = || RelayBuilder::for_test(&table, &rabbit, &instance).spawn();
+    let first = spawn();
+    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
+    let id = table.insert_one(row.clone()).await;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    let holder = lock_holder(&table, &instance).await;
+    assert!(
+        holder.is_some(),
+        "the running relay holds its instance lock"
+    );
+
+    let mut second = spawn();
+    let status = second.wait_exit(WAIT).await;
+    let stderr = second.stderr();
+    assert_eq!(status.code(), Some(1), "the second relay runs: {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    let sentence = format!(
+        "outbox-relay: another relay with relay.instance_id \"{instance}\" serves {} in postgres://postgres@127.0.0.1:5432/test (its session: backend pid {}",
+        table.name,
+        holder.unwrap()
+    );
+    assert!(last.starts_with(&sentence), "{last}");
+    let what_to_do = "give every relay its own relay.instance_id (left unset it is the host \
+                      name and pid), or stop the other relay first";
+    assert!(last.ends_with(what_to_do), "{last}");
+
+    let id = table.insert_one(row.clone()).await;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    first.stop().await;
+    // Stopped, the first relay's session is gone: the id is free again.
+    let third = spawn();
+    let id = table.insert_one(row).await;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    finish(third, table, rabbit).await;
+}
+
+/// The relay's instance lock session is ended by the database (`pg_terminate_backend`), and
+/// another session takes the lock before the relay can: the relay stops claiming and says so
+/// (rows wait, `/readyz` fails); once that session lets go, it takes the lock again and
+/// carries on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_lost_its_instance_lock_stops_claiming_until_it_takes_it_again() {
+    let (table, rabbit) = table_and_exchange("ops_lock_lost").await;
+    let instance = format!("lock-lost-{}", hex8());
+    let port = free_port();
+    let relay = RelayBuilder::for_test(&table, &rabbit, &instance)
+        .set("metrics.listen", local(port).to_string())
+        .set("relay.poll_interval", "200ms")
+        .spawn();
+    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
+    let id = table.insert_one(row.clone()).await;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    let holder = lock_holder(&table, &instance).await.unwrap();
+
+    // End the relay's session and take the lock in its place (waiting for the session to go).
+    let other = pg_connect().await;
+    let ended: bool = other
+        .query_one("SELECT pg_terminate_backend($1)", &[&holder])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(ended, "the relay's lock session is ended");
+    let take = format!("SELECT pg_advisory_lock({LOCK_KEY})");
+    other
+        .execute(&take, &[&instance, &table.name])
+        .await
+        .unwrap();
+    let said = "another relay took this relay's instance lock";
+    relay.wait_for_log(said, 1, WAIT).await;
+    let ready = async || match http_get(local(port), "/readyz").await {
+        Ok((200, _)) => Ok(()),
+        other => Err(format!("{other:?}")),
+    };
+    let not_ready = async || match ready().await {
+        Ok(()) => Err("200".to_owned()),
+        Err(e) => Ok(e),
+    };
+    wait_until(WAIT, "/readyz fails while the lock is elsewhere", not_ready).await;
+    let waiting = table.insert_one(row).await;
+    // Ten polls: a relay that claimed would have sent it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status: String = table
+        .db
+        .query_one(
+            &format!("SELECT status FROM {} WHERE id = $1", table.name),
+            &[&waiting],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(status, "pending", "claimed without the instance lock");
+
+    drop(other); // its session ends, and the lock with it
+    relay
+        .wait_for_log("took the instance locks again", 1, WAIT)
+        .await;
+    rabbit.wait_for_ids(&[waiting], WAIT).await;
+    wait_until(WAIT, "/readyz answers 200 again", ready).await;
+    finish(relay, table, rabbit).await;
+}

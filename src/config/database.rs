@@ -26,6 +26,9 @@ pub struct RawDatabase {
     /// unset: one plain table.
     #[serde(default)]
     pub partition_interval: Option<HumanDuration>,
+    /// How long the relay waits for the database's answer to one of its statements before it
+    /// counts the connection as lost (default 30s).
+    pub query_timeout: HumanDuration,
 }
 
 /// A validated table name: `name` or `schema.name`, each a bare SQL identifier.
@@ -176,6 +179,8 @@ pub struct DatabaseConfig {
     pub auto_migrate: bool,
     /// The partitions' width, when the table is partitioned (see `store::partitions`).
     pub partition_interval: Option<std::time::Duration>,
+    /// How long a statement may go unanswered before the connection counts as lost.
+    pub query_timeout: std::time::Duration,
 }
 
 impl DatabaseConfig {
@@ -221,6 +226,7 @@ impl RawDatabase {
         if kind == DatabaseKind::Mysql && partition_interval.is_some() {
             return Err(not_on_mysql());
         }
+        super::positive("database.query_timeout", d.query_timeout)?;
         Ok((
             DatabaseConfig {
                 url: d.url,
@@ -229,6 +235,7 @@ impl RawDatabase {
                 table,
                 auto_migrate: d.auto_migrate,
                 partition_interval,
+                query_timeout: d.query_timeout.0,
             },
             dbname,
         ))
@@ -306,6 +313,10 @@ mod tests {
         rejects(
             "[database]\npool_size = 1001\n",
             "invalid value for database.pool_size: 1001 is out of range (2..=1000)",
+        );
+        rejects(
+            "[database]\nquery_timeout = \"0s\"\n",
+            "invalid value for database.query_timeout: must be greater than zero",
         );
         let long = "t".repeat(41);
         err_has(

@@ -159,6 +159,7 @@ impl Default for RawConfig {
                 table: None,
                 auto_migrate: false,
                 partition_interval: None,
+                query_timeout: dur("30s"),
             },
             relay: RawRelay {
                 instance_id: None,

@@ -129,6 +129,7 @@ pub(super) fn validate(
                 table,
                 auto_migrate: inherited.database.auto_migrate,
                 partition_interval: inherited.database.partition_interval,
+                query_timeout: inherited.database.query_timeout,
             },
             ordering,
             source,

@@ -17,7 +17,8 @@ pub use postgres::{
     SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
 };
 pub use postgres::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
-pub use postgres::{PgStore, partitions, schema, steps};
+pub use postgres::{LockHolder, LockSession, SessionId};
+pub use postgres::{MAINTENANCE_TIMEOUT_FACTOR, PgStore, partitions, schema, steps};
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`).
 #[cfg(feature = "bench")]
@@ -56,6 +57,25 @@ pub enum StoreError {
     /// Some ids given to a dead-letter command are not dead letters; nothing was changed.
     #[error("not dead letters (nothing was changed): {}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join(", "))]
     NotDeadLetters(Vec<Uuid>),
+    /// Another relay with this relay's `relay.instance_id` holds the instance lock of `table`
+    /// (see [`LockSession::lock`]).
+    #[error(
+        "another relay with relay.instance_id {instance:?} serves {table} in {database} (its session: {holder}): give every relay its own relay.instance_id (left unset it is the host name and pid), or stop the other relay first"
+    )]
+    InstanceTaken {
+        /// The instance id.
+        instance: String,
+        /// The outbox table.
+        table: String,
+        /// The database, its URL's password masked.
+        database: String,
+        /// Who holds the lock.
+        holder: String,
+    },
+    /// The database did not answer within the call's deadline ([`Store::bounded`]): an outage,
+    /// like a lost connection; the statement may still have run.
+    #[error("the database did not answer within {} (database.query_timeout)", humantime::format_duration(*.0))]
+    Timeout(std::time::Duration),
 }
 
 /// An error and its causes, `outer: inner: innermost` (tokio-postgres hides the cause of
@@ -87,7 +107,12 @@ impl StoreError {
                 e.is_closed() || (e.code().is_none() && !is_conversion(e)) || self.is_read_only()
             }
             Self::Mysql(e) => mysql::is_connection(e),
-            Self::Schema(_) | Self::Build(_) | Self::Locked(_) | Self::NotDeadLetters(_) => false,
+            Self::Timeout(_) => true,
+            Self::Schema(_)
+            | Self::Build(_)
+            | Self::Locked(_)
+            | Self::NotDeadLetters(_)
+            | Self::InstanceTaken { .. } => false,
         }
     }
 
@@ -101,7 +126,8 @@ impl StoreError {
     }
 
     /// Whether a statement that failed this way may have run to its commit with its answer
-    /// lost on the way: the connection closed or broke (an I/O error) under it. Not a pool
+    /// lost on the way: the connection closed or broke (an I/O error) under it, or no answer
+    /// came in time (the statement may run when the database answers again). Not a pool
     /// timeout (nothing was sent), a server error (rolled back) or a value that could not be
     /// decoded (the answer arrived).
     pub fn answer_may_be_lost(&self) -> bool {
@@ -111,6 +137,7 @@ impl StoreError {
                     || std::error::Error::source(e).is_some_and(|s| s.is::<std::io::Error>())
             }
             Self::Mysql(e) => mysql::answer_may_be_lost(e),
+            Self::Timeout(_) => true,
             _ => false,
         }
     }
@@ -233,6 +260,25 @@ impl Store {
             Self::Postgres(s) => s.note_error(e),
             Self::Mysql(_) => false,
         }
+    }
+
+    /// `database.query_timeout`.
+    pub fn query_timeout(&self) -> Duration {
+        either!(self, s => s.query_timeout())
+    }
+
+    /// Runs `call` (one of this store's operations) within `database.query_timeout`: a
+    /// database that accepts connections but stops answering becomes [`StoreError::Timeout`],
+    /// a connection-level failure, instead of a hang ([`PgStore::bounded`],
+    /// [`MysqlStore::bounded`]).
+    pub async fn bounded<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        either!(self, s => s.bounded(call).await)
+    }
+
+    /// [`Store::bounded`] with [`MAINTENANCE_TIMEOUT_FACTOR`] times the deadline, for the
+    /// maintenance tasks' calls.
+    pub async fn bounded_maintenance<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        either!(self, s => s.bounded_maintenance(call).await)
     }
 
     /// Round trip to the database.

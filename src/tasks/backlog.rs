@@ -40,7 +40,7 @@ pub async fn backlog_loop(
         // At start, then every 30 s: a dead relay's record stops costing NOTIFYs on its own
         // once its `alive_until` passes; deleting it only tidies up.
         if clean_waiters && round.is_multiple_of(CLEAN_WAITERS_EVERY) {
-            match store.clean_waiters().await {
+            match store.bounded(store.clean_waiters()).await {
                 Ok(0) => {}
                 Ok(n) => tracing::info!(
                     records = n,
@@ -53,11 +53,11 @@ pub async fn backlog_loop(
         // whatever the claim loop is doing (claims stop during a broker outage, and an idle
         // relay's wake-up only fires while it waits): one probe of the pending index says
         // whether the full refresh is due.
-        if !watching && store.any_pending().await.unwrap_or(true) {
+        if !watching && store.bounded(store.any_pending()).await.unwrap_or(true) {
             watching = true;
         }
         if pace.due(watching, std::time::Instant::now()) {
-            match store.backlog(ordering).await {
+            match store.bounded(store.backlog(ordering)).await {
                 Ok(b) => {
                     metrics.backlog(&b);
                     watching = b.ready > 0 || b.waiting > 0 || b.failed > 0;

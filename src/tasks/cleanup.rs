@@ -36,10 +36,19 @@ pub async fn delete_past_retention(
     loop {
         let result = match relation {
             Some(r) => match store.as_postgres() {
-                Some(pg) => pg.cleanup_batch_in(r, retention, batch).await,
-                None => store.cleanup_batch(retention, batch).await,
+                Some(pg) => {
+                    let call = pg.cleanup_batch_in(r, retention, batch);
+                    pg.bounded_maintenance(call).await
+                }
+                None => {
+                    let call = store.cleanup_batch(retention, batch);
+                    store.bounded_maintenance(call).await
+                }
             },
-            None => store.cleanup_batch(retention, batch).await,
+            None => {
+                let call = store.cleanup_batch(retention, batch);
+                store.bounded_maintenance(call).await
+            }
         };
         match result {
             Ok(n) => {

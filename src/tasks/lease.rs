@@ -92,12 +92,13 @@ pub async fn lease_loop(
     loop {
         let ids = held.ids();
         if !ids.is_empty()
-            && let Err(e) = store.heartbeat(&ids).await
+            && let Err(e) = store.bounded(store.heartbeat(&ids)).await
         {
             store.note_error(&e);
             tracing::warn!(error = %e, "cannot renew leases; rows may be reclaimed by another relay if this lasts longer than lease_timeout");
         }
-        match store.reclaim_expired(lease, retry.max_attempts).await {
+        let reclaim = store.reclaim_expired(lease, retry.max_attempts);
+        match store.bounded(reclaim).await {
             Ok((0, 0)) => {}
             Ok((reclaimed, dead)) => {
                 tracing::warn!(

@@ -1,5 +1,7 @@
 //! Background services that run beside the claim loop, one file each (like River's
 //! `internal/maintenance/`):
+//! - [`instance`]: the instance locks on `relay.instance_id` and each table, kept (claims
+//!   stop without them);
 //! - [`listen`]: the LISTEN session that wakes the loop on NOTIFY;
 //! - [`lease`]: renewing this relay's leases ([`lease::Held`]) and reclaiming expired ones;
 //! - [`backlog`]: the backlog gauges and stale waiting records;
@@ -13,6 +15,7 @@
 
 pub mod backlog;
 pub mod cleanup;
+pub mod instance;
 pub mod lease;
 pub mod listen;
 pub mod partitions;

@@ -58,7 +58,8 @@ pub async fn partitions_loop(
 
 impl PartitionWork {
     async fn round(&mut self, shutdown: &CancellationToken) {
-        let layout = match self.store.layout().await {
+        let store = &self.store;
+        let layout = match store.bounded_maintenance(store.layout()).await {
             Ok(Some(layout)) => layout,
             Ok(None) => return,
             Err(e) => {
@@ -95,7 +96,9 @@ impl PartitionWork {
         else {
             return 0;
         };
-        match self.store.create_partitions_ahead(layout, interval).await {
+        let store = &self.store;
+        let create = store.create_partitions_ahead(layout, interval);
+        match store.bounded_maintenance(create).await {
             Ok(created) => {
                 for name in &created {
                     tracing::info!(table = %self.store.table(), partition = %name, "created partition ahead");
@@ -121,7 +124,11 @@ impl PartitionWork {
             .ranges()
             .filter(|p| p.upper.is_some_and(|u| u <= cutoff))
         {
-            match self.store.retire_partition(p, default).await {
+            match self
+                .store
+                .bounded_maintenance(self.store.retire_partition(p, default))
+                .await
+            {
                 Ok(Retired::Dropped(moved)) => {
                     dropped.push(p.name.clone());
                     if moved.total() > 0 {
@@ -197,7 +204,13 @@ impl PartitionWork {
         default: Option<&str>,
     ) {
         let default_rows = match default {
-            Some(d) => self.store.rows_in(d).await.unwrap_or(0),
+            Some(d) => {
+                let store = &self.store;
+                store
+                    .bounded_maintenance(store.rows_in(d))
+                    .await
+                    .unwrap_or(0)
+            }
             None => 0,
         };
         let mut by_reason: BTreeMap<KeptFor, usize> =

@@ -124,7 +124,8 @@ const UNREMOVABLE_FOR: Duration = Duration::from_secs(60);
 impl Keeper {
     /// One check: read the table's health, then vacuum or analyze it if due.
     async fn check(&mut self) {
-        let h = match self.store.table_health(self.table_oid).await {
+        let store = &self.store;
+        let h = match store.bounded(store.table_health(self.table_oid)).await {
             Ok(h) => h,
             Err(e) if e.is_connection() => {
                 return tracing::debug!(error = %e, "table statistics not read");
@@ -174,11 +175,12 @@ impl Keeper {
     /// Vacuums the table, noting the dead tuples the vacuum left behind.
     async fn vacuum(&mut self, h: &TableHealth, reason: &str) {
         let started = Instant::now();
-        if let Err(e) = self.store.vacuum().await {
+        let store = &self.store;
+        if let Err(e) = store.bounded_maintenance(store.vacuum()).await {
             return tracing::warn!(error = %e, "vacuum of the outbox table failed");
         }
         self.metrics.vacuumed();
-        let after = self.store.table_health(self.table_oid).await.ok();
+        let after = store.bounded(store.table_health(self.table_oid)).await.ok();
         self.unremovable = after.map_or(0, |a| a.dead_tuples);
         self.vacuumed_at = Some(Instant::now());
         tracing::info!(
@@ -195,7 +197,7 @@ impl Keeper {
     /// Analyzes the table, whose statistics predate its backlog.
     async fn analyze(&self, h: &TableHealth) {
         let started = Instant::now();
-        match self.store.analyze().await {
+        match self.store.bounded_maintenance(self.store.analyze()).await {
             Ok(()) => tracing::info!(
                 table = %self.store.table(),
                 live_tuples = h.live_tuples,

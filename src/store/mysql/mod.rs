@@ -41,6 +41,8 @@ struct Queries {
 #[derive(Clone)]
 pub struct MysqlStore {
     pool: Pool,
+    // `database.query_timeout`: see `MysqlStore::bounded`.
+    query_timeout: std::time::Duration,
     table: TableName,
     instance_id: String,
     q: Arc<Queries>,
@@ -57,6 +59,25 @@ impl MysqlStore {
         &self.instance_id
     }
 
+    /// `database.query_timeout`.
+    pub fn query_timeout(&self) -> std::time::Duration {
+        self.query_timeout
+    }
+
+    /// Runs `call` within `database.query_timeout`: a server that accepts connections but
+    /// stops answering becomes [`StoreError::Timeout`], an outage, instead of a hang.
+    pub async fn bounded<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        within(self.query_timeout, call).await
+    }
+
+    /// [`MysqlStore::bounded`] with [`super::MAINTENANCE_TIMEOUT_FACTOR`] times the deadline.
+    pub async fn bounded_maintenance<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        let limit = self
+            .query_timeout
+            .saturating_mul(super::MAINTENANCE_TIMEOUT_FACTOR);
+        within(limit, call).await
+    }
+
     /// A pooled connection.
     pub async fn conn(&self) -> Result<mysql_async::Conn> {
         Ok(self.pool.get_conn().await?)
@@ -68,6 +89,13 @@ impl MysqlStore {
         self.conn().await?.query_drop("SELECT 1").await?;
         Ok(())
     }
+}
+
+/// `call` within `limit`, or [`StoreError::Timeout`].
+async fn within<T>(limit: std::time::Duration, call: impl Future<Output = Result<T>>) -> Result<T> {
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or(Err(StoreError::Timeout(limit)))
 }
 
 /// Whether `e` is a lost, refused or read-only connection, or a transient lock conflict: an

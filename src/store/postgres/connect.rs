@@ -108,6 +108,7 @@ impl PgStore {
             .map_err(|e| StoreError::Build(e.to_string()))?;
         let mut store = Self::with_pool(pool, stale, &cfg.table, instance_id);
         store.partition_interval = cfg.partition_interval;
+        store.query_timeout = cfg.query_timeout;
         Ok(store)
     }
 
@@ -121,6 +122,7 @@ impl PgStore {
             &self.instance_id,
         );
         store.partition_interval = self.partition_interval;
+        store.query_timeout = self.query_timeout;
         store
     }
 
@@ -131,6 +133,7 @@ impl PgStore {
             table: table.clone(),
             instance_id: instance_id.to_owned(),
             partition_interval: None,
+            query_timeout: DEFAULT_QUERY_TIMEOUT,
             q: std::sync::Arc::new(Queries {
                 claim: ClaimSql::new(table),
                 settle: SettleSql::new(table),
@@ -164,7 +167,25 @@ pub fn make_tls() -> Result<tokio_postgres_rustls::MakeRustlsConnect> {
         .with_no_client_auth();
     Ok(tokio_postgres_rustls::MakeRustlsConnect::new(config))
 }
-/// Parses a libpq URL and names the session `outbox-relay` unless the URL names it.
+/// `database.query_timeout` of a store built without a configuration (see [`PgStore::new`]).
+const DEFAULT_QUERY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// TCP keepalive of every session unless the URL sets its own (`keepalives_idle`,
+/// `keepalives_interval`, `keepalives_retries`, `tcp_user_timeout`): a peer that vanished (a
+/// host down, a network partition) closes an idle session, LISTEN's included, after about a
+/// minute rather than the system's two hours; data left unacknowledged for
+/// [`TCP_USER_TIMEOUT`] closes it too. A peer that acknowledges but never answers is the
+/// client-side deadlines' ([`Store::bounded`]).
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_RETRIES: u32 = 3;
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// tokio-postgres's keepalive idle when not set: two hours.
+const KEEPALIVE_IDLE_DEFAULT: Duration = Duration::from_secs(2 * 60 * 60);
+
+/// Parses a libpq URL and names the session `outbox-relay` unless the URL names it; sets the
+/// TCP keepalive and user timeout the URL leaves unset.
 pub fn pg_config(url: &str) -> Result<tokio_postgres::Config> {
     let mut pg: tokio_postgres::Config = url
         .parse()
@@ -173,6 +194,18 @@ pub fn pg_config(url: &str) -> Result<tokio_postgres::Config> {
         pg.application_name(APPLICATION_NAME);
     }
     pg.connect_timeout(Duration::from_secs(5));
+    if pg.get_keepalives_idle() == KEEPALIVE_IDLE_DEFAULT {
+        pg.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if pg.get_keepalives_interval().is_none() {
+        pg.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if pg.get_keepalives_retries().is_none() {
+        pg.keepalives_retries(KEEPALIVE_RETRIES);
+    }
+    if pg.get_tcp_user_timeout().is_none() {
+        pg.tcp_user_timeout(TCP_USER_TIMEOUT);
+    }
     Ok(pg)
 }
 /// `LISTEN` on the table's NOTIFY channel, for the wake-up listener's own session.
@@ -195,6 +228,21 @@ mod tests {
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(pg.get_application_name(), Some("mine"));
         assert!(tls_required(&pg));
+    }
+
+    #[test]
+    fn sessions_keep_alive_unless_the_url_says_otherwise() {
+        let pg = pg_config("postgres://u@h/db").unwrap_or_else(|e| panic!("{e}"));
+        assert!(pg.get_keepalives());
+        assert_eq!(pg.get_keepalives_idle(), KEEPALIVE_IDLE);
+        assert_eq!(pg.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
+        assert_eq!(pg.get_keepalives_retries(), Some(KEEPALIVE_RETRIES));
+        assert_eq!(pg.get_tcp_user_timeout(), Some(&TCP_USER_TIMEOUT));
+        let url = "postgres://u@h/db?keepalives_idle=600&keepalives_retries=9&tcp_user_timeout=120";
+        let pg = pg_config(url).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(pg.get_keepalives_idle(), Duration::from_secs(600));
+        assert_eq!(pg.get_keepalives_retries(), Some(9));
+        assert_eq!(pg.get_tcp_user_timeout(), Some(&Duration::from_secs(120)));
     }
 
     #[test]

@@ -17,6 +17,8 @@
 //!   index builds `CONCURRENTLY` outside any);
 //! - `connect`: the URL, TLS, the pool and its session settings, and the
 //!   LISTEN session's statements;
+//! - `instance`: the instance lock (an advisory lock on `relay.instance_id` and the table, on
+//!   a session of its own);
 //! - `bench` (the `bench` feature only): the hot-path statements and session settings, for the
 //!   benchmark's pgbench ceiling.
 //!
@@ -26,6 +28,7 @@
 mod claim;
 mod connect;
 mod console;
+mod instance;
 mod maintenance;
 mod observe;
 mod operator;
@@ -40,6 +43,7 @@ pub(crate) use claim::scan_window;
 pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use console::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
+pub use instance::{LockHolder, LockSession, SessionId};
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};
@@ -72,6 +76,11 @@ struct Queries {
     operator: operator::OperatorSql,
 }
 
+/// How many times `database.query_timeout` the maintenance work (retention deletes, `VACUUM`,
+/// `ANALYZE`, partitions) may take per call ([`PgStore::bounded_maintenance`]): such statements
+/// legitimately run for minutes on a large table.
+pub const MAINTENANCE_TIMEOUT_FACTOR: u32 = 20;
+
 /// The outbox table and its connection pool.
 #[derive(Clone)]
 pub struct PgStore {
@@ -80,6 +89,8 @@ pub struct PgStore {
     instance_id: String,
     // `database.partition_interval`: `migrate` partitions the table with it.
     partition_interval: Option<std::time::Duration>,
+    // `database.query_timeout`: see `PgStore::bounded`.
+    query_timeout: std::time::Duration,
     q: std::sync::Arc<Queries>,
     // Shared with the pool's recycle hook and the LISTEN session: a read-only refusal makes
     // the relay give up its sessions on that server.
@@ -125,6 +136,46 @@ impl PgStore {
     /// A pooled connection (for callers such as tests and CLI tools).
     pub async fn client(&self) -> Result<deadpool_postgres::Object> {
         Ok(self.pool.get().await?)
+    }
+
+    /// `database.query_timeout`.
+    pub fn query_timeout(&self) -> std::time::Duration {
+        self.query_timeout
+    }
+
+    /// Runs `call` (one of this store's operations) within `database.query_timeout`: a
+    /// database that accepts connections but stops answering (a black hole, a hung server)
+    /// becomes [`StoreError::Timeout`], a connection-level failure, instead of a hang. The
+    /// claim loop, the lease and backlog tasks and the wake-up record call the database
+    /// through this.
+    pub async fn bounded<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        self.within(self.query_timeout, call).await
+    }
+
+    /// [`PgStore::bounded`] with [`MAINTENANCE_TIMEOUT_FACTOR`] times the deadline, for the
+    /// maintenance tasks' calls.
+    pub async fn bounded_maintenance<T>(&self, call: impl Future<Output = Result<T>>) -> Result<T> {
+        let limit = self
+            .query_timeout
+            .saturating_mul(MAINTENANCE_TIMEOUT_FACTOR);
+        self.within(limit, call).await
+    }
+
+    /// `call` within `limit`. When it gets no answer in time, the idle connections of the pool
+    /// are dropped too (the one that got none is back among them by then): the next call
+    /// connects afresh instead of queueing behind a statement that may never be answered.
+    async fn within<T>(
+        &self,
+        limit: std::time::Duration,
+        call: impl Future<Output = Result<T>>,
+    ) -> Result<T> {
+        match tokio::time::timeout(limit, call).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.pool.retain(|_, _| false);
+                Err(StoreError::Timeout(limit))
+            }
+        }
     }
 
     /// Round trip to the database.
