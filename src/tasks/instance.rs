@@ -177,11 +177,18 @@ impl Keeper {
             else {
                 continue;
             };
-            let Err(e) = store.bounded(session.check()).await else {
-                continue;
+            // A server that refused a write as read-only (a primary turned read-only, before a
+            // failover) still answers: its sessions are given up all the same, this one too.
+            let why = if store.stale_sessions().is_stale(session.made()) {
+                "the server refused the relay's writes as read-only".to_owned()
+            } else {
+                match store.bounded(session.check()).await {
+                    Ok(()) => continue,
+                    Err(e) => e.to_string(),
+                }
             };
             s.held.set(false);
-            tracing::warn!(database = %s.database, error = %e, "lost the session holding the instance locks; not claiming until they are taken again");
+            tracing::warn!(database = %s.database, error = %why, "lost the session holding the instance locks; not claiming until they are taken again");
             let previous = session.session().clone();
             locks.session = None;
             if !self.retake(&mut locks, &previous, &shutdown).await {

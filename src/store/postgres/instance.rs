@@ -87,12 +87,19 @@ impl std::fmt::Display for LockHolder {
 pub struct LockSession {
     client: deadpool_postgres::ClientWrapper,
     session: SessionId,
+    /// When it was made (a read-only refusal after this leaves it stale: [`PgStore::stale_sessions`]).
+    made: std::time::Instant,
 }
 
 impl LockSession {
     /// Which session this is.
     pub fn session(&self) -> &SessionId {
         &self.session
+    }
+
+    /// When it was made.
+    pub fn made(&self) -> std::time::Instant {
+        self.made
     }
 
     /// Whether the session still answers: its locks are held as long as it does.
@@ -139,7 +146,11 @@ impl PgStore {
             pid: row.try_get(0)?,
             started: row.try_get::<_, Option<String>>(1)?.unwrap_or_default(),
         };
-        Ok(LockSession { client, session })
+        Ok(LockSession {
+            client,
+            session,
+            made: std::time::Instant::now(),
+        })
     }
 }
 
