@@ -79,10 +79,11 @@ impl ClaimSql {
         }
     }
 
-    /// Marks `seqs` claimed in `instance`'s name, one more attempt counted.
-    fn mark_claimed(&self, seqs: &[i64]) -> String {
+    /// Marks `seqs` claimed in the name `by` (an SQL literal, [`literal`]), one more attempt
+    /// counted. Sent as text: a statement whose list changes every call is not worth preparing.
+    fn mark_claimed(&self, seqs: &[i64], by: &str) -> String {
         format!(
-            "UPDATE {} SET status = 'processing', attempts = attempts + 1, locked_by = ?, \
+            "UPDATE {} SET status = 'processing', attempts = attempts + 1, locked_by = {by}, \
              locked_at = NOW(6) WHERE seq IN ({})",
             self.t,
             seq_list(seqs)
@@ -107,8 +108,8 @@ impl ClaimSql {
             .map(|(ty, id, seq)| {
                 format!(
                     "(e.aggregate_type = {} AND e.aggregate_id = {} AND e.seq < {seq})",
-                    hex_literal(ty),
-                    hex_literal(id)
+                    literal(ty),
+                    literal(id)
                 )
             })
             .collect::<Vec<_>>()
@@ -141,8 +142,8 @@ impl ClaimSql {
 }
 
 /// `text` as a utf8mb4 string literal written in hex: any byte is safe in it, and it takes
-/// the collation of the column it is compared with.
-fn hex_literal(text: &str) -> String {
+/// the collation of the column it is compared with or assigned to.
+pub(super) fn literal(text: &str) -> String {
     use std::fmt::Write;
     let mut out = String::with_capacity(12 + text.len() * 2);
     out.push_str("_utf8mb4 X'");
@@ -215,8 +216,8 @@ impl MysqlStore {
                     .collect::<Result<Vec<_>>>()?;
                 let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
                 if !seqs.is_empty() {
-                    tx.exec_drop(self.q.claim.mark_claimed(&seqs), (&self.instance_id,))
-                        .await?;
+                    let by = literal(&self.instance_id);
+                    tx.query_drop(self.q.claim.mark_claimed(&seqs, &by)).await?;
                 }
                 for r in &mut rows {
                     r.attempts += 1;
@@ -269,7 +270,8 @@ impl MysqlStore {
         if taken.is_empty() {
             return Ok(Vec::new());
         }
-        tx.exec_drop(self.q.claim.mark_claimed(&taken), (&self.instance_id,))
+        let by = literal(&self.instance_id);
+        tx.query_drop(self.q.claim.mark_claimed(&taken, &by))
             .await?;
         let rows: Vec<Row> = tx.query(self.q.claim.rows(&taken)).await?;
         rows.into_iter().map(message_of).collect()
@@ -392,7 +394,8 @@ impl MysqlStore {
                 Err(e) => return Err(e.into()),
             }
         }
-        tx.exec_drop(self.q.claim.mark_claimed(&[msg.seq]), (&self.instance_id,))
+        let by = literal(&self.instance_id);
+        tx.query_drop(self.q.claim.mark_claimed(&[msg.seq], &by))
             .await?;
         tx.commit().await?;
         msg.attempts += 1;
@@ -411,8 +414,8 @@ mod tests {
 
     #[test]
     fn literals_are_hex() {
-        assert_eq!(hex_literal("a'b"), "_utf8mb4 X'612762'");
-        assert_eq!(hex_literal(""), "_utf8mb4 X''");
+        assert_eq!(literal("a'b"), "_utf8mb4 X'612762'");
+        assert_eq!(literal(""), "_utf8mb4 X''");
     }
 
     #[test]

@@ -8,7 +8,7 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Row, TxOpts};
 use uuid::Uuid;
 
-use super::claim::{SUSPECT, column};
+use super::claim::{SUSPECT, column, literal};
 use super::{MysqlStore, Result, id_list, parse_id};
 use crate::config::TableName;
 use crate::store::{FailOutcome, Failure, OnConfirm};
@@ -59,16 +59,18 @@ impl MysqlStore {
             OnConfirm::MarkSent => format!(
                 "UPDATE {t} SET status = 'sent', sent_at = NOW(6), locked_by = NULL, \
                    locked_at = NULL, last_error = NULL \
-                 WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
-                id_list(ids)
+                 WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
+                id_list(ids),
+                literal(&self.instance_id)
             ),
             OnConfirm::Delete => format!(
-                "DELETE FROM {t} WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
-                id_list(ids)
+                "DELETE FROM {t} WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
+                id_list(ids),
+                literal(&self.instance_id)
             ),
         };
         let mut conn = self.conn().await?;
-        conn.exec_drop(sql, (&self.instance_id,)).await?;
+        conn.query_drop(sql).await?;
         Ok(conn.affected_rows())
     }
 
@@ -119,12 +121,13 @@ impl MysqlStore {
         let sql = format!(
             "UPDATE {} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
                locked_by = NULL, locked_at = NULL \
-             WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
+             WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
             self.q.settle.t,
-            id_list(ids)
+            id_list(ids),
+            literal(&self.instance_id)
         );
         let mut conn = self.conn().await?;
-        conn.exec_drop(sql, (&self.instance_id,)).await?;
+        conn.query_drop(sql).await?;
         Ok(conn.affected_rows())
     }
 
@@ -139,13 +142,14 @@ impl MysqlStore {
         let sql = format!(
             "UPDATE {} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
                locked_by = NULL, locked_at = NULL \
-             WHERE status = 'processing' AND locked_by = ? {not_held} \
-               AND locked_at >= NOW(6) - INTERVAL ? MICROSECOND",
-            self.q.settle.t
+             WHERE status = 'processing' AND locked_by = {} {not_held} \
+               AND locked_at >= NOW(6) - INTERVAL {} MICROSECOND",
+            self.q.settle.t,
+            literal(&self.instance_id),
+            micros(lease)
         );
         let mut conn = self.conn().await?;
-        conn.exec_drop(sql, (&self.instance_id, micros(lease)))
-            .await?;
+        conn.query_drop(sql).await?;
         Ok(conn.affected_rows())
     }
 
@@ -156,12 +160,13 @@ impl MysqlStore {
         }
         let sql = format!(
             "UPDATE {} SET locked_at = NOW(6) \
-             WHERE id IN ({}) AND status = 'processing' AND locked_by = ?",
+             WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
             self.q.settle.t,
-            id_list(ids)
+            id_list(ids),
+            literal(&self.instance_id)
         );
         let mut conn = self.conn().await?;
-        conn.exec_drop(sql, (&self.instance_id,)).await?;
+        conn.query_drop(sql).await?;
         Ok(conn.affected_rows())
     }
 
@@ -185,19 +190,16 @@ impl MysqlStore {
                 dead += 1;
             }
         }
-        tx.exec_drop(
-            format!(
-                "UPDATE {} SET \
-                   status = CASE WHEN attempts >= ? THEN 'failed' ELSE 'pending' END, \
+        tx.query_drop(format!(
+            "UPDATE {} SET \
+                   status = CASE WHEN attempts >= {max_attempts} THEN 'failed' ELSE 'pending' END, \
                    last_error = CONCAT('{SUSPECT} relay ', COALESCE(locked_by, '?'), \
                      ' stopped while holding the row'), \
                    available_at = NOW(6), locked_by = NULL, locked_at = NULL \
                  WHERE seq IN ({})",
-                self.q.settle.t,
-                seqs.join(",")
-            ),
-            (max_attempts,),
-        )
+            self.q.settle.t,
+            seqs.join(",")
+        ))
         .await?;
         tx.commit().await?;
         Ok((seqs.len() as u64, dead))
