@@ -637,3 +637,105 @@ async fn the_console_reads_a_mysql_outbox() {
     rabbit.teardown().await;
     table.drop_table().await;
 }
+
+/// The name of relay `instance`'s instance lock on table `test.<table>`, as docs/operations.md
+/// gives it.
+fn lock_name_sql(instance: &str, table: &str) -> String {
+    format!("CONCAT('outbox-relay:', LEFT(SHA2('{instance}:test.{table}', 256), 48))")
+}
+
+/// The connection holding relay `instance`'s lock on `table`, if any.
+async fn lock_holder(conn: &mut mysql_async::Conn, instance: &str, table: &str) -> Option<i64> {
+    let sql = format!("SELECT IS_USED_LOCK({})", lock_name_sql(instance, table));
+    conn.query_first::<Option<i64>, _>(sql)
+        .await
+        .unwrap()
+        .flatten()
+}
+
+/// A second relay with the `relay.instance_id` of a running one, for the same MySQL table,
+/// refuses to start with the sentence naming the id, the table and the connection that holds
+/// the lock; once the first stops, the id is free.
+#[tokio::test]
+async fn a_second_relay_with_the_same_instance_id_refuses_to_start() {
+    let (table, rabbit) = table_and_exchange("my_same_id").await;
+    let instance = format!("my-same-id-{}", common::hex8());
+    let spawn = || relay(&table, &rabbit, &instance).spawn();
+    let first = spawn();
+    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
+    let id = table.insert(std::slice::from_ref(&row)).await[0].id;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    let mut conn = mysql_conn().await;
+    let holder = lock_holder(&mut conn, &instance, &table.name).await;
+    assert!(
+        holder.is_some(),
+        "the running relay holds its instance lock"
+    );
+
+    let mut second = spawn();
+    let status = second.wait_exit(WAIT).await;
+    let stderr = second.stderr();
+    assert_eq!(status.code(), Some(1), "the second relay runs: {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    let sentence = format!(
+        "outbox-relay: another relay with relay.instance_id \"{instance}\" serves {} in {MYSQL_URL} (its session: connection id {}",
+        table.name,
+        holder.unwrap()
+    );
+    assert!(last.starts_with(&sentence), "{last}");
+    assert!(last.ends_with("or stop the other relay first"), "{last}");
+
+    first.stop().await;
+    // Stopped, the first relay's connection is gone: the id is free again.
+    let third = spawn();
+    let id = table.insert(&[row]).await[0].id;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    third.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
+
+/// The relay's lock connection is killed and another session takes the lock before the relay
+/// can: the relay stops claiming and says so; once that session lets go, it takes the lock
+/// again and carries on.
+#[tokio::test]
+async fn a_relay_that_lost_its_instance_lock_stops_claiming_until_it_takes_it_again() {
+    let (table, rabbit) = table_and_exchange("my_lock_lost").await;
+    let instance = format!("my-lock-lost-{}", common::hex8());
+    let relay = relay(&table, &rabbit, &instance).spawn();
+    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
+    let id = table.insert(std::slice::from_ref(&row)).await[0].id;
+    rabbit.wait_for_ids(&[id], WAIT).await;
+    let mut other = mysql_conn().await;
+    let holder = lock_holder(&mut other, &instance, &table.name)
+        .await
+        .unwrap();
+
+    other.query_drop(format!("KILL {holder}")).await.unwrap();
+    let take = format!(
+        "SELECT GET_LOCK({}, 60)",
+        lock_name_sql(&instance, &table.name)
+    );
+    let taken: Option<i64> = other.query_first(take).await.unwrap().flatten();
+    assert_eq!(taken, Some(1), "the test's session takes the lock");
+    relay
+        .wait_for_log("another relay took this relay's instance lock", 1, WAIT)
+        .await;
+    let waiting = table.insert(&[row]).await[0].id;
+    // Twenty polls: a relay that claimed would have sent it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        table.row(waiting).await.status,
+        "pending",
+        "claimed without the instance lock"
+    );
+
+    other.disconnect().await.unwrap(); // the lock goes with the connection
+    relay
+        .wait_for_log("took the instance locks again", 1, WAIT)
+        .await;
+    rabbit.wait_for_ids(&[waiting], WAIT).await;
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}

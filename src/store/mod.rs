@@ -8,8 +8,11 @@
 //! The row types the loop and the commands exchange with a store ([`Claim`], [`Failure`],
 //! [`StatusReport`], …) are the same for both.
 
+mod instance;
 pub mod mysql;
 pub mod postgres;
+
+pub use instance::{LockHolder, LockSession, SessionId};
 
 pub use postgres::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use postgres::{
@@ -17,7 +20,6 @@ pub use postgres::{
     SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
 };
 pub use postgres::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
-pub use postgres::{LockHolder, LockSession, SessionId};
 pub use postgres::{MAINTENANCE_TIMEOUT_FACTOR, PgStore, partitions, schema, steps};
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`).

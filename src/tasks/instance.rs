@@ -1,5 +1,6 @@
-//! The instance lock, kept: for each outbox table it serves, the relay holds an advisory lock
-//! on its `relay.instance_id` and that table ([`LockSession::lock`]) for as long as it runs.
+//! The instance lock, kept: for each outbox table it serves, the relay holds a lock on its
+//! `relay.instance_id` and that table ([`LockSession::lock`]: an advisory lock on PostgreSQL,
+//! `GET_LOCK` on MySQL) for as long as it runs.
 //! Two relays with one id would renew, settle and hand back each other's rows in a table,
 //! defeating crash recovery; with the lock, the second refuses to start. The locks of one
 //! database's outboxes share a session of their own ([`InstanceLockSlot`]); a keeper task
@@ -15,7 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::Tasks;
 use crate::backoff::{Backoff, sleep_or_cancel};
-use crate::store::{LockHolder, LockSession, PgStore, SessionId, Store, StoreError};
+use crate::store::{LockHolder, LockSession, SessionId, Store, StoreError};
 
 /// How often the keeper checks that the locks' session still answers.
 pub const CHECK_EVERY: Duration = Duration::from_secs(5);
@@ -59,7 +60,7 @@ struct Locks {
     /// Until the first lock is taken, and while the keeper takes them again.
     session: Option<LockSession>,
     /// A store of each table locked, in the order they were.
-    tables: Vec<PgStore>,
+    tables: Vec<Store>,
 }
 
 impl InstanceLockSlot {
@@ -84,13 +85,6 @@ impl InstanceLockSlot {
         tasks: &Tasks,
         shutdown: &CancellationToken,
     ) -> Result<Option<LockHeld>, StoreError> {
-        // MySQL outboxes hold no instance lock yet (the PostgreSQL advisory lock has no
-        // MySQL twin here): their loops claim as if it were held.
-        let Some(store) = store.as_postgres() else {
-            let held = LockHeld::default();
-            held.set(true);
-            return Ok(Some(held));
-        };
         let s = &self.0;
         let mut locks = s.locks.lock().await;
         let mut backoff = Backoff::session();
@@ -137,7 +131,7 @@ impl InstanceLockSlot {
     async fn try_lock(
         &self,
         locks: &mut Locks,
-        store: &PgStore,
+        store: &Store,
     ) -> Result<Result<(), Option<LockHolder>>, StoreError> {
         if locks.session.is_none() {
             locks.session = Some(store.bounded(store.lock_session()).await?);
@@ -150,7 +144,7 @@ impl InstanceLockSlot {
 }
 
 /// The sentence of a lock another relay holds.
-fn taken_error(store: &PgStore, database: &str, holder: &LockHolder) -> StoreError {
+fn taken_error(store: &Store, database: &str, holder: &LockHolder) -> StoreError {
     StoreError::InstanceTaken {
         instance: store.instance_id().to_owned(),
         table: store.table().to_string(),
@@ -179,7 +173,7 @@ impl Keeper {
             };
             // A server that refused a write as read-only (a primary turned read-only, before a
             // failover) still answers: its sessions are given up all the same, this one too.
-            let why = if store.stale_sessions().is_stale(session.made()) {
+            let why = if store.stale_since(session.made()) {
                 "the server refused the relay's writes as read-only".to_owned()
             } else {
                 match store.bounded(session.check()).await {

@@ -113,22 +113,29 @@ impl MysqlStore {
             .init(SESSION_SETTINGS.to_vec())
             .tcp_keepalive(Some(Duration::from_secs(10)))
             .stmt_cache_size(64);
-        let pool = Pool::new(opts);
-        let mut store = Self::with_pool(pool, &cfg.table, instance_id);
+        let opts: Opts = opts.into();
+        let pool = Pool::new(opts.clone());
+        let mut store = Self::with_pool(pool, opts, &cfg.table, instance_id);
         store.query_timeout = cfg.query_timeout;
         Ok(store)
     }
 
     /// Another table in the same database, sharing this store's pool.
     pub fn for_table(&self, table: &TableName) -> Self {
-        let mut store = Self::with_pool(self.pool.clone(), table, &self.instance_id);
+        let mut store = Self::with_pool(
+            self.pool.clone(),
+            self.opts.clone(),
+            table,
+            &self.instance_id,
+        );
         store.query_timeout = self.query_timeout;
         store
     }
 
-    fn with_pool(pool: Pool, table: &TableName, instance_id: &str) -> Self {
+    fn with_pool(pool: Pool, opts: Opts, table: &TableName, instance_id: &str) -> Self {
         Self {
             pool,
+            opts,
             query_timeout: Duration::from_secs(30),
             table: table.clone(),
             instance_id: instance_id.to_owned(),

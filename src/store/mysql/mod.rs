@@ -6,7 +6,8 @@
 //!   its own, and the expiry sweep;
 //! - `settle`: sent, rejected and handed-back rows, lease renewal and reclaim;
 //! - `operator`: `status`, dead letters, the backlog gauges and retention;
-//! - `console`: the web console's bounded reads.
+//! - `console`: the web console's bounded reads;
+//! - `instance`: the instance lock (`GET_LOCK`) on a connection of its own.
 //!
 //! Every session runs at READ COMMITTED: InnoDB then takes no gap locks for the relay's reads
 //! and updates, so an application's `INSERT` never waits behind the relay. Each file renders
@@ -16,6 +17,7 @@
 mod claim;
 mod connect;
 mod console;
+mod instance;
 mod operator;
 pub mod schema;
 mod settle;
@@ -24,6 +26,8 @@ use std::sync::Arc;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use mysql_async::Pool;
+
+pub use instance::LockSession;
 use uuid::Uuid;
 
 pub use super::{Result, StoreError};
@@ -41,6 +45,8 @@ struct Queries {
 #[derive(Clone)]
 pub struct MysqlStore {
     pool: Pool,
+    // The pool's connection options: the instance lock's session is a connection of its own.
+    opts: mysql_async::Opts,
     // `database.query_timeout`: see `MysqlStore::bounded`.
     query_timeout: std::time::Duration,
     table: TableName,

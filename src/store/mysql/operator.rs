@@ -123,38 +123,30 @@ impl MysqlStore {
         let mut conn = self.conn().await?;
         let rows: Vec<Row> = conn.query(&self.q.operator.status).await?;
         let blocked: Vec<Row> = conn.query(&self.q.operator.blocked_by_type).await?;
-        let mut report = StatusReport::default();
-        for mut r in rows {
-            let ready: i64 = column(&mut r, 1, "ready")?;
-            let waiting: i64 = column(&mut r, 2, "waiting")?;
+        let per_type = rows.into_iter().map(|mut r| {
             let counts = StatusCounts {
-                pending: ready + waiting,
-                ready,
-                waiting,
+                ready: column(&mut r, 1, "ready")?,
+                waiting: column(&mut r, 2, "waiting")?,
                 processing: column(&mut r, 3, "processing")?,
                 sent: column(&mut r, 4, "sent")?,
                 failed: column(&mut r, 5, "failed")?,
                 oldest_pending_age_seconds: column(&mut r, 6, "age")?,
                 expired: column(&mut r, 7, "expired")?,
-                blocked_aggregates: 0,
+                ..StatusCounts::default()
             };
-            report
-                .by_aggregate_type
-                .insert(column(&mut r, 0, "aggregate_type")?, counts);
-        }
-        for mut r in blocked {
-            let ty: String = column(&mut r, 0, "aggregate_type")?;
-            let n: i64 = column(&mut r, 1, "blocked")?;
-            report
-                .by_aggregate_type
-                .entry(ty)
-                .or_default()
-                .blocked_aggregates = n;
-        }
-        for c in report.by_aggregate_type.values() {
-            report.overall.add(c);
-        }
-        Ok(report)
+            Ok((column(&mut r, 0, "aggregate_type")?, counts))
+        });
+        let per_type = per_type.collect::<Result<Vec<_>>>()?;
+        let blocked = blocked
+            .into_iter()
+            .map(|mut r| {
+                Ok((
+                    column(&mut r, 0, "aggregate_type")?,
+                    column(&mut r, 1, "blocked")?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StatusReport::assemble(per_type, blocked))
     }
 
     /// Dead letters in `seq` order.

@@ -281,22 +281,9 @@ impl MysqlStore {
 
     /// Decides what start-up does about the schema; an error when `run` could not start.
     pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
-        let state = self.schema_state().await?;
-        if !state.table_exists && !auto_migrate {
-            return Err(StoreError::Schema(format!(
-                "table {} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true",
-                self.table
-            )));
-        }
-        Ok(SchemaPlan {
-            table_exists: state.table_exists,
-            apply: if auto_migrate {
-                state.pending
-            } else {
-                Vec::new()
-            },
-            partition: false,
-        })
+        self.schema_state()
+            .await?
+            .plan(&self.table, auto_migrate, false)
     }
 }
 

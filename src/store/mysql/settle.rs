@@ -17,6 +17,14 @@ use crate::store::{FailOutcome, Failure, OnConfirm};
 #[derive(Debug)]
 pub(super) struct SettleSql {
     t: String,
+    /// Sent (before `WHERE`).
+    sent: String,
+    /// Sent, retention 0 (before `WHERE`).
+    delete: String,
+    /// Handed back, the claim's attempt given back (before `WHERE`).
+    release: String,
+    /// Lease renewed (before `WHERE`).
+    heartbeat: String,
     /// Rejected: `?` max attempts (twice), `?` delay (µs), `?` error, `?` id, `?` instance.
     fail: String,
     /// Rows whose lease ran out, locked: `?` lease (µs).
@@ -27,6 +35,16 @@ impl SettleSql {
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
         Self {
+            sent: format!(
+                "UPDATE {t} SET status = 'sent', sent_at = NOW(6), locked_by = NULL, \
+                   locked_at = NULL, last_error = NULL"
+            ),
+            delete: format!("DELETE FROM {t}"),
+            release: format!(
+                "UPDATE {t} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
+                   locked_by = NULL, locked_at = NULL"
+            ),
+            heartbeat: format!("UPDATE {t} SET locked_at = NOW(6)"),
             fail: format!(
                 "UPDATE {t} SET \
                    status = CASE WHEN attempts >= ? THEN 'failed' ELSE 'pending' END, \
@@ -49,29 +67,29 @@ fn micros(d: Duration) -> i64 {
 }
 
 impl MysqlStore {
-    /// Confirmed rows become `sent` (or are deleted with retention 0).
-    pub async fn mark_sent(&self, ids: &[Uuid], on_confirm: OnConfirm) -> Result<u64> {
+    /// Runs `change` (an `UPDATE … SET …` or a `DELETE`, without its `WHERE`) on the rows of
+    /// `ids` that this relay holds; returns how many it changed.
+    async fn on_held(&self, change: &str, ids: &[Uuid]) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
-        let t = &self.q.settle.t;
-        let sql = match on_confirm {
-            OnConfirm::MarkSent => format!(
-                "UPDATE {t} SET status = 'sent', sent_at = NOW(6), locked_by = NULL, \
-                   locked_at = NULL, last_error = NULL \
-                 WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
-                id_list(ids),
-                literal(&self.instance_id)
-            ),
-            OnConfirm::Delete => format!(
-                "DELETE FROM {t} WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
-                id_list(ids),
-                literal(&self.instance_id)
-            ),
-        };
+        let sql = format!(
+            "{change} WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
+            id_list(ids),
+            literal(&self.instance_id)
+        );
         let mut conn = self.conn().await?;
         conn.query_drop(sql).await?;
         Ok(conn.affected_rows())
+    }
+
+    /// Confirmed rows become `sent` (or are deleted with retention 0).
+    pub async fn mark_sent(&self, ids: &[Uuid], on_confirm: OnConfirm) -> Result<u64> {
+        let q = &self.q.settle;
+        match on_confirm {
+            OnConfirm::MarkSent => self.on_held(&q.sent, ids).await,
+            OnConfirm::Delete => self.on_held(&q.delete, ids).await,
+        }
     }
 
     /// Rejected rows go back to `pending` after their delay, or become `failed` once they
@@ -115,20 +133,7 @@ impl MysqlStore {
 
     /// The rows back to `pending` without spending the attempt the claim counted.
     pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let sql = format!(
-            "UPDATE {} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
-               locked_by = NULL, locked_at = NULL \
-             WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
-            self.q.settle.t,
-            id_list(ids),
-            literal(&self.instance_id)
-        );
-        let mut conn = self.conn().await?;
-        conn.query_drop(sql).await?;
-        Ok(conn.affected_rows())
+        self.on_held(&self.q.settle.release, ids).await
     }
 
     /// As [`MysqlStore::release`], for the rows in this relay's name that it does not hold (a
@@ -140,11 +145,9 @@ impl MysqlStore {
             format!("AND id NOT IN ({})", id_list(held))
         };
         let sql = format!(
-            "UPDATE {} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
-               locked_by = NULL, locked_at = NULL \
-             WHERE status = 'processing' AND locked_by = {} {not_held} \
+            "{} WHERE status = 'processing' AND locked_by = {} {not_held} \
                AND locked_at >= NOW(6) - INTERVAL {} MICROSECOND",
-            self.q.settle.t,
+            self.q.settle.release,
             literal(&self.instance_id),
             micros(lease)
         );
@@ -155,19 +158,7 @@ impl MysqlStore {
 
     /// Keeps this relay's leases on `ids` alive.
     pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
-        if ids.is_empty() {
-            return Ok(0);
-        }
-        let sql = format!(
-            "UPDATE {} SET locked_at = NOW(6) \
-             WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
-            self.q.settle.t,
-            id_list(ids),
-            literal(&self.instance_id)
-        );
-        let mut conn = self.conn().await?;
-        conn.query_drop(sql).await?;
-        Ok(conn.affected_rows())
+        self.on_held(&self.q.settle.heartbeat, ids).await
     }
 
     /// Rows whose lease ran out (their relay stopped) go back to `pending` as suspects, or

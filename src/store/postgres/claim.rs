@@ -354,21 +354,6 @@ fn expire_delete(t: &str) -> String {
 }
 
 impl PgStore {
-    /// Expires the pending rows whose deadline has passed (marked `expired`, never published),
-    /// then claims up to `limit` ready rows as [`PgStore::claim_and_expire`] does with expired
-    /// rows kept; returns the claimed rows only.
-    pub async fn claim(
-        &self,
-        ordering: Ordering,
-        limit: usize,
-        watermark: i64,
-    ) -> Result<Vec<OutboxMessage>> {
-        Ok(self
-            .claim_and_expire(ordering, limit, watermark, ExpirySweep::Mark, 1)
-            .await?
-            .rows)
-    }
-
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
     /// up to `limit` ready rows. With
     /// [`Ordering::Aggregate`], only rows at or below `watermark` (for rows with an aggregate

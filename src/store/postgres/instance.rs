@@ -1,10 +1,9 @@
-//! The instance lock: a session-level advisory lock on this relay's `relay.instance_id` and an
-//! outbox table, held on a session of its own for as long as the relay runs, so that two
-//! relays with one id (which would renew, settle and hand back each other's rows) never serve
-//! the same table at once. What to do with it (take it at start, keep it, take it again) is
-//! [`crate::tasks::instance`]'s.
+//! The instance lock on PostgreSQL (see [`crate::store::instance`]): a session-level advisory
+//! lock on this relay's `relay.instance_id` and an outbox table, held on a session taken out
+//! of the pool.
 
 use super::{PgStore, Result};
+use crate::store::instance::{LockHolder, SessionId};
 
 /// The lock's key: `'outbox-relay:<instance id>:<schema>.<table>'` (the table as the catalog
 /// names it, however the configuration spells it), hashed to the `bigint` that
@@ -43,43 +42,6 @@ fn holder_sql() -> String {
            AND l.objid = (k.key & 4294967295)::oid \
          LIMIT 1"
     )
-}
-
-/// A database session, as the server knows it: its backend pid and when it started (a pid
-/// alone may be reused).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SessionId {
-    /// `pg_backend_pid()`.
-    pub pid: i32,
-    /// `backend_start`, as text.
-    pub started: String,
-}
-
-/// The session that holds an instance lock this relay could not take.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LockHolder {
-    /// Which session.
-    pub session: SessionId,
-    /// Its `application_name` (empty when not visible to this role).
-    pub application_name: String,
-    /// Its client's address (empty: a local socket, or not visible to this role).
-    pub client_addr: String,
-}
-
-impl std::fmt::Display for LockHolder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "backend pid {}", self.session.pid)?;
-        if !self.application_name.is_empty() {
-            write!(f, ", application_name {:?}", self.application_name)?;
-        }
-        if !self.client_addr.is_empty() {
-            write!(f, ", from {}", self.client_addr)?;
-        }
-        if !self.session.started.is_empty() {
-            write!(f, ", connected since {}", self.session.started)?;
-        }
-        Ok(())
-    }
 }
 
 /// A session taken out of the pool to hold instance locks; dropping it ends the session,
@@ -126,9 +88,10 @@ impl LockSession {
         };
         Ok(Err(Some(LockHolder {
             session: SessionId {
-                pid: r.try_get(0)?,
+                id: i64::from(r.try_get::<_, i32>(0)?),
                 started: r.try_get(3)?,
             },
+            id_name: "backend pid",
             application_name: r.try_get(1)?,
             client_addr: r.try_get(2)?,
         })))
@@ -143,7 +106,7 @@ impl PgStore {
         client.batch_execute(SESSION_KEEPALIVE).await?;
         let row = client.query_one(SESSION_SQL, &[]).await?;
         let session = SessionId {
-            pid: row.try_get(0)?,
+            id: i64::from(row.try_get::<_, i32>(0)?),
             started: row.try_get::<_, Option<String>>(1)?.unwrap_or_default(),
         };
         Ok(LockSession {
@@ -151,30 +114,5 @@ impl PgStore {
             session,
             made: std::time::Instant::now(),
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_holder_names_what_the_role_may_see() {
-        let mut holder = LockHolder {
-            session: SessionId {
-                pid: 4242,
-                started: "2026-11-29 06:00:00.1+00".into(),
-            },
-            application_name: "outbox-relay".into(),
-            client_addr: "10.0.0.7".into(),
-        };
-        assert_eq!(
-            holder.to_string(),
-            "backend pid 4242, application_name \"outbox-relay\", from 10.0.0.7, connected since 2026-11-29 06:00:00.1+00"
-        );
-        holder.application_name.clear();
-        holder.client_addr.clear();
-        holder.session.started.clear();
-        assert_eq!(holder.to_string(), "backend pid 4242");
     }
 }

@@ -43,7 +43,7 @@ pub(crate) use claim::scan_window;
 pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use console::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
-pub use instance::{LockHolder, LockSession, SessionId};
+pub use instance::LockSession;
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
 pub use operator::{DeadLetter, Selection, StatusCounts, StatusReport};

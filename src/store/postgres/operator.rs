@@ -60,6 +60,32 @@ pub struct StatusReport {
     pub by_aggregate_type: std::collections::BTreeMap<String, StatusCounts>,
 }
 
+impl StatusReport {
+    /// The report from each aggregate type's counts (`pending` is filled in as ready +
+    /// waiting) and its number of blocked aggregates; the totals are their sums.
+    pub fn assemble(
+        per_type: impl IntoIterator<Item = (String, StatusCounts)>,
+        blocked: impl IntoIterator<Item = (String, i64)>,
+    ) -> Self {
+        let mut report = Self::default();
+        for (ty, mut counts) in per_type {
+            counts.pending = counts.ready + counts.waiting;
+            report.by_aggregate_type.insert(ty, counts);
+        }
+        for (ty, n) in blocked {
+            report
+                .by_aggregate_type
+                .entry(ty)
+                .or_default()
+                .blocked_aggregates = n;
+        }
+        for c in report.by_aggregate_type.values() {
+            report.overall.add(c);
+        }
+        report
+    }
+}
+
 /// One row of `dead-letters list`.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct DeadLetter {
@@ -166,36 +192,25 @@ impl PgStore {
         let client = self.client().await?;
         let rows = client.query(&self.q.operator.status, &[]).await?;
         let blocked = client.query(&self.q.operator.blocked_by_type, &[]).await?;
-        let mut report = StatusReport::default();
-        for r in rows {
-            let ready: i64 = r.try_get(1)?;
-            let waiting: i64 = r.try_get(2)?;
+        let per_type = rows.iter().map(|r| {
             let counts = StatusCounts {
-                pending: ready + waiting,
-                ready,
-                waiting,
+                ready: r.try_get(1)?,
+                waiting: r.try_get(2)?,
                 processing: r.try_get(3)?,
                 sent: r.try_get(4)?,
                 failed: r.try_get(5)?,
                 expired: r.try_get(7)?,
                 oldest_pending_age_seconds: r.try_get(6)?,
-                blocked_aggregates: 0,
+                ..StatusCounts::default()
             };
-            report.by_aggregate_type.insert(r.try_get(0)?, counts);
-        }
-        for r in blocked {
-            let ty: String = r.try_get(0)?;
-            let n: i64 = r.try_get(1)?;
-            report
-                .by_aggregate_type
-                .entry(ty)
-                .or_default()
-                .blocked_aggregates = n;
-        }
-        for c in report.by_aggregate_type.values() {
-            report.overall.add(c);
-        }
-        Ok(report)
+            Ok((r.try_get(0)?, counts))
+        });
+        let per_type = per_type.collect::<Result<Vec<_>>>()?;
+        let blocked = blocked
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(StatusReport::assemble(per_type, blocked))
     }
 
     /// Dead letters in `seq` order.

@@ -155,6 +155,33 @@ pub struct SchemaState {
     pub pending: Vec<i32>,
 }
 
+impl SchemaState {
+    /// What start-up does with a table in this state (`table` names it in the error):
+    /// without `auto_migrate`, a missing table is an error saying to run `migrate` and
+    /// nothing is applied; `partition` is whether to partition it (PostgreSQL).
+    pub fn plan(
+        self,
+        table: &TableName,
+        auto_migrate: bool,
+        partition: bool,
+    ) -> Result<SchemaPlan> {
+        if !self.table_exists && !auto_migrate {
+            return Err(StoreError::Schema(format!(
+                "table {table} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true"
+            )));
+        }
+        Ok(SchemaPlan {
+            table_exists: self.table_exists,
+            apply: if auto_migrate {
+                self.pending
+            } else {
+                Vec::new()
+            },
+            partition,
+        })
+    }
+}
+
 struct Current {
     table_exists: bool,
     version: i32,
@@ -621,27 +648,12 @@ pub struct SchemaPlan {
 impl PgStore {
     /// Decides what start-up does about the schema; an error when `run` could not start.
     pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
-        let store = self;
-        let state = store.schema_state().await?;
-        if !state.table_exists && !auto_migrate {
-            return Err(StoreError::Schema(format!(
-                "table {} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true",
-                store.table()
-            )));
-        }
+        let state = self.schema_state().await?;
         let partition = auto_migrate
             && state.table_exists
-            && store.partition_interval().is_some()
-            && store.layout().await?.is_some_and(|l| !l.partitioned);
-        Ok(SchemaPlan {
-            table_exists: state.table_exists,
-            apply: if auto_migrate {
-                state.pending
-            } else {
-                Vec::new()
-            },
-            partition,
-        })
+            && self.partition_interval().is_some()
+            && self.layout().await?.is_some_and(|l| !l.partitioned);
+        state.plan(self.table(), auto_migrate, partition)
     }
 }
 
