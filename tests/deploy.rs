@@ -141,6 +141,10 @@ fn container_relay_toml_is_valid_and_listens_on_every_interface() {
         !c.database.auto_migrate,
         "the image leaves migrations to `outbox-relay migrate`"
     );
+    assert!(
+        !c.console.show_payloads,
+        "the console shares the port every interface reaches: payloads stay hidden"
+    );
     let text = repo_file("deploy/relay.toml");
     let url = text
         .lines()
@@ -437,6 +441,10 @@ fn kubernetes_sidecar_probes_config_and_secrets_fit_together() {
     let config = load_config(&dir.write("relay.toml", toml.expect("data.relay.toml")));
     let probes = "probes reach the pod IP: metrics.listen must be 0.0.0.0:9187";
     assert_listens_everywhere(&config, probes);
+    assert!(
+        !config.console.show_payloads,
+        "the console shares the pod's metrics port: payloads stay hidden"
+    );
 
     let pod = at(deployment, "spec.template.spec");
     let containers = seq(pod, "containers");
