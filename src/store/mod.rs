@@ -8,6 +8,8 @@
 //! The row types the loop and the commands exchange with a store ([`Claim`], [`Failure`],
 //! [`StatusReport`], …) are the same for both.
 
+#[cfg(test)]
+mod checked_in;
 mod instance;
 pub mod mysql;
 pub mod postgres;

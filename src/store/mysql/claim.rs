@@ -124,6 +124,36 @@ impl ClaimSql {
         )
     }
 
+    /// Every statement, by name, with sample lists where a list is spliced per call
+    /// (`sql/statements/mysql/`).
+    #[cfg(test)]
+    pub(super) fn catalog(&self) -> Vec<(String, String)> {
+        let seqs = &[7, 8];
+        [
+            ("claim.ready_rows", self.ready_rows.clone()),
+            ("claim.ready_keys", self.ready_keys.clone()),
+            (
+                "claim.probe",
+                self.probe(&[("order", "42", 8), ("invoice", "7", 9)]),
+            ),
+            (
+                "claim.mark_claimed",
+                self.mark_claimed(seqs, &literal("relay-1")),
+            ),
+            ("claim.rows", self.rows(seqs)),
+            ("claim.suspects_waiting", self.suspects_waiting.clone()),
+            ("claim.suspect", self.suspect.clone()),
+            ("claim.due", self.due.clone()),
+            ("claim.expire_mark", self.expire(seqs, ExpirySweep::Mark)),
+            (
+                "claim.expire_delete",
+                self.expire(seqs, ExpirySweep::Delete),
+            ),
+        ]
+        .map(|(n, s)| (n.to_owned(), s))
+        .to_vec()
+    }
+
     /// The expiry sweep for `seqs` (marked `expired`, or deleted with retention 0).
     fn expire(&self, seqs: &[i64], sweep: ExpirySweep) -> String {
         let list = seq_list(seqs);

@@ -174,6 +174,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn statements_are_checked_in() {
+        let table = TableName::parse("outbox_messages").unwrap_or_else(|e| panic!("{e}"));
+        let catalog: Vec<(String, String)> = [
+            claim::ClaimSql::new(&table).catalog(),
+            settle::SettleSql::new(&table).catalog(),
+            operator::OperatorSql::new(&table).catalog(),
+        ]
+        .concat();
+        crate::store::checked_in::check("mysql", &catalog);
+    }
+
+    #[test]
     fn lists_are_plain_literals() {
         let a = Uuid::nil();
         assert_eq!(

@@ -75,6 +75,23 @@ fn backlog(t: &str, ready_head: bool) -> String {
 }
 
 impl OperatorSql {
+    /// Every statement, by name (`sql/statements/mysql/`).
+    #[cfg(test)]
+    pub(super) fn catalog(&self) -> Vec<(String, String)> {
+        [
+            ("operator.status", &self.status),
+            ("operator.blocked_by_type", &self.blocked_by_type),
+            ("operator.dead_letters", &self.dead_letters),
+            ("operator.backlog_none", &self.backlog_none),
+            ("operator.backlog_aggregate", &self.backlog_aggregate),
+            ("operator.any_pending", &self.any_pending),
+            ("operator.cleanup_sent", &self.cleanup_sent),
+            ("operator.cleanup_expired", &self.cleanup_expired),
+        ]
+        .map(|(n, s)| (n.to_owned(), s.clone()))
+        .to_vec()
+    }
+
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
         let count = |cond: &str| format!("CAST(SUM(CASE WHEN {cond} THEN 1 ELSE 0 END) AS SIGNED)");

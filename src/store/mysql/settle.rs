@@ -62,6 +62,34 @@ impl SettleSql {
     }
 }
 
+impl SettleSql {
+    /// `change` (an `UPDATE … SET …` or a `DELETE`, without its `WHERE`) on the rows of `ids`
+    /// that relay `by` (an SQL literal) holds.
+    fn on_held(change: &str, ids: &[Uuid], by: &str) -> String {
+        format!(
+            "{change} WHERE id IN ({}) AND status = 'processing' AND locked_by = {by}",
+            id_list(ids)
+        )
+    }
+
+    /// Every statement, by name, with sample lists where a list is spliced per call
+    /// (`sql/statements/mysql/`).
+    #[cfg(test)]
+    pub(super) fn catalog(&self) -> Vec<(String, String)> {
+        let (ids, by) = (&[Uuid::nil(), Uuid::max()], &literal("relay-1"));
+        [
+            ("settle.mark_sent", Self::on_held(&self.sent, ids, by)),
+            ("settle.delete_sent", Self::on_held(&self.delete, ids, by)),
+            ("settle.release", Self::on_held(&self.release, ids, by)),
+            ("settle.heartbeat", Self::on_held(&self.heartbeat, ids, by)),
+            ("settle.fail", self.fail.clone()),
+            ("settle.expired_leases", self.expired_leases.clone()),
+        ]
+        .map(|(n, s)| (n.to_owned(), s))
+        .to_vec()
+    }
+}
+
 fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
@@ -73,11 +101,7 @@ impl MysqlStore {
         if ids.is_empty() {
             return Ok(0);
         }
-        let sql = format!(
-            "{change} WHERE id IN ({}) AND status = 'processing' AND locked_by = {}",
-            id_list(ids),
-            literal(&self.instance_id)
-        );
+        let sql = SettleSql::on_held(change, ids, &literal(&self.instance_id));
         let mut conn = self.conn().await?;
         conn.query_drop(sql).await?;
         Ok(conn.affected_rows())

@@ -191,3 +191,56 @@ impl PgStore {
         Ok(client.query_one(&stmt, &[&table_oid]).await?)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_are_checked_in() {
+        let t = TableName::parse("outbox_messages").unwrap_or_else(|e| panic!("{e}"));
+        let (c, s) = (claim::ClaimSql::new(&t), settle::SettleSql::new(&t));
+        let (o, w) = (observe::ObserveSql::new(&t), waiting::WaitingSql::new(&t));
+        let (m, op) = (
+            maintenance::MaintenanceSql::new(&t),
+            operator::OperatorSql::new(&t),
+        );
+        let catalog = [
+            ("claim.claim_none", &c.claim_none),
+            ("claim.claim_aggregate", &c.claim_aggregate),
+            ("claim.suspects_waiting", &c.suspects_waiting),
+            ("claim.claim_suspect", &c.claim_suspect),
+            ("claim.expire", &c.expire),
+            ("claim.expire_delete", &c.expire_delete),
+            ("settle.mark_sent", &s.mark_sent),
+            ("settle.delete_sent", &s.delete_sent),
+            ("settle.fail", &s.fail),
+            ("settle.release", &s.release),
+            ("settle.release_unheld", &s.release_unheld),
+            ("settle.heartbeat", &s.heartbeat),
+            ("settle.reclaim", &s.reclaim),
+            ("observe.last_seq", &o.last_seq),
+            ("observe.writers", &o.writers),
+            ("waiting.mark_waiting", &w.mark_waiting),
+            ("waiting.unmark_waiting", &w.unmark_waiting),
+            ("waiting.writers_active", &w.writers_active),
+            ("waiting.clean_waiters", &w.clean_waiters),
+            ("waiting.has_waiters", &w.has_waiters),
+            ("maintenance.backlog_none", &m.backlog_none),
+            ("maintenance.backlog_aggregate", &m.backlog_aggregate),
+            ("maintenance.any_pending", &m.any_pending),
+            ("maintenance.table_health", &m.table_health),
+            ("maintenance.vacuum", &m.vacuum),
+            ("maintenance.analyze", &m.analyze),
+            ("operator.status", &op.status),
+            ("operator.blocked_by_type", &op.blocked_by_type),
+            ("operator.dead_letters", &op.dead_letters),
+            ("operator.retry_dead", &op.retry_dead),
+            ("operator.discard_dead", &op.discard_dead),
+            ("operator.which_dead", &op.which_dead),
+            ("operator.cleanup", &op.cleanup),
+        ]
+        .map(|(n, s)| (n.to_owned(), s.clone()));
+        crate::store::checked_in::check("postgres", &catalog);
+    }
+}

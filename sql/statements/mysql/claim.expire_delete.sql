@@ -1,0 +1,3 @@
+DELETE
+FROM outbox_messages
+WHERE seq IN (7,8)

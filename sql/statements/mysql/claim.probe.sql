@@ -1,0 +1,10 @@
+SELECT e.aggregate_type, e.aggregate_id, e.seq
+FROM outbox_messages e FORCE INDEX (outbox_messages_aggregate_idx)
+WHERE e.status IN ('pending', 'processing', 'failed')
+AND ((e.aggregate_type = _utf8mb4 X'6f72646572'
+    AND e.aggregate_id = _utf8mb4 X'3432'
+    AND e.seq < 8)
+  OR (e.aggregate_type = _utf8mb4 X'696e766f696365'
+    AND e.aggregate_id = _utf8mb4 X'37'
+    AND e.seq < 9))
+FOR UPDATE NOWAIT

@@ -1,0 +1,5 @@
+DELETE
+FROM outbox_messages
+WHERE id IN ('00000000-0000-0000-0000-000000000000','ffffffff-ffff-ffff-ffff-ffffffffffff')
+AND status = 'processing'
+AND locked_by = _utf8mb4 X'72656c61792d31'

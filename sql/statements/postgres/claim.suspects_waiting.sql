@@ -1,0 +1,17 @@
+SELECT EXISTS (
+  SELECT 1
+  FROM outbox_messages c
+  WHERE c.status = 'pending'
+  AND c.available_at <= now()
+  AND c.last_error LIKE 'lease expired:%'
+  AND (c.expires_at IS NULL
+    OR c.expires_at > now())
+  AND (c.aggregate_id IS NULL
+    OR (c.seq <= $1
+      AND NOT EXISTS (
+        SELECT 1
+        FROM outbox_messages e
+        WHERE e.aggregate_type = c.aggregate_type
+        AND e.aggregate_id = c.aggregate_id
+        AND e.status NOT IN ('sent', 'expired')
+        AND e.seq < c.seq))))

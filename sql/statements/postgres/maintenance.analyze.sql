@@ -1,0 +1,1 @@
+ANALYZE (SKIP_LOCKED) outbox_messages

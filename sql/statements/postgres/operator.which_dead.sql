@@ -1,0 +1,4 @@
+SELECT id
+FROM outbox_messages
+WHERE status = 'failed'
+AND id = ANY($1)

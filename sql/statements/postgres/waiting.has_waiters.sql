@@ -1,0 +1,1 @@
+SELECT to_regclass('outbox_messages_waiters') IS NOT NULL

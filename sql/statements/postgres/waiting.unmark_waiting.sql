@@ -1,0 +1,3 @@
+DELETE
+FROM outbox_messages_waiters
+WHERE relay = $1
