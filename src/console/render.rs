@@ -397,15 +397,6 @@ fn badge(key: &str, text: String, ok: bool) -> String {
 
 fn card(i: usize, c: &Card) -> String {
     let values = card_values(c);
-    let value = |k: &str| {
-        values
-            .iter()
-            .find(|(key, _)| *key == k)
-            .map(|(_, v)| escape(v))
-            .unwrap_or_default()
-    };
-    let flags = card_flags(c);
-    let flag = |k: &str| flags.iter().any(|(key, on)| *key == k && *on);
     let dead_letters = format!("/outboxes/{}/dead-letters", path_segment(&c.name));
     let mut out = format!(
         "<section class=\"outbox\" data-outbox=\"{name}\" aria-labelledby=\"outbox-{i}\">\
@@ -417,6 +408,28 @@ fn card(i: usize, c: &Card) -> String {
         table = escape(&c.table),
         url = escape(&c.database),
     );
+    tiles(&mut out, &values, &card_flags(c), &dead_letters);
+    out.push_str("</div><div class=\"charts\">");
+    charts(&mut out, c);
+    let _ = write!(
+        out,
+        "</div><p class=\"foot muted\"><span data-k=\"as_of\">{}</span> · oldest unsent row <span data-k=\"oldest\">{}</span> · <a href=\"{}\">dead letters</a></p></section>",
+        escape(&value_raw(&values, "as_of")),
+        escape(&value_raw(&values, "oldest")),
+        escape(&dead_letters)
+    );
+    out
+}
+
+/// The card's tiles (counts, lag, blocked aggregates), appended to `out`.
+fn tiles(
+    out: &mut String,
+    values: &[(&'static str, String)],
+    flags: &[(&'static str, bool)],
+    dead_letters: &str,
+) {
+    let value = |k: &str| escape(&value_raw(values, k));
+    let flag = |k: &str| flags.iter().any(|(key, on)| *key == k && *on);
     for (k, label, hint) in [
         ("ready", "Ready", "pending, publishable now"),
         ("waiting", "Waiting", "pending, backing off"),
@@ -433,7 +446,7 @@ fn card(i: usize, c: &Card) -> String {
         out,
         "<a class=\"tile link{}\" data-tile=\"failed\" data-flag=\"failed\" href=\"{}\"><span class=\"label\">Failed</span><span class=\"num\" data-k=\"failed\">{}</span><span class=\"hint\">dead letters · <span data-k=\"failed_recently\">{}</span></span></a>",
         if flag("failed") { " warn" } else { "" },
-        escape(&dead_letters),
+        escape(dead_letters),
         value("failed"),
         value("failed_recently")
     );
@@ -459,7 +472,10 @@ fn card(i: usize, c: &Card) -> String {
             value(k)
         );
     }
-    out.push_str("</div><div class=\"charts\">");
+}
+
+/// The card's three charts, appended to `out`.
+fn charts(out: &mut String, c: &Card) {
     for ((key, title), chart) in CHARTS.iter().zip(&c.charts) {
         let note = match *key {
             "throughput" => "messages the broker confirmed, per second",
@@ -479,14 +495,6 @@ fn card(i: usize, c: &Card) -> String {
             chart.svg
         );
     }
-    let _ = write!(
-        out,
-        "</div><p class=\"foot muted\"><span data-k=\"as_of\">{}</span> · oldest unsent row <span data-k=\"oldest\">{}</span> · <a href=\"{}\">dead letters</a></p></section>",
-        value("as_of"),
-        value("oldest"),
-        escape(&dead_letters)
-    );
-    out
 }
 
 fn value_raw(values: &[(&'static str, String)], k: &str) -> String {
@@ -682,33 +690,37 @@ pub fn dead_letter_items(d: &DeadLetters<'_>) -> String {
             d.show_payloads,
         ));
         if d.actions {
-            let base = format!("/{id}");
-            let _ = write!(
-                out,
-                "<div class=\"buttons\">{}{}</div>",
-                action_button(
-                    "Retry",
-                    &d.api(&format!("{base}/retry")),
-                    &format!(
-                        "Retry dead letter {id} of outbox {}? It goes back to pending with its attempts reset and is published again.",
-                        d.outbox
-                    ),
-                    false
-                ),
-                action_button(
-                    "Discard",
-                    &d.api(&format!("{base}/discard")),
-                    &format!(
-                        "Discard dead letter {id} of outbox {}? The row is deleted: consumers will never receive this event.",
-                        d.outbox
-                    ),
-                    true
-                )
-            );
+            out.push_str(&dead_letter_buttons(d, &id));
         }
         out.push_str("</div></details></li>");
     }
     out
+}
+
+/// A dead letter's Retry and Discard buttons.
+fn dead_letter_buttons(d: &DeadLetters<'_>, id: &str) -> String {
+    let base = format!("/{id}");
+    format!(
+        "<div class=\"buttons\">{}{}</div>",
+        action_button(
+            "Retry",
+            &d.api(&format!("{base}/retry")),
+            &format!(
+                "Retry dead letter {id} of outbox {}? It goes back to pending with its attempts reset and is published again.",
+                d.outbox
+            ),
+            false
+        ),
+        action_button(
+            "Discard",
+            &d.api(&format!("{base}/discard")),
+            &format!(
+                "Discard dead letter {id} of outbox {}? The row is deleted: consumers will never receive this event.",
+                d.outbox
+            ),
+            true
+        )
+    )
 }
 
 /// The payload and headers blocks, or the note that they are hidden.
@@ -758,80 +770,94 @@ pub fn message(query: &str, body: &str) -> String {
 
 /// What the lookup shows of the rows found (the script swaps it in on each refresh).
 pub fn message_body(found: &[Found], show_payloads: bool) -> String {
-    let mut out = String::new();
-    for f in found {
-        let r = &f.row;
-        let opt_time = |t: Option<DateTime<Utc>>| t.map(time).unwrap_or_else(|| "—".to_owned());
-        let sent = match r.sent_at {
-            Some(at) => {
-                let after = (at - r.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
-                format!("{} · {} after it was created", time(at), duration(after))
-            }
-            None => "—".to_owned(),
-        };
-        let error = r
-            .last_error
-            .as_deref()
-            .map(crate::redact::redact_url)
-            .unwrap_or_else(|| "—".to_owned());
-        let locked = match (&r.locked_at, &r.locked_by) {
-            (Some(at), Some(by)) => format!("{} by {}", time(*at), escape(by)),
-            (Some(at), None) => time(*at),
-            _ => "—".to_owned(),
-        };
-        let aggregate = match &r.aggregate_id {
-            Some(a) => format!("{} / {}", r.aggregate_type, a),
-            None => format!("{} (no aggregate id: unordered)", r.aggregate_type),
-        };
-        let dead_letters = if r.status == "failed" {
-            format!(
-                " · <a href=\"/outboxes/{}/dead-letters\">dead letters of this outbox</a>",
-                escape(&path_segment(&f.outbox))
-            )
-        } else {
-            String::new()
-        };
-        let _ = write!(
-            out,
-            "<section class=\"message\" data-outbox=\"{outbox}\"><h2>In outbox {outbox} <span class=\"badge status {status}\" data-field=\"status\">{status}</span></h2>\
-             <dl class=\"props\">\
-               <dt>Id</dt><dd><code>{id}</code>{dead_letters}</dd>\
-               <dt>Aggregate</dt><dd>{aggregate}</dd>\
-               <dt>Event type</dt><dd>{event}</dd>\
-               <dt>Attempts</dt><dd data-field=\"attempts\">{attempts}</dd>\
-               <dt>Last error</dt><dd data-field=\"last_error\"><span class=\"wrap-text\">{error}</span></dd>\
-               <dt>Created</dt><dd data-field=\"created_at\">{created}</dd>\
-               <dt>Available</dt><dd data-field=\"available_at\">{available}</dd>\
-               <dt>Claimed</dt><dd data-field=\"locked_at\">{locked}</dd>\
-               <dt>Sent</dt><dd data-field=\"sent_at\">{sent}</dd>\
-               <dt>Expires</dt><dd data-field=\"expires_at\">{expires}</dd>\
-               <dt>Destination</dt><dd>{destination}</dd>\
-               <dt>Seq</dt><dd>{seq}</dd>\
-             </dl>",
-            outbox = escape(&f.outbox),
-            status = escape(&r.status),
-            id = r.id,
-            aggregate = escape(&aggregate),
-            event = escape(&r.event_type),
-            attempts = r.attempts,
-            error = escape(&error),
-            created = time(r.created_at),
-            available = time(r.available_at),
-            expires = opt_time(r.expires_at),
-            destination = r
-                .destination
-                .as_deref()
-                .map(escape)
-                .unwrap_or_else(|| "— (the routing template)".to_owned()),
-            seq = r.seq,
-        );
-        out.push_str(&payload_blocks(
-            r.payload.as_deref(),
-            r.headers.as_deref(),
-            show_payloads,
-        ));
-        out.push_str("</section>");
+    found
+        .iter()
+        .map(|f| message_section(f, show_payloads))
+        .collect()
+}
+
+/// When a row was sent, and how long after it was created ("—" while unsent).
+fn sent_text(r: &MessageRow) -> String {
+    match r.sent_at {
+        Some(at) => {
+            let after = (at - r.created_at).num_microseconds().unwrap_or(0) as f64 / 1e6;
+            format!("{} · {} after it was created", time(at), duration(after))
+        }
+        None => "—".to_owned(),
     }
+}
+
+/// When a row was claimed and by which relay ("—" when it is not).
+fn claimed_text(r: &MessageRow) -> String {
+    match (&r.locked_at, &r.locked_by) {
+        (Some(at), Some(by)) => format!("{} by {}", time(*at), escape(by)),
+        (Some(at), None) => time(*at),
+        _ => "—".to_owned(),
+    }
+}
+
+/// One message found by the lookup: its fields, payload and headers.
+fn message_section(f: &Found, show_payloads: bool) -> String {
+    let r = &f.row;
+    let opt_time = |t: Option<DateTime<Utc>>| t.map(time).unwrap_or_else(|| "—".to_owned());
+    let error = r
+        .last_error
+        .as_deref()
+        .map(crate::redact::redact_url)
+        .unwrap_or_else(|| "—".to_owned());
+    let aggregate = match &r.aggregate_id {
+        Some(a) => format!("{} / {}", r.aggregate_type, a),
+        None => format!("{} (no aggregate id: unordered)", r.aggregate_type),
+    };
+    let dead_letters = if r.status == "failed" {
+        format!(
+            " · <a href=\"/outboxes/{}/dead-letters\">dead letters of this outbox</a>",
+            escape(&path_segment(&f.outbox))
+        )
+    } else {
+        String::new()
+    };
+    let mut out = format!(
+        "<section class=\"message\" data-outbox=\"{outbox}\"><h2>In outbox {outbox} <span class=\"badge status {status}\" data-field=\"status\">{status}</span></h2>\
+         <dl class=\"props\">\
+           <dt>Id</dt><dd><code>{id}</code>{dead_letters}</dd>\
+           <dt>Aggregate</dt><dd>{aggregate}</dd>\
+           <dt>Event type</dt><dd>{event}</dd>\
+           <dt>Attempts</dt><dd data-field=\"attempts\">{attempts}</dd>\
+           <dt>Last error</dt><dd data-field=\"last_error\"><span class=\"wrap-text\">{error}</span></dd>\
+           <dt>Created</dt><dd data-field=\"created_at\">{created}</dd>\
+           <dt>Available</dt><dd data-field=\"available_at\">{available}</dd>\
+           <dt>Claimed</dt><dd data-field=\"locked_at\">{locked}</dd>\
+           <dt>Sent</dt><dd data-field=\"sent_at\">{sent}</dd>\
+           <dt>Expires</dt><dd data-field=\"expires_at\">{expires}</dd>\
+           <dt>Destination</dt><dd>{destination}</dd>\
+           <dt>Seq</dt><dd>{seq}</dd>\
+         </dl>",
+        outbox = escape(&f.outbox),
+        status = escape(&r.status),
+        id = r.id,
+        aggregate = escape(&aggregate),
+        event = escape(&r.event_type),
+        attempts = r.attempts,
+        error = escape(&error),
+        created = time(r.created_at),
+        available = time(r.available_at),
+        locked = claimed_text(r),
+        sent = sent_text(r),
+        expires = opt_time(r.expires_at),
+        destination = r
+            .destination
+            .as_deref()
+            .map(escape)
+            .unwrap_or_else(|| "— (the routing template)".to_owned()),
+        seq = r.seq,
+    );
+    out.push_str(&payload_blocks(
+        r.payload.as_deref(),
+        r.headers.as_deref(),
+        show_payloads,
+    ));
+    out.push_str("</section>");
     out
 }
 

@@ -648,23 +648,7 @@ impl Console {
                     "console: dead letters {}", action.done()
                 );
                 view.refresh().await;
-                let message = match (&selection, ids.as_slice()) {
-                    (Selection::Ids(_), [id]) => match action {
-                        Action::Retry => {
-                            format!("Retried {id}: it is pending again and will be published.")
-                        }
-                        Action::Discard => format!("Discarded {id}: the row is deleted."),
-                    },
-                    _ => format!(
-                        "{} {} of outbox {}.",
-                        match action {
-                            Action::Retry => "Retried",
-                            Action::Discard => "Discarded",
-                        },
-                        render::plural(ids.len() as i64, "dead letter"),
-                        view.name
-                    ),
-                };
+                let message = done_message(action, &selection, &ids, &view.name);
                 json_response(
                     StatusCode::OK,
                     &json!({ "message": message, "count": ids.len() }),
@@ -679,6 +663,24 @@ impl Console {
             ),
             Err(e) => problem_json(&Problem::database(&view.name, &e)),
         }
+    }
+}
+
+/// What the page says after `action` changed `ids` of `outbox`.
+fn done_message(action: Action, selection: &Selection, ids: &[Uuid], outbox: &str) -> String {
+    match (selection, ids) {
+        (Selection::Ids(_), [id]) => match action {
+            Action::Retry => format!("Retried {id}: it is pending again and will be published."),
+            Action::Discard => format!("Discarded {id}: the row is deleted."),
+        },
+        _ => format!(
+            "{} {} of outbox {outbox}.",
+            match action {
+                Action::Retry => "Retried",
+                Action::Discard => "Discarded",
+            },
+            render::plural(ids.len() as i64, "dead letter"),
+        ),
     }
 }
 
