@@ -892,13 +892,14 @@ async fn one_relay_serves_a_postgresql_and_a_mysql_outbox() {
     let pg = TestOutbox::new(Db::Postgres, "mixed_pg").await;
     let my = TestOutbox::new(Db::Mysql, "mixed_my").await;
     let rabbit = RabbitFixture::new("mixed", "#", "barrier").await;
+    let port = free_port();
     let dir = TempDir::new("mixed");
     let file = dir.write(
         "relay.toml",
         &format!(
             "[database]\nurl = \"{PG_URL}\"\nauto_migrate = false\n\
              [relay]\ninstance_id = \"mixed\"\npoll_interval = \"100ms\"\n\
-             [metrics]\nlisten = \"\"\n\
+             [metrics]\nlisten = \"127.0.0.1:{port}\"\n\
              [publisher]\nkind = \"rabbitmq\"\n[publisher.rabbitmq]\nurl = \"{AMQP_URL}\"\nexchange = \"{}\"\n\
              [[outboxes]]\nname = \"billing\"\ntable = \"{}\"\n\
              [[outboxes]]\nname = \"orders\"\ntable = \"{}\"\nurl = \"{MYSQL_URL}\"\n",
@@ -946,6 +947,11 @@ async fn one_relay_serves_a_postgresql_and_a_mysql_outbox() {
     assert_eq!(counts["sent"], 100, "{counts}");
     assert_eq!(counts["by_outbox"]["orders"]["sent"], 50, "{counts}");
     assert_eq!(counts["by_outbox"]["billing"]["sent"], 50, "{counts}");
+    // One /metrics, each outbox under its own name.
+    for outbox in ["orders", "billing"] {
+        let labels = [("outbox", outbox)];
+        wait_for_sample(port, WAIT, names::PUBLISHED, &labels, |n| n == 50.0).await;
+    }
 
     relay.stop().await;
     rabbit.teardown().await;
