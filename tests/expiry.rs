@@ -1,8 +1,9 @@
 //! Messages that expire (docs/operations.md, docs/design.md): a row past its `expires_at` when it would be claimed
 //! is `expired`, never published, counted and shown, and does not hold back its aggregate;
-//! a row handed back by a broker outage expires when it is claimed anew; RabbitMQ messages of
-//! rows with a deadline carry the AMQP `expiration` property, NATS and Redis ones nothing (no
-//! per-message time to live); retention removes expired rows.
+//! a row handed back by a broker outage expires when it is claimed anew; NATS and Redis
+//! messages of rows with a deadline carry nothing for it (no per-message time to live);
+//! retention removes expired rows. The RabbitMQ case (the AMQP `expiration` property) runs on
+//! both databases in `both_databases.rs`.
 //! (Schema version 2 applied in place to a version-1 table: tests/ops.rs.)
 //!
 //! The real binary against the local PostgreSQL, RabbitMQ, NATS JetStream and Redis, a table and
@@ -31,15 +32,13 @@ fn relay(table: &TestTable, rabbit: &RabbitFixture, label: &str) -> RelayBuilder
 /// The broker an expiry scenario runs on.
 #[derive(Debug, Clone, Copy)]
 enum Broker {
-    RabbitMq,
     Nats,
     Redis,
 }
 
-/// What the relay publishes to: the test's exchange and queue, JetStream stream (capturing
-/// `<prefix>.>`) or Redis stream keys (`<prefix>.{aggregate_type}`).
+/// What the relay publishes to: the test's JetStream stream (capturing `<prefix>.>`) or Redis
+/// stream keys (`<prefix>.{aggregate_type}`).
 enum Dest {
-    RabbitMq(RabbitFixture),
     Nats(NatsStream),
     Redis(RedisStreams),
 }
@@ -47,7 +46,6 @@ enum Dest {
 impl Dest {
     async fn new(broker: Broker, test: &str) -> Self {
         match broker {
-            Broker::RabbitMq => Self::RabbitMq(RabbitFixture::new(test, "#", "it.barrier").await),
             Broker::Nats => Self::Nats(NatsStream::new(test).await),
             Broker::Redis => Self::Redis(RedisStreams::new(test).await),
         }
@@ -55,23 +53,16 @@ impl Dest {
 
     fn relay(&self, table: &TestTable, label: &str) -> RelayBuilder {
         match self {
-            Self::RabbitMq(rabbit) => relay(table, rabbit, label),
             Self::Nats(stream) => nats_relay(table, stream, NATS_URL, label),
             Self::Redis(streams) => redis_relay(table, REDIS_URL, &streams.template(), label),
         }
         .set("relay.poll_interval", "200ms")
     }
 
-    /// The ids of every message the broker received, in arrival order, once `ids` are among
-    /// them (called when the rows are `sent`: the stream holds what it acknowledged).
-    async fn received(&self, ids: &[Uuid]) -> Vec<String> {
+    /// The ids of every message the stream holds, in arrival order (called when the rows are
+    /// `sent`: the stream holds what it acknowledged).
+    async fn received(&self) -> Vec<String> {
         match self {
-            Self::RabbitMq(rabbit) => {
-                rabbit.wait_for_ids(ids, WAIT).await;
-                rabbit.barrier().await;
-                let deliveries = rabbit.deliveries();
-                deliveries.into_iter().map(|d| d.message_id).collect()
-            }
             Self::Nats(stream) => {
                 let messages = stream.messages().await;
                 messages.iter().map(|m| m.id().to_owned()).collect()
@@ -83,29 +74,11 @@ impl Dest {
         }
     }
 
-    /// What each broker does with a deadline (`with`, an hour away; `without`, none): RabbitMQ
-    /// carries the milliseconds left as the AMQP `expiration`; NATS and Redis have no
-    /// per-message time to live (docs/nats.md, docs/redis.md), so the message of a row with a
+    /// What each broker does with a deadline (`with`, an hour away; `without`, none): NATS and
+    /// Redis have no per-message time to live (docs/nats.md, docs/redis.md), so the message of a row with a
     /// deadline carries the same headers (fields) as one without, and stays in the stream.
     async fn assert_deadline_carried(&self, without: Uuid, with: Uuid) {
         match self {
-            Self::RabbitMq(rabbit) => {
-                let delivered = rabbit.deliveries();
-                let find = |id: Uuid| {
-                    let d = delivered.iter().find(|d| d.message_id == id.to_string());
-                    d.expect("delivered").properties.expiration().clone()
-                };
-                assert_eq!(find(without), None);
-                let ms: u64 = find(with)
-                    .expect("an expiration on the row with expires_at")
-                    .as_str()
-                    .parse()
-                    .expect("expiration is milliseconds as a string");
-                assert!(
-                    (3_500_000..=3_600_000).contains(&ms),
-                    "expiration {ms} ms for a deadline an hour away"
-                );
-            }
             Self::Nats(stream) => {
                 let messages = stream.messages().await;
                 let names = |id: Uuid| -> Vec<String> {
@@ -140,7 +113,6 @@ impl Dest {
     /// Stops `relay`, deletes what the test created on the broker and drops `table`.
     async fn finish(self, relay: RelayProcess, table: TestTable) {
         match self {
-            Self::RabbitMq(rabbit) => finish(relay, table, rabbit).await,
             Self::Nats(stream) => {
                 relay.stop().await;
                 stream.teardown().await;
@@ -153,11 +125,6 @@ impl Dest {
             }
         }
     }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate() {
-    past_deadline_is_expired_unpublished_and_frees_its_aggregate(Broker::RabbitMq).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -194,7 +161,7 @@ async fn past_deadline_is_expired_unpublished_and_frees_its_aggregate(broker: Br
 
     // Settled: the two live rows are sent (acknowledged by the broker).
     table.wait_count("status = 'sent'", 2, WAIT).await;
-    let ids = dest.received(&[second, third]).await;
+    let ids = dest.received().await;
     assert_eq!(
         ids,
         [second.to_string(), third.to_string()],

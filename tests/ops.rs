@@ -400,37 +400,6 @@ async fn lag_gauges_tell_rows_ready_now_from_rows_in_backoff() {
     table.drop_table().await;
 }
 
-#[tokio::test]
-async fn rows_inserted_while_the_broker_is_unreachable_show_in_the_backlog_gauges() {
-    let table = ops_table().await;
-    let (port, closed) = (free_port(), free_port());
-    // Nothing listens on `closed`: the relay never connects, so it never claims.
-    let broker = format!("amqp://guest:guest@127.0.0.1:{closed}/%2f");
-    let relay = RelayBuilder::for_table(&table, &format!("{}-relay", table.name))
-        .set("publisher.rabbitmq.url", broker)
-        .set("metrics.listen", format!("127.0.0.1:{port}"))
-        .spawn();
-    let ready = [("state", "ready")];
-    // The first refresh found the outbox empty; the broker is refused.
-    wait_for_sample(port, WAIT, names::PENDING, &ready, |v| v == 0.0).await;
-    relay
-        .wait_for_log("broker unavailable; not claiming rows", 1, WAIT)
-        .await;
-    let rows: Vec<NewRow> = (0..5)
-        .map(|i| event("order", Some(&format!("o{i}")), "created"))
-        .collect();
-    table.insert_ids(&rows).await;
-    // Generous against the few seconds they take, and below the 30 s an idle outbox's
-    // gauges once waited for a claim that an outage never makes.
-    let shown = Duration::from_secs(20);
-    wait_for_sample(port, shown, names::PENDING, &ready, |v| v == 5.0).await;
-    wait_for_sample(port, shown, names::OLDEST_READY_AGE, &[], |v| v > 0.0).await;
-    let untried = table.count_where("attempts = 0").await;
-    assert_eq!(untried, 5, "nothing was claimed");
-    relay.stop().await;
-    table.drop_table().await;
-}
-
 /// A store on `table` with the defaults, metrics off.
 fn store_for(table: &TestTable) -> Store {
     let mut raw = outbox_relay::config::RawConfig::default();

@@ -7,6 +7,8 @@ use super::{ConfigError, HumanDuration};
 
 /// `database.table` when not set.
 pub const DEFAULT_TABLE: &str = "outbox_messages";
+use mysql_async::{Opts, OptsBuilder, SslOpts};
+
 use crate::redact::redact_url;
 
 /// `[database]` as written.
@@ -129,6 +131,92 @@ impl DatabaseKind {
     }
 }
 
+/// How the URL asks for TLS (`ssl-mode`, as the `mysql` client's `--ssl-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SslMode {
+    /// No TLS (`DISABLED`, and `PREFERRED`, the default: a server with a self-signed
+    /// certificate keeps working out of the box).
+    Off,
+    /// TLS, any certificate (`REQUIRED`).
+    Required,
+    /// TLS, a certificate signed by a trusted CA (`VERIFY_CA`).
+    VerifyCa,
+    /// TLS, a trusted certificate for the host name (`VERIFY_IDENTITY`).
+    VerifyIdentity,
+}
+
+/// The connection options of a `mysql://` URL: mysql_async's own query parameters, plus the
+/// TLS options it does not read (`ssl-mode`, `ssl-ca`, as the MySQL clients spell them). The
+/// error says what is wrong with it, without the URL (which may hold a password).
+///
+/// The connection goes over TCP to the URL's host, as the URL says, unless it asks for
+/// `prefer_socket=true` (mysql_async would otherwise move a connection to 127.0.0.1 onto the
+/// server's Unix socket).
+pub fn mysql_opts(url: &str) -> Result<Opts, String> {
+    let bad = |why: String| why;
+    let mut parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
+    let mut mode = SslMode::Off;
+    let mut ca: Option<String> = None;
+    let mut rest: Vec<(String, String)> = Vec::new();
+    let mut socket_chosen = false;
+    for (k, v) in parsed.query_pairs() {
+        match k.to_ascii_lowercase().replace('_', "-").as_str() {
+            "ssl-mode" | "sslmode" => {
+                mode = match v.to_ascii_uppercase().replace('-', "_").as_str() {
+                    "DISABLED" | "DISABLE" | "PREFERRED" | "PREFER" => SslMode::Off,
+                    "REQUIRED" | "REQUIRE" => SslMode::Required,
+                    "VERIFY_CA" => SslMode::VerifyCa,
+                    "VERIFY_IDENTITY" | "VERIFY_FULL" => SslMode::VerifyIdentity,
+                    other => {
+                        return Err(bad(format!(
+                            "ssl-mode={other} is not one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA, VERIFY_IDENTITY"
+                        )));
+                    }
+                }
+            }
+            "ssl-ca" | "sslrootcert" => ca = Some(v.into_owned()),
+            key => {
+                socket_chosen |= key == "prefer-socket";
+                rest.push((k.into_owned(), v.into_owned()));
+            }
+        }
+    }
+    if rest.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed.query_pairs_mut().clear().extend_pairs(rest);
+    }
+    let base = Opts::from_url(parsed.as_str()).map_err(|e| bad(e.to_string()))?;
+    let ssl = match mode {
+        SslMode::Off => None,
+        SslMode::Required => Some(
+            SslOpts::default()
+                .with_danger_accept_invalid_certs(true)
+                .with_danger_skip_domain_validation(true),
+        ),
+        SslMode::VerifyCa => Some(SslOpts::default().with_danger_skip_domain_validation(true)),
+        SslMode::VerifyIdentity => Some(SslOpts::default()),
+    };
+    let ssl = match (ssl, ca) {
+        (Some(s), Some(ca)) => Some(s.with_root_certs(vec![std::path::PathBuf::from(ca).into()])),
+        (Some(s), None) => Some(s),
+        (None, Some(_)) => {
+            return Err(bad(
+                "ssl-ca is set but ssl-mode asks for no TLS: add ssl-mode=VERIFY_CA or VERIFY_IDENTITY"
+                    .into(),
+            ));
+        }
+        (None, None) => None,
+    };
+    let builder = OptsBuilder::from_opts(base).ssl_opts(ssl);
+    Ok(if socket_chosen {
+        builder
+    } else {
+        builder.prefer_socket(false)
+    }
+    .into())
+}
+
 /// Checks a database URL (`key` is the configuration key it came from, for the error) and
 /// returns the name of its database (the default CloudEvents source's).
 pub(super) fn database_name(key: &str, url: &str) -> Result<String, ConfigError> {
@@ -144,7 +232,7 @@ pub(super) fn database_name(key: &str, url: &str) -> Result<String, ConfigError>
             Ok(pg.get_dbname().unwrap_or("postgres").to_owned())
         }
         DatabaseKind::Mysql => {
-            let opts = mysql_async::Opts::from_url(url).map_err(|e| {
+            let opts = mysql_opts(url).map_err(|e| {
                 ConfigError::invalid(
                     key.clone(),
                     format!("{} is not a MySQL URL: {e}", redact_url(url)),
@@ -254,6 +342,38 @@ pub(super) fn not_on_mysql() -> ConfigError {
 mod tests {
     use super::super::tests::{err, err_has, rejects};
     use super::*;
+
+    #[test]
+    fn ssl_options_are_read_and_taken_out_of_the_url() {
+        let o = mysql_opts("mysql://u:p@127.0.0.1:3306/db").unwrap_or_else(|e| panic!("{e}"));
+        assert!(o.ssl_opts().is_none());
+        assert_eq!(o.db_name(), Some("db"));
+        let o = mysql_opts("mysql://u:p@127.0.0.1:3306/db?ssl-mode=REQUIRED")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(o.ssl_opts().is_some_and(SslOpts::accept_invalid_certs));
+        let o = mysql_opts("mysql://u:p@127.0.0.1/db?ssl-mode=VERIFY_IDENTITY&ssl-ca=/tmp/ca.pem")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let ssl = o.ssl_opts().unwrap_or_else(|| panic!("TLS expected"));
+        assert!(!ssl.accept_invalid_certs() && !ssl.skip_domain_validation());
+        assert_eq!(ssl.root_certs().len(), 1);
+    }
+
+    #[test]
+    fn bad_ssl_options_are_named_and_the_password_is_not() {
+        let e = mysql_opts("mysql://u:secret@h/db?ssl-mode=SOMETIMES")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("ssl-mode=SOMETIMES") && !e.contains("secret"),
+            "{e}"
+        );
+        let e = mysql_opts("mysql://u:secret@h/db?ssl-ca=/x.pem")
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("ssl-ca") && !e.contains("secret"), "{e}");
+    }
 
     #[test]
     fn hostile_table_name_is_rejected() {

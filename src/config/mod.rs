@@ -31,7 +31,9 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub use cleanup::{CleanupConfig, RawCleanup};
 pub use console::{CONSOLE_TOKEN_ENV, ConsoleConfig, MIN_CONSOLE_TOKEN_CHARS, RawConsole};
-pub use database::{DatabaseConfig, DatabaseKind, RawDatabase, TableName, validate_identifier};
+pub use database::{
+    DatabaseConfig, DatabaseKind, RawDatabase, TableName, mysql_opts, validate_identifier,
+};
 pub use http::{
     HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp, TRACE_CONTEXT_HEADERS,
 };

@@ -46,7 +46,7 @@ pub enum StoreError {
     #[error("database error: {}", chain(.0))]
     Db(#[from] tokio_postgres::Error),
     /// A MySQL/MariaDB statement or connection failed.
-    #[error("database error: {}", chain(.0))]
+    #[error("database error: {}{}", chain(.0), mysql::hint(.0))]
     Mysql(#[from] mysql_async::Error),
     /// The schema is missing or not what the relay expects.
     #[error("{0}")]

@@ -8,6 +8,9 @@
 //!   `outbox-relay migrate`), rows to insert and concurrent or paced writers;
 //! - [`mysql`]: a fresh MySQL/MariaDB outbox table per test ([`MysqlTable`]), rows inserted
 //!   and read back as the application and an operator would;
+//! - [`outbox`]: either database ([`Db`]): a test's outbox table on it ([`TestOutbox`]), an
+//!   application's connection ([`DbConn`]), and [`on_both_databases!`] to run a scenario
+//!   written once on each;
 //! - [`rabbit`]: an exchange with a collecting consumer ([`RabbitFixture`]) and durable
 //!   exchange + queue pairs ([`DurableBinding`]);
 //! - [`failover`]: a PostgreSQL primary and its synchronous streaming standby ([`PgPair`]),
@@ -41,6 +44,7 @@ pub mod kafka;
 pub mod mysql;
 pub mod nats;
 pub mod otlp;
+pub mod outbox;
 pub mod process;
 pub mod proxy;
 pub mod rabbit;
@@ -54,7 +58,8 @@ pub use check::*;
 pub use db::*;
 pub use failover::{PgPair, PgServer};
 pub use http::*;
-pub use mysql::{MYSQL_URL, MysqlTable, mysql_conn};
+pub use mysql::{MYSQL_ADDR, MYSQL_URL, MysqlTable, mysql_conn};
+pub use outbox::{Db, DbConn, TestOutbox};
 pub use process::*;
 pub use proxy::*;
 pub use rabbit::*;

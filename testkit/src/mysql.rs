@@ -1,54 +1,99 @@
 //! MySQL/MariaDB fixtures: a fresh outbox table per test, created by `outbox-relay migrate`
 //! against the local server (127.0.0.1:3306, database `test`), rows inserted as an
 //! application does, and the table read back as [`RowState`]s for the same checks as on
-//! PostgreSQL.
+//! PostgreSQL. Tables that killed test runs left behind are dropped once they are an hour
+//! old and untouched for an hour.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, Row, TxOpts};
+use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::db::{Inserted, NewRow, RowState};
 use crate::process::RelayBuilder;
+use crate::{hex8, slug, wait_until};
 
 /// The local MariaDB/MySQL server's test database, as root.
 pub const MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
+/// The server's TCP address, for the proxy.
+pub const MYSQL_ADDR: &str = "127.0.0.1:3306";
 
 /// A connection to [`MYSQL_URL`] with the session time zone UTC (so `TIMESTAMP` columns read
 /// as UTC).
 pub async fn mysql_conn() -> Conn {
-    let opts = mysql_async::Opts::from_url(MYSQL_URL).unwrap_or_else(|e| panic!("{e}"));
-    let mut conn = Conn::new(opts).await.unwrap_or_else(|e| {
+    try_mysql_conn(MYSQL_URL).await.unwrap_or_else(|e| {
         panic!("connect to {MYSQL_URL}: {e} (is MariaDB running? scripts/services.sh starts it)")
-    });
-    conn.query_drop("SET time_zone = '+00:00'")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    conn
+    })
+}
+
+/// A connection to `url` with the session time zone UTC, or the error.
+pub async fn try_mysql_conn(url: &str) -> Result<Conn, mysql_async::Error> {
+    let opts = mysql_async::Opts::from_url(url).map_err(mysql_async::Error::Url)?;
+    let mut conn = Conn::new(opts).await?;
+    conn.query_drop("SET time_zone = '+00:00'").await?;
+    Ok(conn)
 }
 
 fn utc(t: NaiveDateTime) -> DateTime<Utc> {
     DateTime::from_naive_utc_and_offset(t, Utc)
 }
 
-/// A fresh outbox table in MySQL, created with `outbox-relay migrate`.
+static GC_DONE: AtomicBool = AtomicBool::new(false);
+
+/// Drops the `it_…` tables (and their version records) of test runs that ended more than an
+/// hour ago without cleaning up: created over an hour ago and not written for an hour (a
+/// table that a test still running writes to has a recent `UPDATE_TIME`; MariaDB forgets it
+/// at a restart, after which no test of before the restart is running). Runs once per test
+/// process; errors are ignored (another process may be collecting the same tables).
+async fn collect_old_tables(conn: &mut Conn) {
+    let sql = "SELECT TABLE_NAME FROM information_schema.TABLES \
+               WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME LIKE 'it\\_%' \
+                 AND CREATE_TIME < NOW() - INTERVAL 1 HOUR \
+                 AND (UPDATE_TIME IS NULL OR UPDATE_TIME < NOW() - INTERVAL 1 HOUR)";
+    let Ok(old) = conn.query::<String, _>(sql).await else {
+        return;
+    };
+    for name in old {
+        // Only names this harness makes: it_<slug>_<hex>[_suffix], nothing to quote.
+        if name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            let _ = conn.query_drop(drop_table_sql(&name)).await;
+        }
+    }
+}
+
+/// SQL that drops table `n` and its version record.
+fn drop_table_sql(n: &str) -> String {
+    format!(
+        "DROP TABLE IF EXISTS {n}; \
+         DELETE FROM outbox_relay_schema_version WHERE table_name = '{n}'"
+    )
+}
+
+/// A fresh outbox table in MySQL, created with `outbox-relay migrate`, and a connection for
+/// the test's reads.
 pub struct MysqlTable {
     /// Unqualified table name, `it_<test>_<hex>` in database `test`.
     pub name: String,
+    conn: Mutex<Conn>,
 }
 
 impl MysqlTable {
-    /// Creates `it_<test>_<hex>` with `outbox-relay migrate`, as an operator would.
+    /// Creates `it_<test>_<hex>` with `outbox-relay migrate`, as an operator would (the
+    /// first table of a test process also collects the tables of killed runs).
     pub async fn new(test: &str) -> Self {
-        let slug: String = test
-            .chars()
-            .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .take(24)
-            .collect();
-        let name = format!("it_{slug}_{:08x}", rand_u32());
+        let name = format!("it_{}_{}", slug(test, 24), hex8());
+        let mut conn = mysql_conn().await;
+        if !GC_DONE.swap(true, Ordering::SeqCst) {
+            collect_old_tables(&mut conn).await;
+        }
         let out = RelayBuilder::bare(&name)
             .set("database.url", MYSQL_URL)
             .set("database.table", &name)
@@ -60,18 +105,29 @@ impl MysqlTable {
             out.stdout,
             out.stderr
         );
-        Self { name }
+        Self {
+            name,
+            conn: Mutex::new(conn),
+        }
     }
 
-    /// A connection for the test's own statements.
+    /// A new connection for the test's own statements.
     pub async fn conn(&self) -> Conn {
         mysql_conn().await
+    }
+
+    /// Runs test-authored `sql` (no result) on the table's connection.
+    pub async fn execute(&self, sql: &str) {
+        let mut conn = self.conn.lock().await;
+        conn.query_drop(sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 
     /// Inserts `rows` in one transaction, one `INSERT` each, as an application does (the
     /// table fills in `id` and `seq`).
     pub async fn insert(&self, rows: &[NewRow]) -> Vec<Inserted> {
-        let mut conn = mysql_conn().await;
+        let mut conn = self.conn.lock().await;
         let mut tx = conn
             .start_transaction(TxOpts::default())
             .await
@@ -81,87 +137,145 @@ impl MysqlTable {
         out
     }
 
-    /// Every row, in `seq` order.
-    pub async fn rows(&self) -> Vec<RowState> {
-        let mut conn = mysql_conn().await;
+    /// Inserts one row `('order', aggregate_id, event_type)` whose `expires_at` is
+    /// `expires_in` seconds from the server's now (none when `None`; negative: already past);
+    /// returns its id.
+    pub async fn insert_expiring(
+        &self,
+        aggregate_id: Option<&str>,
+        event_type: &str,
+        expires_in: Option<f64>,
+    ) -> Uuid {
+        let micros = expires_in.map(|s| (s * 1e6).round() as i64);
+        let sql = format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, expires_at) \
+             VALUES ('order', ?, ?, '{{\"x\": 1}}', NOW(6) + INTERVAL ? MICROSECOND)",
+            self.name
+        );
+        let mut conn = self.conn.lock().await;
+        conn.exec_drop(&sql, (aggregate_id, event_type, micros))
+            .await
+            .unwrap_or_else(|e| panic!("insert into {}: {e}", self.name));
+        let id: Option<String> = conn
+            .query_first(format!(
+                "SELECT id FROM {} WHERE seq = LAST_INSERT_ID()",
+                self.name
+            ))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let id = id.unwrap_or_else(|| panic!("the row just inserted is not in {}", self.name));
+        Uuid::parse_str(&id).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// `SELECT <every column> FROM <table> <rest>` (`rest`: test-authored SQL).
+    async fn select(&self, rest: &str) -> Vec<RowState> {
         let sql = format!(
             "SELECT id, seq, aggregate_type, aggregate_id, event_type, CAST(payload AS CHAR), \
                CAST(headers AS CHAR), destination, status, attempts, available_at, locked_at, \
-               locked_by, last_error, created_at, sent_at FROM {} ORDER BY seq",
+               locked_by, last_error, created_at, sent_at FROM {} {rest}",
             self.name
         );
-        let rows: Vec<Row> = conn.query(sql).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut conn = self.conn.lock().await;
+        let rows: Vec<Row> = conn
+            .query(&sql)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
         rows.into_iter().map(row_state).collect()
+    }
+
+    /// Every row, in `seq` order.
+    pub async fn rows(&self) -> Vec<RowState> {
+        self.select("ORDER BY seq").await
     }
 
     /// The row with `id`.
     pub async fn row(&self, id: Uuid) -> RowState {
-        self.rows()
-            .await
-            .into_iter()
-            .find(|r| r.id == id)
-            .unwrap_or_else(|| panic!("no row {id} in {}", self.name))
+        let found = self.select(&format!("WHERE id = '{id}'")).await.pop();
+        found.unwrap_or_else(|| panic!("no row {id} in {}", self.name))
+    }
+
+    /// Rows matching `ids`, keyed by id.
+    pub async fn rows_by_id(&self, ids: &[Uuid]) -> HashMap<Uuid, RowState> {
+        if ids.is_empty() {
+            return HashMap::new();
+        }
+        let list: Vec<String> = ids.iter().map(|id| format!("'{id}'")).collect();
+        let rows = self
+            .select(&format!("WHERE id IN ({})", list.join(", ")))
+            .await;
+        rows.into_iter().map(|r| (r.id, r)).collect()
     }
 
     /// Rows matching the SQL `condition`.
     pub async fn count_where(&self, condition: &str) -> i64 {
-        let mut conn = mysql_conn().await;
         let sql = format!("SELECT COUNT(*) FROM {} WHERE {condition}", self.name);
+        let mut conn = self.conn.lock().await;
         let n: Option<i64> = conn
-            .query_first(sql)
+            .query_first(&sql)
             .await
-            .unwrap_or_else(|e| panic!("{e}"));
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
         n.unwrap_or(0)
     }
 
-    /// Row counts by status.
+    /// Row counts by status (only the statuses present).
     pub async fn status_counts(&self) -> BTreeMap<String, i64> {
-        let mut conn = mysql_conn().await;
         let sql = format!("SELECT status, COUNT(*) FROM {} GROUP BY status", self.name);
+        let mut conn = self.conn.lock().await;
         let rows: Vec<(String, i64)> = conn.query(sql).await.unwrap_or_else(|e| panic!("{e}"));
         rows.into_iter().collect()
+    }
+
+    /// The server's clock (the one `sent_at` and `locked_at` are written with).
+    pub async fn db_now(&self) -> DateTime<Utc> {
+        let mut conn = self.conn.lock().await;
+        let now: Option<NaiveDateTime> = conn
+            .query_first("SELECT NOW(6)")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        utc(now.unwrap_or_else(|| panic!("NOW(6) returned no row")))
     }
 
     /// Waits until `condition` holds for `want` rows; panics with the counts by status after
     /// `timeout`.
     pub async fn wait_count(&self, condition: &str, want: i64, timeout: Duration) {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let n = self.count_where(condition).await;
-            if n == want {
-                return;
+        let what = format!("{want} rows of {} where {condition}", self.name);
+        wait_until(timeout, &what, async || {
+            match self.count_where(condition).await {
+                n if n == want => Ok(()),
+                n => Err(format!("{n}; {:?}", self.status_counts().await)),
             }
-            if tokio::time::Instant::now() > deadline {
-                panic!(
-                    "{}: {n} rows where {condition}, want {want}; by status {:?}",
-                    self.name,
-                    self.status_counts().await
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        })
+        .await;
     }
 
     /// Waits until every row is `sent`.
     pub async fn wait_all_sent(&self, timeout: Duration) {
-        let total = self.count_where("TRUE").await;
-        self.wait_count("status = 'sent'", total, timeout).await;
+        self.wait_count("status <> 'sent'", 0, timeout).await;
     }
 
     /// Drops the table and its version record.
     pub async fn drop_table(self) {
-        let mut conn = mysql_conn().await;
-        let sql = format!(
-            "DROP TABLE IF EXISTS {n}; DELETE FROM outbox_relay_schema_version WHERE table_name = '{n}'",
-            n = self.name
-        );
-        conn.query_drop(sql).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut conn = self.conn.into_inner();
+        conn.query_drop(drop_table_sql(&self.name))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 }
 
 /// Inserts `rows` into `table` on `conn` (inside its transaction, if any), one `INSERT` each,
 /// and returns what the table assigned.
 pub async fn insert_in<Q: Queryable>(conn: &mut Q, table: &str, rows: &[NewRow]) -> Vec<Inserted> {
+    try_insert_in(conn, table, rows)
+        .await
+        .unwrap_or_else(|e| panic!("insert into {table}: {e}"))
+}
+
+/// [`insert_in`] that returns the error (the server may be unreachable) instead of panicking.
+pub async fn try_insert_in<Q: Queryable>(
+    conn: &mut Q,
+    table: &str,
+    rows: &[NewRow],
+) -> Result<Vec<Inserted>, String> {
     let sql = format!(
         "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination) \
          VALUES (?, ?, ?, ?, ?, ?)"
@@ -180,21 +294,19 @@ pub async fn insert_in<Q: Queryable>(conn: &mut Q, table: &str, rows: &[NewRow])
             ),
         )
         .await
-        .unwrap_or_else(|e| panic!("insert into {table}: {e}"));
+        .map_err(|e| e.to_string())?;
         let row: Option<(String, i64)> = conn
             .query_first(format!(
                 "SELECT id, seq FROM {table} WHERE seq = LAST_INSERT_ID()"
             ))
             .await
-            .unwrap_or_else(|e| panic!("{e}"));
+            .map_err(|e| e.to_string())?;
         let (id, seq) =
-            row.unwrap_or_else(|| panic!("the row just inserted into {table} is not there"));
-        out.push(Inserted {
-            id: Uuid::parse_str(&id).unwrap_or_else(|e| panic!("{e}")),
-            seq,
-        });
+            row.ok_or_else(|| format!("the row just inserted into {table} is not there"))?;
+        let id = Uuid::parse_str(&id).map_err(|e| format!("id {id:?}: {e}"))?;
+        out.push(Inserted { id, seq });
     }
-    out
+    Ok(out)
 }
 
 fn row_state(mut r: Row) -> RowState {
@@ -221,10 +333,4 @@ fn row_state(mut r: Row) -> RowState {
         created_at: utc(r.take(14).unwrap_or_default()),
         sent_at: r.take::<Option<NaiveDateTime>, _>(15).flatten().map(utc),
     }
-}
-
-fn rand_u32() -> u32 {
-    let id = Uuid::new_v4();
-    let b = id.as_bytes();
-    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
 }

@@ -5,6 +5,7 @@
 // Each test crate compiles this module on its own and uses only part of it.
 #![allow(dead_code, unused_imports)]
 
+pub mod envelope;
 pub mod kafka;
 pub mod transport;
 

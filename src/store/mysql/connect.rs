@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use mysql_async::{Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts, SslOpts};
+use mysql_async::{Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts};
 
 use super::claim::ClaimSql;
 use super::operator::OperatorSql;
@@ -26,75 +26,10 @@ pub const SESSION_SETTINGS: &[&str] = &[
     "SET SESSION lock_wait_timeout = 5",
 ];
 
-/// How the URL asks for TLS (`ssl-mode`, as the `mysql` client's `--ssl-mode`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SslMode {
-    /// No TLS (`DISABLED`, and `PREFERRED`, the default: a server with a self-signed
-    /// certificate keeps working out of the box).
-    Off,
-    /// TLS, any certificate (`REQUIRED`).
-    Required,
-    /// TLS, a certificate signed by a trusted CA (`VERIFY_CA`).
-    VerifyCa,
-    /// TLS, a trusted certificate for the host name (`VERIFY_IDENTITY`).
-    VerifyIdentity,
-}
-
-/// Splits `url` into the options mysql_async reads and the TLS options it does not
-/// (`ssl-mode`, `ssl-ca`), and builds the connection options.
-pub(super) fn opts(url: &str) -> Result<Opts> {
-    let bad = |why: String| StoreError::Build(format!("{}: {why}", redact_url(url)));
-    let mut parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
-    let mut mode = SslMode::Off;
-    let mut ca: Option<String> = None;
-    let mut rest: Vec<(String, String)> = Vec::new();
-    for (k, v) in parsed.query_pairs() {
-        match k.to_ascii_lowercase().replace('_', "-").as_str() {
-            "ssl-mode" | "sslmode" => {
-                mode = match v.to_ascii_uppercase().replace('-', "_").as_str() {
-                    "DISABLED" | "DISABLE" | "PREFERRED" | "PREFER" => SslMode::Off,
-                    "REQUIRED" | "REQUIRE" => SslMode::Required,
-                    "VERIFY_CA" => SslMode::VerifyCa,
-                    "VERIFY_IDENTITY" | "VERIFY_FULL" => SslMode::VerifyIdentity,
-                    other => {
-                        return Err(bad(format!(
-                            "ssl-mode={other} is not one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA, VERIFY_IDENTITY"
-                        )));
-                    }
-                }
-            }
-            "ssl-ca" | "sslrootcert" => ca = Some(v.into_owned()),
-            _ => rest.push((k.into_owned(), v.into_owned())),
-        }
-    }
-    if rest.is_empty() {
-        parsed.set_query(None);
-    } else {
-        parsed.query_pairs_mut().clear().extend_pairs(rest);
-    }
-    let base = Opts::from_url(parsed.as_str()).map_err(|e| bad(e.to_string()))?;
-    let ssl = match mode {
-        SslMode::Off => None,
-        SslMode::Required => Some(
-            SslOpts::default()
-                .with_danger_accept_invalid_certs(true)
-                .with_danger_skip_domain_validation(true),
-        ),
-        SslMode::VerifyCa => Some(SslOpts::default().with_danger_skip_domain_validation(true)),
-        SslMode::VerifyIdentity => Some(SslOpts::default()),
-    };
-    let ssl = match (ssl, ca) {
-        (Some(s), Some(ca)) => Some(s.with_root_certs(vec![std::path::PathBuf::from(ca).into()])),
-        (Some(s), None) => Some(s),
-        (None, Some(_)) => {
-            return Err(bad(
-                "ssl-ca is set but ssl-mode asks for no TLS: add ssl-mode=VERIFY_CA or VERIFY_IDENTITY"
-                    .into(),
-            ));
-        }
-        (None, None) => None,
-    };
-    Ok(OptsBuilder::from_opts(base).ssl_opts(ssl).into())
+/// The connection options of `url` ([`crate::config::mysql_opts`]).
+fn opts(url: &str) -> Result<Opts> {
+    crate::config::mysql_opts(url)
+        .map_err(|why| StoreError::Build(format!("{}: {why}", redact_url(url))))
 }
 
 impl MysqlStore {
@@ -145,42 +80,5 @@ impl MysqlStore {
                 operator: OperatorSql::new(table),
             }),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ssl_options_are_read_and_taken_out_of_the_url() {
-        let o = opts("mysql://u:p@127.0.0.1:3306/db").unwrap_or_else(|e| panic!("{e}"));
-        assert!(o.ssl_opts().is_none());
-        assert_eq!(o.db_name(), Some("db"));
-        let o = opts("mysql://u:p@127.0.0.1:3306/db?ssl-mode=REQUIRED")
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(o.ssl_opts().is_some_and(SslOpts::accept_invalid_certs));
-        let o = opts("mysql://u:p@127.0.0.1/db?ssl-mode=VERIFY_IDENTITY&ssl-ca=/tmp/ca.pem")
-            .unwrap_or_else(|e| panic!("{e}"));
-        let ssl = o.ssl_opts().unwrap_or_else(|| panic!("TLS expected"));
-        assert!(!ssl.accept_invalid_certs() && !ssl.skip_domain_validation());
-        assert_eq!(ssl.root_certs().len(), 1);
-    }
-
-    #[test]
-    fn bad_ssl_options_are_named_and_the_password_is_not() {
-        let e = opts("mysql://u:secret@h/db?ssl-mode=SOMETIMES")
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(
-            e.contains("ssl-mode=SOMETIMES") && !e.contains("secret"),
-            "{e}"
-        );
-        let e = opts("mysql://u:secret@h/db?ssl-ca=/x.pem")
-            .err()
-            .map(|e| e.to_string())
-            .unwrap_or_default();
-        assert!(e.contains("ssl-ca") && !e.contains("secret"), "{e}");
     }
 }

@@ -127,6 +127,17 @@ pub(super) fn is_connection(e: &mysql_async::Error) -> bool {
     }
 }
 
+/// What to do about `e`, where the driver's words leave it unsaid (appended to its message).
+pub(super) fn hint(e: &mysql_async::Error) -> &'static str {
+    match e {
+        mysql_async::Error::Driver(mysql_async::DriverError::NoClientSslFlagFromServer) => {
+            ": the URL's ssl-mode asks for TLS and this server offers none: turn TLS on in the \
+             server, or set ssl-mode=PREFERRED (or DISABLED) to connect without it"
+        }
+        _ => "",
+    }
+}
+
 /// Whether a statement that failed this way may have committed with its answer lost.
 pub(super) fn answer_may_be_lost(e: &mysql_async::Error) -> bool {
     matches!(
