@@ -100,43 +100,8 @@ impl Outbox {
             ordering = ?outbox.ordering,
             "relaying outbox"
         );
-        let name = |task: &str| format!("{task}:{}", outbox.name);
-        let wake = Arc::new(Notify::new());
-
-        // PostgreSQL's own services: the NOTIFY wake-up and VACUUM. A MySQL outbox is woken by
-        // its poll and purged by InnoDB.
-        let waiter = match store.as_postgres() {
-            Some(pg) => {
-                let (s, m) = (pg.clone(), metrics.clone());
-                tasks.spawn(name("vacuum"), move |token| {
-                    vacuum::vacuum_loop(s, m, table_oid, token)
-                });
-                if config.relay.notify {
-                    listen(tasks, &outbox, pg, table_oid, config, &wake).await
-                } else {
-                    None
-                }
-            }
-            None => None,
-        };
-        let held = Held::default();
-        let (s, m, h, w) = (
-            store.clone(),
-            metrics.clone(),
-            held.clone(),
-            Arc::clone(&wake),
-        );
-        let (lease_timeout, retry) = (config.relay.lease_timeout, config.retry);
-        tasks.spawn(name("lease"), move |token| {
-            lease::lease_loop(s, m, h, lease_timeout, retry, w, token)
-        });
-        let (s, m, clean_waiters) = (store.clone(), metrics.clone(), waiter.is_some());
-        let ordering = outbox.ordering;
-        tasks.spawn(name("backlog"), move |token| {
-            backlog::backlog_loop(s, m, ordering, clean_waiters, token)
-        });
-        spawn_retention(tasks, &store, &metrics, config, name).await;
-
+        let Services { waiter, held, wake } =
+            start_services(tasks, &outbox, &store, &metrics, config, table_oid).await;
         let envelope = EnvelopeConfig::for_outbox(config, &outbox, payload_kind);
         let engine = Relay::new(RelayParts {
             store,
@@ -155,6 +120,63 @@ impl Outbox {
         engine.run(shutdown, waiter).await;
         Ok(())
     }
+}
+
+/// What the claim loop shares with an outbox's background services.
+struct Services {
+    /// The NOTIFY wake-up's waiting record (PostgreSQL, `relay.notify`).
+    waiter: Option<Waiter>,
+    /// The rows in flight, whose leases the lease task renews.
+    held: Held,
+    /// Wakes the claim loop (a notification, rows handed back).
+    wake: Arc<Notify>,
+}
+
+/// Starts `outbox`'s background services on `tasks` (named `<task>:<outbox>`): PostgreSQL's
+/// VACUUM and NOTIFY wake-up (a MySQL outbox is woken by its poll and purged by InnoDB),
+/// lease renewal and reclaim, the backlog gauges and retention.
+async fn start_services(
+    tasks: &Tasks,
+    outbox: &OutboxConfig,
+    store: &Store,
+    metrics: &OutboxMetrics,
+    config: &Config,
+    table_oid: u32,
+) -> Services {
+    let name = |task: &str| format!("{task}:{}", outbox.name);
+    let wake = Arc::new(Notify::new());
+    let waiter = match store.as_postgres() {
+        Some(pg) => {
+            let (s, m) = (pg.clone(), metrics.clone());
+            tasks.spawn(name("vacuum"), move |token| {
+                vacuum::vacuum_loop(s, m, table_oid, token)
+            });
+            if config.relay.notify {
+                listen(tasks, outbox, pg, table_oid, config, &wake).await
+            } else {
+                None
+            }
+        }
+        None => None,
+    };
+    let held = Held::default();
+    let (s, m, h, w) = (
+        store.clone(),
+        metrics.clone(),
+        held.clone(),
+        Arc::clone(&wake),
+    );
+    let (lease_timeout, retry) = (config.relay.lease_timeout, config.retry);
+    tasks.spawn(name("lease"), move |token| {
+        lease::lease_loop(s, m, h, lease_timeout, retry, w, token)
+    });
+    let (s, m, clean_waiters) = (store.clone(), metrics.clone(), waiter.is_some());
+    let ordering = outbox.ordering;
+    tasks.spawn(name("backlog"), move |token| {
+        backlog::backlog_loop(s, m, ordering, clean_waiters, token)
+    });
+    spawn_retention(tasks, store, metrics, config, name).await;
+    Services { waiter, held, wake }
 }
 
 /// The claim loop's settings for `outbox`: the relay's, with the outbox's own ordering and

@@ -240,30 +240,33 @@ impl Waiter {
                 }
             }
             // Busy, a new LISTEN session, or a record that may have expired: publish it.
-            _ => match self
-                .store
-                .bounded(
-                    self.store
-                        .mark_waiting_then_writers(pid, self.lifetime, self.table_oid),
-                )
-                .await
-            {
-                Ok(active) => {
-                    tracing::trace!(pid, writers = active, "idle: waiting record published");
-                    self.state = State::Verifying {
-                        pid,
-                        at: now,
-                        writers: Some(active),
-                        next: FIRST_RECHECK,
-                    };
-                    Idle::Recheck
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "cannot publish the waiting record; polling");
-                    self.state = State::Busy;
-                    Idle::Sleep(jittered_poll)
-                }
-            },
+            _ => self.publish(pid, now, jittered_poll).await,
+        }
+    }
+
+    /// Publishes the waiting record for LISTEN session `pid` and reads whether writers are
+    /// active: recheck soon (they may have inserted before seeing it), or poll when that fails.
+    async fn publish(&mut self, pid: i32, now: Instant, jittered_poll: Duration) -> Idle {
+        let store = &self.store;
+        let published = store
+            .bounded(store.mark_waiting_then_writers(pid, self.lifetime, self.table_oid))
+            .await;
+        match published {
+            Ok(active) => {
+                tracing::trace!(pid, writers = active, "idle: waiting record published");
+                self.state = State::Verifying {
+                    pid,
+                    at: now,
+                    writers: Some(active),
+                    next: FIRST_RECHECK,
+                };
+                Idle::Recheck
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot publish the waiting record; polling");
+                self.state = State::Busy;
+                Idle::Sleep(jittered_poll)
+            }
         }
     }
 

@@ -91,30 +91,11 @@ impl Session<'_> {
         T: tokio_postgres::tls::MakeTlsConnect<tokio_postgres::Socket>,
         T::Stream: Send + 'static,
     {
-        use futures::StreamExt;
-        use tokio_postgres::AsyncMessage;
-
         let timeout = self.timeout;
         let bounded = StoreError::Timeout;
         let connected = tokio::time::timeout(timeout, pg.connect(tls)).await;
-        let (client, mut conn) = connected.map_err(|_| bounded(timeout))??;
-        let (tx, mut closed) = tokio::sync::oneshot::channel::<String>();
-        let wake_on_notify = Arc::clone(self.wake);
-        tokio::spawn(async move {
-            let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
-            let mut reason = "connection closed".to_owned();
-            while let Some(msg) = messages.next().await {
-                match msg {
-                    Ok(AsyncMessage::Notification(_)) => wake_on_notify.notify_one(),
-                    Ok(_) => {}
-                    Err(e) => {
-                        reason = e.to_string();
-                        break;
-                    }
-                }
-            }
-            let _ = tx.send(reason);
-        });
+        let (client, conn) = connected.map_err(|_| bounded(timeout))??;
+        let mut closed = forward_notifications(conn, Arc::clone(self.wake));
         let listening = async {
             client
                 .batch_execute(&store::listen_sql(self.channel))
@@ -131,7 +112,22 @@ impl Session<'_> {
         self.listener.store(pid, Ordering::Release);
         tracing::debug!(channel = %self.channel, pid, "listening for NOTIFY");
         self.wake.notify_one();
-        let ended = loop {
+        let ended = self.watch(&client, &mut closed, marked).await;
+        drop(client);
+        Ok(ended)
+    }
+
+    /// Until the LISTEN connection is lost (`Some(reason)`), stops answering within the
+    /// timeout, or is given up after a read-only refusal; `None` on shutdown.
+    async fn watch(
+        &self,
+        client: &tokio_postgres::Client,
+        closed: &mut tokio::sync::oneshot::Receiver<String>,
+        marked: &mut tokio::sync::watch::Receiver<Option<std::time::Instant>>,
+    ) -> Option<String> {
+        let timeout = self.timeout;
+        let bounded = StoreError::Timeout;
+        loop {
             // After `timeout` of listening, whether the database still answers: `None` if so.
             let check = async {
                 tokio::time::sleep(timeout).await;
@@ -143,7 +139,7 @@ impl Session<'_> {
                 }
             };
             tokio::select! {
-                r = &mut closed => {
+                r = &mut *closed => {
                     break Some(r.unwrap_or_else(|_| "connection task ended".to_owned()));
                 }
                 () = self.shutdown.cancelled() => break None,
@@ -156,8 +152,38 @@ impl Session<'_> {
                     }
                 }
             }
-        };
-        drop(client);
-        Ok(ended)
+        }
     }
+}
+
+/// Drives the LISTEN connection `conn` on a task of its own, waking the loop on each
+/// notification; the receiver gets why the connection ended.
+fn forward_notifications<S, T>(
+    mut conn: tokio_postgres::Connection<S, T>,
+    wake: Arc<Notify>,
+) -> tokio::sync::oneshot::Receiver<String>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use futures::StreamExt;
+    use tokio_postgres::AsyncMessage;
+
+    let (tx, closed) = tokio::sync::oneshot::channel::<String>();
+    tokio::spawn(async move {
+        let mut messages = futures::stream::poll_fn(move |cx| conn.poll_message(cx));
+        let mut reason = "connection closed".to_owned();
+        while let Some(msg) = messages.next().await {
+            match msg {
+                Ok(AsyncMessage::Notification(_)) => wake.notify_one(),
+                Ok(_) => {}
+                Err(e) => {
+                    reason = e.to_string();
+                    break;
+                }
+            }
+        }
+        let _ = tx.send(reason);
+    });
+    closed
 }
