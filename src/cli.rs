@@ -115,6 +115,32 @@ pub async fn migrate(config: &Config, print: bool, only: Option<&str>) -> Result
 /// `check`: configuration (already validated by the time this runs), each outbox's database
 /// and table, the broker.
 pub async fn check(config: &Config) -> Result<()> {
+    print_config_lines(config);
+    let mut failed = false;
+    let several = config.outboxes.len() > 1;
+    for t in targets(config, None)? {
+        let prefix = if several {
+            format!("{}: ", t.outbox.name)
+        } else {
+            String::new()
+        };
+        match check_database(&t, config.database.auto_migrate).await {
+            Ok(line) => println!("{prefix}{line}"),
+            Err(line) => {
+                println!("{prefix}{line}");
+                failed = true;
+            }
+        }
+    }
+    failed |= !check_broker(config).await;
+    if failed {
+        bail!("check failed");
+    }
+    Ok(())
+}
+
+/// `check`'s `config:` and `signing:` lines (the key id only: the key is never printed).
+fn print_config_lines(config: &Config) {
     if let [only] = config.outboxes.as_slice() {
         println!(
             "config: ok (publisher {}, table {})",
@@ -134,7 +160,6 @@ pub async fn check(config: &Config) -> Result<()> {
                 .join(", ")
         );
     }
-    // The key id only: the key itself is never printed.
     match &config.signing {
         Some(s) => println!(
             "signing: on (key id {}, {} byte key)",
@@ -143,47 +168,34 @@ pub async fn check(config: &Config) -> Result<()> {
         ),
         None => println!("signing: off"),
     }
-    let mut failed = false;
-    let several = config.outboxes.len() > 1;
-    for t in targets(config, None)? {
-        let prefix = if several {
-            format!("{}: ", t.outbox.name)
-        } else {
-            String::new()
-        };
-        match check_database(&t, config.database.auto_migrate).await {
-            Ok(line) => println!("{prefix}{line}"),
-            Err(line) => {
-                println!("{prefix}{line}");
-                failed = true;
-            }
-        }
-    }
+}
+
+/// `check`'s `broker:` line (and its warnings): whether the broker answered within 15 s.
+async fn check_broker(config: &Config) -> bool {
     let publisher = outbox_relay::publish::build(config);
-    match tokio::time::timeout(std::time::Duration::from_secs(15), publisher.connect()).await {
-        Ok(Ok(())) => {
-            println!("broker: ok ({})", publisher.describe());
-            for advice in publisher.advisories() {
-                println!("broker: WARNING: {advice}");
+    let ok =
+        match tokio::time::timeout(std::time::Duration::from_secs(15), publisher.connect()).await {
+            Ok(Ok(())) => {
+                println!("broker: ok ({})", publisher.describe());
+                for advice in publisher.advisories() {
+                    println!("broker: WARNING: {advice}");
+                }
+                true
             }
-        }
-        Ok(Err(e)) => {
-            println!("broker: FAILED: {e}");
-            failed = true;
-        }
-        Err(_) => {
-            println!(
-                "broker: FAILED: no answer within 15s ({})",
-                publisher.describe()
-            );
-            failed = true;
-        }
-    }
+            Ok(Err(e)) => {
+                println!("broker: FAILED: {e}");
+                false
+            }
+            Err(_) => {
+                println!(
+                    "broker: FAILED: no answer within 15s ({})",
+                    publisher.describe()
+                );
+                false
+            }
+        };
     publisher.close().await;
-    if failed {
-        bail!("check failed");
-    }
-    Ok(())
+    ok
 }
 
 /// One outbox's `database:` line: the same decision `run` makes at start, without changing

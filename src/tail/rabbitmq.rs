@@ -26,34 +26,10 @@ pub async fn tail(
         ConnectionProperties::default().with_connection_name(LongString::from("outbox-relay tail"));
     let conn = Connection::connect(url, props).await.map_err(connect)?;
     let channel = conn.create_channel().await.map_err(connect)?;
-    let no_queue = |source| TailError::NoQueue {
-        queue: queue.to_owned(),
-        source,
-    };
-    // Passive: never create a queue by accident (a typo would then wait forever).
-    let passive = QueueDeclareOptions {
-        passive: true,
-        ..QueueDeclareOptions::default()
-    };
-    let declared = declare_queue(&channel, queue, passive)
-        .await
-        .map_err(no_queue)?;
-    channel
-        .basic_qos(16, BasicQosOptions::default())
-        .await
-        .map_err(no_queue)?;
-    let mut consumer = channel
-        .basic_consume(
-            ShortString::from(queue.to_owned()),
-            ShortString::from("outbox-relay-tail"),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(no_queue)?;
+    let (mut consumer, waiting) = subscribe(&channel, queue).await?;
     eprintln!(
         "tail: waiting for messages on queue {queue:?} ({} already there); Ctrl-C to stop",
-        declared.message_count()
+        waiting
     );
     let failed = |source| TailError::Consume {
         queue: queue.to_owned(),
@@ -91,6 +67,40 @@ pub async fn tail(
     }
     let _ = conn.close(200, ShortString::from("tail done")).await;
     Ok(printed)
+}
+
+/// Consumes `queue` (which must exist) on `channel`, 16 unacknowledged at most; returns the
+/// consumer and how many messages were waiting.
+async fn subscribe(
+    channel: &lapin::Channel,
+    queue: &str,
+) -> Result<(lapin::Consumer, u32), TailError> {
+    let no_queue = |source| TailError::NoQueue {
+        queue: queue.to_owned(),
+        source,
+    };
+    // Passive: never create a queue by accident (a typo would then wait forever).
+    let passive = QueueDeclareOptions {
+        passive: true,
+        ..QueueDeclareOptions::default()
+    };
+    let declared = declare_queue(channel, queue, passive)
+        .await
+        .map_err(no_queue)?;
+    channel
+        .basic_qos(16, BasicQosOptions::default())
+        .await
+        .map_err(no_queue)?;
+    let consumer = channel
+        .basic_consume(
+            ShortString::from(queue.to_owned()),
+            ShortString::from("outbox-relay-tail"),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(no_queue)?;
+    Ok((consumer, declared.message_count()))
 }
 
 /// A delivery as `tail` shows it.
