@@ -353,6 +353,45 @@ fn expire_delete(t: &str) -> String {
     )
 }
 
+/// The claim the parts of a split claim and the expiry sweep beside them add up to. A part
+/// (or the sweep) that failed while another part claimed rows is a warning: those rows are
+/// this relay's now and go out; the next round retries the rest.
+fn claim_of(
+    parts: Parts,
+    expired: std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+) -> Result<Claim> {
+    let Parts {
+        mut rows,
+        more,
+        short,
+        failed,
+    } = parts;
+    let answer_lost = match failed {
+        Some(e) if rows.is_empty() => return Err(e),
+        Some(e) => {
+            tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed");
+            e.answer_may_be_lost()
+        }
+        None => false,
+    };
+    let expired = match expired.and_then(|rows| rows.iter().map(expired_of).collect()) {
+        Ok(expired) => expired,
+        Err(e) if rows.is_empty() => return Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "the expiry sweep failed; publishing the rows claimed beside it");
+            Vec::new()
+        }
+    };
+    rows.sort_unstable_by_key(|m| m.seq);
+    Ok(Claim {
+        rows,
+        expired,
+        more,
+        uneven: more && short,
+        answer_lost,
+    })
+}
+
 impl PgStore {
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
     /// up to `limit` ready rows. With
@@ -408,38 +447,8 @@ impl PgStore {
                 .map(|(k, client)| self.claim_part(client, ordering, watermark, (k + 1, shares))),
         );
         let (expired, first, others) = tokio::join!(expire, first, others);
-        let Parts {
-            mut rows,
-            more,
-            short,
-            failed,
-        } = Parts::gather(std::iter::once(first).chain(others), shares);
-        // A part (or the sweep) that failed while another part claimed rows is a warning:
-        // those rows are this relay's now and go out; the next round retries the rest.
-        let answer_lost = match failed {
-            Some(e) if rows.is_empty() => return Err(e),
-            Some(e) => {
-                tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed");
-                e.answer_may_be_lost()
-            }
-            None => false,
-        };
-        let expired = match expired.and_then(|rows| rows.iter().map(expired_of).collect()) {
-            Ok(expired) => expired,
-            Err(e) if rows.is_empty() => return Err(e.into()),
-            Err(e) => {
-                tracing::warn!(error = %e, "the expiry sweep failed; publishing the rows claimed beside it");
-                Vec::new()
-            }
-        };
-        rows.sort_unstable_by_key(|m| m.seq);
-        Ok(Claim {
-            rows,
-            expired,
-            more,
-            uneven: more && short,
-            answer_lost,
-        })
+        let parts = Parts::gather(std::iter::once(first).chain(others), shares);
+        claim_of(parts, expired)
     }
 
     /// Up to `n` pooled connections that are free now (idle, or a slot to open one), without

@@ -155,6 +155,28 @@ pub struct SchemaState {
     pub pending: Vec<i32>,
 }
 
+/// The steps of migration `m` for `table`, the last recording the version in `versions` (the
+/// version table, schema-qualified): with the version's last transaction, or in one of its
+/// own. `fresh`: the table does not exist yet.
+fn version_steps(m: &Migration, table: &TableName, versions: &str, fresh: bool) -> Vec<Step> {
+    let mut steps = steps(&render(m.sql, table), fresh);
+    let record = format!(
+        "INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
+         ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now();",
+        quote_literal(&table.qualified()),
+        m.version
+    );
+    match steps.last_mut() {
+        Some(last) if last.kind == StepKind::Transaction => last.sql.push_str(&record),
+        _ => steps.push(Step {
+            kind: StepKind::Transaction,
+            sql: record,
+            builds_index: None,
+        }),
+    }
+    steps
+}
+
 impl SchemaState {
     /// What start-up does with a table in this state (`table` names it in the error):
     /// without `auto_migrate`, a missing table is an error saying to run `migrate` and
@@ -346,22 +368,7 @@ impl PgStore {
         let current = current_version(&*client, &self.table).await?;
         let mut applied = Vec::new();
         for m in MIGRATIONS.iter().filter(|m| m.version > current.version) {
-            let mut steps = steps(&render(m.sql, &self.table), !current.table_exists);
-            let record = format!(
-                "INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
-                 ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now();",
-                quote_literal(&key),
-                m.version
-            );
-            // Recorded with the version's last transaction, or in one of its own.
-            match steps.last_mut() {
-                Some(last) if last.kind == StepKind::Transaction => last.sql.push_str(&record),
-                _ => steps.push(Step {
-                    kind: StepKind::Transaction,
-                    sql: record,
-                    builds_index: None,
-                }),
-            }
+            let steps = version_steps(m, &self.table, &versions, !current.table_exists);
             let count = steps.len();
             for (index, step) in steps.iter().enumerate() {
                 let at = StepAt {
