@@ -284,6 +284,19 @@ impl Relay {
         for (i, span) in spans.iter_mut().enumerate() {
             span.finish(outcomes.get(i));
         }
+        self.results(chain, outcomes, started, hard_stop)
+    }
+
+    /// Each row of a chain with what became of it: confirmed (counted), rejected (the first
+    /// rejection stops the chain), or handed back (unanswered, after the stop, or the broker
+    /// unavailable, which never spends an attempt).
+    fn results(
+        &self,
+        chain: Vec<OutboxMessage>,
+        outcomes: Vec<Outcome>,
+        started: Instant,
+        hard_stop: &CancellationToken,
+    ) -> Vec<(OutboxMessage, RowResult)> {
         let mut outcomes = outcomes.into_iter();
         let mut stopped = false;
         let mut out = Vec::with_capacity(chain.len());
@@ -335,7 +348,12 @@ impl Relay {
         self.held.release(&ids);
     }
 
-    async fn record_outcomes(&self, results: Vec<(OutboxMessage, RowResult)>) {
+    /// `results` sorted into the ids sent, the failures (each with its retry delay; logged),
+    /// and the ids handed back.
+    fn sorted(
+        &self,
+        results: Vec<(OutboxMessage, RowResult)>,
+    ) -> (Vec<uuid::Uuid>, Vec<Failure>, Vec<uuid::Uuid>) {
         let mut sent = Vec::new();
         let mut failures = Vec::new();
         let mut hand_back = Vec::new();
@@ -359,7 +377,11 @@ impl Relay {
                 RowResult::HandBack => hand_back.push(msg.id),
             }
         }
+        (sent, failures, hand_back)
+    }
 
+    async fn record_outcomes(&self, results: Vec<(OutboxMessage, RowResult)>) {
+        let (mut sent, mut failures, mut hand_back) = self.sorted(results);
         let deadline = Instant::now() + self.settings.relay.lease_timeout;
         let mut backoff = Backoff::reconnect();
         let on_confirm = self.settings.on_confirm;
@@ -737,6 +759,22 @@ impl<'a> Dispatch<'a> {
             Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
     }
 
+    /// Publishes the claimed `rows` in a task of their own, with the part of the window
+    /// (`limit` permits) they use; the rest goes back.
+    fn launch(&mut self, rows: Vec<OutboxMessage>, mut permit: Permit, limit: usize) {
+        let relay = self.relay;
+        // Idle polls are not claims: recording them would bury the batch sizes in zeros.
+        relay.metrics.claimed(rows.len());
+        relay.lane.found_work();
+        if rows.len() < limit {
+            // Give back the part of the window the claim did not use.
+            if let Some(rest) = permit.split(limit - rows.len()) {
+                drop(rest);
+            }
+        }
+        relay.launch(rows, permit, self.hard_stop, self.batches);
+    }
+
     /// Expires overdue rows (every `EXPIRY_SWEEP_EVERY`, or `EXPIRY_SWEEP_IDLE`) and claims up
     /// to the window taken, then publishes the batch in a task of its own, giving back the part
     /// of the window it did not use.
@@ -786,17 +824,7 @@ impl<'a> Dispatch<'a> {
         let claimed_rows = rows.len();
         let found = claimed_rows > 0;
         if found {
-            // Idle polls are not claims: recording them would bury the batch sizes in zeros.
-            relay.metrics.claimed(claimed_rows);
-            relay.lane.found_work();
-            let mut permit = permit;
-            if claimed_rows < limit {
-                // Give back the part of the window the claim did not use.
-                if let Some(rest) = permit.split(limit - claimed_rows) {
-                    drop(rest);
-                }
-            }
-            relay.launch(rows, permit, self.hard_stop, self.batches);
+            self.launch(rows, permit, limit);
         }
         if let Some(w) = self.waiter.as_mut().filter(|_| found) {
             w.found_rows(claimed_rows).await;

@@ -796,6 +796,17 @@ fn claimed_text(r: &MessageRow) -> String {
     }
 }
 
+/// A dead letter's link to its outbox's dead-letter page (empty for other rows).
+fn dead_letters_link(f: &Found) -> String {
+    if f.row.status != "failed" {
+        return String::new();
+    }
+    format!(
+        " · <a href=\"/outboxes/{}/dead-letters\">dead letters of this outbox</a>",
+        escape(&path_segment(&f.outbox))
+    )
+}
+
 /// One message found by the lookup: its fields, payload and headers.
 fn message_section(f: &Found, show_payloads: bool) -> String {
     let r = &f.row;
@@ -808,14 +819,6 @@ fn message_section(f: &Found, show_payloads: bool) -> String {
     let aggregate = match &r.aggregate_id {
         Some(a) => format!("{} / {}", r.aggregate_type, a),
         None => format!("{} (no aggregate id: unordered)", r.aggregate_type),
-    };
-    let dead_letters = if r.status == "failed" {
-        format!(
-            " · <a href=\"/outboxes/{}/dead-letters\">dead letters of this outbox</a>",
-            escape(&path_segment(&f.outbox))
-        )
-    } else {
-        String::new()
     };
     let mut out = format!(
         "<section class=\"message\" data-outbox=\"{outbox}\"><h2>In outbox {outbox} <span class=\"badge status {status}\" data-field=\"status\">{status}</span></h2>\
@@ -841,6 +844,7 @@ fn message_section(f: &Found, show_payloads: bool) -> String {
         attempts = r.attempts,
         error = escape(&error),
         created = time(r.created_at),
+        dead_letters = dead_letters_link(f),
         available = time(r.available_at),
         locked = claimed_text(r),
         sent = sent_text(r),
