@@ -5,8 +5,7 @@ use chrono::SecondsFormat;
 use serde_json::Value;
 
 use crate::config::{Config, OutboxConfig};
-use crate::message::{OutboxMessage, PayloadKind};
-use crate::otel::attempt::TRACEPARENT;
+use crate::message::{OutboxMessage, PayloadKind, TRACEPARENT};
 use crate::template::{Fields, Template};
 
 /// One outbox's settings for its messages on the wire: what the envelope needs besides the

@@ -134,7 +134,7 @@ pub trait Publisher: Send + Sync + 'static {
     async fn close(&self);
 
     /// Whether [`Publisher::publish_run`] sends a run without waiting for each answer. Tracing
-    /// ([`crate::otel`]) then hands it whole runs (every span from the run's start to its
+    /// (the `otel` module) then hands it whole runs (every span from the run's start to its
     /// end); otherwise it publishes one message at a time through [`Publisher::publish`], as
     /// the default `publish_run` does, each span from its own send to its confirm. A transport
     /// that overrides `publish_run` to pipeline says so here, or traced runs lose its pipelining.

@@ -17,22 +17,22 @@
 //! client's single command queue in order, so one sent before the loss is stored, if at all,
 //! before anything sent after it.
 //!
-//! Files: `url` (the server URL and its credentials), `wire` (subject and headers),
+//! The server URL is taken apart once, with the configuration (`crate::config::nats`).
+//!
+//! Files: `wire` (headers),
 //! `classify` (errors to outcomes), `window` (the streams' duplicate windows against the
 //! lease, checked at the first connect), `declare` (the development stream of
 //! `publisher.nats.declare_stream`, created at every connect unless it exists).
 
 mod classify;
 mod declare;
-mod url;
 mod window;
 mod wire;
 
 pub use classify::classify;
 pub use declare::{Declared, StreamDeclaration, subject_filters};
-pub use url::{Credentials, ServerUrl, redact};
-pub use window::{WindowAudit, filter_of, required_window};
-pub use wire::{check_subject, is_own};
+pub use window::{WindowAudit, required_window};
+pub use wire::is_own;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -49,6 +49,7 @@ use super::envelope::{self, EnvelopeConfig};
 use super::{ConnectError, Outcome, Publisher};
 use crate::backoff::doubled;
 use crate::config::NatsConfig;
+use crate::config::nats::{Credentials, ServerUrl, check_subject, redact};
 use crate::message::OutboxMessage;
 
 /// How long `connect` waits for a client that is reconnecting on its own before it reports
@@ -71,8 +72,6 @@ struct Live {
 /// Publishes to NATS JetStream streams.
 pub struct NatsPublisher {
     cfg: NatsConfig,
-    /// `cfg.url` taken apart (validated with the configuration).
-    server: Result<ServerUrl, String>,
     /// Publish acks the context lets wait at once: above the relay's window, so that acks
     /// abandoned on a lost connection (the client keeps them until `ack_timeout`) never make a
     /// new publish wait.
@@ -100,7 +99,6 @@ impl NatsPublisher {
     /// relay's window.
     pub fn new(cfg: NatsConfig, max_in_flight: usize) -> Self {
         Self {
-            server: ServerUrl::parse(&cfg.url),
             cfg,
             max_acks: max_in_flight.saturating_mul(4).max(5_000),
             live: RwLock::new(None),
@@ -185,10 +183,9 @@ impl NatsPublisher {
 
     /// Opens a client (no retry: a server that is down at start is the relay's to wait for).
     async fn open(&self) -> Result<Live, ConnectError> {
-        let server = self.server.clone().map_err(ConnectError)?;
+        let server = &self.cfg.server;
         let (up, lost) = (Arc::clone(&self.up), Arc::clone(&self.lost));
-        let options = server
-            .authenticate(ConnectOptions::new())
+        let options = authenticate(server, ConnectOptions::new())
             .name(crate::message::APPLICATION_NAME)
             .connection_timeout(CONNECTION_TIMEOUT.min(self.cfg.ack_timeout))
             .max_reconnects(None)
@@ -253,6 +250,17 @@ impl NatsPublisher {
     fn unavailable(&self, reason: String) -> Outcome {
         self.up.store(false, Ordering::Relaxed);
         Outcome::Unavailable(reason)
+    }
+}
+
+/// `options` with the credentials `server`'s URL carried.
+pub fn authenticate(server: &ServerUrl, options: ConnectOptions) -> ConnectOptions {
+    match &server.credentials {
+        Credentials::None => options,
+        Credentials::UserPassword(user, pass) => {
+            options.user_and_password(user.clone(), pass.clone())
+        }
+        Credentials::Token(token) => options.token(token.clone()),
     }
 }
 
@@ -434,6 +442,7 @@ mod tests {
     fn describe_hides_the_password() {
         let cfg = NatsConfig {
             url: "nats://app:hunter2@127.0.0.1:4222".into(),
+            server: ServerUrl::parse("nats://app:hunter2@127.0.0.1:4222").unwrap(),
             subject: crate::template::Template::parse("outbox.{aggregate_type}").unwrap(),
             ack_timeout: Duration::from_secs(30),
             declare_stream: None,

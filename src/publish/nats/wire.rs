@@ -23,31 +23,6 @@ pub fn is_own(name: &str) -> bool {
             .any(|own| name.eq_ignore_ascii_case(own))
 }
 
-/// Why `subject` cannot be published to, if it cannot: empty, whitespace or control
-/// characters, an empty token (`a..b`, a leading or trailing `.`), or a wildcard token.
-pub fn check_subject(subject: &str) -> Result<(), String> {
-    if subject.is_empty() {
-        return Err("it is empty".to_owned());
-    }
-    if subject.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        return Err("it contains whitespace or control characters".to_owned());
-    }
-    for token in subject.split('.') {
-        match token {
-            "" => {
-                return Err("it has an empty token (a leading, trailing or double '.')".to_owned());
-            }
-            "*" | ">" => {
-                return Err(format!(
-                    "{token:?} is a wildcard, not a subject to publish to"
-                ));
-            }
-            _ => {}
-        }
-    }
-    Ok(())
-}
-
 /// The headers of `msg` published to `subject`. An error when a name or value cannot be
 /// carried by NATS (a name with `:` or a non-printable character, a value with CR or LF): the
 /// message cannot be sent as written, so it is a message-level failure.
@@ -190,14 +165,5 @@ mod tests {
         bad_type.event_type = "created\nx".into();
         let err = headers(&bad_type, &env(false), "s").unwrap_err();
         assert!(err.contains(r#"attribute "ce-type""#), "{err}");
-    }
-
-    #[test]
-    fn subjects_are_checked_before_publishing() {
-        assert!(check_subject("outbox.order.created").is_ok());
-        assert!(check_subject("a-b_c.é").is_ok());
-        for bad in ["", "a..b", ".a", "a.", "a b", "a.*.b", "a.>", "a\tb"] {
-            assert!(check_subject(bad).is_err(), "{bad:?}");
-        }
     }
 }
