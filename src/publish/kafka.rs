@@ -45,6 +45,7 @@ use rdkafka::producer::future_producer::OwnedDeliveryResult;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 use super::envelope::{self, EnvelopeConfig};
+use super::slot::{Connection, Slot};
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::{KafkaConfig, Ordering as RelayOrdering};
 use crate::message::OutboxMessage;
@@ -61,7 +62,8 @@ struct Context {
 }
 
 impl Context {
-    /// Not replaced (a producer being created is not current yet, but not replaced either).
+    /// Not replaced: no producer was created after it (the one being created already has the
+    /// newest generation).
     fn is_current(&self) -> bool {
         self.generation >= self.current.load(Ordering::Relaxed)
     }
@@ -158,9 +160,8 @@ const ORDERED_OVERRIDES: &[&str] = &["message.timeout.ms", "delivery.timeout.ms"
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
-    producer: std::sync::RwLock<Option<Current>>,
-    /// The generation of the producer in `producer`, one more on every replacement.
-    generation: Arc<AtomicU64>,
+    /// The producer in use; its generation is one more on every replacement.
+    slot: Slot<Current>,
     up: Arc<AtomicBool>,
     /// The last client-level error any of our producers reported (see [`Context`]).
     last_error: Arc<Mutex<Option<LastError>>>,
@@ -169,7 +170,6 @@ pub struct KafkaPublisher {
     /// current one. Outcomes of a replaced producer (its purged records) never mark its
     /// successor: a late store of an old generation names a producer already gone.
     replace: AtomicU64,
-    connecting: tokio::sync::Mutex<()>,
     /// Some outbox has `ordering = "aggregate"`: runs are pipelined, librdkafka has no
     /// message timeout and the relay enforces `message_timeout` (see the module docs).
     ordered: bool,
@@ -214,10 +214,24 @@ fn batch_wide(err: &KafkaError) -> bool {
 }
 
 /// The producer in use and its generation.
-#[derive(Clone)]
 struct Current {
     producer: FutureProducer<Context>,
     generation: u64,
+}
+
+impl Connection for Current {
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// From here its outcomes are stale (see `KafkaPublisher::note`). Dropping the last
+    /// handle purges what it still holds (so it cannot deliver a handed-back record's
+    /// successors later) and waits up to 500 ms: off the async threads.
+    fn retire(self: Arc<Self>) {
+        let fatal = self.producer.client().fatal_error();
+        tracing::warn!(fatal = ?fatal, generation = self.generation, "replacing the Kafka producer");
+        drop(tokio::task::spawn_blocking(move || drop(self)));
+    }
 }
 
 /// Property names whose values must never be logged.
@@ -247,12 +261,10 @@ impl KafkaPublisher {
     pub fn new(cfg: KafkaConfig) -> Self {
         Self {
             cfg,
-            producer: std::sync::RwLock::new(None),
-            generation: Arc::new(AtomicU64::new(0)),
+            slot: Slot::new(),
             up: Arc::new(AtomicBool::new(false)),
             last_error: Arc::new(Mutex::new(None)),
             replace: AtomicU64::new(0),
-            connecting: tokio::sync::Mutex::new(()),
             ordered: false,
             solo: Mutex::new(None),
         }
@@ -321,53 +333,27 @@ impl KafkaPublisher {
         c
     }
 
-    /// Builds a new producer in place of `stale` (none yet, fatal, or marked for replacement):
-    /// from here the old one's outcomes are stale, and it is dropped off the async threads.
-    fn replace_producer(
-        &self,
-        stale: Option<Current>,
-    ) -> Result<FutureProducer<Context>, ConnectError> {
-        if let Some(stale) = &stale {
-            let fatal = stale.producer.client().fatal_error();
-            tracing::warn!(fatal = ?fatal, generation = stale.generation, "replacing the Kafka producer");
-        }
-        let generation = self.generation.load(Ordering::Relaxed) + 1;
+    /// A new producer of `generation` (it replaces the one in use, if any).
+    fn create_producer(&self, generation: u64) -> Result<Current, ConnectError> {
         let ctx = Context {
             up: Arc::clone(&self.up),
             last_error: Arc::clone(&self.last_error),
             generation,
-            current: Arc::clone(&self.generation),
+            current: Arc::clone(self.slot.generation()),
         };
-        let p: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
+        let producer: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
             .create_with_context(ctx)
             .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
-        let old = {
-            let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-            // From here the old producer's outcomes are stale (see `note`).
-            self.generation.store(generation, Ordering::Relaxed);
-            guard.replace(Current {
-                producer: p.clone(),
-                generation,
-            })
-        };
-        if let Some(old) = old {
-            // Dropping the last handle purges what it still holds (so it cannot
-            // deliver a handed-back record's successors later) and waits up to
-            // 500 ms: off the async threads.
-            drop(tokio::task::spawn_blocking(move || drop(old.producer)));
-        }
-        Ok(p)
-    }
-
-    fn producer(&self) -> Option<Current> {
-        let guard = self.producer.read().unwrap_or_else(|p| p.into_inner());
-        guard.clone()
+        Ok(Current {
+            producer,
+            generation,
+        })
     }
 
     /// Notes what an outcome of the producer of `generation` says, if that producer is still
     /// the current one.
     fn note(&self, generation: u64, said: ProducerState) {
-        if self.generation.load(Ordering::Relaxed) != generation {
+        if self.slot.generation().load(Ordering::Relaxed) != generation {
             return;
         }
         if said == ProducerState::Broken {
@@ -387,15 +373,12 @@ impl KafkaPublisher {
         env: &EnvelopeConfig,
         pinned: Option<u64>,
     ) -> Result<(DeliveryFuture, u64), Outcome> {
-        let Some(Current {
-            producer,
-            generation,
-        }) = self.producer()
-        else {
+        let Some(current) = self.slot.get() else {
             return Err(Outcome::Unavailable(
                 "Kafka producer not created yet".to_owned(),
             ));
         };
+        let (producer, generation) = (&current.producer, current.generation);
         if pinned.is_some_and(|g| g != generation) {
             return Err(Outcome::Unavailable(
                 "the Kafka producer was replaced during the run".to_owned(),
@@ -693,23 +676,22 @@ impl Publisher for KafkaPublisher {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        let _serial = self.connecting.lock().await;
+        let connecting = self.slot.connecting().await;
         if self.is_connected() {
             return Ok(());
         }
-        let producer = match self.producer() {
-            Some(Current {
-                producer,
-                generation,
-            }) if producer.client().fatal_error().is_none()
-                && self.replace.load(Ordering::Relaxed) != generation =>
-            {
-                producer
-            }
-            stale => self.replace_producer(stale)?,
+        // A fatal producer, or one marked for replacement, is replaced.
+        let usable = |current: &Current| {
+            current.producer.client().fatal_error().is_none()
+                && self.replace.load(Ordering::Relaxed) != current.generation
         };
+        let current = connecting
+            .get_or_open(usable, |generation| async move {
+                self.create_producer(generation)
+            })
+            .await?;
         // Producing is lazy; ask for metadata to learn whether any broker answers at all.
-        let probe = producer.clone();
+        let probe = current.producer.clone();
         let metadata = tokio::task::spawn_blocking(move || {
             probe
                 .client()
@@ -829,11 +811,7 @@ impl Publisher for KafkaPublisher {
     }
 
     async fn close(&self) {
-        let producer = {
-            let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-            guard.take()
-        };
-        if let Some(p) = producer {
+        if let Some(p) = self.slot.take() {
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
             let _ =
                 tokio::task::spawn_blocking(move || p.producer.flush(Duration::from_secs(1))).await;
@@ -940,7 +918,7 @@ mod tests {
     #[test]
     fn only_the_current_producers_outcomes_count() {
         let publisher = KafkaPublisher::new(config(&[]));
-        publisher.generation.store(2, Ordering::Relaxed);
+        publisher.slot.generation().store(2, Ordering::Relaxed);
         publisher.up.store(true, Ordering::Relaxed);
         // A purged record of the replaced producer (generation 1): says nothing now.
         publisher.note(1, ProducerState::Broken);
@@ -958,7 +936,7 @@ mod tests {
             up: Arc::clone(&publisher.up),
             last_error: Arc::clone(&publisher.last_error),
             generation,
-            current: Arc::clone(&publisher.generation),
+            current: Arc::clone(publisher.slot.generation()),
         };
         assert!(!context(1).is_current(), "replaced");
         assert!(context(2).is_current());

@@ -11,6 +11,7 @@ pub mod kafka;
 pub mod nats;
 pub mod rabbitmq;
 pub mod redis;
+pub mod slot;
 pub mod stdout;
 
 use std::sync::Arc;

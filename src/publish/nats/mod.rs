@@ -35,7 +35,7 @@ pub use window::{WindowAudit, required_window};
 pub use wire::is_own;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -46,6 +46,7 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use super::envelope::{self, EnvelopeConfig};
+use super::slot::{Connection, Slot};
 use super::{ConnectError, Outcome, Publisher};
 use crate::backoff::doubled;
 use crate::config::NatsConfig;
@@ -62,11 +63,18 @@ const JS_INFO: &str = "$JS.API.INFO";
 /// The longest wait to open a TCP connection and finish the NATS handshake.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A connected client and its JetStream context.
-#[derive(Clone)]
+/// A connected client and its JetStream context. The client reconnects by itself, so the
+/// first one is never replaced.
 struct Live {
+    generation: u64,
     client: Client,
     js: async_nats::jetstream::Context,
+}
+
+impl Connection for Live {
+    fn generation(&self) -> u64 {
+        self.generation
+    }
 }
 
 /// Publishes to NATS JetStream streams.
@@ -76,9 +84,7 @@ pub struct NatsPublisher {
     /// abandoned on a lost connection (the client keeps them until `ack_timeout`) never make a
     /// new publish wait.
     max_acks: usize,
-    live: RwLock<Option<Arc<Live>>>,
-    // Serialises connects so concurrent callers open one client, not many.
-    connecting: tokio::sync::Mutex<()>,
+    slot: Slot<Live>,
     /// Whether the relay may publish: cleared when the connection drops or a publish finds no
     /// answer, set again by `connect` once JetStream answers.
     up: Arc<AtomicBool>,
@@ -101,8 +107,7 @@ impl NatsPublisher {
         Self {
             cfg,
             max_acks: max_in_flight.saturating_mul(4).max(5_000),
-            live: RwLock::new(None),
-            connecting: tokio::sync::Mutex::new(()),
+            slot: Slot::new(),
             up: Arc::new(AtomicBool::new(false)),
             lost: Arc::new(watch::channel(0).0),
             audit: None,
@@ -173,16 +178,12 @@ impl NatsPublisher {
         *self.advisories.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
     }
 
-    fn live(&self) -> Option<Arc<Live>> {
-        self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
     fn shown(&self) -> String {
         redact(&self.cfg.url)
     }
 
     /// Opens a client (no retry: a server that is down at start is the relay's to wait for).
-    async fn open(&self) -> Result<Live, ConnectError> {
+    async fn open(&self, generation: u64) -> Result<Live, ConnectError> {
         let server = &self.cfg.server;
         let (up, lost) = (Arc::clone(&self.up), Arc::clone(&self.lost));
         let options = authenticate(server, ConnectOptions::new())
@@ -206,7 +207,11 @@ impl NatsPublisher {
             .max_ack_inflight(self.max_acks)
             .backpressure_on_inflight(true)
             .build(client.clone());
-        Ok(Live { client, js })
+        Ok(Live {
+            generation,
+            client,
+            js,
+        })
     }
 
     /// Asks JetStream for the account's information (`$JS.API.INFO`): proof that it runs and
@@ -312,31 +317,24 @@ impl Publisher for NatsPublisher {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        let _serial = self.connecting.lock().await;
+        let connecting = self.slot.connecting().await;
         if self.is_connected() {
             return Ok(());
         }
-        let live = match self.live() {
-            Some(live) => {
-                // The client reconnects on its own: wait for it a little.
-                let deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
-                while live.client.connection_state() != State::Connected {
-                    if tokio::time::Instant::now() >= deadline {
-                        return Err(ConnectError(format!(
-                            "NATS at {} is not reachable yet; the client keeps reconnecting",
-                            self.shown()
-                        )));
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                live
+        let live = connecting
+            .get_or_open(|_| true, |generation| self.open(generation))
+            .await?;
+        // The client reconnects on its own: wait for it a little.
+        let deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
+        while live.client.connection_state() != State::Connected {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ConnectError(format!(
+                    "NATS at {} is not reachable yet; the client keeps reconnecting",
+                    self.shown()
+                )));
             }
-            None => {
-                let live = Arc::new(self.open().await?);
-                *self.live.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&live));
-                live
-            }
-        };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         self.probe(&live).await?;
         self.declare_stream(&live).await?;
         self.audit_once(&live).await;
@@ -352,7 +350,8 @@ impl Publisher for NatsPublisher {
     fn is_connected(&self) -> bool {
         self.up.load(Ordering::Relaxed)
             && self
-                .live()
+                .slot
+                .get()
                 .is_some_and(|l| l.client.connection_state() == State::Connected)
     }
 
@@ -367,7 +366,7 @@ impl Publisher for NatsPublisher {
             Ok(h) => h,
             Err(why) => return Outcome::Rejected(why),
         };
-        let Some(live) = self.live() else {
+        let Some(live) = self.slot.get() else {
             return self.unavailable("not connected to NATS yet".to_owned());
         };
         // Subscribed before the state check: a loss after it is seen below.
@@ -404,7 +403,7 @@ impl Publisher for NatsPublisher {
     }
 
     async fn close(&self) {
-        let live = self.live.write().unwrap_or_else(|p| p.into_inner()).take();
+        let live = self.slot.take();
         self.up.store(false, Ordering::Relaxed);
         if let Some(live) = live {
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
