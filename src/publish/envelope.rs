@@ -203,7 +203,7 @@ pub fn is_signature_header(name: &str, cfg: &EnvelopeConfig) -> bool {
 }
 
 /// Warns once per process that row headers named `name` are dropped.
-fn warn_collision(msg: &OutboxMessage, name: &str) {
+pub fn warn_collision(msg: &OutboxMessage, name: &str) {
     static LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut logged = LOGGED
         .lock()

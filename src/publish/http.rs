@@ -22,6 +22,7 @@
 //! TLS, timeout), reconnecting first sends `HEAD` to the URL's origin: any HTTP answer means
 //! the endpoint answers.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,7 +33,8 @@ use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
 use reqwest::{Client, Response, StatusCode, Url};
 use tokio::time::Instant;
 
-use super::envelope::{self, EnvelopeConfig};
+use super::envelope::EnvelopeConfig;
+use super::headers::{self, Binding, Part};
 use super::stdout::structured_event;
 use super::{ConnectError, Outcome, Publisher};
 use crate::backoff::Backoff;
@@ -167,78 +169,118 @@ impl HttpPublisher {
         Ok(url)
     }
 
-    /// The request's headers and body for `msg` sent to `url`, or why it cannot be sent.
+    /// The request's headers and body for `msg` sent to `url`, or why it cannot be sent: the
+    /// row's headers that may go out, the configured static headers, then (binary mode) the
+    /// CloudEvents attributes, the content type and the signatures.
     pub fn request_parts(
         &self,
         msg: &OutboxMessage,
         env: &EnvelopeConfig,
         url: &Url,
     ) -> Result<(HeaderMap, Vec<u8>), String> {
-        let mut headers = self.row_and_static_headers(msg);
-        let body = match self.cfg.mode {
-            HttpMode::Binary => {
-                for (attr, value) in envelope::cloud_event_attributes(msg, env) {
-                    let name = attribute_header(attr)?;
-                    let value = HeaderValue::try_from(ce_header_value(&value))
-                        .map_err(|e| format!("CloudEvents attribute {attr}: {e}"))?;
+        let binary = self.cfg.mode == HttpMode::Binary;
+        let content_type = if binary {
+            env.payload_kind.content_type()
+        } else {
+            STRUCTURED_CONTENT_TYPE
+        };
+        let binding = Binding {
+            attribute_prefix: "ce-",
+            attributes: binary,
+            content_type: Some(("content-type", content_type)),
+            also_ours: &|name| self.is_reserved(name),
+            dropped: &|msg, name| {
+                self.drop_header(
+                    msg,
+                    name,
+                    "the relay sets this header itself (its value wins)",
+                );
+            },
+        };
+        let list = headers::headers(msg, env, url.as_str(), &binding);
+        let mut headers = HeaderMap::with_capacity(list.len() + self.static_headers.len() + 3);
+        let mut static_headers = Some(&self.static_headers);
+        for header in list {
+            if header.part != Part::Row
+                && let Some(fixed) = static_headers.take()
+            {
+                for (name, value) in fixed {
+                    headers.append(name, value.clone());
+                }
+            }
+            match header.part {
+                Part::Row => self.append_row_header(msg, &mut headers, &header.name, &header.value),
+                Part::Attribute => {
+                    let name = header_name(header.name)?;
+                    let value = HeaderValue::try_from(ce_header_value(&header.value))
+                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
                     headers.insert(name, value);
                 }
-                headers.insert(
-                    reqwest::header::CONTENT_TYPE,
-                    HeaderValue::from_static(env.payload_kind.content_type()),
-                );
-                msg.payload.clone()
+                Part::ContentType => {
+                    headers.insert(
+                        reqwest::header::CONTENT_TYPE,
+                        HeaderValue::from_static(content_type),
+                    );
+                }
+                Part::Signature => {
+                    let value = HeaderValue::from_str(&header.value)
+                        .map_err(|e| format!("signature header {}: {e}", header.name))?;
+                    headers.insert(HeaderName::from_static(crate::signing::HEADER), value);
+                }
             }
-            HttpMode::Structured => {
-                headers.insert(
-                    reqwest::header::CONTENT_TYPE,
-                    HeaderValue::from_static(STRUCTURED_CONTENT_TYPE),
-                );
-                structured_event(msg, env)?.into_bytes()
+        }
+        if let Some(fixed) = static_headers {
+            for (name, value) in fixed {
+                headers.append(name, value.clone());
             }
+        }
+        let body = if binary {
+            msg.payload.clone()
+        } else {
+            structured_event(msg, env)?.into_bytes()
         };
-        sign(msg, env, url, &body, &mut headers)?;
+        sign_webhook(msg, env, &body, &mut headers)?;
         Ok((headers, body))
     }
 
-    /// The row's own headers that may go out (each one left out is warned about once per
-    /// name), then the configured static headers.
-    fn row_and_static_headers(&self, msg: &OutboxMessage) -> HeaderMap {
-        let mut headers = HeaderMap::with_capacity(16 + self.static_headers.len());
-        let (row_headers, note) = envelope::row_headers(msg);
-        if let Some(note) = note {
-            tracing::warn!(id = %msg.id, "{note}");
-        }
-        for (name, value) in row_headers {
-            let Ok(parsed) = HeaderName::from_bytes(name.as_bytes()) else {
-                self.drop_header(msg, &name, "it is not a valid HTTP header name");
-                continue;
-            };
-            let reserved = RESERVED_HEADERS.contains(&parsed.as_str())
-                && !TRACE_CONTEXT_HEADERS.contains(&parsed.as_str());
-            if reserved || self.static_headers.contains_key(&parsed) {
-                self.drop_header(
-                    msg,
-                    &name,
-                    "the relay sets this header itself (its value wins)",
-                );
-                continue;
+    /// Whether a row header named `name` is left out because the relay or HTTP sets it (but
+    /// for the trace context, which the relay sends as the row or the tracer gives it), or a
+    /// static header has that name.
+    fn is_reserved(&self, name: &str) -> bool {
+        let reserved = RESERVED_HEADERS
+            .iter()
+            .any(|r| r.eq_ignore_ascii_case(name))
+            && !TRACE_CONTEXT_HEADERS
+                .iter()
+                .any(|t| t.eq_ignore_ascii_case(name));
+        reserved
+            || HeaderName::from_bytes(name.as_bytes())
+                .is_ok_and(|parsed| self.static_headers.contains_key(&parsed))
+    }
+
+    /// Appends the row header `name: value`, unless HTTP cannot carry it (then it is left out,
+    /// warned about once per name).
+    fn append_row_header(
+        &self,
+        msg: &OutboxMessage,
+        headers: &mut HeaderMap,
+        name: &str,
+        value: &str,
+    ) {
+        let Ok(parsed) = HeaderName::from_bytes(name.as_bytes()) else {
+            self.drop_header(msg, name, "it is not a valid HTTP header name");
+            return;
+        };
+        match HeaderValue::from_bytes(value.as_bytes()) {
+            Ok(v) => {
+                headers.append(parsed, v);
             }
-            match HeaderValue::from_bytes(value.as_bytes()) {
-                Ok(v) => {
-                    headers.append(parsed, v);
-                }
-                Err(_) => self.drop_header(
-                    msg,
-                    &name,
-                    "its value is not a valid HTTP header value (control characters or line breaks)",
-                ),
-            }
+            Err(_) => self.drop_header(
+                msg,
+                name,
+                "its value is not a valid HTTP header value (control characters or line breaks)",
+            ),
         }
-        for (name, value) in &self.static_headers {
-            headers.append(name, value.clone());
-        }
-        headers
     }
 
     /// Warns once per header name that a row header is left out of requests.
@@ -501,22 +543,21 @@ pub fn percent_encode(value: &str, out: &mut String) {
     }
 }
 
-/// The header carrying the CloudEvents attribute `attr` (`ce-<attr>`): the name spelled out
-/// once ([`envelope::ce_dash_header`]) for the attributes the relay sets.
-fn attribute_header(attr: &str) -> Result<HeaderName, String> {
-    match envelope::ce_dash_header(attr) {
-        Some(name) => Ok(HeaderName::from_static(name)),
-        None => HeaderName::from_bytes(format!("ce-{attr}").as_bytes())
-            .map_err(|e| format!("CloudEvents attribute {attr}: {e}")),
+/// A header name the relay sets: spelled out once when it is static.
+fn header_name(name: Cow<'static, str>) -> Result<HeaderName, String> {
+    match name {
+        Cow::Borrowed(name) => Ok(HeaderName::from_static(name)),
+        Cow::Owned(name) => {
+            HeaderName::from_bytes(name.as_bytes()).map_err(|e| format!("header {name}: {e}"))
+        }
     }
 }
 
-/// With `[signing]`, our `outbox-signature` and the Standard Webhooks headers
-/// (`webhook-id`, `webhook-timestamp`, `webhook-signature`) over `body`.
-fn sign(
+/// With `[signing]`, the Standard Webhooks headers (`webhook-id`, `webhook-timestamp`,
+/// `webhook-signature`) over `body`, beside `outbox-signature`.
+fn sign_webhook(
     msg: &OutboxMessage,
     env: &EnvelopeConfig,
-    url: &Url,
     body: &[u8],
     headers: &mut HeaderMap,
 ) -> Result<(), String> {
@@ -526,10 +567,6 @@ fn sign(
     let id = msg.id.to_string();
     let timestamp = chrono::Utc::now().timestamp();
     let pairs = [
-        (
-            crate::signing::HEADER,
-            envelope::signature(msg, env, url.as_str()).unwrap_or_default(),
-        ),
         (crate::signing::WEBHOOK_ID, id.clone()),
         (crate::signing::WEBHOOK_TIMESTAMP, timestamp.to_string()),
         (
@@ -750,16 +787,6 @@ mod tests {
     }
 
     #[test]
-    fn every_attribute_has_its_ce_header() {
-        for attr in envelope::CLOUD_EVENT_ATTRIBUTES {
-            assert_eq!(
-                attribute_header(attr).unwrap(),
-                format!("ce-{attr}").as_str()
-            );
-        }
-    }
-
-    #[test]
     fn ce_values_are_percent_encoded_as_the_binding_says() {
         assert_eq!(ce_header_value("order-42"), "order-42");
         assert_eq!(ce_header_value("a b\"c%d"), "a%20b%22c%25d");
@@ -835,7 +862,7 @@ mod tests {
         assert_eq!(body, structured_event(&m, &env).unwrap().into_bytes());
         assert_eq!(
             h[crate::signing::HEADER].to_str().unwrap(),
-            envelope::signature(&m, &env, "http://127.0.0.1/x").unwrap()
+            crate::publish::envelope::signature(&m, &env, "http://127.0.0.1/x").unwrap()
         );
         assert_eq!(h["webhook-id"], "00000000-0000-0000-0000-000000000000");
         let ts: i64 = h["webhook-timestamp"].to_str().unwrap().parse().unwrap();

@@ -45,6 +45,7 @@ use rdkafka::producer::future_producer::OwnedDeliveryResult;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 
 use super::envelope::{self, EnvelopeConfig};
+use super::headers::{self, Binding};
 use super::slot::{Connection, Slot};
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::{KafkaConfig, Ordering as RelayOrdering};
@@ -565,44 +566,30 @@ impl KafkaPublisher {
         outcome
     }
 
+    /// The record's headers per the CloudEvents Kafka binding: `ce_<attr>` headers,
+    /// `content-type` for datacontenttype.
     fn record_headers(
         &self,
         msg: &OutboxMessage,
         env: &EnvelopeConfig,
         topic: &str,
     ) -> OwnedHeaders {
-        let ours = |name: &str| {
-            envelope::is_attribute_header(name, "ce_")
-                || name.eq_ignore_ascii_case("content-type")
-                || envelope::is_signature_header(name, env)
+        let binding = Binding {
+            attribute_prefix: "ce_",
+            attributes: true,
+            content_type: Some(("content-type", env.payload_kind.content_type())),
+            also_ours: &headers::none_else,
+            dropped: &headers::warn_dropped,
         };
-        let row_headers = envelope::row_headers_beside(msg, ours);
-        let mut headers = OwnedHeaders::new_with_capacity(row_headers.len() + 8);
-        for (k, v) in &row_headers {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
+        let list = headers::headers(msg, env, topic, &binding);
+        let mut out = OwnedHeaders::new_with_capacity(list.len());
+        for header in &list {
+            out = out.insert(Header {
+                key: &header.name,
+                value: Some(header.value.as_bytes()),
             });
         }
-        // CloudEvents Kafka binding: `ce_<attr>` headers, `content-type` for datacontenttype.
-        for (name, value) in envelope::cloud_event_attributes(msg, env) {
-            let key = format!("ce_{name}");
-            headers = headers.insert(Header {
-                key: &key,
-                value: Some(value.as_bytes()),
-            });
-        }
-        headers = headers.insert(Header {
-            key: "content-type",
-            value: Some(env.payload_kind.content_type().as_bytes()),
-        });
-        match envelope::signature(msg, env, topic) {
-            Some(sig) => headers.insert(Header {
-                key: crate::signing::HEADER,
-                value: Some(sig.as_bytes()),
-            }),
-            None => headers,
-        }
+        out
     }
 }
 

@@ -6,6 +6,7 @@
 //! decides whether a broker outage can ever dead-letter a message (it cannot).
 
 pub mod envelope;
+pub mod headers;
 pub mod http;
 pub mod kafka;
 pub mod nats;
