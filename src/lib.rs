@@ -21,8 +21,8 @@
 //! - [`store`]: every SQL statement, behind one [`store::Store`]: [`store::postgres`]
 //!   (PostgreSQL, a file per concern: hot path, wake-up record, maintenance, operator
 //!   commands, connection/TLS, schema, partitions) and [`store::mysql`] (MySQL 8 and MariaDB).
-//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker
-//!   (with its own tuning).
+//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope and headers, the
+//!   connection slot, one module per broker (with its own tuning).
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
 //! - [`wakeup`]: the idle relay's waiting record, which makes inserts NOTIFY only while it waits.
 //! - [`backoff`]: reconnect delays (database, broker, LISTEN session).

@@ -1,4 +1,4 @@
-//! The publisher boundary: one small trait, one outcome type, one transport per file.
+//! The publisher boundary: one small trait, one outcome type, one module per transport.
 //!
 //! The relay loop only sees [`Publisher`] and [`Outcome`]. Each transport classifies its own
 //! errors into [`Outcome::Rejected`] (message-level: spend an attempt, back off) or
