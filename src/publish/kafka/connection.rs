@@ -249,8 +249,12 @@ mod tests {
         assert_eq!(hint(None, "sasl_ssl://b:9093/1: Disconnected"), "");
     }
 
+    /// The settings only; that an ordered producer keeps order through a record failing
+    /// mid-run is shown against the broker by
+    /// `a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_order`
+    /// (tests/dead_letters.rs).
     #[test]
-    fn the_producer_keeps_order_through_a_failed_record() {
+    fn the_producer_is_configured_for_ordered_idempotent_delivery() {
         let c = KafkaPublisher::client_config(
             &super::super::tests::config(&[("message.timeout.ms", "5")]),
             true,
