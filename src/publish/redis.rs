@@ -337,6 +337,8 @@ impl Publisher for RedisPublisher {
             })
         };
         self.slot
+            .connecting()
+            .await
             .get_or_connect(|live| live.up.load(Ordering::Relaxed), open)
             .await
             .map(drop)

@@ -60,27 +60,13 @@ impl<C: Connection> Slot<C> {
         &self.generation
     }
 
-    /// Waits for the other connects to finish; what it returns connects, one caller at a time.
+    /// Waits for the other connects to finish; what it returns connects
+    /// ([`Connecting::get_or_connect`]), one caller at a time, until it is dropped.
     pub async fn connecting(&self) -> Connecting<'_, C> {
         Connecting {
             slot: self,
             _serial: self.connecting.lock().await,
         }
-    }
-
-    /// The connection in use when `usable` says it still is; else a new one from `open`
-    /// (given its generation), in place of the old one, which is retired first (from then on,
-    /// what the old one reports is stale). Concurrent callers wait for each other, so they
-    /// open one connection between them. An error of `open` leaves the slot empty.
-    pub async fn get_or_connect<E, Fut>(
-        &self,
-        usable: impl FnOnce(&C) -> bool,
-        open: impl FnOnce(u64) -> Fut,
-    ) -> Result<Arc<C>, E>
-    where
-        Fut: Future<Output = Result<C, E>>,
-    {
-        self.connecting().await.get_or_open(usable, open).await
     }
 
     /// Forgets connection `generation` if it is still the one in use, and retires it; whether
@@ -113,8 +99,12 @@ pub struct Connecting<'a, C> {
 }
 
 impl<C: Connection> Connecting<'_, C> {
-    /// See [`Slot::get_or_connect`].
-    pub async fn get_or_open<E, Fut>(
+    /// The connection in use when `usable` says it still is; else a new one from `open`
+    /// (given its generation), in place of the old one, which is retired first (from then on,
+    /// what the old one reports is stale). Callers of [`Slot::connecting`] wait for each
+    /// other, so concurrent connects open one connection between them. An error of `open`
+    /// leaves the slot empty.
+    pub async fn get_or_connect<E, Fut>(
         &self,
         usable: impl FnOnce(&C) -> bool,
         open: impl FnOnce(u64) -> Fut,
@@ -180,6 +170,8 @@ mod tests {
         /// callers run before it ends.
         async fn connect(&self) -> Arc<Fake> {
             self.slot
+                .connecting()
+                .await
                 .get_or_connect(
                     |c| c.up.load(Ordering::Relaxed),
                     |generation| async move {
@@ -247,6 +239,8 @@ mod tests {
     async fn a_failed_open_leaves_the_slot_empty() {
         let slot: Slot<Fake> = Slot::new();
         let failed = slot
+            .connecting()
+            .await
             .get_or_connect(|_| true, |_| async { Err::<Fake, _>("refused") })
             .await;
         assert_eq!(failed.err(), Some("refused"));
@@ -254,6 +248,8 @@ mod tests {
         assert_eq!(slot.generation().load(Ordering::Relaxed), 1);
         let retired = Arc::new(AtomicUsize::new(0));
         let opened = slot
+            .connecting()
+            .await
             .get_or_connect(
                 |_| true,
                 |generation| async move {

@@ -356,7 +356,7 @@ impl Publisher for KafkaPublisher {
                 && self.replace.load(Ordering::Relaxed) != current.generation
         };
         let current = connecting
-            .get_or_open(usable, |generation| async move {
+            .get_or_connect(usable, |generation| async move {
                 self.create_producer(generation)
             })
             .await?;

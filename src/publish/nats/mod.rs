@@ -322,7 +322,7 @@ impl Publisher for NatsPublisher {
             return Ok(());
         }
         let live = connecting
-            .get_or_open(|_| true, |generation| self.open(generation))
+            .get_or_connect(|_| true, |generation| self.open(generation))
             .await?;
         // The client reconnects on its own: wait for it a little.
         let deadline = tokio::time::Instant::now() + RECONNECT_WAIT;

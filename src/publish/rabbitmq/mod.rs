@@ -143,6 +143,8 @@ impl Publisher for RabbitMqPublisher {
             Ok::<_, ConnectError>(Live::new(generation, connection, channel))
         };
         self.slot
+            .connecting()
+            .await
             .get_or_connect(|live| live.connection.status().connected(), open)
             .await
             .map(drop)
