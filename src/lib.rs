@@ -21,8 +21,8 @@
 //! - [`store`]: every SQL statement, behind one [`store::Store`]: [`store::postgres`]
 //!   (PostgreSQL, a file per concern: hot path, wake-up record, maintenance, operator
 //!   commands, connection/TLS, schema, partitions) and [`store::mysql`] (MySQL 8 and MariaDB).
-//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope, one file per broker
-//!   (with its own tuning).
+//! - [`publish`]: the [`publish::Publisher`] trait, the wire envelope and headers, the
+//!   connection slot, one module per broker (with its own tuning).
 //! - [`watermark`]: the ordering guard's bookkeeping (which `seq` values are final).
 //! - [`wakeup`]: the idle relay's waiting record, which makes inserts NOTIFY only while it waits.
 //! - [`backoff`]: reconnect delays (database, broker, LISTEN session).
@@ -287,4 +287,59 @@ async fn run_outboxes(
     }
     tasks.stop(TASKS_STOP_DEADLINE).await;
     Ok(failed)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// The `.rs` files under `dir` (relative to the crate root), with their text.
+    fn sources(dir: &str) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut stack = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join(dir)];
+        while let Some(dir) = stack.pop() {
+            for entry in std::fs::read_dir(&dir).unwrap() {
+                let path = entry.unwrap().path();
+                if path.is_dir() {
+                    stack.push(path);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap();
+                    out.push((path.display().to_string(), text));
+                }
+            }
+        }
+        assert!(!out.is_empty(), "no sources under {dir}");
+        out
+    }
+
+    /// The places under `dir` that name the module `module` (`crate::<module>`).
+    fn naming(dir: &str, module: &str) -> Vec<String> {
+        let needle = format!("crate::{module}");
+        sources(dir)
+            .into_iter()
+            .flat_map(|(file, text)| {
+                text.lines()
+                    .enumerate()
+                    .filter(|(_, line)| {
+                        line.match_indices(&needle).any(|(at, _)| {
+                            !line[at + needle.len()..]
+                                .starts_with(|c: char| c == '_' || c.is_alphanumeric())
+                        })
+                    })
+                    .map(|(n, line)| format!("{file}:{}: {}", n + 1, line.trim()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn imports_run_one_way() {
+        // The configuration is read and validated without the transports, so a transport can
+        // become optional without touching `config/`; the transports know nothing of tracing,
+        // which wraps them.
+        assert_eq!(naming("src/config", "publish"), Vec::<String>::new());
+        assert_eq!(naming("src/publish", "otel"), Vec::<String>::new());
+        // The check sees what it looks for.
+        assert!(!naming("src/otel", "publish").is_empty());
+    }
 }

@@ -10,6 +10,12 @@ use uuid::Uuid;
 /// guard ignores sessions with it), Kafka `client.id`, the AMQP connection name.
 pub const APPLICATION_NAME: &str = "outbox-relay";
 
+/// The W3C header naming the parent span: a message's [`OutboxMessage::traceparent`] is sent
+/// under it, in place of the row's.
+pub const TRACEPARENT: &str = "traceparent";
+/// The W3C header carrying vendor state (passed through as the row wrote it).
+pub const TRACESTATE: &str = "tracestate";
+
 /// Whether payloads are JSON text or arbitrary bytes (detected from the column type at start).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PayloadKind {

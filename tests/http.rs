@@ -12,7 +12,7 @@ mod common;
 mod verify;
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -87,6 +87,25 @@ fn status_of(r: &Received) -> u16 {
         .unwrap_or(200)
 }
 
+/// An endpoint that answers each request with `answer(request, n)`, `n` counting the requests
+/// so far (this one included) with the same `key(request)`.
+async fn counting(
+    key: impl Fn(&Received) -> String + Send + Sync + 'static,
+    answer: impl Fn(&Received, usize) -> Reply + Send + Sync + 'static,
+) -> Endpoint {
+    let counts: Mutex<HashMap<String, usize>> = Mutex::default();
+    Endpoint::start(move |r| {
+        let n = {
+            let mut counts = counts.lock().unwrap();
+            let n = counts.entry(key(r)).or_insert(0);
+            *n += 1;
+            *n
+        };
+        answer(r, n)
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn message_level_answers_spend_attempts_with_status_and_body_and_2xx_confirms() {
     let table = TestTable::new("http_statuses").await;
@@ -152,20 +171,15 @@ async fn message_level_answers_spend_attempts_with_status_and_body_and_2xx_confi
 async fn connection_level_answers_spend_no_attempt_and_retry_after_is_honoured() {
     let table = TestTable::new("http_unavailable").await;
     // Each aggregate names a failure; its row gets that failure twice, then a 204.
-    let counts: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    let seen = Arc::clone(&counts);
-    let endpoint = Endpoint::start(move |r| {
+    let kind = |r: &Received| r.path.rsplit('/').next().unwrap_or_default().to_owned();
+    let endpoint = counting(kind, move |r, n| {
         if r.method == "HEAD" {
             return Reply::status(200);
         }
-        let kind = r.path.rsplit('/').next().unwrap_or_default().to_owned();
-        let mut counts = seen.lock().unwrap();
-        let n = counts.entry(kind.clone()).or_insert(0);
-        *n += 1;
-        if *n > 2 {
+        if n > 2 {
             return Reply::status(204);
         }
-        match kind.as_str() {
+        match kind(r).as_str() {
             "timeout" => Reply::status(204).after(Duration::from_secs(3)),
             "cut" => Reply::CutMidBody,
             "429" => Reply::status(429)
@@ -214,14 +228,10 @@ async fn connection_level_answers_spend_no_attempt_and_retry_after_is_honoured()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_answering_5xx_and_429_never_dead_letters() {
     let table = TestTable::new("http_outage").await;
-    let n = Arc::new(Mutex::new(0usize));
-    let counter = Arc::clone(&n);
-    let endpoint = Endpoint::start(move |_| {
-        let mut n = counter.lock().unwrap();
-        *n += 1;
-        let code = [502, 503, 504, 429][*n % 4];
-        Reply::status(code).body("down for maintenance")
-    })
+    let endpoint = counting(
+        |_| String::new(),
+        |_, n| Reply::status([502, 503, 504, 429][n % 4]).body("down for maintenance"),
+    )
     .await;
     let rows = NewRow::numbered(20, "order", Some(("o", 5)), "created");
     table.insert(&rows).await;

@@ -26,9 +26,9 @@ use std::time::{Duration, Instant};
 
 use common::kafka::{TlsFront, write_unrelated_ca};
 use common::{
-    NewRow, Proxy, REDIS_ADDR, REDIS_URL, RedisStreams, RelayBuilder, RowState, TempDir, TestTable,
-    analyse, assert_none, expected_row_headers, free_port, http_get, local, not_sent_once,
-    redis_relay, scrape, spawn_steady_writer, time_problem, wait_until,
+    Analysis, NewRow, Proxy, REDIS_ADDR, REDIS_URL, RedisStreams, RelayBuilder, RelayProcess,
+    RowState, TempDir, TestTable, analyse, assert_none, expected_row_headers, free_port, http_get,
+    local, not_sent_once, redis_relay, scrape, spawn_steady_writer, time_problem, wait_until,
 };
 use redis::AsyncCommands;
 use serde_json::{Value, json};
@@ -49,6 +49,27 @@ async fn setup(test: &str) -> (TestTable, RedisStreams, RelayBuilder) {
 async fn teardown(table: TestTable, streams: RedisStreams) {
     streams.teardown().await;
     table.drop_table().await;
+}
+
+/// Checks that each of `rows` reached its stream, in order per aggregate, a duplicate at worst
+/// (`case` names the scenario), prints the figures (`<label> rows=… duplicates=… <extra>`),
+/// then stops `relay` and cleans up; the analysis, for the caller's own bounds.
+async fn finish(
+    (relay, table, streams): (RelayProcess, TestTable, RedisStreams),
+    rows: &[RowState],
+    case: &str,
+    (label, extra): (&str, String),
+) -> Analysis {
+    let analysis = streams.analyse(rows).await;
+    analysis.assert_complete(case);
+    println!(
+        "{label} rows={} duplicates={} {extra}",
+        rows.len(),
+        analysis.duplicates
+    );
+    relay.stop().await;
+    teardown(table, streams).await;
+    analysis
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -214,22 +235,15 @@ async fn order_holds_per_aggregate_with_1000_aggregates_and_wrongtype_failures_m
 
     let rows = table.rows().await;
     assert_eq!(rows.len(), 10_000);
-    // t3's arrivals: what reached the stream before it was moved, then the new stream.
+    // t3's arrivals: what reached the stream before it was moved, then the new stream; then
+    // the other aggregates' streams.
+    let mut keys = vec![moved.clone(), t3.clone()];
+    keys.extend((0..3).map(|t| streams.key(&format!("t{t}"))));
     let mut ids: Vec<String> = Vec::new();
-    for key in [moved.clone(), t3.clone()] {
+    for key in &keys {
         ids.extend(
             streams
-                .entries(&key)
-                .await
-                .iter()
-                .filter_map(|e| e.field("id")),
-        );
-    }
-    for t in 0..3 {
-        let key = streams.key(&format!("t{t}"));
-        ids.extend(
-            streams
-                .entries(&key)
+                .entries(key)
                 .await
                 .iter()
                 .filter_map(|e| e.field("id")),
@@ -375,17 +389,11 @@ async fn a_10s_outage_with_rows_flowing_loses_nothing_and_spends_no_attempt() {
         handed_back >= 1,
         "rows in flight at the cut were handed back"
     );
-    let analysis = streams.analyse(&rows).await;
     // A cut can lose the reply of an XADD that Redis executed: that row is published again (a
     // duplicate), never lost or reordered.
-    analysis.assert_complete("10 s outage");
-    println!(
-        "REDIS-OUTAGE rows={} unsent_at_heal={waiting} duplicates={} handed_back_logs={handed_back}",
-        rows.len(),
-        analysis.duplicates
-    );
-    relay.stop().await;
-    teardown(table, streams).await;
+    let figures = format!("unsent_at_heal={waiting} handed_back_logs={handed_back}");
+    let parts = (relay, table, streams);
+    finish(parts, &rows, "10 s outage", ("REDIS-OUTAGE", figures)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -437,8 +445,15 @@ async fn three_sigkills_during_a_20k_drain_lose_and_reorder_nothing() {
     }
     table.wait_all_sent(Duration::from_secs(180)).await;
     let rows = table.rows().await;
-    let analysis = streams.analyse(&rows).await;
-    analysis.assert_complete("three SIGKILLs during a 20k drain");
+    let figures = format!("kills=3 held_at_each_kill={held_at_kill:?}");
+    let case = "three SIGKILLs during a 20k drain";
+    let analysis = finish(
+        (relay, table, streams),
+        &rows,
+        case,
+        ("REDIS-SIGKILL", figures),
+    )
+    .await;
     let bound = 3 * max_in_flight;
     let why = format!("duplicates beyond max_in_flight ({max_in_flight}) per kill");
     assert!(
@@ -450,13 +465,6 @@ async fn three_sigkills_during_a_20k_drain_lose_and_reorder_nothing() {
         held_at_kill.iter().sum::<i64>() > 0,
         "no kill caught rows in flight"
     );
-    println!(
-        "REDIS-SIGKILL rows={} kills=3 duplicates={} held_at_each_kill={held_at_kill:?}",
-        rows.len(),
-        analysis.duplicates
-    );
-    relay.stop().await;
-    teardown(table, streams).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

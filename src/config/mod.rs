@@ -14,6 +14,7 @@ mod console;
 mod database;
 mod http;
 mod metrics;
+pub mod nats;
 mod outboxes;
 mod publisher;
 mod relay;
@@ -38,10 +39,11 @@ pub use http::{
     HeaderText, HttpConfig, HttpMethod, HttpMode, RESERVED_HEADERS, RawHttp, TRACE_CONTEXT_HEADERS,
 };
 pub use metrics::RawMetrics;
+pub use nats::{NatsConfig, RawNats};
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
-    CloudEventsPrefix, ExchangeType, KafkaConfig, NatsConfig, PublisherConfig, PublisherKind,
-    RabbitMqConfig, RawKafka, RawNats, RawPublisher, RawRabbitMq, RawRedis, RedisConfig,
+    CloudEventsPrefix, ExchangeType, KafkaConfig, PublisherConfig, PublisherKind, RabbitMqConfig,
+    RawKafka, RawPublisher, RawRabbitMq, RawRedis, RedisConfig,
 };
 pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
 pub use retry::RawRetry;
@@ -433,7 +435,7 @@ impl RawConfig {
                 },
             )?
         };
-        publisher::check_declared_stream(&publisher, outboxes.iter().map(|o| o.route.clone()))?;
+        nats::check_declared_stream(&publisher, outboxes.iter().map(|o| o.route.clone()))?;
         Ok(Config {
             outboxes,
             database,

@@ -212,7 +212,7 @@ fn route(
             event_type: "e",
             aggregate_id: Some("i"),
         });
-        crate::publish::nats::check_subject(&sample).map_err(|why| {
+        super::nats::check_subject(&sample).map_err(|why| {
             ConfigError::invalid(
                 key(field),
                 format!("{value:?} does not render to a NATS subject: {why}"),

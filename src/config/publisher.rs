@@ -1,12 +1,14 @@
 //! `[publisher]`: which broker, and each transport's settings (`[publisher.rabbitmq]`,
-//! `[publisher.kafka]`, `[publisher.nats]`, `[publisher.redis]`).
+//! `[publisher.kafka]`, `[publisher.redis]`; `[publisher.nats]` is in `nats.rs`,
+//! `[publisher.http]` in `http.rs`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{ConfigError, HumanDuration, positive};
+use super::nats::{RawNats, validate_nats};
+use super::{ConfigError, HumanDuration, NatsConfig, positive};
 use crate::redact::redact_url;
 use crate::template::Template;
 
@@ -156,48 +158,6 @@ pub struct RawPublisher {
     /// HTTP webhook settings.
     #[serde(default)]
     pub http: super::http::RawHttp,
-}
-
-/// `[publisher.nats]` as written.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RawNats {
-    /// Server URL, `nats://` or `tls://`, optionally with `user:password@` or `token@`
-    /// (default `nats://127.0.0.1:4222`).
-    pub url: String,
-    /// Subject template (default `outbox.{aggregate_type}.{event_type}`).
-    pub subject: String,
-    /// How long to wait for a stream's publish acknowledgement (default 30s).
-    pub ack_timeout: HumanDuration,
-    /// A JetStream stream to create (file storage, capturing the subjects the templates
-    /// render) at start and after every reconnect unless it exists, for development (default
-    /// empty: none).
-    pub declare_stream: String,
-}
-
-impl Default for RawNats {
-    fn default() -> Self {
-        Self {
-            url: "nats://127.0.0.1:4222".into(),
-            subject: "outbox.{aggregate_type}.{event_type}".into(),
-            ack_timeout: HumanDuration(Duration::from_secs(30)),
-            declare_stream: String::new(),
-        }
-    }
-}
-
-/// The validated NATS JetStream settings.
-#[derive(Debug, Clone)]
-pub struct NatsConfig {
-    /// Server URL (may hold a password or token: print it only through
-    /// [`crate::publish::nats::redact`]).
-    pub url: String,
-    /// Subject template.
-    pub subject: Template,
-    /// Publish-acknowledgement wait.
-    pub ack_timeout: Duration,
-    /// The development stream to create if it does not exist, if any.
-    pub declare_stream: Option<String>,
 }
 
 /// The validated RabbitMQ settings.
@@ -416,90 +376,6 @@ impl RawRedis {
     }
 }
 
-/// `[publisher.nats]`: a `nats://` or `tls://` URL with a host, a subject template that renders
-/// to a valid publish subject, a positive `ack_timeout`.
-fn validate_nats(n: RawNats) -> Result<NatsConfig, ConfigError> {
-    crate::publish::nats::ServerUrl::parse(&n.url)
-        .map_err(|reason| ConfigError::invalid("publisher.nats.url", reason))?;
-    let subject = Template::parse(&n.subject)
-        .map_err(|e| ConfigError::invalid("publisher.nats.subject", e.to_string()))?;
-    // Literal parts must make a subject whatever the row says (placeholders are checked per
-    // message: a row whose values break the subject is one failed row).
-    let sample = subject.render(&crate::template::Fields {
-        aggregate_type: "a",
-        event_type: "e",
-        aggregate_id: Some("i"),
-    });
-    if let Err(why) = crate::publish::nats::check_subject(&sample) {
-        return Err(ConfigError::invalid(
-            "publisher.nats.subject",
-            format!("{:?} does not render to a NATS subject: {why}", n.subject),
-        ));
-    }
-    positive("publisher.nats.ack_timeout", n.ack_timeout)?;
-    let declare_stream =
-        stream_name(&n.declare_stream).map_err(|why| ConfigError::invalid(DECLARE_STREAM, why))?;
-    Ok(NatsConfig {
-        url: n.url,
-        subject,
-        ack_timeout: n.ack_timeout.0,
-        declare_stream,
-    })
-}
-
-/// The key of the development stream.
-const DECLARE_STREAM: &str = "publisher.nats.declare_stream";
-
-/// `publisher.nats.declare_stream` as a JetStream stream name: `None` when empty; an error
-/// for what JetStream refuses in a name (whitespace, `.`, `*`, `>`, path separators, control
-/// characters, more than 255 bytes).
-fn stream_name(raw: &str) -> Result<Option<String>, String> {
-    let name = raw.trim();
-    if name.is_empty() {
-        return Ok(None);
-    }
-    if name.len() > 255 {
-        return Err("is longer than 255 bytes".to_owned());
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|&c| c.is_whitespace() || c.is_control() || ".*>/\\".contains(c))
-    {
-        return Err(format!(
-            "{name:?} is not a JetStream stream name: it contains {c:?} (no spaces, '.', '*', '>', '/' or '\\'; e.g. OUTBOX)"
-        ));
-    }
-    Ok(Some(name.to_owned()))
-}
-
-/// With `publisher.nats.declare_stream`, every subject template in use (`route` of each
-/// outbox, else the publisher's) must start with a fixed token: the stream captures the
-/// subjects under it, and a stream cannot capture every subject (`>`).
-pub(super) fn check_declared_stream(
-    publisher: &PublisherConfig,
-    routes: impl Iterator<Item = Option<Template>>,
-) -> Result<(), ConfigError> {
-    let PublisherConfig::Nats(n) = publisher else {
-        return Ok(());
-    };
-    if n.declare_stream.is_none() {
-        return Ok(());
-    }
-    for route in routes {
-        let template = route.unwrap_or_else(|| n.subject.clone());
-        if crate::publish::nats::filter_of(&template) == ">" {
-            return Err(ConfigError::invalid(
-                DECLARE_STREAM,
-                format!(
-                    "needs subject templates that start with a fixed token (e.g. \"outbox.{{aggregate_type}}\"), but {:?} starts with a placeholder: a stream cannot capture every subject",
-                    template.as_str()
-                ),
-            ));
-        }
-    }
-    Ok(())
-}
-
 /// `publisher.rabbitmq.tls_ca_file`: the PEM text of the CA file, `None` when unset. The
 /// file must hold at least one certificate, and the URL must be `amqps://`.
 fn read_rabbitmq_ca(q: &RawRabbitMq) -> Result<Option<String>, ConfigError> {
@@ -705,99 +581,6 @@ mod tests {
             &["invalid value for publisher.kafka.topic", "nope"],
             &[],
         );
-    }
-
-    #[test]
-    fn nats_defaults_and_rejections_name_their_keys() {
-        let c = load_str("[publisher]\nkind = \"nats\"\n", &[]).unwrap();
-        let PublisherConfig::Nats(n) = &c.publisher else {
-            panic!("nats")
-        };
-        assert_eq!(n.url, "nats://127.0.0.1:4222");
-        assert_eq!(n.subject.as_str(), "outbox.{aggregate_type}.{event_type}");
-        assert_eq!(n.ack_timeout, Duration::from_secs(30));
-        assert_eq!(c.publisher.kind(), "nats");
-        assert_eq!(c.publisher.route().as_str(), n.subject.as_str());
-        let nats = "[publisher]\nkind = \"nats\"\n[publisher.nats]\n";
-        rejects(
-            &format!("{nats}ack_timeout = \"0s\"\n"),
-            "invalid value for publisher.nats.ack_timeout: must be greater than zero",
-        );
-        err_has(
-            &format!("{nats}url = \"http://u:hunter2@x:4222\"\n"),
-            &["publisher.nats.url", "nats://", "u:***@x"],
-            &["hunter2"],
-        );
-        err_has(
-            &format!("{nats}url = \"nats://s3cr3t-token@\"\n"),
-            &["publisher.nats.url", "host"],
-            &["s3cr3t"],
-        );
-        err_has(
-            &format!("{nats}subject = \"outbox.{{tenant}}\"\n"),
-            &["publisher.nats.subject", "tenant"],
-            &[],
-        );
-        for bad in [
-            "outbox events.{event_type}",
-            "outbox..{event_type}",
-            "outbox.>",
-            "a.*.{event_type}",
-        ] {
-            err_has(
-                &format!("{nats}subject = \"{bad}\"\n"),
-                &["publisher.nats.subject", "NATS subject"],
-                &[],
-            );
-        }
-        // Another publisher's section is not checked.
-        load_str("[publisher.nats]\nurl = \"http://x\"\n", &[]).unwrap();
-        let env = [("PUBLISHER__NATS__SUBJECT", "env.{aggregate_type}")];
-        let c = load_str("[publisher]\nkind = \"nats\"\n", &env).unwrap();
-        assert_eq!(c.publisher.route().as_str(), "env.{aggregate_type}");
-    }
-
-    #[test]
-    fn declare_stream_is_a_stream_name_over_fixed_subjects() {
-        let nats = "[publisher]\nkind = \"nats\"\n[publisher.nats]\n";
-        let c = load_str(nats, &[]).unwrap();
-        let PublisherConfig::Nats(n) = &c.publisher else {
-            panic!("nats")
-        };
-        assert_eq!(n.declare_stream, None);
-        let env = [("PUBLISHER__NATS__DECLARE_STREAM", "OUTBOX_DEV")];
-        let c = load_str(nats, &env).unwrap();
-        let PublisherConfig::Nats(n) = &c.publisher else {
-            panic!("nats")
-        };
-        assert_eq!(n.declare_stream.as_deref(), Some("OUTBOX_DEV"));
-        for bad in ["out box", "out.box", "out*", "out>", "a/b", "a\\\\b"] {
-            err_has(
-                &format!("{nats}declare_stream = \"{bad}\"\n"),
-                &[DECLARE_STREAM, "not a JetStream stream name"],
-                &[],
-            );
-        }
-        err_has(
-            &format!("{nats}declare_stream = \"{}\"\n", "S".repeat(256)),
-            &[DECLARE_STREAM, "255"],
-            &[],
-        );
-        err_has(
-            &format!("{nats}declare_stream = \"S\"\nsubject = \"{{aggregate_type}}.x\"\n"),
-            &[DECLARE_STREAM, "fixed token", "{aggregate_type}.x"],
-            &[],
-        );
-        // An outbox's own subject is held to the same rule.
-        let outboxes = "[[outboxes]]\ntable = \"a\"\n[[outboxes]]\ntable = \"b\"\nsubject = \"{event_type}\"\n";
-        err_has(
-            &format!("{nats}declare_stream = \"S\"\n{outboxes}"),
-            &[DECLARE_STREAM, "\"{event_type}\""],
-            &[],
-        );
-        // Without the stream, such templates are fine; another publisher ignores the key.
-        load_str(&format!("{nats}subject = \"{{aggregate_type}}.x\"\n"), &[]).unwrap();
-        load_str("[publisher.nats]\ndeclare_stream = \"a.b\"\n", &[]).unwrap();
     }
 
     #[test]

@@ -22,14 +22,9 @@ use opentelemetry_sdk::propagation::TraceContextPropagator;
 use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::Tracing;
-use crate::message::OutboxMessage;
+use crate::message::{OutboxMessage, TRACEPARENT, TRACESTATE};
 use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
-
-/// The W3C header naming the parent span.
-pub const TRACEPARENT: &str = "traceparent";
-/// The W3C header carrying vendor state (passed through as the row wrote it).
-pub const TRACESTATE: &str = "tracestate";
 
 /// How many attributes a recording span starts with ([`Outbox::description`]); a failed
 /// attempt adds `error.type`.

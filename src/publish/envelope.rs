@@ -5,8 +5,7 @@ use chrono::SecondsFormat;
 use serde_json::Value;
 
 use crate::config::{Config, OutboxConfig};
-use crate::message::{OutboxMessage, PayloadKind};
-use crate::otel::attempt::TRACEPARENT;
+use crate::message::{OutboxMessage, PayloadKind, TRACEPARENT};
 use crate::template::{Fields, Template};
 
 /// One outbox's settings for its messages on the wire: what the envelope needs besides the
@@ -204,7 +203,7 @@ pub fn is_signature_header(name: &str, cfg: &EnvelopeConfig) -> bool {
 }
 
 /// Warns once per process that row headers named `name` are dropped.
-fn warn_collision(msg: &OutboxMessage, name: &str) {
+pub fn warn_collision(msg: &OutboxMessage, name: &str) {
     static LOGGED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut logged = LOGGED
         .lock()

@@ -1,4 +1,4 @@
-//! The publisher boundary: one small trait, one outcome type, one transport per file.
+//! The publisher boundary: one small trait, one outcome type, one module per transport.
 //!
 //! The relay loop only sees [`Publisher`] and [`Outcome`]. Each transport classifies its own
 //! errors into [`Outcome::Rejected`] (message-level: spend an attempt, back off) or
@@ -6,11 +6,13 @@
 //! decides whether a broker outage can ever dead-letter a message (it cannot).
 
 pub mod envelope;
+pub mod headers;
 pub mod http;
 pub mod kafka;
 pub mod nats;
 pub mod rabbitmq;
 pub mod redis;
+pub mod slot;
 pub mod stdout;
 
 use std::sync::Arc;
@@ -134,7 +136,7 @@ pub trait Publisher: Send + Sync + 'static {
     async fn close(&self);
 
     /// Whether [`Publisher::publish_run`] sends a run without waiting for each answer. Tracing
-    /// ([`crate::otel`]) then hands it whole runs (every span from the run's start to its
+    /// (the `otel` module) then hands it whole runs (every span from the run's start to its
     /// end); otherwise it publishes one message at a time through [`Publisher::publish`], as
     /// the default `publish_run` does, each span from its own send to its confirm. A transport
     /// that overrides `publish_run` to pipeline says so here, or traced runs lose its pipelining.

@@ -27,8 +27,8 @@
 //! `Disconnection` push): [`Publisher::is_connected`] turns false, `/readyz` fails and the
 //! relay stops claiming without waiting for a publish to fail.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ::redis::aio::MultiplexedConnection;
@@ -38,6 +38,7 @@ use ::redis::{
 use async_trait::async_trait;
 
 use super::envelope::{self, EnvelopeConfig};
+use super::slot::{Connection, Slot};
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::RedisConfig;
 use crate::message::OutboxMessage;
@@ -172,6 +173,17 @@ struct Live {
     max_bulk: u64,
 }
 
+impl Connection for Live {
+    fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Dropping the last handle closes it.
+    fn retire(self: Arc<Self>) {
+        self.up.store(false, Ordering::Relaxed);
+    }
+}
+
 /// Redis's default `proto-max-bulk-len` (512 MB), assumed when `CONFIG GET` is not allowed.
 const DEFAULT_MAX_BULK: u64 = 512 * 1024 * 1024;
 
@@ -215,10 +227,7 @@ fn max_bulk_of(reply: &::redis::Value) -> Option<u64> {
 /// Publishes to Redis Streams with `XADD`.
 pub struct RedisPublisher {
     cfg: RedisConfig,
-    state: RwLock<Option<Arc<Live>>>,
-    generations: AtomicU64,
-    /// Serialises reconnects so concurrent failures open one connection, not many.
-    connecting: tokio::sync::Mutex<()>,
+    slot: Slot<Live>,
     /// A server-state reply seen since the last connect: the next connect fails with it once
     /// (see the module docs).
     hold_off: Mutex<Option<String>>,
@@ -229,25 +238,8 @@ impl RedisPublisher {
     pub fn new(cfg: RedisConfig) -> Self {
         Self {
             cfg,
-            state: RwLock::new(None),
-            generations: AtomicU64::new(0),
-            connecting: tokio::sync::Mutex::new(()),
+            slot: Slot::new(),
             hold_off: Mutex::new(None),
-        }
-    }
-
-    fn live(&self) -> Option<Arc<Live>> {
-        let guard = self.state.read().unwrap_or_else(|p| p.into_inner());
-        guard.clone()
-    }
-
-    /// Forgets connection `generation` (if it is still the current one); dropping the last
-    /// handle closes it.
-    fn mark_down(&self, generation: u64) {
-        let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(live) = guard.as_ref().filter(|l| l.generation == generation) {
-            live.up.store(false, Ordering::Relaxed);
-            *guard = None;
         }
     }
 
@@ -323,42 +315,43 @@ impl Publisher for RedisPublisher {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        let _serial = self.connecting.lock().await;
-        if self.is_connected() {
-            return Ok(());
-        }
-        if let Some(old) = self.live() {
-            self.mark_down(old.generation);
-        }
-        let held = self
-            .hold_off
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some(why) = held {
-            return Err(ConnectError(format!(
-                "Redis at {} refused a write: {why}",
-                redact_url(&self.cfg.url)
-            )));
-        }
-        let up = Arc::new(AtomicBool::new(true));
-        let (connection, max_bulk) = self.open(&up).await?;
-        let live = Live {
-            generation: self.generations.fetch_add(1, Ordering::Relaxed) + 1,
-            connection,
-            up,
-            max_bulk,
+        let open = |generation| async move {
+            let held = self
+                .hold_off
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take();
+            if let Some(why) = held {
+                return Err(ConnectError(format!(
+                    "Redis at {} refused a write: {why}",
+                    redact_url(&self.cfg.url)
+                )));
+            }
+            let up = Arc::new(AtomicBool::new(true));
+            let (connection, max_bulk) = self.open(&up).await?;
+            Ok(Live {
+                generation,
+                connection,
+                up,
+                max_bulk,
+            })
         };
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(live));
-        Ok(())
+        self.slot
+            .connecting()
+            .await
+            .get_or_connect(|live| live.up.load(Ordering::Relaxed), open)
+            .await
+            .map(drop)
     }
 
     fn is_connected(&self) -> bool {
-        self.live().is_some_and(|l| l.up.load(Ordering::Relaxed))
+        self.slot
+            .get()
+            .is_some_and(|l| l.up.load(Ordering::Relaxed))
     }
 
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
-        let Some(live) = self.live().filter(|l| l.up.load(Ordering::Relaxed)) else {
+        let Some(live) = self.slot.get().filter(|l| l.up.load(Ordering::Relaxed)) else {
             return Outcome::Unavailable("not connected to Redis".to_owned());
         };
         let cmd = xadd(msg, env, self.cfg.max_len);
@@ -375,9 +368,11 @@ impl Publisher for RedisPublisher {
                     Failure::ServerState(why) => {
                         *self.hold_off.lock().unwrap_or_else(|p| p.into_inner()) =
                             Some(why.clone());
-                        self.mark_down(live.generation);
+                        self.slot.mark_down(live.generation);
                     }
-                    Failure::Connection(_) => self.mark_down(live.generation),
+                    Failure::Connection(_) => {
+                        self.slot.mark_down(live.generation);
+                    }
                 }
                 failure.outcome()
             }
@@ -385,8 +380,7 @@ impl Publisher for RedisPublisher {
     }
 
     async fn close(&self) {
-        let live = self.state.write().unwrap_or_else(|p| p.into_inner()).take();
-        drop(live);
+        drop(self.slot.take());
     }
 }
 

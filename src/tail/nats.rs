@@ -8,7 +8,8 @@ use futures::stream::select_all;
 use tokio_util::sync::CancellationToken;
 
 use super::{Shown, TailError, describe};
-use crate::publish::nats::{ServerUrl, redact};
+use crate::config::nats::{ServerUrl, redact};
+use crate::publish::nats::authenticate;
 
 /// The longest wait to connect and to have the subscriptions confirmed.
 const WAIT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -52,8 +53,7 @@ pub async fn tail_nats(
         reason,
     };
     let server = ServerUrl::parse(url).map_err(&connect)?;
-    let client = server
-        .authenticate(ConnectOptions::new())
+    let client = authenticate(&server, ConnectOptions::new())
         .name("outbox-relay tail")
         .connection_timeout(WAIT)
         .connect(server.address.as_str())

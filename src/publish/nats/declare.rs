@@ -10,7 +10,8 @@ use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
 use async_nats::jetstream::stream::{Config, StorageType};
 
-use super::window::{filter_of, required_window};
+use super::window::required_window;
+use crate::config::nats::filter_of;
 use crate::template::Template;
 
 /// The stream's duplicate window when the lease asks for less: JetStream's default.

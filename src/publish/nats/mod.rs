@@ -17,25 +17,25 @@
 //! client's single command queue in order, so one sent before the loss is stored, if at all,
 //! before anything sent after it.
 //!
-//! Files: `url` (the server URL and its credentials), `wire` (subject and headers),
+//! The server URL is taken apart once, with the configuration (`crate::config::nats`).
+//!
+//! Files: `wire` (headers),
 //! `classify` (errors to outcomes), `window` (the streams' duplicate windows against the
 //! lease, checked at the first connect), `declare` (the development stream of
 //! `publisher.nats.declare_stream`, created at every connect unless it exists).
 
 mod classify;
 mod declare;
-mod url;
 mod window;
 mod wire;
 
 pub use classify::classify;
 pub use declare::{Declared, StreamDeclaration, subject_filters};
-pub use url::{Credentials, ServerUrl, redact};
-pub use window::{WindowAudit, filter_of, required_window};
-pub use wire::{check_subject, is_own};
+pub use window::{WindowAudit, required_window};
+pub use wire::is_own;
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_nats::connection::State;
@@ -46,9 +46,11 @@ use async_trait::async_trait;
 use tokio::sync::watch;
 
 use super::envelope::{self, EnvelopeConfig};
+use super::slot::{Connection, Slot};
 use super::{ConnectError, Outcome, Publisher};
 use crate::backoff::doubled;
 use crate::config::NatsConfig;
+use crate::config::nats::{Credentials, ServerUrl, check_subject, redact};
 use crate::message::OutboxMessage;
 
 /// How long `connect` waits for a client that is reconnecting on its own before it reports
@@ -61,25 +63,28 @@ const JS_INFO: &str = "$JS.API.INFO";
 /// The longest wait to open a TCP connection and finish the NATS handshake.
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// A connected client and its JetStream context.
-#[derive(Clone)]
+/// A connected client and its JetStream context. The client reconnects by itself, so the
+/// first one is never replaced.
 struct Live {
+    generation: u64,
     client: Client,
     js: async_nats::jetstream::Context,
+}
+
+impl Connection for Live {
+    fn generation(&self) -> u64 {
+        self.generation
+    }
 }
 
 /// Publishes to NATS JetStream streams.
 pub struct NatsPublisher {
     cfg: NatsConfig,
-    /// `cfg.url` taken apart (validated with the configuration).
-    server: Result<ServerUrl, String>,
     /// Publish acks the context lets wait at once: above the relay's window, so that acks
     /// abandoned on a lost connection (the client keeps them until `ack_timeout`) never make a
     /// new publish wait.
     max_acks: usize,
-    live: RwLock<Option<Arc<Live>>>,
-    // Serialises connects so concurrent callers open one client, not many.
-    connecting: tokio::sync::Mutex<()>,
+    slot: Slot<Live>,
     /// Whether the relay may publish: cleared when the connection drops or a publish finds no
     /// answer, set again by `connect` once JetStream answers.
     up: Arc<AtomicBool>,
@@ -100,11 +105,9 @@ impl NatsPublisher {
     /// relay's window.
     pub fn new(cfg: NatsConfig, max_in_flight: usize) -> Self {
         Self {
-            server: ServerUrl::parse(&cfg.url),
             cfg,
             max_acks: max_in_flight.saturating_mul(4).max(5_000),
-            live: RwLock::new(None),
-            connecting: tokio::sync::Mutex::new(()),
+            slot: Slot::new(),
             up: Arc::new(AtomicBool::new(false)),
             lost: Arc::new(watch::channel(0).0),
             audit: None,
@@ -175,20 +178,15 @@ impl NatsPublisher {
         *self.advisories.lock().unwrap_or_else(|p| p.into_inner()) = Some(found);
     }
 
-    fn live(&self) -> Option<Arc<Live>> {
-        self.live.read().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
     fn shown(&self) -> String {
         redact(&self.cfg.url)
     }
 
     /// Opens a client (no retry: a server that is down at start is the relay's to wait for).
-    async fn open(&self) -> Result<Live, ConnectError> {
-        let server = self.server.clone().map_err(ConnectError)?;
+    async fn open(&self, generation: u64) -> Result<Live, ConnectError> {
+        let server = &self.cfg.server;
         let (up, lost) = (Arc::clone(&self.up), Arc::clone(&self.lost));
-        let options = server
-            .authenticate(ConnectOptions::new())
+        let options = authenticate(server, ConnectOptions::new())
             .name(crate::message::APPLICATION_NAME)
             .connection_timeout(CONNECTION_TIMEOUT.min(self.cfg.ack_timeout))
             .max_reconnects(None)
@@ -209,7 +207,11 @@ impl NatsPublisher {
             .max_ack_inflight(self.max_acks)
             .backpressure_on_inflight(true)
             .build(client.clone());
-        Ok(Live { client, js })
+        Ok(Live {
+            generation,
+            client,
+            js,
+        })
     }
 
     /// Asks JetStream for the account's information (`$JS.API.INFO`): proof that it runs and
@@ -253,6 +255,17 @@ impl NatsPublisher {
     fn unavailable(&self, reason: String) -> Outcome {
         self.up.store(false, Ordering::Relaxed);
         Outcome::Unavailable(reason)
+    }
+}
+
+/// `options` with the credentials `server`'s URL carried.
+pub fn authenticate(server: &ServerUrl, options: ConnectOptions) -> ConnectOptions {
+    match &server.credentials {
+        Credentials::None => options,
+        Credentials::UserPassword(user, pass) => {
+            options.user_and_password(user.clone(), pass.clone())
+        }
+        Credentials::Token(token) => options.token(token.clone()),
     }
 }
 
@@ -304,31 +317,24 @@ impl Publisher for NatsPublisher {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        let _serial = self.connecting.lock().await;
+        let connecting = self.slot.connecting().await;
         if self.is_connected() {
             return Ok(());
         }
-        let live = match self.live() {
-            Some(live) => {
-                // The client reconnects on its own: wait for it a little.
-                let deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
-                while live.client.connection_state() != State::Connected {
-                    if tokio::time::Instant::now() >= deadline {
-                        return Err(ConnectError(format!(
-                            "NATS at {} is not reachable yet; the client keeps reconnecting",
-                            self.shown()
-                        )));
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                live
+        let live = connecting
+            .get_or_connect(|_| true, |generation| self.open(generation))
+            .await?;
+        // The client reconnects on its own: wait for it a little.
+        let deadline = tokio::time::Instant::now() + RECONNECT_WAIT;
+        while live.client.connection_state() != State::Connected {
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ConnectError(format!(
+                    "NATS at {} is not reachable yet; the client keeps reconnecting",
+                    self.shown()
+                )));
             }
-            None => {
-                let live = Arc::new(self.open().await?);
-                *self.live.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(&live));
-                live
-            }
-        };
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         self.probe(&live).await?;
         self.declare_stream(&live).await?;
         self.audit_once(&live).await;
@@ -344,7 +350,8 @@ impl Publisher for NatsPublisher {
     fn is_connected(&self) -> bool {
         self.up.load(Ordering::Relaxed)
             && self
-                .live()
+                .slot
+                .get()
                 .is_some_and(|l| l.client.connection_state() == State::Connected)
     }
 
@@ -359,7 +366,7 @@ impl Publisher for NatsPublisher {
             Ok(h) => h,
             Err(why) => return Outcome::Rejected(why),
         };
-        let Some(live) = self.live() else {
+        let Some(live) = self.slot.get() else {
             return self.unavailable("not connected to NATS yet".to_owned());
         };
         // Subscribed before the state check: a loss after it is seen below.
@@ -396,7 +403,7 @@ impl Publisher for NatsPublisher {
     }
 
     async fn close(&self) {
-        let live = self.live.write().unwrap_or_else(|p| p.into_inner()).take();
+        let live = self.slot.take();
         self.up.store(false, Ordering::Relaxed);
         if let Some(live) = live {
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
@@ -434,6 +441,7 @@ mod tests {
     fn describe_hides_the_password() {
         let cfg = NatsConfig {
             url: "nats://app:hunter2@127.0.0.1:4222".into(),
+            server: ServerUrl::parse("nats://app:hunter2@127.0.0.1:4222").unwrap(),
             subject: crate::template::Template::parse("outbox.{aggregate_type}").unwrap(),
             ack_timeout: Duration::from_secs(30),
             declare_stream: None,

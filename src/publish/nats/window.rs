@@ -12,25 +12,12 @@ use std::time::Duration;
 
 use async_nats::jetstream::Context;
 
+use crate::config::nats::filter_of;
 use crate::template::Template;
 
 /// The shortest duplicate window the relay accepts without a warning for `lease`.
 pub fn required_window(lease: Duration) -> Duration {
     lease.saturating_mul(2)
-}
-
-/// The subject filter every subject `template` renders falls under: its leading whole tokens
-/// without a placeholder, then `>` (a placeholder's value may hold dots); the template itself
-/// when it has no placeholder.
-pub fn filter_of(template: &Template) -> String {
-    let prefix = template.literal_prefix();
-    if prefix == template.as_str() {
-        return prefix.to_owned();
-    }
-    match prefix.rfind('.') {
-        Some(dot) => format!("{}.>", &prefix[..dot]),
-        None => ">".to_owned(),
-    }
 }
 
 /// What the relay needs from the streams it publishes to.
@@ -116,18 +103,6 @@ async fn stream_names(js: &Context, filter: &str) -> Option<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn filter(t: &str) -> String {
-        filter_of(&Template::parse(t).unwrap())
-    }
-
-    #[test]
-    fn filters_keep_the_whole_tokens_before_the_first_placeholder() {
-        assert_eq!(filter("outbox.{aggregate_type}.{event_type}"), "outbox.>");
-        assert_eq!(filter("a.b.x{event_type}"), "a.b.>");
-        assert_eq!(filter("{aggregate_type}.created"), ">");
-        assert_eq!(filter("orders.created"), "orders.created");
-    }
 
     #[test]
     fn the_warning_names_both_values_and_what_to_set() {

@@ -231,7 +231,7 @@ impl RabbitMqPublisher {
         match settled {
             Settled::Outcome(outcome) => OnChannels::Done(outcome),
             Settled::ConnectionLost(reason) => {
-                self.mark_down(live.generation);
+                self.slot.mark_down(live.generation);
                 OnChannels::Done(Outcome::Unavailable(format!("connection lost: {reason}")))
             }
             Settled::ChannelClosed(reason) => OnChannels::Closed(reason),

@@ -2,6 +2,7 @@
 //! development queue, the live connection with its channels, opening a confirm-mode channel on
 //! it, and giving it up when it fails.
 
+use std::sync::Arc;
 use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
@@ -182,32 +183,27 @@ fn exchange_kind(exchange_type: ExchangeType) -> ExchangeKind {
     }
 }
 
-impl RabbitMqPublisher {
-    /// Forgets connection `generation` after a failure (if it is still the current one) and
-    /// closes it in the background, so a slow but live broker is not left with a stray
-    /// connection.
-    pub(super) fn mark_down(&self, generation: u64) {
-        let old = {
-            let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-            if guard.as_ref().is_some_and(|l| l.generation == generation) {
-                guard.take()
-            } else {
-                None
-            }
-        };
-        if let Some(live) = old {
-            live.gone.cancel();
-            tokio::spawn(async move {
-                let _ = tokio::time::timeout(
-                    Duration::from_secs(5),
-                    live.connection
-                        .close(320, ShortString::from("outbox-relay reconnecting")),
-                )
-                .await;
-            });
-        }
+impl crate::publish::slot::Connection for Live {
+    fn generation(&self) -> u64 {
+        self.generation
     }
 
+    /// Closes it in the background, so a slow but live broker is not left with a stray
+    /// connection; its settlers hand back what they hold.
+    fn retire(self: Arc<Self>) {
+        self.gone.cancel();
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(5),
+                self.connection
+                    .close(320, ShortString::from("outbox-relay reconnecting")),
+            )
+            .await;
+        });
+    }
+}
+
+impl RabbitMqPublisher {
     /// A channel failed under a publish. If the connection is gone, that is connection-level
     /// (hand back, reconnect); if only the channel was closed by the broker, this message
     /// caused it (e.g. larger than the broker accepts), so it is message-level. Only for a
@@ -216,7 +212,7 @@ impl RabbitMqPublisher {
         if live.connection.status().connected() {
             Outcome::Rejected(format!("the broker closed the channel: {reason}"))
         } else {
-            self.mark_down(live.generation);
+            self.slot.mark_down(live.generation);
             Outcome::Unavailable(format!("connection lost: {reason}"))
         }
     }
@@ -232,7 +228,7 @@ impl RabbitMqPublisher {
             Ok(Ok(ch)) => Ok(ch),
             Ok(Err(e)) => Err(self.channel_failure(live, &format!("cannot open a channel: {e}"))),
             Err(_) => {
-                self.mark_down(live.generation);
+                self.slot.mark_down(live.generation);
                 Err(Outcome::Unavailable(format!(
                     "no answer to opening a channel within {}",
                     humantime::format_duration(self.cfg.confirm_timeout)

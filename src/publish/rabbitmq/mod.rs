@@ -48,8 +48,7 @@ mod wire;
 pub use classify::classify_confirmation;
 pub(crate) use connection::declare_queue;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -60,6 +59,7 @@ use self::channels::OnChannels;
 use self::connection::Live;
 use self::isolation::Culprits;
 use super::envelope::{self, EnvelopeConfig};
+use super::slot::Slot;
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::RabbitMqConfig;
 use crate::message::OutboxMessage;
@@ -76,10 +76,7 @@ pub const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// Publishes to a RabbitMQ exchange with publisher confirms.
 pub struct RabbitMqPublisher {
     cfg: RabbitMqConfig,
-    state: RwLock<Option<Arc<Live>>>,
-    generations: AtomicU64,
-    // Serialises reconnects so concurrent failures open one connection, not many.
-    connecting: tokio::sync::Mutex<()>,
+    slot: Slot<Live>,
     culprits: Mutex<Culprits>,
 }
 
@@ -88,20 +85,13 @@ impl RabbitMqPublisher {
     pub fn new(cfg: RabbitMqConfig) -> Self {
         Self {
             cfg,
-            state: RwLock::new(None),
-            generations: AtomicU64::new(0),
-            connecting: tokio::sync::Mutex::new(()),
+            slot: Slot::new(),
             culprits: Mutex::new(Culprits::default()),
         }
     }
 
     fn culprits(&self) -> std::sync::MutexGuard<'_, Culprits> {
         self.culprits.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn live(&self) -> Option<Arc<Live>> {
-        let guard = self.state.read().unwrap_or_else(|p| p.into_inner());
-        guard.clone()
     }
 
     /// No answer within `confirm_timeout`.
@@ -147,29 +137,27 @@ impl Publisher for RabbitMqPublisher {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        let _serial = self.connecting.lock().await;
-        if self.is_connected() {
-            return Ok(());
-        }
-        if let Some(old) = self.live() {
-            self.mark_down(old.generation);
-        }
-        let (connection, channel) = connection::open(&self.cfg).await?;
-        connection::declare(&channel, &self.cfg).await?;
-        let generation = self.generations.fetch_add(1, Ordering::Relaxed) + 1;
-        let live = Live::new(generation, connection, channel);
-        let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-        *guard = Some(Arc::new(live));
-        Ok(())
+        let open = |generation| async move {
+            let (connection, channel) = connection::open(&self.cfg).await?;
+            connection::declare(&channel, &self.cfg).await?;
+            Ok::<_, ConnectError>(Live::new(generation, connection, channel))
+        };
+        self.slot
+            .connecting()
+            .await
+            .get_or_connect(|live| live.connection.status().connected(), open)
+            .await
+            .map(drop)
     }
 
     fn is_connected(&self) -> bool {
-        self.live()
+        self.slot
+            .get()
             .is_some_and(|l| l.connection.status().connected())
     }
 
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
-        let Some(live) = self.live() else {
+        let Some(live) = self.slot.get() else {
             return Outcome::Unavailable("not connected to RabbitMQ".to_owned());
         };
         let routing_key = envelope::destination(msg, &env.route);
@@ -201,7 +189,7 @@ impl Publisher for RabbitMqPublisher {
             OnChannels::Done(outcome) => return outcome,
             OnChannels::TimedOut => {
                 // No answer at all: the connection is dead rather than the message bad.
-                self.mark_down(live.generation);
+                self.slot.mark_down(live.generation);
                 return self.no_confirm();
             }
             OnChannels::Closed(reason) => reason,
@@ -233,11 +221,7 @@ impl Publisher for RabbitMqPublisher {
     }
 
     async fn close(&self) {
-        let live = {
-            let mut guard = self.state.write().unwrap_or_else(|p| p.into_inner());
-            guard.take()
-        };
-        if let Some(live) = live {
+        if let Some(live) = self.slot.take() {
             live.gone.cancel();
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
             let _ = tokio::time::timeout(

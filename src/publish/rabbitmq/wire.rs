@@ -9,6 +9,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use super::RabbitMqPublisher;
 use crate::message::OutboxMessage;
 use crate::publish::envelope::{self, EnvelopeConfig};
+use crate::publish::headers::{self, Binding, Part};
 
 impl RabbitMqPublisher {
     /// Builds the AMQP properties, or says why this message cannot be expressed in AMQP.
@@ -18,29 +19,27 @@ impl RabbitMqPublisher {
         env: &EnvelopeConfig,
         route: &str,
     ) -> Result<BasicProperties, String> {
-        let mut headers = FieldTable::default();
         // CloudEvents binary mode: attributes as `<prefix><name>` headers (`cloudEvents:` is the
-        // AMQP binding; `publisher.rabbitmq.cloudevents_prefix` picks the consumers' convention).
-        let prefix = self.cfg.cloudevents_prefix.as_str();
-        let ours = |name: &str| {
-            envelope::is_attribute_header(name, prefix) || envelope::is_signature_header(name, env)
+        // AMQP binding; `publisher.rabbitmq.cloudevents_prefix` picks the consumers' convention);
+        // the content type is a property.
+        let binding = Binding {
+            attribute_prefix: self.cfg.cloudevents_prefix.as_str(),
+            attributes: true,
+            content_type: None,
+            also_ours: &headers::none_else,
+            dropped: &headers::warn_dropped,
         };
-        for (k, v) in envelope::row_headers_beside(msg, ours) {
-            let key = ShortString::try_new(k.clone())
-                .map_err(|_| format!("header name {k:.40}… is longer than 255 bytes"))?;
-            headers.insert(key, AMQPValue::LongString(LongString::from(v)));
-        }
-        for (name, value) in envelope::cloud_event_attributes(msg, env) {
-            headers.insert(
-                ShortString::from(format!("{prefix}{name}")),
-                AMQPValue::LongString(LongString::from(value)),
-            );
-        }
-        if let Some(sig) = envelope::signature(msg, env, route) {
-            headers.insert(
-                ShortString::from(crate::signing::HEADER),
-                AMQPValue::LongString(LongString::from(sig)),
-            );
+        let mut table = FieldTable::default();
+        for header in headers::headers(msg, env, route, &binding) {
+            let name = match header.part {
+                Part::Row => {
+                    let k = header.name;
+                    ShortString::try_new(k.as_ref())
+                        .map_err(|_| format!("header name {k:.40}… is longer than 255 bytes"))?
+                }
+                _ => ShortString::from(header.name.into_owned()),
+            };
+            table.insert(name, AMQPValue::LongString(LongString::from(header.value)));
         }
         let kind = ShortString::try_new(msg.event_type.clone())
             .map_err(|_| "event_type is longer than 255 bytes (AMQP type property)".to_owned())?;
@@ -51,7 +50,7 @@ impl RabbitMqPublisher {
             .with_timestamp(timestamp)
             .with_content_type(ShortString::from(env.payload_kind.content_type()))
             .with_delivery_mode(2)
-            .with_headers(headers);
+            .with_headers(table);
         // A row with a deadline: the broker drops it too once the deadline passes in a queue.
         Ok(
             match envelope::expiration_ms(msg.expires_at, chrono::Utc::now()) {

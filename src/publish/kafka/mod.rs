@@ -30,6 +30,17 @@
 //! the timeouts of records it held, the fatal error its purge raises) is handed back like any
 //! connection-level outcome but says nothing about its successor: it never marks the broker
 //! down nor the new producer for replacement (else each replacement would purge the next).
+//!
+//! Files: `connection` (the librdkafka configuration, the client context, the producer in use
+//! and the solo producer), `wire` (the record: topic, key, headers), `classify` (delivery
+//! errors to outcomes).
+
+mod classify;
+mod connection;
+mod wire;
+
+pub use classify::classify_error;
+pub use wire::valid_topic;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -37,116 +48,17 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use futures::channel::oneshot::Canceled;
-use rdkafka::ClientContext;
-use rdkafka::config::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::future_producer::OwnedDeliveryResult;
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, Producer};
 
+use self::classify::{ProducerState, Reported, batch_wide};
+use self::connection::{Context, Current, LastError, is_secret};
 use super::envelope::{self, EnvelopeConfig};
+use super::slot::Slot;
 use super::{ConnectError, Outcome, Publisher};
 use crate::config::{KafkaConfig, Ordering as RelayOrdering};
 use crate::message::OutboxMessage;
-
-/// Routes librdkafka's errors and logs to tracing, tracks broker reachability and keeps the
-/// last client-level error, which says *why* a broker cannot be used (TLS, SASL, network).
-struct Context {
-    up: Arc<AtomicBool>,
-    last_error: Arc<Mutex<Option<LastError>>>,
-    /// This producer's generation, and the publisher's current one: a replaced producer's
-    /// errors (its purge raises a fatal gapless error) say nothing about the broker now.
-    generation: u64,
-    current: Arc<AtomicU64>,
-}
-
-impl Context {
-    /// Not replaced (a producer being created is not current yet, but not replaced either).
-    fn is_current(&self) -> bool {
-        self.generation >= self.current.load(Ordering::Relaxed)
-    }
-}
-
-/// A client-level error as reported, and when it was last logged at `warn`.
-struct LastError {
-    text: String,
-    logged: Instant,
-}
-
-/// The same client error is logged at `warn` at most this often (librdkafka repeats it on
-/// every reconnect attempt).
-const REPEAT_WARN_EVERY: Duration = Duration::from_secs(30);
-
-impl ClientContext for Context {
-    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
-        use rdkafka::config::RDKafkaLogLevel as L;
-        if !self.is_current() {
-            tracing::debug!(target: "rdkafka", facility = fac, "replaced producer: {message}");
-            return;
-        }
-        match level {
-            // A connection failure (`FAIL`) is also raised as an error event: logged there.
-            L::Emerg | L::Alert | L::Critical | L::Error if fac != "FAIL" => {
-                tracing::error!(target: "rdkafka", facility = fac, "{message}")
-            }
-            L::Warning => tracing::warn!(target: "rdkafka", facility = fac, "{message}"),
-            _ => tracing::debug!(target: "rdkafka", facility = fac, "{message}"),
-        }
-    }
-
-    fn error(&self, error: KafkaError, reason: &str) {
-        if !self.is_current() {
-            tracing::debug!(target: "rdkafka", error = %error, "replaced producer: {reason}");
-            return;
-        }
-        let code = error.rdkafka_error_code();
-        if matches!(
-            code,
-            Some(
-                RDKafkaErrorCode::AllBrokersDown
-                    | RDKafkaErrorCode::Fatal
-                    | RDKafkaErrorCode::Authentication
-                    | RDKafkaErrorCode::SSL
-            )
-        ) {
-            self.up.store(false, Ordering::Relaxed);
-        }
-        if code == Some(RDKafkaErrorCode::AllBrokersDown) {
-            // "N/M brokers are down" follows the error that brought them down, logged below.
-            tracing::debug!(target: "rdkafka", error = %error, "{reason}");
-            return;
-        }
-        // "<broker>: <what> (after 3ms in state X)": the suffix changes on every repeat.
-        let what = reason.split(" (after ").next().unwrap_or(reason);
-        let text = format!("{what}{}", hint(code, what));
-        let mut last = self.last_error.lock().unwrap_or_else(|p| p.into_inner());
-        match last.as_mut() {
-            Some(l) if l.text == text && l.logged.elapsed() < REPEAT_WARN_EVERY => {
-                tracing::debug!(target: "rdkafka", error = %error, "{text}");
-            }
-            _ => {
-                tracing::warn!(target: "rdkafka", error = %error, "{text}");
-                *last = Some(LastError {
-                    text,
-                    logged: Instant::now(),
-                });
-            }
-        }
-    }
-}
-
-/// What to look at for a client-level error whose cause is usually the configuration.
-fn hint(code: Option<RDKafkaErrorCode>, reason: &str) -> &'static str {
-    // Skip the "sasl_ssl://host:port/id: " prefix: the protocol name is not the problem.
-    let what = reason.split_once(": ").map_or(reason, |(_, w)| w);
-    if code == Some(RDKafkaErrorCode::SSL) || what.contains("SSL") || what.contains("certificate") {
-        " (TLS failed: check security.protocol and ssl.ca.location, or the broker's certificate)"
-    } else if code == Some(RDKafkaErrorCode::Authentication) || what.contains("SASL") {
-        " (SASL failed: check security.protocol, sasl.mechanism, sasl.username and sasl.password)"
-    } else {
-        ""
-    }
-}
 
 /// librdkafka `linger.ms` with `relay.ordering = "aggregate"`, unless the properties set it.
 pub const ORDERED_LINGER_MS: &str = "1";
@@ -158,9 +70,8 @@ const ORDERED_OVERRIDES: &[&str] = &["message.timeout.ms", "delivery.timeout.ms"
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
-    producer: std::sync::RwLock<Option<Current>>,
-    /// The generation of the producer in `producer`, one more on every replacement.
-    generation: Arc<AtomicU64>,
+    /// The producer in use; its generation is one more on every replacement.
+    slot: Slot<Current>,
     up: Arc<AtomicBool>,
     /// The last client-level error any of our producers reported (see [`Context`]).
     last_error: Arc<Mutex<Option<LastError>>>,
@@ -169,7 +80,6 @@ pub struct KafkaPublisher {
     /// current one. Outcomes of a replaced producer (its purged records) never mark its
     /// successor: a late store of an old generation names a producer already gone.
     replace: AtomicU64,
-    connecting: tokio::sync::Mutex<()>,
     /// Some outbox has `ordering = "aggregate"`: runs are pipelined, librdkafka has no
     /// message timeout and the relay enforces `message_timeout` (see the module docs).
     ordered: bool,
@@ -178,81 +88,15 @@ pub struct KafkaPublisher {
     solo: Mutex<Option<FutureProducer<Context>>>,
 }
 
-/// A delivery report: its outcome, and whether the broker's verdict may be about another
-/// record of the same produce batch.
-struct Reported {
-    outcome: Outcome,
-    batch_wide: bool,
-}
-
-impl From<Outcome> for Reported {
-    fn from(outcome: Outcome) -> Self {
-        Self {
-            outcome,
-            batch_wide: false,
-        }
-    }
-}
-
-/// Whether the broker returns `err` for a whole produce batch (the records of one partition
-/// sent in one request) when one record is the cause: a record too large for the topic, one
-/// the broker finds invalid (a schema, a compacted topic's missing key), a policy. The other
-/// records of the batch are not at fault and must not spend an attempt.
-fn batch_wide(err: &KafkaError) -> bool {
-    use RDKafkaErrorCode as C;
-    matches!(
-        err.rdkafka_error_code(),
-        Some(
-            C::MessageSizeTooLarge
-                | C::InvalidMessageSize
-                | C::InvalidMessage
-                | C::InvalidRecord
-                | C::PolicyViolation
-                | C::UnsupportedForMessageFormat
-        )
-    )
-}
-
-/// The producer in use and its generation.
-#[derive(Clone)]
-struct Current {
-    producer: FutureProducer<Context>,
-    generation: u64,
-}
-
-/// Property names whose values must never be logged.
-fn is_secret(key: &str) -> bool {
-    let k = key.to_ascii_lowercase();
-    k.contains("password")
-        || k.contains("secret")
-        || k.ends_with(".key")
-        || k.contains("key.pem")
-        || k.contains("jaas")
-}
-
-/// What an outcome says about the producer that reported it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ProducerState {
-    /// It reaches the broker.
-    Reaches,
-    /// It does not reach the broker now (it reconnects by itself).
-    Unreachable,
-    /// It cannot be trusted any more (a fatal error, a record timed out in its queue): it
-    /// must be replaced.
-    Broken,
-}
-
 impl KafkaPublisher {
     /// A publisher that creates its producer on the first [`Publisher::connect`].
     pub fn new(cfg: KafkaConfig) -> Self {
         Self {
             cfg,
-            producer: std::sync::RwLock::new(None),
-            generation: Arc::new(AtomicU64::new(0)),
+            slot: Slot::new(),
             up: Arc::new(AtomicBool::new(false)),
             last_error: Arc::new(Mutex::new(None)),
             replace: AtomicU64::new(0),
-            connecting: tokio::sync::Mutex::new(()),
             ordered: false,
             solo: Mutex::new(None),
         }
@@ -288,86 +132,10 @@ impl KafkaPublisher {
         }
     }
 
-    /// The librdkafka configuration: our required settings, then the user's properties, then
-    /// (with `ordered`) what pipelined runs need.
-    pub fn client_config(cfg: &KafkaConfig, ordered: bool) -> ClientConfig {
-        let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &cfg.brokers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set(
-                "message.timeout.ms",
-                cfg.message_timeout.as_millis().to_string(),
-            )
-            .set("client.id", crate::message::APPLICATION_NAME)
-            // An unknown topic must fail its message (message-level) before the message times
-            // out (connection-level); librdkafka's default waits 30 s.
-            .set(
-                "topic.metadata.propagation.max.ms",
-                (cfg.message_timeout / 2)
-                    .min(Duration::from_secs(5))
-                    .as_millis()
-                    .to_string(),
-            );
-        for (k, v) in &cfg.properties {
-            c.set(k, v);
-        }
-        if ordered {
-            // No librdkafka timeout (0 = infinite): a timed-out record would leave a gap the
-            // gapless guarantee does not cover. `message_timeout` is the relay's own deadline.
-            c.set("message.timeout.ms", "0")
-                .set("enable.gapless.guarantee", "true");
-        }
-        c
-    }
-
-    /// Builds a new producer in place of `stale` (none yet, fatal, or marked for replacement):
-    /// from here the old one's outcomes are stale, and it is dropped off the async threads.
-    fn replace_producer(
-        &self,
-        stale: Option<Current>,
-    ) -> Result<FutureProducer<Context>, ConnectError> {
-        if let Some(stale) = &stale {
-            let fatal = stale.producer.client().fatal_error();
-            tracing::warn!(fatal = ?fatal, generation = stale.generation, "replacing the Kafka producer");
-        }
-        let generation = self.generation.load(Ordering::Relaxed) + 1;
-        let ctx = Context {
-            up: Arc::clone(&self.up),
-            last_error: Arc::clone(&self.last_error),
-            generation,
-            current: Arc::clone(&self.generation),
-        };
-        let p: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
-            .create_with_context(ctx)
-            .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
-        let old = {
-            let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-            // From here the old producer's outcomes are stale (see `note`).
-            self.generation.store(generation, Ordering::Relaxed);
-            guard.replace(Current {
-                producer: p.clone(),
-                generation,
-            })
-        };
-        if let Some(old) = old {
-            // Dropping the last handle purges what it still holds (so it cannot
-            // deliver a handed-back record's successors later) and waits up to
-            // 500 ms: off the async threads.
-            drop(tokio::task::spawn_blocking(move || drop(old.producer)));
-        }
-        Ok(p)
-    }
-
-    fn producer(&self) -> Option<Current> {
-        let guard = self.producer.read().unwrap_or_else(|p| p.into_inner());
-        guard.clone()
-    }
-
     /// Notes what an outcome of the producer of `generation` says, if that producer is still
     /// the current one.
     fn note(&self, generation: u64, said: ProducerState) {
-        if self.generation.load(Ordering::Relaxed) != generation {
+        if self.slot.generation().load(Ordering::Relaxed) != generation {
             return;
         }
         if said == ProducerState::Broken {
@@ -384,35 +152,27 @@ impl KafkaPublisher {
     async fn enqueue(
         &self,
         msg: &OutboxMessage,
+        topic: &str,
         env: &EnvelopeConfig,
         pinned: Option<u64>,
     ) -> Result<(DeliveryFuture, u64), Outcome> {
-        let Some(Current {
-            producer,
-            generation,
-        }) = self.producer()
-        else {
+        let Some(current) = self.slot.get() else {
             return Err(Outcome::Unavailable(
                 "Kafka producer not created yet".to_owned(),
             ));
         };
+        let (producer, generation) = (&current.producer, current.generation);
         if pinned.is_some_and(|g| g != generation) {
             return Err(Outcome::Unavailable(
                 "the Kafka producer was replaced during the run".to_owned(),
             ));
         }
-        let topic = envelope::destination(msg, &env.route);
-        if !valid_topic(&topic) {
+        if !valid_topic(topic) {
             return Err(Outcome::Rejected(format!(
                 "{topic:.100?} is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-])"
             )));
         }
-        let mut record = FutureRecord::to(&topic)
-            .payload(&msg.payload)
-            .headers(self.record_headers(msg, env, &topic));
-        if let Some(key) = &msg.aggregate_id {
-            record = record.key(key);
-        }
+        let mut record = wire::record(msg, env, topic);
         let deadline = Instant::now() + self.cfg.message_timeout;
         loop {
             match producer.send_result(record) {
@@ -492,13 +252,14 @@ impl KafkaPublisher {
     async fn judged_alone(
         &self,
         msg: &OutboxMessage,
+        topic: &str,
         env: &EnvelopeConfig,
         reported: Reported,
     ) -> Outcome {
         if !reported.batch_wide {
             return reported.outcome;
         }
-        match self.publish_alone(msg, env).await {
+        match self.publish_alone(msg, topic, env).await {
             Outcome::Unavailable(why) => {
                 tracing::debug!(id = %msg.id, reason = %why, "the record alone got no answer; handing it back");
                 Outcome::Unavailable(why)
@@ -513,18 +274,17 @@ impl KafkaPublisher {
     }
 
     /// Publishes `msg` on the solo producer, alone in its batch, and waits for the report.
-    async fn publish_alone(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
+    async fn publish_alone(
+        &self,
+        msg: &OutboxMessage,
+        topic: &str,
+        env: &EnvelopeConfig,
+    ) -> Outcome {
         let producer = match self.solo_producer() {
             Ok(p) => p,
             Err(e) => return Outcome::Unavailable(e),
         };
-        let topic = envelope::destination(msg, &env.route);
-        let mut record = FutureRecord::to(&topic)
-            .payload(&msg.payload)
-            .headers(self.record_headers(msg, env, &topic));
-        if let Some(key) = &msg.aggregate_id {
-            record = record.key(key);
-        }
+        let record = wire::record(msg, env, topic);
         match producer.send_result(record) {
             Ok(delivery) => match delivery.await {
                 Ok(Ok(_)) => Outcome::Confirmed,
@@ -535,35 +295,6 @@ impl KafkaPublisher {
             },
             Err((err, _)) => classify_error(&err),
         }
-    }
-
-    /// The solo producer, created (or replaced after a fatal error) as needed: the user's
-    /// properties, one record to a batch, no linger, one request in flight. Not idempotent:
-    /// it sends one record at a time and waits for its report, so there is nothing for
-    /// idempotence to keep in order, and a broker's rejection does not leave it fatal.
-    fn solo_producer(&self) -> Result<FutureProducer<Context>, String> {
-        let mut solo = self.solo.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(p) = solo.as_ref().filter(|p| p.client().fatal_error().is_none()) {
-            return Ok(p.clone());
-        }
-        let mut config = Self::client_config(&self.cfg, false);
-        config
-            .remove("queue.buffering.max.ms")
-            .set("linger.ms", "0")
-            .set("batch.num.messages", "1")
-            .set("enable.idempotence", "false")
-            .set("max.in.flight.requests.per.connection", "1");
-        let ctx = Context {
-            up: Arc::new(AtomicBool::new(true)),
-            last_error: Arc::new(Mutex::new(None)),
-            generation: 0,
-            current: Arc::new(AtomicU64::new(0)),
-        };
-        let p: FutureProducer<Context> = config
-            .create_with_context(ctx)
-            .map_err(|e| format!("cannot create the Kafka solo producer: {e}"))?;
-        *solo = Some(p.clone());
-        Ok(p)
     }
 
     /// Classifies a record that the producer of `generation` failed, noting a producer that
@@ -580,84 +311,6 @@ impl KafkaPublisher {
             self.note(generation, said);
         }
         outcome
-    }
-
-    fn record_headers(
-        &self,
-        msg: &OutboxMessage,
-        env: &EnvelopeConfig,
-        topic: &str,
-    ) -> OwnedHeaders {
-        let ours = |name: &str| {
-            envelope::is_attribute_header(name, "ce_")
-                || name.eq_ignore_ascii_case("content-type")
-                || envelope::is_signature_header(name, env)
-        };
-        let row_headers = envelope::row_headers_beside(msg, ours);
-        let mut headers = OwnedHeaders::new_with_capacity(row_headers.len() + 8);
-        for (k, v) in &row_headers {
-            headers = headers.insert(Header {
-                key: k,
-                value: Some(v.as_bytes()),
-            });
-        }
-        // CloudEvents Kafka binding: `ce_<attr>` headers, `content-type` for datacontenttype.
-        for (name, value) in envelope::cloud_event_attributes(msg, env) {
-            let key = format!("ce_{name}");
-            headers = headers.insert(Header {
-                key: &key,
-                value: Some(value.as_bytes()),
-            });
-        }
-        headers = headers.insert(Header {
-            key: "content-type",
-            value: Some(env.payload_kind.content_type().as_bytes()),
-        });
-        match envelope::signature(msg, env, topic) {
-            Some(sig) => headers.insert(Header {
-                key: crate::signing::HEADER,
-                value: Some(sig.as_bytes()),
-            }),
-            None => headers,
-        }
-    }
-}
-
-/// Whether `topic` is a legal Kafka topic name.
-pub fn valid_topic(topic: &str) -> bool {
-    !topic.is_empty()
-        && topic.len() <= 249
-        && topic != "."
-        && topic != ".."
-        && topic
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
-/// Maps a delivery error to an outcome: problems of this record (too large, unknown topic,
-/// not authorised, invalid) are message-level; anything that says the cluster could not be
-/// reached or did not answer in time is connection-level and never spends an attempt.
-pub fn classify_error(err: &KafkaError) -> Outcome {
-    use RDKafkaErrorCode as C;
-    let text = err.to_string();
-    match err.rdkafka_error_code() {
-        Some(
-            C::MessageSizeTooLarge
-            | C::InvalidMessageSize
-            | C::InvalidMessage
-            | C::InvalidRecord
-            | C::UnknownTopicOrPartition
-            | C::UnknownTopic
-            | C::UnknownPartition
-            | C::InvalidTopic
-            | C::TopicAuthorizationFailed
-            | C::ClusterAuthorizationFailed
-            | C::PolicyViolation
-            | C::UnsupportedForMessageFormat
-            | C::InvalidArgument
-            | C::BadMessage,
-        ) => Outcome::Rejected(text),
-        _ => Outcome::Unavailable(text),
     }
 }
 
@@ -693,23 +346,22 @@ impl Publisher for KafkaPublisher {
     }
 
     async fn connect(&self) -> Result<(), ConnectError> {
-        let _serial = self.connecting.lock().await;
+        let connecting = self.slot.connecting().await;
         if self.is_connected() {
             return Ok(());
         }
-        let producer = match self.producer() {
-            Some(Current {
-                producer,
-                generation,
-            }) if producer.client().fatal_error().is_none()
-                && self.replace.load(Ordering::Relaxed) != generation =>
-            {
-                producer
-            }
-            stale => self.replace_producer(stale)?,
+        // A fatal producer, or one marked for replacement, is replaced.
+        let usable = |current: &Current| {
+            current.producer.client().fatal_error().is_none()
+                && self.replace.load(Ordering::Relaxed) != current.generation
         };
+        let current = connecting
+            .get_or_connect(usable, |generation| async move {
+                self.create_producer(generation)
+            })
+            .await?;
         // Producing is lazy; ask for metadata to learn whether any broker answers at all.
-        let probe = producer.clone();
+        let probe = current.producer.clone();
         let metadata = tokio::task::spawn_blocking(move || {
             probe
                 .client()
@@ -749,10 +401,11 @@ impl Publisher for KafkaPublisher {
 
     async fn publish(&self, msg: &OutboxMessage, env: &EnvelopeConfig) -> Outcome {
         let queued = Instant::now();
-        match self.enqueue(msg, env, None).await {
+        let topic = envelope::destination(msg, &env.route);
+        match self.enqueue(msg, &topic, env, None).await {
             Ok(queued_record) => {
                 let reported = self.report(queued_record, queued).await;
-                self.judged_alone(msg, env, reported).await
+                self.judged_alone(msg, &topic, env, reported).await
             }
             Err(outcome) => outcome,
         }
@@ -775,17 +428,22 @@ impl Publisher for KafkaPublisher {
             return super::one_at_a_time(self, run, env).await;
         }
         let mut outcomes = Vec::with_capacity(run.len());
-        let stretches = run.chunk_by(|a, b| {
-            envelope::destination(a, &env.route) == envelope::destination(b, &env.route)
-        });
-        for stretch in stretches {
+        // Each message's topic, rendered once.
+        let topics: Vec<String> = run
+            .iter()
+            .map(|msg| envelope::destination(msg, &env.route))
+            .collect();
+        let mut start = 0;
+        for same in topics.chunk_by(|a, b| a == b) {
+            let (stretch, topic) = (&run[start..start + same.len()], same[0].as_str());
+            start += same.len();
             let mut deliveries = Vec::with_capacity(stretch.len());
             let mut refused = None;
             // One producer takes the whole stretch (see `enqueue`).
             let mut pinned = None;
             for msg in stretch {
                 let queued = Instant::now();
-                match self.enqueue(msg, env, pinned).await {
+                match self.enqueue(msg, topic, env, pinned).await {
                     Ok(delivery) => {
                         pinned = Some(delivery.1);
                         deliveries.push((delivery, queued, msg));
@@ -801,7 +459,7 @@ impl Publisher for KafkaPublisher {
                 // Alone only while everything before it was confirmed: after a failure the
                 // aggregate's later records are not sent again.
                 let outcome = if outcomes.iter().all(|o| *o == Outcome::Confirmed) {
-                    self.judged_alone(msg, env, reported).await
+                    self.judged_alone(msg, topic, env, reported).await
                 } else {
                     reported.outcome
                 };
@@ -829,11 +487,7 @@ impl Publisher for KafkaPublisher {
     }
 
     async fn close(&self) {
-        let producer = {
-            let mut guard = self.producer.write().unwrap_or_else(|p| p.into_inner());
-            guard.take()
-        };
-        if let Some(p) = producer {
+        if let Some(p) = self.slot.take() {
             // Short: the drain is over by now and shutdown_timeout is the operator's budget.
             let _ =
                 tokio::task::spawn_blocking(move || p.producer.flush(Duration::from_secs(1))).await;
@@ -845,60 +499,7 @@ impl Publisher for KafkaPublisher {
 mod tests {
     use super::*;
 
-    #[test]
-    fn hints_name_the_settings_to_check() {
-        let tls = hint(
-            None,
-            "ssl://b:9093/bootstrap: SSL handshake failed: certificate verify failed",
-        );
-        assert!(tls.contains("ssl.ca.location"), "{tls}");
-        let sasl = hint(
-            Some(RDKafkaErrorCode::Authentication),
-            "sasl_ssl://b:9093/bootstrap: SASL authentication error: unknown-user",
-        );
-        assert!(sasl.contains("sasl.password"), "{sasl}");
-        // The protocol in the broker's name is not a TLS problem.
-        assert_eq!(hint(None, "ssl://b:9093/bootstrap: Connection refused"), "");
-        assert_eq!(hint(None, "sasl_ssl://b:9093/1: Disconnected"), "");
-    }
-
-    #[test]
-    fn topic_names() {
-        assert!(valid_topic("orders"));
-        assert!(valid_topic("a.b-c_D9"));
-        assert!(!valid_topic(""));
-        assert!(!valid_topic("."));
-        assert!(!valid_topic("has space"));
-        assert!(!valid_topic("slash/topic"));
-        assert!(!valid_topic(&"x".repeat(250)));
-    }
-
-    #[test]
-    fn classifies_message_and_connection_errors() {
-        use RDKafkaErrorCode as C;
-        let kind = |c| match classify_error(&KafkaError::MessageProduction(c)) {
-            Outcome::Confirmed => "confirmed",
-            Outcome::Rejected(_) => "rejected",
-            Outcome::Unavailable(_) => "unavailable",
-        };
-        for (c, expected) in [
-            (C::MessageSizeTooLarge, "rejected"),
-            (C::UnknownTopicOrPartition, "rejected"),
-            (C::UnknownTopic, "rejected"),
-            (C::TopicAuthorizationFailed, "rejected"),
-            (C::InvalidRecord, "rejected"),
-            (C::MessageTimedOut, "unavailable"),
-            (C::AllBrokersDown, "unavailable"),
-            (C::BrokerTransportFailure, "unavailable"),
-            (C::NotEnoughReplicas, "unavailable"),
-            (C::RequestTimedOut, "unavailable"),
-            (C::QueueFull, "unavailable"),
-        ] {
-            assert_eq!(kind(c), expected, "{c:?}");
-        }
-    }
-
-    fn config(properties: &[(&str, &str)]) -> KafkaConfig {
+    pub(super) fn config(properties: &[(&str, &str)]) -> KafkaConfig {
         KafkaConfig {
             brokers: "b:9092".into(),
             topic: crate::template::Template::parse("t").unwrap_or_else(|e| panic!("{e}")),
@@ -927,20 +528,9 @@ mod tests {
     }
 
     #[test]
-    fn the_producer_keeps_order_through_a_failed_record() {
-        let c = KafkaPublisher::client_config(&config(&[("message.timeout.ms", "5")]), true);
-        assert_eq!(c.get("enable.idempotence"), Some("true"));
-        assert_eq!(c.get("enable.gapless.guarantee"), Some("true"));
-        assert_eq!(c.get("message.timeout.ms"), Some("0"));
-        let unordered = KafkaPublisher::client_config(&config(&[]), false);
-        assert_eq!(unordered.get("message.timeout.ms"), Some("5000"));
-        assert_eq!(unordered.get("enable.gapless.guarantee"), None);
-    }
-
-    #[test]
     fn only_the_current_producers_outcomes_count() {
         let publisher = KafkaPublisher::new(config(&[]));
-        publisher.generation.store(2, Ordering::Relaxed);
+        publisher.slot.generation().store(2, Ordering::Relaxed);
         publisher.up.store(true, Ordering::Relaxed);
         // A purged record of the replaced producer (generation 1): says nothing now.
         publisher.note(1, ProducerState::Broken);
@@ -958,19 +548,10 @@ mod tests {
             up: Arc::clone(&publisher.up),
             last_error: Arc::clone(&publisher.last_error),
             generation,
-            current: Arc::clone(&publisher.generation),
+            current: Arc::clone(publisher.slot.generation()),
         };
         assert!(!context(1).is_current(), "replaced");
         assert!(context(2).is_current());
         assert!(context(3).is_current(), "being created");
-    }
-
-    #[test]
-    fn secrets_are_recognised() {
-        assert!(is_secret("sasl.password"));
-        assert!(is_secret("ssl.key.password"));
-        assert!(is_secret("sasl.oauthbearer.client.secret"));
-        assert!(is_secret("ssl.key.pem"));
-        assert!(!is_secret("compression.type"));
     }
 }
