@@ -1056,10 +1056,14 @@ fn finish(ctx: &mut Ctx) {
                     ceiling,
                 ));
                 let relay = r.get(&format!("relay_{db_prefix}{sink}_{ordering}_msgs_per_s"));
+                let from = match db_prefix {
+                    "" => String::new(),
+                    p => format!("{} → ", p.trim_end_matches('_')),
+                };
                 if let Some(relay) = relay {
                     shared_ratios.push((
                         format!("ratio_{db_prefix}relay_{sink}_{ordering}_vs_shared_ceiling"),
-                        format!("relay {db_prefix}{sink} {ordering} / the shared ceiling ({db} and bare {sink} client on the same cores)"),
+                        format!("relay {from}{sink} {ordering} / the shared ceiling ({db} and bare {sink} client on the same cores)"),
                         Some(relay / ceiling),
                     ));
                 }

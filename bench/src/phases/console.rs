@@ -103,7 +103,7 @@ async fn run(ctx: &mut Ctx, open: bool, rep: usize) -> Result<f64> {
     env.extend(ctx.extra_env.iter().cloned());
     let page = open.then(|| Page::start(port));
     let what = format!(
-        "relay → rabbitmq, ordering aggregate, console {}{}",
+        "relay → rabbitmq, ordering aggregate, run {rep}, console {}{}",
         state(open),
         if open {
             " (overview refreshed every second)"

@@ -277,13 +277,15 @@ async fn bare_db(ctx: &mut Ctx, ordering: Ordering) -> Result<()> {
             instance,
             claims: (ordering == Ordering::Aggregate).then(|| Arc::clone(&claims)),
             settled: Arc::clone(&settled),
+            tally: Tally::default(),
         };
         tasks.spawn(worker.run());
     }
-    let mut sent = 0;
+    let mut tally = Tally::default();
     while let Some(joined) = tasks.join_next().await {
-        sent += joined.map_err(|e| anyhow!("bare client task: {e}"))??;
+        tally.add(&joined.map_err(|e| anyhow!("bare client task: {e}"))??);
     }
+    let sent = tally.sent;
     let elapsed = started.elapsed();
     let usage = cpu.usage();
     if sent != ctx.rows {
@@ -295,7 +297,11 @@ async fn bare_db(ctx: &mut Ctx, ordering: Ordering) -> Result<()> {
     verify_sent(ctx, &table).await?;
     let r = rate(ctx.rows, elapsed);
     ctx.progress(format!(
-        "mysql: bare client ({name}): {r:.0} rows/s in {elapsed:.2?}; {}",
+        "mysql: bare client ({name}): {r:.0} rows/s in {elapsed:.2?} ({} claims, {} held back, {} probes of which {} met a locked row); {}",
+        tally.claims,
+        tally.held_back,
+        tally.probes,
+        tally.locked,
         cpu_text(&usage)
     ));
     let (key, what) = match ordering {
@@ -312,7 +318,9 @@ async fn bare_db(ctx: &mut Ctx, ordering: Ordering) -> Result<()> {
     ctx.report.detail(
         key,
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage,
-               "connections": CLIENTS, "batch": BATCH}),
+               "connections": CLIENTS, "batch": BATCH, "claims": tally.claims,
+               "held_back": tally.held_back, "probes": tally.probes,
+               "probes_locked": tally.locked}),
     );
     Ok(())
 }
@@ -330,12 +338,37 @@ struct Worker {
     /// Told after each mark-sent: an ordered claim that found only held-back candidates waits
     /// for it.
     settled: Arc<Notify>,
+    tally: Tally,
+}
+
+/// What the bare client's workers did.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Rows marked sent.
+    sent: usize,
+    /// Claims that took rows.
+    claims: usize,
+    /// Ordered claims whose every candidate was held back.
+    held_back: usize,
+    /// Probe statements (ordering aggregate).
+    probes: usize,
+    /// Probes that met a locked row (and were split, or held their aggregate back).
+    locked: usize,
+}
+
+impl Tally {
+    fn add(&mut self, o: &Tally) {
+        self.sent += o.sent;
+        self.claims += o.claims;
+        self.held_back += o.held_back;
+        self.probes += o.probes;
+        self.locked += o.locked;
+    }
 }
 
 impl Worker {
-    /// Claims and marks sent until nothing is left to claim; returns the rows it marked sent.
-    async fn run(mut self) -> Result<usize> {
-        let mut sent = 0;
+    /// Claims and marks sent until nothing is left to claim; returns what it did.
+    async fn run(mut self) -> Result<Tally> {
         loop {
             let settled = Arc::clone(&self.settled);
             let next_settle = settled.notified();
@@ -351,18 +384,20 @@ impl Worker {
             let ids = match claimed {
                 Claimed::Rows(ids) => ids,
                 Claimed::HeldBack => {
+                    self.tally.held_back += 1;
                     // Every candidate waits for a row another connection is settling.
                     let _ = tokio::time::timeout(Duration::from_millis(50), next_settle).await;
                     continue;
                 }
-                Claimed::Nothing => return Ok(sent),
+                Claimed::Nothing => return Ok(self.tally),
             };
+            self.tally.claims += 1;
             let marked = self.settle.mark_sent(&ids, OnConfirm::MarkSent).await?;
             let marked = usize::try_from(marked).unwrap_or(0);
             if marked != ids.len() {
                 bail!("mark sent updated {marked} of {} rows", ids.len());
             }
-            sent += marked;
+            self.tally.sent += marked;
             self.settled.notify_waiters();
         }
     }
@@ -422,6 +457,7 @@ impl Worker {
             if part.is_empty() {
                 continue;
             }
+            self.tally.probes += 1;
             match tx
                 .query::<(String, String, i64), _>(self.sql.probe(part))
                 .await
@@ -435,6 +471,7 @@ impl Worker {
                     }
                 }
                 Err(e) if is_locked(&e) => {
+                    self.tally.locked += 1;
                     if let [(ty, id, _)] = part {
                         let first = span.get(&(*ty, *id)).map_or(i64::MIN, |s| s.0);
                         blocked.insert(((*ty).to_owned(), (*id).to_owned()), first);
