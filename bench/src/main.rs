@@ -36,6 +36,12 @@
 //!     (`database.partition_interval`), and a partitioned one with a REPEATABLE READ transaction
 //!     held open for half the run: table size, rows deleted, dead tuples, partitions, claim time,
 //!     commits/s and relay CPU.
+//! 16. `mysql` (only when named in `--only`): the relay draining N rows from MariaDB to
+//!     RabbitMQ, Kafka and NATS, ordering none and aggregate, beside a bare mysql_async client
+//!     replaying the relay's claim and mark-sent statements and each sink's bare client (the
+//!     shared ceilings); commit → consume latency with `poll_interval` 1s and 100ms.
+//! 17. `console` (only when named in `--only`): drains with the web console's overview open
+//!     and refreshing every second, against drains with nobody looking.
 //!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
 //! One file per phase under `phases/`; the relay process, topics and tables come from
@@ -70,8 +76,8 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Only these phases (comma-separated): db, broker, naive, relay, latency, insert, claim,
-    /// outboxes, steady, nats, redis, tracing, http, retention (steady and the last five run
-    /// only when named here).
+    /// outboxes, steady, nats, redis, tracing, http, retention, mysql, console (steady and the
+    /// last seven run only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<Phase>,
     /// Print only the JSON line on stdout (plans and table go nowhere; progress still on stderr).
@@ -91,6 +97,9 @@ struct Args {
         default_value = outbox_testkit::AMQP_URL
     )]
     amqp_url: String,
+    /// MySQL/MariaDB URL (phase `mysql`: its tables are created there).
+    #[arg(long, env = "BENCH_MYSQL_URL", default_value = outbox_testkit::MYSQL_URL)]
+    mysql_url: String,
     /// Kafka bootstrap servers.
     #[arg(long, env = "BENCH_KAFKA_BROKERS", default_value = outbox_testkit::kafka::KAFKA)]
     kafka_brokers: String,
@@ -172,12 +181,18 @@ enum Phase {
     Http,
     /// 15. Retention on a plain and a partitioned table (not part of the default run).
     Retention,
+    /// 16. MySQL/MariaDB outboxes against their shared ceilings (not in the default run).
+    Mysql,
+    /// 17. Drains with the console open and refreshing vs closed (not in the default run).
+    Console,
 }
 
 /// What the phases create, removed after each phase (and at exit, whatever happened).
 #[derive(Default)]
 struct Resources {
     tables: Vec<String>,
+    /// MySQL/MariaDB outbox tables (phase `mysql`), at `--mysql-url`.
+    mysql_tables: Vec<String>,
     bindings: Vec<String>,
     topics: Vec<String>,
 }
@@ -331,6 +346,20 @@ impl Ctx {
             .migrate()
             .await
             .with_context(|| format!("cannot migrate {table}"))?;
+        Ok(table)
+    }
+
+    /// Creates `bench_mysql_<tag>_<run id>` at `--mysql-url` with the library's migration.
+    async fn new_mysql_table(&mut self, tag: &str) -> Result<String> {
+        let table = format!("bench_mysql_{tag}_{}", self.run_id);
+        let url = self.args.mysql_url.clone();
+        let config = self.config(&table, |raw| raw.database.url = url)?;
+        let store = Store::new(&config.database, "outbox-bench")?;
+        self.res.mysql_tables.push(table.clone());
+        store
+            .migrate()
+            .await
+            .with_context(|| format!("cannot migrate {table} at --mysql-url"))?;
         Ok(table)
     }
 
@@ -527,6 +556,21 @@ impl Ctx {
                 eprintln!("warning: cannot drop table {t}: {e:#}");
             }
         }
+        if !res.mysql_tables.is_empty() {
+            match crate::util::mysql_connect(&self.args.mysql_url).await {
+                Ok(mut conn) => {
+                    for t in &res.mysql_tables {
+                        if let Err(e) = crate::util::drop_mysql_table(&mut conn, t).await {
+                            eprintln!("warning: cannot drop MySQL table {t}: {e:#}");
+                        }
+                    }
+                }
+                Err(e) => eprintln!(
+                    "warning: cannot connect to MySQL to drop {:?}: {e:#}",
+                    res.mysql_tables
+                ),
+            }
+        }
         for b in &res.bindings {
             let deleted = match self.rabbit().await {
                 Ok(r) => r.delete(b).await,
@@ -702,6 +746,8 @@ async fn setup(args: Args) -> Result<Ctx> {
             Phase::Tracing,
             Phase::Http,
             Phase::Retention,
+            Phase::Mysql,
+            Phase::Console,
         ]
         .iter()
         .any(|p| args.only.contains(p));
@@ -741,6 +787,8 @@ async fn run(ctx: &mut Ctx) {
                 && p != Phase::Tracing
                 && p != Phase::Http
                 && p != Phase::Retention
+                && p != Phase::Mysql
+                && p != Phase::Console
         } else {
             ctx.args.only.contains(&p)
         }
@@ -760,6 +808,8 @@ async fn run(ctx: &mut Ctx) {
         Phase::Tracing,
         Phase::Http,
         Phase::Retention,
+        Phase::Mysql,
+        Phase::Console,
     ]
     .into_iter()
     .filter(|p| selected(*p))
@@ -800,6 +850,8 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Tracing => phases::tracing_runs(ctx).await,
                     Phase::Http => phases::http_runs(ctx).await,
                     Phase::Retention => phases::retention(ctx).await,
+                    Phase::Mysql => phases::mysql(ctx).await,
+                    Phase::Console => phases::console(ctx).await,
                 },
             )
             .await;
@@ -958,37 +1010,63 @@ fn finish(ctx: &mut Ctx) {
         )
     });
     // The same drains against what the machine allows a drain that runs both on these cores:
-    // the CPU (every process) that pgbench spends per message on the relay's statements plus
-    // the CPU the bare client and its server spend per message, over the machine's cores.
+    // the CPU (every process) that the database's bare client spends per message on the
+    // relay's statements plus the CPU the bare sink client and its server spend per message,
+    // over the machine's cores. PostgreSQL: pgbench; MySQL/MariaDB (keys `…_mysql_…`): the
+    // bare mysql_async client of phase `mysql`.
     let cores = std::thread::available_parallelism().map_or(1.0, |n| n.get() as f64);
-    let shared = |pgbench: &str, sink: &str| {
-        let cpu = r.get(&format!("{pgbench}_machine_cpu_s_per_100k"))?
-            + r.get(&format!("{sink}_bare_machine_cpu_s_per_100k"))?;
+    let shared = |db: &str, sink: &str| {
+        let cpu = r.get(&format!("{db}_machine_cpu_s_per_100k"))?
+            + r.get(&format!("{sink}_machine_cpu_s_per_100k"))?;
         (cpu > 0.0).then(|| cores * 100_000.0 / cpu)
     };
+    let databases = [
+        (
+            "",
+            ["pgbench_claim_mark", "pgbench_claim_aggregate_mark"],
+            [
+                ("nats", "nats_bare"),
+                ("redis", "redis_bare"),
+                ("http", "http_bare"),
+            ],
+        ),
+        (
+            "mysql_",
+            ["mysql_bare_claim_mark", "mysql_bare_claim_aggregate_mark"],
+            [
+                ("rabbitmq", "rabbitmq_raw_envelope_ceiling"),
+                ("kafka", "kafka_bare"),
+                ("nats", "nats_bare"),
+            ],
+        ),
+    ];
     let mut shared_ceilings = Vec::new();
     let mut shared_ratios = Vec::new();
-    for sink in ["nats", "redis", "http"] {
-        for (ordering, pgbench) in [
-            ("none", "pgbench_claim_mark"),
-            ("aggregate", "pgbench_claim_aggregate_mark"),
-        ] {
-            let Some(ceiling) = shared(pgbench, sink) else {
-                continue;
-            };
-            shared_ceilings.push((
-                format!("ceiling_shared_{sink}_{ordering}_msgs_per_s"),
-                format!(
-                    "{cores} cores ÷ (machine CPU per message of {pgbench} + of the bare {sink} client)"
-                ),
-                ceiling,
-            ));
-            if let Some(relay) = r.get(&format!("relay_{sink}_{ordering}_msgs_per_s")) {
-                shared_ratios.push((
-                    format!("ratio_relay_{sink}_{ordering}_vs_shared_ceiling"),
-                    format!("relay {sink} {ordering} / the shared ceiling (pgbench and bare {sink} client on the same cores)"),
-                    Some(relay / ceiling),
+    for (db_prefix, db_keys, sinks) in databases {
+        for (sink, sink_key) in sinks {
+            for (ordering, db) in ["none", "aggregate"].into_iter().zip(db_keys) {
+                let Some(ceiling) = shared(db, sink_key) else {
+                    continue;
+                };
+                shared_ceilings.push((
+                    format!("ceiling_shared_{db_prefix}{sink}_{ordering}_msgs_per_s"),
+                    format!(
+                        "{cores} cores ÷ (machine CPU per message of {db} + of the bare {sink} client)"
+                    ),
+                    ceiling,
                 ));
+                let relay = r.get(&format!("relay_{db_prefix}{sink}_{ordering}_msgs_per_s"));
+                let from = match db_prefix {
+                    "" => String::new(),
+                    p => format!("{} → ", p.trim_end_matches('_')),
+                };
+                if let Some(relay) = relay {
+                    shared_ratios.push((
+                        format!("ratio_{db_prefix}relay_{sink}_{ordering}_vs_shared_ceiling"),
+                        format!("relay {from}{sink} {ordering} / the shared ceiling ({db} and bare {sink} client on the same cores)"),
+                        Some(relay / ceiling),
+                    ));
+                }
             }
         }
     }

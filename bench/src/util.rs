@@ -280,6 +280,32 @@ pub async fn drop_table(pg: &Client, table: &str) -> Result<()> {
     Ok(())
 }
 
+/// One plain connection (not pooled) to MySQL/MariaDB at `url`, its session time zone UTC.
+pub async fn mysql_connect(url: &str) -> Result<mysql_async::Conn> {
+    use mysql_async::prelude::Queryable;
+    let opts = mysql_async::Opts::from_url(url).context("--mysql-url")?;
+    let mut conn = mysql_async::Conn::new(opts)
+        .await
+        .context("cannot connect to MySQL/MariaDB (--mysql-url)")?;
+    conn.query_drop("SET time_zone = '+00:00'").await?;
+    Ok(conn)
+}
+
+/// Drops a MySQL outbox table and its schema version record.
+pub async fn drop_mysql_table(conn: &mut mysql_async::Conn, table: &str) -> Result<()> {
+    use mysql_async::prelude::Queryable;
+    conn.query_drop(format!("DROP TABLE IF EXISTS {table}"))
+        .await?;
+    // Absent until a migration created it; nothing to forget then.
+    let _ = conn
+        .exec_drop(
+            "DELETE FROM outbox_relay_schema_version WHERE table_name = ?",
+            (table,),
+        )
+        .await;
+    Ok(())
+}
+
 /// Nearest-rank percentile of sorted values.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -496,7 +522,8 @@ pub struct CpuSample {
 /// Cores used per process group over an interval.
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct CpuUsage {
-    /// Cores used by each group (postgres, rabbitmq, kafka, relay, bench, other).
+    /// Cores used by each group (postgres, rabbitmq, kafka, mariadb, nats, relay, bench,
+    /// other).
     pub cores: BTreeMap<String, f64>,
     /// Cores busy machine-wide (all processes and the kernel).
     pub machine_busy: f64,
@@ -610,6 +637,8 @@ fn group_of(comm: &str, pid: u32, me: u32) -> &'static str {
         "postgres" | "postmaster" => "postgres",
         "beam.smp" | "erl_child_setup" | "inet_gethost" | "epmd" => "rabbitmq",
         "tansu" => "kafka",
+        "mariadbd" | "mysqld" => "mariadb",
+        "nats-server" => "nats",
         _ => "other",
     }
 }

@@ -18,7 +18,9 @@ use super::{cpu_text, rate};
 use crate::Ctx;
 use crate::util::{CpuSample, CpuUsage, payload};
 
-fn synthetic(n: usize, aggregates: usize) -> Vec<OutboxMessage> {
+/// `n` messages as the relay would have claimed them from the bench's tables (first attempt,
+/// ~300 B payload, round robin over `aggregates`).
+pub(super) fn synthetic(n: usize, aggregates: usize) -> Vec<OutboxMessage> {
     let now = chrono::Utc::now();
     let a = aggregates as u64;
     (1..=n as u64)
@@ -97,6 +99,26 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
     // and mandatory (what the broker can take, whatever the relay's publisher design): bare
     // messages, then the same messages with the properties and CloudEvents headers the relay
     // sends (what the broker can take of the relay's wire format).
+    if let Err(e) = raw_ceiling(ctx, &msgs, Props::Bare).await {
+        errors.push(format!("RabbitMQ raw: {e:#}"));
+    }
+    ctx.cleanup().await;
+    if let Err(e) = raw_envelope_ceiling(ctx, &msgs).await {
+        errors.push(format!("RabbitMQ raw: {e:#}"));
+    }
+    ctx.cleanup().await;
+
+    // Kafka: a fresh 3-partition topic.
+    if let Err(e) = publisher_ceiling(ctx, Broker::Kafka, &msgs).await {
+        errors.push(format!("Kafka: {e:#}"));
+    }
+    super::all_ok(errors)
+}
+
+/// Raw lapin over one channel with the properties and CloudEvents headers the relay sends
+/// (`rabbitmq_raw_envelope_ceiling_*`, with the machine's CPU per 100k for the shared
+/// ceilings).
+pub(super) async fn raw_envelope_ceiling(ctx: &mut Ctx, msgs: &[OutboxMessage]) -> Result<()> {
     let cfg = ctx.config("bench_unused", |raw| {
         raw.publisher.kind = PublisherKind::RabbitMq;
     })?;
@@ -111,18 +133,127 @@ pub async fn broker_ceiling(ctx: &mut Ctx) -> Result<()> {
         envelope: &envelope,
         prefix: rabbitmq.cloudevents_prefix.as_str(),
     };
-    for props in [Props::Bare, as_the_relay] {
-        if let Err(e) = raw_ceiling(ctx, &msgs, props).await {
-            errors.push(format!("RabbitMQ raw: {e:#}"));
-        }
-        ctx.cleanup().await;
-    }
+    raw_ceiling(ctx, msgs, as_the_relay).await
+}
 
-    // Kafka: a fresh 3-partition topic.
-    if let Err(e) = publisher_ceiling(ctx, Broker::Kafka, &msgs).await {
-        errors.push(format!("Kafka: {e:#}"));
+/// A bare rdkafka `FutureProducer` with the relay's producer settings
+/// (`KafkaPublisher::client_config`: acks=all, idempotent) sending every message with the
+/// relay's key (the aggregate id) and headers (`ce_*` CloudEvents attributes, `content-type`)
+/// into a fresh 3-partition topic, ≤1000 delivery reports outstanding: `kafka_bare_*`, with
+/// the machine's CPU per 100k for the shared ceilings. Records are built in the timed loop,
+/// as the relay builds them per message.
+pub(super) async fn kafka_bare_ceiling(ctx: &mut Ctx, msgs: &[OutboxMessage]) -> Result<()> {
+    use rdkafka::message::{Header, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let n = msgs.len();
+    let topic = ctx.new_topic("kbare").await?;
+    let cfg = ctx.config("bench_unused", |raw| {
+        raw.publisher.kind = PublisherKind::Kafka;
+        raw.publisher.kafka.topic = topic.clone();
+    })?;
+    let PublisherConfig::Kafka(kafka) = &cfg.publisher else {
+        bail!(
+            "a Kafka configuration validated as {}",
+            cfg.publisher.kind()
+        );
+    };
+    let envelope = EnvelopeConfig::for_outbox(&cfg, &cfg.outboxes[0], PayloadKind::Json);
+    let producer: FutureProducer =
+        outbox_relay::publish::kafka::KafkaPublisher::client_config(kafka, false)
+            .create()
+            .context("cannot create the bare Kafka producer")?;
+    let content_type = envelope.payload_kind.content_type();
+    ctx.progress(format!(
+        "broker: bare rdkafka producer, {n} messages, ≤1000 outstanding"
+    ));
+    let sentinel = ctx.sentinel().await;
+    let cpu = CpuSample::take();
+    let started = Instant::now();
+    let mut pending = futures::stream::FuturesUnordered::new();
+    let mut delivered = 0;
+    let mut first_failure = None;
+    let mut settle = |r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, _>| match r
+    {
+        Ok(Ok(_)) => delivered += 1,
+        Ok(Err((e, _))) => {
+            first_failure.get_or_insert_with(|| format!("{e}"));
+        }
+        Err(e) => {
+            first_failure.get_or_insert_with(|| format!("{e}"));
+        }
+    };
+    for m in msgs {
+        while pending.len() >= 1000 {
+            if let Some(r) = pending.next().await {
+                settle(r);
+            }
+        }
+        let mut headers = OwnedHeaders::new_with_capacity(8);
+        for (name, value) in envelope::cloud_event_attributes(m, &envelope) {
+            let key = format!("ce_{name}");
+            headers = headers.insert(Header {
+                key: &key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        headers = headers.insert(Header {
+            key: "content-type",
+            value: Some(content_type.as_bytes()),
+        });
+        let mut record = FutureRecord::to(&topic)
+            .payload(&m.payload)
+            .headers(headers);
+        if let Some(key) = &m.aggregate_id {
+            record = record.key(key);
+        }
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => {
+                    pending.push(delivery);
+                    break;
+                }
+                Err((
+                    rdkafka::error::KafkaError::MessageProduction(
+                        rdkafka::types::RDKafkaErrorCode::QueueFull,
+                    ),
+                    r,
+                )) => {
+                    record = r;
+                    if let Some(done) = pending.next().await {
+                        settle(done);
+                    }
+                }
+                Err((e, _)) => bail!("bare Kafka producer: {e}"),
+            }
+        }
     }
-    super::all_ok(errors)
+    while let Some(r) = pending.next().await {
+        settle(r);
+    }
+    let elapsed = started.elapsed();
+    let usage = cpu.usage();
+    drop(producer);
+    ctx.check(sentinel).await?;
+    if let Some(f) = first_failure {
+        bail!("bare Kafka producer: {delivered} of {n} delivered; first failure: {f}");
+    }
+    let label = "bare rdkafka producer (the relay's settings: acks=all, idempotent), the relay's key and headers, ≤1000 outstanding";
+    report_ceiling(
+        ctx,
+        "Kafka bare rdkafka",
+        ("kafka_bare", label),
+        n,
+        elapsed,
+        &usage,
+    );
+    super::machine_cpu_figure(
+        ctx,
+        "2 broker ceiling",
+        "kafka_bare",
+        "bare rdkafka producer + tansu",
+        (elapsed, &usage),
+    );
+    Ok(())
 }
 
 /// The broker of a publisher ceiling.
@@ -287,6 +418,8 @@ async fn raw_ceiling(ctx: &mut Ctx, msgs: &[OutboxMessage], props: Props<'_>) ->
     }
     let name = format!("RabbitMQ raw lapin{tag}");
     report_ceiling(ctx, &name, (key, label), n, elapsed, &usage);
+    let what = format!("raw lapin{tag} + RabbitMQ");
+    super::machine_cpu_figure(ctx, "2 broker ceiling", key, &what, (elapsed, &usage));
     Ok(())
 }
 

@@ -4,11 +4,13 @@
 
 mod broker;
 mod claim;
+mod console;
 mod db;
 mod drain;
 mod http;
 mod insert;
 mod latency;
+mod mysql;
 mod naive;
 mod nats;
 mod outboxes;
@@ -18,11 +20,13 @@ mod steady;
 
 pub use broker::broker_ceiling;
 pub use claim::claim;
+pub use console::console;
 pub use db::db_ceiling;
 pub use drain::{relay_runs, tracing_runs};
 pub use http::http_runs;
 pub use insert::insert_cost;
 pub use latency::latency;
+pub use mysql::mysql;
 pub use naive::naive;
 pub use nats::nats;
 pub use outboxes::outboxes;
@@ -103,6 +107,17 @@ async fn stop_drained(
     waited: Result<()>,
     table: &str,
 ) -> Result<()> {
+    stop_checked(ctx, relay, sentinel, waited).await?;
+    crate::util::verify_sent(&ctx.pg, table, ctx.rows).await
+}
+
+/// [`stop_drained`] but for the rows, which the caller checks (a table in another database).
+async fn stop_checked(
+    ctx: &mut crate::Ctx,
+    relay: &mut crate::util::Relay,
+    sentinel: crate::Sentinel,
+    waited: Result<()>,
+) -> Result<()> {
     let stopped = relay.stop(Duration::from_secs(45)).await;
     ctx.check(sentinel).await?;
     waited?;
@@ -113,7 +128,7 @@ async fn stop_drained(
             relay.tail(20)
         );
     }
-    crate::util::verify_sent(&ctx.pg, table, ctx.rows).await
+    Ok(())
 }
 
 /// `Ok` when no case failed, else every case's error.

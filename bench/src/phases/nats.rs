@@ -20,30 +20,60 @@ use crate::util::{CpuSample, fill, payload};
 /// The relay's default window: acks outstanding in both the relay and the bare client.
 const IN_FLIGHT: usize = 1000;
 
-/// The bare client, then the relay with ordering none and aggregate, each into a fresh stream.
-pub async fn nats(ctx: &mut Ctx) -> Result<()> {
-    let url = std::env::var("BENCH_NATS_URL")
-        .unwrap_or_else(|_| outbox_testkit::nats::NATS_URL.to_owned());
-    let client = async_nats::connect(url.as_str())
+/// `BENCH_NATS_URL`, or the local server.
+pub(super) fn nats_url() -> String {
+    std::env::var("BENCH_NATS_URL").unwrap_or_else(|_| outbox_testkit::nats::NATS_URL.to_owned())
+}
+
+/// A JetStream context on `url` with room for the relay's acks outstanding.
+pub(super) async fn jetstream(url: &str) -> Result<async_nats::jetstream::Context> {
+    let client = async_nats::connect(url)
         .await
         .with_context(|| format!("cannot connect to NATS at {url}"))?;
-    let js = ContextBuilder::new()
+    Ok(ContextBuilder::new()
         .timeout(Duration::from_secs(30))
         .max_ack_inflight(IN_FLIGHT * 4)
-        .build(client);
+        .build(client))
+}
+
+/// Creates the file stream `BENCH_NATS_<case>_<run id>` over subjects `<prefix>.>`; returns
+/// (stream, prefix), the prefix `bench.<run id>.<case>`.
+pub(super) async fn new_stream(
+    js: &async_nats::jetstream::Context,
+    case: &str,
+    run_id: &str,
+) -> Result<(String, String)> {
+    let stream = format!("BENCH_NATS_{case}_{run_id}").to_uppercase();
+    let prefix = format!("bench.{run_id}.{case}");
+    js.create_stream(Config {
+        name: stream.clone(),
+        subjects: vec![format!("{prefix}.>")],
+        storage: StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        ..Config::default()
+    })
+    .await
+    .map_err(|e| anyhow!("cannot create stream {stream}: {e}"))?;
+    Ok((stream, prefix))
+}
+
+/// The bare client alone into a fresh stream, deleted afterwards (`nats_bare_*`, with the
+/// machine's CPU per 100k for the shared ceilings).
+pub(super) async fn bare_ceiling(ctx: &mut Ctx) -> Result<f64> {
+    let js = jetstream(&nats_url()).await?;
+    let (stream, prefix) = new_stream(&js, "bare", &ctx.run_id).await?;
+    let run = bare(ctx, &js, &prefix).await;
+    let _ = js.delete_stream(&stream).await;
+    run
+}
+
+/// The bare client, then the relay with ordering none and aggregate, each into a fresh stream.
+pub async fn nats(ctx: &mut Ctx) -> Result<()> {
+    let url = nats_url();
+    let js = jetstream(&url).await?;
     let mut rates = Vec::new();
     for case in ["bare", "none", "aggregate"] {
-        let stream = format!("BENCH_NATS_{case}_{}", ctx.run_id).to_uppercase();
-        let prefix = format!("bench.{}.{case}", ctx.run_id);
-        js.create_stream(Config {
-            name: stream.clone(),
-            subjects: vec![format!("{prefix}.>")],
-            storage: StorageType::File,
-            duplicate_window: Duration::from_secs(120),
-            ..Config::default()
-        })
-        .await
-        .map_err(|e| anyhow!("cannot create stream {stream}: {e}"))?;
+        let (stream, prefix) = new_stream(&js, case, &ctx.run_id).await?;
         let run = if case == "bare" {
             bare(ctx, &js, &prefix).await
         } else {

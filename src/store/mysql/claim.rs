@@ -171,6 +171,54 @@ impl ClaimSql {
     }
 }
 
+/// The relay's claim statements on a MySQL outbox, as the relay sends them, for tools that
+/// replay them outside the relay (the benchmark's bare MariaDB client). A claim is one
+/// transaction: with ordering `none`, [`HotPathSql::claim_none`] then
+/// [`HotPathSql::mark_claimed`]; with ordering `aggregate`, [`HotPathSql::candidates`], the
+/// probe ([`HotPathSql::probe`], whose error [`is_locked`] tells a locked row), then
+/// [`HotPathSql::mark_claimed`] and [`HotPathSql::rows`] of the candidates taken.
+#[cfg(feature = "bench")]
+#[derive(Debug)]
+pub struct HotPathSql {
+    claim: ClaimSql,
+}
+
+#[cfg(feature = "bench")]
+impl HotPathSql {
+    /// The statements for `table`.
+    pub fn new(table: &TableName) -> Self {
+        Self {
+            claim: ClaimSql::new(table),
+        }
+    }
+
+    /// The claim with ordering `none` (prepared; `?` batch size): the ready rows, locked.
+    pub fn claim_none(&self) -> &str {
+        &self.claim.ready_rows
+    }
+
+    /// An ordered claim's candidates (prepared; `?` the scan window): `seq`, `aggregate_type`,
+    /// `aggregate_id` of the ready rows, locked.
+    pub fn candidates(&self) -> &str {
+        &self.claim.ready_keys
+    }
+
+    /// The ordering guard's probe over `(aggregate_type, aggregate_id, last candidate's seq)`.
+    pub fn probe(&self, heads: &[(&str, &str, i64)]) -> String {
+        self.claim.probe(heads)
+    }
+
+    /// Marks `seqs` claimed by `instance`.
+    pub fn mark_claimed(&self, seqs: &[i64], instance: &str) -> String {
+        self.claim.mark_claimed(seqs, &literal(instance))
+    }
+
+    /// The rows `seqs`, in `seq` order (an ordered claim's result).
+    pub fn rows(&self, seqs: &[i64]) -> String {
+        self.claim.rows(seqs)
+    }
+}
+
 /// `text` as a utf8mb4 string literal written in hex: any byte is safe in it, and it takes
 /// the collation of the column it is compared with or assigned to.
 pub(super) fn literal(text: &str) -> String {
@@ -434,7 +482,7 @@ impl MysqlStore {
 }
 
 /// Whether `e` is `NOWAIT` meeting a locked row (MySQL 3572, MariaDB 1205).
-fn is_locked(e: &mysql_async::Error) -> bool {
+pub fn is_locked(e: &mysql_async::Error) -> bool {
     matches!(e, mysql_async::Error::Server(s) if s.code == 3572 || s.code == 1205)
 }
 

@@ -180,6 +180,16 @@ fn parse_id(text: &str) -> Result<Uuid> {
         .map_err(|e| StoreError::Schema(format!("a row's id {text:?} is not a UUID: {e}")))
 }
 
+/// The relay's own claim statements and session settings on a MySQL outbox, for the benchmark
+/// (`bench/`), whose bare MariaDB client replays them outside the relay. Behind the `bench`
+/// feature, which only the benchmark turns on: they are not part of the library's API.
+#[cfg(feature = "bench")]
+pub mod bench {
+    pub use super::claim::{HotPathSql, is_locked};
+    pub use super::connect::SESSION_SETTINGS;
+    pub use crate::store::postgres::bench::scan_window;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
