@@ -426,8 +426,9 @@ impl Worker {
     }
 
     /// The relay's claim with ordering `aggregate`: the candidates (prepared, the relay's
-    /// scan window), one probe over every candidate aggregate (halved around locked rows, as
-    /// the relay does), then mark claimed and read the rows taken.
+    /// scan window), the aggregates in flight, one probe over every other candidate aggregate
+    /// (halved around locked rows, as the relay does), then mark claimed and read the rows
+    /// taken.
     async fn claim_ordered(&mut self) -> Result<Claimed> {
         let mut tx = self.conn.start_transaction(TxOpts::default()).await?;
         let scan = scan_window(i64::try_from(BATCH)?);
@@ -446,12 +447,22 @@ impl Worker {
             }
         }
         let mine: HashSet<i64> = keys.iter().map(|k| k.0).collect();
+        // Aggregates in flight wait without being probed, as in the relay.
+        let busy: Vec<(String, String)> = tx.query(self.sql.busy()).await?;
+        let mut blocked: HashMap<(String, String), i64> = HashMap::new();
+        let busy: std::collections::HashSet<(String, String)> = busy.into_iter().collect();
+        for ((ty, id), (first, _)) in &span {
+            let key = ((*ty).to_owned(), (*id).to_owned());
+            if busy.contains(&key) {
+                blocked.insert(key, *first);
+            }
+        }
         let mut heads: Vec<(&str, &str, i64)> = span
             .iter()
+            .filter(|((ty, id), _)| !blocked.contains_key(&((*ty).to_owned(), (*id).to_owned())))
             .map(|((ty, id), (_, last))| (*ty, *id, *last))
             .collect();
         heads.sort_unstable_by_key(|h| h.2);
-        let mut blocked: HashMap<(String, String), i64> = HashMap::new();
         let mut work = vec![heads.as_slice()];
         while let Some(part) = work.pop() {
             if part.is_empty() {

@@ -28,6 +28,10 @@ pub(super) const SUSPECT: &str = "lease expired:";
 const COLUMNS: &str = "seq, id, aggregate_type, aggregate_id, event_type, payload, headers, \
                        destination, attempts, created_at, expires_at";
 
+/// At most this many aggregates in flight are read before an ordered claim (the probe covers
+/// any beyond them).
+const BUSY_CAP: usize = 10_000;
+
 /// The statements of claiming, rendered once for the table.
 #[derive(Debug)]
 pub(super) struct ClaimSql {
@@ -38,6 +42,8 @@ pub(super) struct ClaimSql {
     ready_rows: String,
     /// Ready rows' keys in `seq` order, locked (`?` limit): an ordered claim's candidates.
     ready_keys: String,
+    /// The aggregates with a row in flight (read, not locked): their candidates wait.
+    busy: String,
     /// Whether a suspect is ready.
     suspects_waiting: String,
     /// The oldest ready suspect, locked.
@@ -61,6 +67,10 @@ impl ClaimSql {
             ready_keys: format!(
                 "SELECT seq, aggregate_type, aggregate_id FROM {t} WHERE {ready} AND {not_suspect} \
                  ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
+            ),
+            busy: format!(
+                "SELECT DISTINCT aggregate_type, aggregate_id FROM {t} \
+                 WHERE status = 'processing' AND aggregate_id IS NOT NULL LIMIT {BUSY_CAP}"
             ),
             suspects_waiting: format!(
                 "SELECT EXISTS (SELECT 1 FROM {t} WHERE {ready} AND {suspect})"
@@ -132,6 +142,7 @@ impl ClaimSql {
         [
             ("claim.ready_rows", self.ready_rows.clone()),
             ("claim.ready_keys", self.ready_keys.clone()),
+            ("claim.busy", self.busy.clone()),
             (
                 "claim.probe",
                 self.probe(&[("order", "42", 8), ("invoice", "7", 9)]),
@@ -201,6 +212,11 @@ impl HotPathSql {
     /// `aggregate_id` of the ready rows, locked.
     pub fn candidates(&self) -> &str {
         &self.claim.ready_keys
+    }
+
+    /// The aggregates with a row in flight, read before the probe: their candidates wait.
+    pub fn busy(&self) -> &str {
+        &self.claim.busy
     }
 
     /// The ordering guard's probe over `(aggregate_type, aggregate_id, last candidate's seq)`.
@@ -331,7 +347,8 @@ impl MysqlStore {
                 aggregate: id.map(|id| (ty, id)),
             });
         }
-        let blocked = self.blocked_from(tx, &candidates).await?;
+        let busy: Vec<(String, String)> = tx.query(&self.q.claim.busy).await?;
+        let blocked = self.blocked_from(tx, &candidates, busy).await?;
         let mut taken = Vec::new();
         for c in &candidates {
             if taken.len() >= limit {
@@ -356,13 +373,16 @@ impl MysqlStore {
     }
 
     /// For each aggregate among `candidates`, the seq from which its candidates are held back:
-    /// the first open row before its last candidate that is not a candidate itself, or its
-    /// first candidate when the probe could not read its rows (one of them is locked). An
-    /// aggregate absent from the map holds nothing back.
+    /// its first candidate when it is `busy` (a row of it in flight) or when the probe could
+    /// not read its rows (one of them is locked), else the first open row before its last
+    /// candidate that is not a candidate itself. An aggregate absent from the map holds nothing
+    /// back. Only the aggregates not busy are probed: fewer ranges, and no row a concurrent
+    /// settle is writing to make the probe fail.
     async fn blocked_from(
         &self,
         tx: &mut Transaction<'_>,
         candidates: &[Candidate],
+        busy: Vec<(String, String)>,
     ) -> Result<HashMap<(String, String), i64>> {
         // Each aggregate's first and last candidate.
         let mut span: HashMap<(&str, &str), (i64, i64)> = HashMap::new();
@@ -373,12 +393,20 @@ impl MysqlStore {
             }
         }
         let mine: std::collections::HashSet<i64> = candidates.iter().map(|c| c.seq).collect();
+        let mut blocked = HashMap::new();
+        let busy: std::collections::HashSet<(String, String)> = busy.into_iter().collect();
+        for ((ty, id), (first, _)) in &span {
+            let key = ((*ty).to_owned(), (*id).to_owned());
+            if busy.contains(&key) {
+                blocked.insert(key, *first);
+            }
+        }
         let mut heads: Vec<(&str, &str, i64)> = span
             .iter()
+            .filter(|((ty, id), _)| !blocked.contains_key(&((*ty).to_owned(), (*id).to_owned())))
             .map(|((ty, id), (_, last))| (*ty, *id, *last))
             .collect();
         heads.sort_unstable_by_key(|h| h.2);
-        let mut blocked = HashMap::new();
         // Probe all aggregates at once; where that meets a locked row, halve the set until
         // each locked aggregate stands alone (and is held back from its first candidate).
         let mut work = vec![heads.as_slice()];
