@@ -153,27 +153,14 @@ enum SslMode {
 /// `prefer_socket=true` (mysql_async would otherwise move a connection to 127.0.0.1 onto the
 /// server's Unix socket).
 pub fn mysql_opts(url: &str) -> Result<Opts, String> {
-    let bad = |why: String| why;
-    let mut parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
+    let mut parsed = url::Url::parse(url).map_err(|e| e.to_string())?;
     let mut mode = SslMode::Off;
     let mut ca: Option<String> = None;
     let mut rest: Vec<(String, String)> = Vec::new();
     let mut socket_chosen = false;
     for (k, v) in parsed.query_pairs() {
         match k.to_ascii_lowercase().replace('_', "-").as_str() {
-            "ssl-mode" | "sslmode" => {
-                mode = match v.to_ascii_uppercase().replace('-', "_").as_str() {
-                    "DISABLED" | "DISABLE" | "PREFERRED" | "PREFER" => SslMode::Off,
-                    "REQUIRED" | "REQUIRE" => SslMode::Required,
-                    "VERIFY_CA" => SslMode::VerifyCa,
-                    "VERIFY_IDENTITY" | "VERIFY_FULL" => SslMode::VerifyIdentity,
-                    other => {
-                        return Err(bad(format!(
-                            "ssl-mode={other} is not one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA, VERIFY_IDENTITY"
-                        )));
-                    }
-                }
-            }
+            "ssl-mode" | "sslmode" => mode = SslMode::parse(&v)?,
             "ssl-ca" | "sslrootcert" => ca = Some(v.into_owned()),
             key => {
                 socket_chosen |= key == "prefer-socket";
@@ -186,35 +173,57 @@ pub fn mysql_opts(url: &str) -> Result<Opts, String> {
     } else {
         parsed.query_pairs_mut().clear().extend_pairs(rest);
     }
-    let base = Opts::from_url(parsed.as_str()).map_err(|e| bad(e.to_string()))?;
-    let ssl = match mode {
-        SslMode::Off => None,
-        SslMode::Required => Some(
-            SslOpts::default()
-                .with_danger_accept_invalid_certs(true)
-                .with_danger_skip_domain_validation(true),
-        ),
-        SslMode::VerifyCa => Some(SslOpts::default().with_danger_skip_domain_validation(true)),
-        SslMode::VerifyIdentity => Some(SslOpts::default()),
-    };
-    let ssl = match (ssl, ca) {
-        (Some(s), Some(ca)) => Some(s.with_root_certs(vec![std::path::PathBuf::from(ca).into()])),
-        (Some(s), None) => Some(s),
-        (None, Some(_)) => {
-            return Err(bad(
-                "ssl-ca is set but ssl-mode asks for no TLS: add ssl-mode=VERIFY_CA or VERIFY_IDENTITY"
-                    .into(),
-            ));
-        }
-        (None, None) => None,
-    };
-    let builder = OptsBuilder::from_opts(base).ssl_opts(ssl);
+    let base = Opts::from_url(parsed.as_str()).map_err(|e| e.to_string())?;
+    let builder = OptsBuilder::from_opts(base).ssl_opts(mode.ssl_opts(ca)?);
     Ok(if socket_chosen {
         builder
     } else {
         builder.prefer_socket(false)
     }
     .into())
+}
+
+impl SslMode {
+    /// An `ssl-mode` value, as the `mysql` client spells it (case and `-`/`_` aside).
+    fn parse(value: &str) -> Result<Self, String> {
+        Ok(
+            match value.to_ascii_uppercase().replace('-', "_").as_str() {
+                "DISABLED" | "DISABLE" | "PREFERRED" | "PREFER" => Self::Off,
+                "REQUIRED" | "REQUIRE" => Self::Required,
+                "VERIFY_CA" => Self::VerifyCa,
+                "VERIFY_IDENTITY" | "VERIFY_FULL" => Self::VerifyIdentity,
+                other => {
+                    return Err(format!(
+                        "ssl-mode={other} is not one of DISABLED, PREFERRED, REQUIRED, VERIFY_CA, VERIFY_IDENTITY"
+                    ));
+                }
+            },
+        )
+    }
+
+    /// The driver's TLS options for this mode, trusting `ca` too when given.
+    fn ssl_opts(self, ca: Option<String>) -> Result<Option<SslOpts>, String> {
+        let ssl = match self {
+            Self::Off => None,
+            Self::Required => Some(
+                SslOpts::default()
+                    .with_danger_accept_invalid_certs(true)
+                    .with_danger_skip_domain_validation(true),
+            ),
+            Self::VerifyCa => Some(SslOpts::default().with_danger_skip_domain_validation(true)),
+            Self::VerifyIdentity => Some(SslOpts::default()),
+        };
+        match (ssl, ca) {
+            (Some(s), Some(ca)) => Ok(Some(
+                s.with_root_certs(vec![std::path::PathBuf::from(ca).into()]),
+            )),
+            (ssl, None) => Ok(ssl),
+            (None, Some(_)) => Err(
+                "ssl-ca is set but ssl-mode asks for no TLS: add ssl-mode=VERIFY_CA or VERIFY_IDENTITY"
+                    .into(),
+            ),
+        }
+    }
 }
 
 /// Checks a database URL (`key` is the configuration key it came from, for the error) and
