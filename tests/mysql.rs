@@ -369,39 +369,3 @@ async fn ssl_mode_required_against_a_server_without_tls_fails_naming_tls() {
         }
     }
 }
-
-/// With ordering `none` a backlog is claimed in parts run at once on their own connections:
-/// every row still goes out exactly once, claimed once (one attempt each).
-#[tokio::test]
-async fn a_backlog_claimed_in_parts_at_once_goes_out_once() {
-    let (table, rabbit) = table_and_exchange("my_split").await;
-    let rows: Vec<NewRow> = (0..3000)
-        .map(|i| {
-            NewRow::new(
-                "order",
-                Some(&format!("k{}", i % 50)),
-                "e",
-                json!({ "i": i }),
-            )
-        })
-        .collect();
-    table.insert(&rows).await;
-    let relay = relay(&table, &rabbit, "my-split")
-        .set("relay.ordering", "none")
-        .spawn();
-    table.wait_all_sent(WAIT).await;
-    rabbit.barrier().await;
-    let states = table.rows().await;
-    assert_eq!(states.len(), 3000);
-    let claimed_twice: Vec<_> = states.iter().filter(|r| r.attempts != 1).collect();
-    assert!(
-        claimed_twice.is_empty(),
-        "claimed more than once: {claimed_twice:?}"
-    );
-    // Ordering `none` promises no order: the parts' rows interleave.
-    let analysis = rabbit.analyse(&states).ignoring_order();
-    analysis.assert_exactly_once("a split claim on MySQL");
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
-}
