@@ -18,7 +18,7 @@ use mysql_async::{Row, Transaction, TxOpts};
 use super::{MysqlStore, Result, StoreError, parse_id, seq_list, utc};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
-use crate::store::postgres::{scan_window, split};
+use crate::store::postgres::scan_window;
 use crate::store::{Claim, Expired, ExpirySweep};
 
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them.
@@ -286,66 +286,9 @@ struct Candidate {
 
 impl MysqlStore {
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
-    /// up to `limit` ready rows; with [`Ordering::Aggregate`], only rows whose aggregate has no
-    /// open row before them but rows claimed with them, in one transaction. With ordering
-    /// `none` and `parts` above 1 the claim is split into that many transactions run at once
-    /// on their own connections, each for its share of `limit` (they skip each other's locked
-    /// rows): one claim keeps one server thread busy, and a backlog drains faster when the
-    /// server's other cores help. The rows come back in `seq` order either way.
+    /// up to `limit` ready rows in one transaction; with [`Ordering::Aggregate`], only rows
+    /// whose aggregate has no open row before them but rows claimed with them.
     pub async fn claim_and_expire(
-        &self,
-        ordering: Ordering,
-        limit: usize,
-        sweep: ExpirySweep,
-        parts: usize,
-    ) -> Result<Claim> {
-        let parts = parts.clamp(1, limit.max(1));
-        if ordering == Ordering::Aggregate || parts == 1 {
-            return self.claim_whole(ordering, limit, sweep).await;
-        }
-        let shares = split(limit, parts);
-        let claims = shares.iter().enumerate().map(|(k, share)| {
-            // The expiry sweep once, with the first part.
-            let sweep = if k == 0 { sweep } else { ExpirySweep::Skip };
-            self.claim_whole(Ordering::None, *share, sweep)
-        });
-        // Every part runs to its end, even when another fails: its rows are claimed once it
-        // commits.
-        let answers = futures::future::join_all(claims).await;
-        let mut claim = Claim {
-            rows: Vec::with_capacity(limit),
-            expired: Vec::new(),
-            more: false,
-            uneven: false,
-            answer_lost: false,
-        };
-        let (mut short, mut failed) = (false, None);
-        for (answer, share) in answers.into_iter().zip(&shares) {
-            match answer {
-                Ok(part) => {
-                    claim.more |= part.rows.len() >= *share;
-                    short |= part.rows.len() < *share;
-                    claim.rows.extend(part.rows);
-                    claim.expired.extend(part.expired);
-                }
-                Err(e) => failed = failed.or(Some(e)),
-            }
-        }
-        if let Some(e) = failed {
-            if claim.rows.is_empty() {
-                return Err(e);
-            }
-            // Those rows are this relay's now and go out; the next round retries the rest.
-            tracing::warn!(error = %e, claimed = claim.rows.len(), "part of a split claim failed; publishing what the other parts claimed");
-            claim.answer_lost = e.answer_may_be_lost();
-        }
-        claim.uneven = claim.more && short;
-        claim.rows.sort_unstable_by_key(|m| m.seq);
-        Ok(claim)
-    }
-
-    /// [`MysqlStore::claim_and_expire`] in one transaction.
-    async fn claim_whole(
         &self,
         ordering: Ordering,
         limit: usize,
