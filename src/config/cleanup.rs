@@ -18,6 +18,16 @@ pub struct RawCleanup {
     pub batch_size: usize,
 }
 
+impl Default for RawCleanup {
+    fn default() -> Self {
+        Self {
+            retention: super::dur("24h"),
+            interval: super::dur("1m"),
+            batch_size: 5000,
+        }
+    }
+}
+
 /// The validated `[cleanup]` section.
 #[derive(Debug, Clone)]
 pub struct CleanupConfig {

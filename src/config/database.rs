@@ -33,6 +33,19 @@ pub struct RawDatabase {
     pub query_timeout: HumanDuration,
 }
 
+impl Default for RawDatabase {
+    fn default() -> Self {
+        Self {
+            url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
+            pool_size: 8,
+            table: None,
+            auto_migrate: false,
+            partition_interval: None,
+            query_timeout: super::dur("30s"),
+        }
+    }
+}
+
 /// A validated table name: `name` or `schema.name`, each a bare SQL identifier.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TableName {

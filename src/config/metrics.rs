@@ -14,6 +14,14 @@ pub struct RawMetrics {
     pub listen: String,
 }
 
+impl Default for RawMetrics {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9187".into(),
+        }
+    }
+}
+
 impl RawMetrics {
     /// The address to listen on; `None` when the setting is empty (no server).
     pub(super) fn validate(self) -> Result<Option<SocketAddr>, ConfigError> {

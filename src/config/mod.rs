@@ -22,7 +22,6 @@ mod retry;
 mod signing;
 mod traces;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -124,8 +123,9 @@ fn dur(s: &str) -> HumanDuration {
     HumanDuration(humantime::parse_duration(s).unwrap_or_default())
 }
 
-/// The whole file as written, before validation.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+/// The whole file as written, before validation; its default is every section's default (the
+/// documented defaults, docs/configuration.md).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawConfig {
     /// `[database]`
@@ -152,79 +152,6 @@ pub struct RawConfig {
     /// `[[outboxes]]`: the tables this relay serves (none: one, `database.table`).
     #[serde(default)]
     pub outboxes: Vec<RawOutbox>,
-}
-
-impl Default for RawConfig {
-    fn default() -> Self {
-        Self {
-            database: RawDatabase {
-                url: "postgres://postgres@127.0.0.1:5432/postgres".into(),
-                pool_size: 8,
-                table: None,
-                auto_migrate: false,
-                partition_interval: None,
-                query_timeout: dur("30s"),
-            },
-            relay: RawRelay {
-                instance_id: None,
-                batch_size: 500,
-                max_in_flight: 1000,
-                poll_interval: dur("1s"),
-                notify: true,
-                lease_timeout: dur("60s"),
-                ordering: Ordering::Aggregate,
-                source: None,
-                shutdown_timeout: dur("30s"),
-            },
-            retry: RawRetry {
-                base_delay: dur("1s"),
-                max_delay: dur("5m"),
-                max_attempts: 12,
-                jitter: 0.2,
-            },
-            publisher: RawPublisher {
-                kind: PublisherKind::RabbitMq,
-                rabbitmq: RawRabbitMq {
-                    url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
-                    exchange: "outbox".into(),
-                    exchange_type: ExchangeType::Topic,
-                    declare_exchange: true,
-                    routing_key: "{aggregate_type}.{event_type}".into(),
-                    confirm_timeout: dur("30s"),
-                    declare_queue: String::new(),
-                    queue_binding: "#".into(),
-                    cloudevents_prefix: CloudEventsPrefix::Colon,
-                    tls_ca_file: String::new(),
-                },
-                kafka: RawKafka {
-                    brokers: "127.0.0.1:9092".into(),
-                    topic: "{aggregate_type}".into(),
-                    message_timeout: dur("30s"),
-                    properties: BTreeMap::new(),
-                },
-                nats: RawNats::default(),
-                redis: RawRedis {
-                    url: "redis://127.0.0.1:6379".into(),
-                    stream: "outbox.{aggregate_type}".into(),
-                    max_len: None,
-                    timeout: dur("10s"),
-                },
-                http: RawHttp::default(),
-            },
-            metrics: RawMetrics {
-                listen: "127.0.0.1:9187".into(),
-            },
-            cleanup: RawCleanup {
-                retention: dur("24h"),
-                interval: dur("1m"),
-                batch_size: 5000,
-            },
-            signing: RawSigning::default(),
-            tracing: RawTracing::default(),
-            console: RawConsole::default(),
-            outboxes: Vec::new(),
-        }
-    }
 }
 
 /// The validated configuration.

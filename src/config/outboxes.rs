@@ -81,15 +81,7 @@ pub(super) fn validate(
         let table =
             TableName::parse(&o.table).map_err(|r| ConfigError::invalid(key("table"), r))?;
         let name = o.name.unwrap_or_else(|| o.table.clone());
-        check_name(&name).map_err(|r| ConfigError::invalid(key("name"), r))?;
-        if let Some(first) = names.insert(name.clone(), i) {
-            return Err(ConfigError::invalid(
-                key("name"),
-                format!(
-                    "{name:?} is also the name of outboxes[{first}] (a name defaults to the table as written): give each outbox its own name"
-                ),
-            ));
-        }
+        unique_name(&mut names, &name, i).map_err(|r| ConfigError::invalid(key("name"), r))?;
         let url = o.url.unwrap_or_else(|| inherited.database.url.clone());
         let dbname = database_name(&key("url"), &url)?;
         let kind = DatabaseKind::of(&url);
@@ -103,12 +95,7 @@ pub(super) fn validate(
             ));
         }
         let ordering = match o.ordering {
-            Some(s) => choose(
-                "outboxes[].ordering",
-                &s,
-                &[("aggregate", Ordering::Aggregate), ("none", Ordering::None)],
-            )
-            .map_err(|e| rename(e, key("ordering")))?,
+            Some(s) => ordering_of(&s).map_err(|e| rename(e, key("ordering")))?,
             None => inherited.ordering,
         };
         let source = source(o.source.as_deref().or(inherited.source), &dbname, &table)
@@ -125,11 +112,8 @@ pub(super) fn validate(
             database: DatabaseConfig {
                 url,
                 kind,
-                pool_size: inherited.database.pool_size,
                 table,
-                auto_migrate: inherited.database.auto_migrate,
-                partition_interval: inherited.database.partition_interval,
-                query_timeout: inherited.database.query_timeout,
+                ..inherited.database.clone()
             },
             ordering,
             source,
@@ -137,6 +121,27 @@ pub(super) fn validate(
         });
     }
     Ok(out)
+}
+
+/// Why entry `i`'s `name` cannot name it (see [`check_name`]), or is another entry's already;
+/// records it in `names`.
+fn unique_name(names: &mut HashMap<String, usize>, name: &str, i: usize) -> Result<(), String> {
+    check_name(name)?;
+    match names.insert(name.to_owned(), i) {
+        Some(first) => Err(format!(
+            "{name:?} is also the name of outboxes[{first}] (a name defaults to the table as written): give each outbox its own name"
+        )),
+        None => Ok(()),
+    }
+}
+
+/// An entry's `ordering`.
+fn ordering_of(value: &str) -> Result<Ordering, ConfigError> {
+    choose(
+        "outboxes[].ordering",
+        value,
+        &[("aggregate", Ordering::Aggregate), ("none", Ordering::None)],
+    )
 }
 
 /// Why `name` cannot name an outbox, if it cannot.

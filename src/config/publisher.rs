@@ -160,6 +160,40 @@ pub struct RawPublisher {
     pub http: super::http::RawHttp,
 }
 
+impl Default for RawPublisher {
+    fn default() -> Self {
+        Self {
+            kind: PublisherKind::RabbitMq,
+            rabbitmq: RawRabbitMq {
+                url: "amqp://guest:guest@127.0.0.1:5672/%2f".into(),
+                exchange: "outbox".into(),
+                exchange_type: ExchangeType::Topic,
+                declare_exchange: true,
+                routing_key: "{aggregate_type}.{event_type}".into(),
+                confirm_timeout: super::dur("30s"),
+                declare_queue: String::new(),
+                queue_binding: "#".into(),
+                cloudevents_prefix: CloudEventsPrefix::Colon,
+                tls_ca_file: String::new(),
+            },
+            kafka: RawKafka {
+                brokers: "127.0.0.1:9092".into(),
+                topic: "{aggregate_type}".into(),
+                message_timeout: super::dur("30s"),
+                properties: BTreeMap::new(),
+            },
+            nats: RawNats::default(),
+            redis: RawRedis {
+                url: "redis://127.0.0.1:6379".into(),
+                stream: "outbox.{aggregate_type}".into(),
+                max_len: None,
+                timeout: super::dur("10s"),
+            },
+            http: super::RawHttp::default(),
+        }
+    }
+}
+
 /// The validated RabbitMQ settings.
 #[derive(Debug, Clone)]
 pub struct RabbitMqConfig {

@@ -30,6 +30,22 @@ pub struct RawRelay {
     pub shutdown_timeout: HumanDuration,
 }
 
+impl Default for RawRelay {
+    fn default() -> Self {
+        Self {
+            instance_id: None,
+            batch_size: 500,
+            max_in_flight: 1000,
+            poll_interval: super::dur("1s"),
+            notify: true,
+            lease_timeout: super::dur("60s"),
+            ordering: Ordering::Aggregate,
+            source: None,
+            shutdown_timeout: super::dur("30s"),
+        }
+    }
+}
+
 /// How rows of one aggregate are ordered on the broker (`relay.ordering`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

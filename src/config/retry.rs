@@ -19,6 +19,17 @@ pub struct RawRetry {
     pub jitter: f64,
 }
 
+impl Default for RawRetry {
+    fn default() -> Self {
+        Self {
+            base_delay: super::dur("1s"),
+            max_delay: super::dur("5m"),
+            max_attempts: 12,
+            jitter: 0.2,
+        }
+    }
+}
+
 impl RawRetry {
     /// Checks the section.
     pub(super) fn validate(self) -> Result<RetryPolicy, ConfigError> {

@@ -111,25 +111,7 @@ impl RawSigning {
                 ),
             ));
         }
-        // Never echo the key in an error: only its length and what is expected.
-        // `whsec_<base64>` is how Standard Webhooks libraries write a secret: the same bytes.
-        let encoded = [BASE64_PREFIX, WHSEC_PREFIX]
-            .into_iter()
-            .find_map(|prefix| Some((prefix, key.0.strip_prefix(prefix)?)));
-        let bytes = match encoded {
-            Some((prefix, b64)) => {
-                use base64::Engine;
-                base64::engine::general_purpose::STANDARD
-                    .decode(b64.trim())
-                    .map_err(|_| {
-                        ConfigError::invalid(
-                            "signing.key",
-                            format!("the text after {prefix:?} is not standard base64 (A-Z, a-z, 0-9, '+', '/', padded with '='); the value is not shown"),
-                        )
-                    })?
-            }
-            None => key.0.into_bytes(),
-        };
+        let bytes = key_bytes(key.0)?;
         if bytes.len() < MIN_SIGNING_KEY_BYTES {
             return Err(ConfigError::invalid(
                 "signing.key",
@@ -140,6 +122,30 @@ impl RawSigning {
             ));
         }
         Ok(Some(SigningConfig { key_id, key: bytes }))
+    }
+}
+
+/// The key's bytes: `base64:` or `whsec_` and standard base64, or the text itself. An error
+/// never shows the key.
+fn key_bytes(key: String) -> Result<Vec<u8>, ConfigError> {
+    // Never echo the key in an error: only its length and what is expected.
+    // `whsec_<base64>` is how Standard Webhooks libraries write a secret: the same bytes.
+    let encoded = [BASE64_PREFIX, WHSEC_PREFIX]
+        .into_iter()
+        .find_map(|prefix| Some((prefix, key.strip_prefix(prefix)?)));
+    match encoded {
+        Some((prefix, b64)) => {
+            use base64::Engine;
+            base64::engine::general_purpose::STANDARD
+                .decode(b64.trim())
+                .map_err(|_| {
+                    ConfigError::invalid(
+                        "signing.key",
+                        format!("the text after {prefix:?} is not standard base64 (A-Z, a-z, 0-9, '+', '/', padded with '='); the value is not shown"),
+                    )
+                })
+        }
+        None => Ok(key.into_bytes()),
     }
 }
 
