@@ -9,7 +9,7 @@
 //! with the library's own `Store::mark_sent` (the relay's settle, text and all, on a pool of
 //! its own per worker): the settle statements are not exported on their own.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use anyhow::{Context as _, Result, anyhow, bail};
 use mysql_async::prelude::Queryable;
 use mysql_async::{Conn, OptsBuilder, Row, TxOpts};
 use outbox_relay::config::{Ordering, TableName};
-use outbox_relay::store::mysql::bench::{HotPathSql, SESSION_SETTINGS, is_locked, scan_window};
+use outbox_relay::store::mysql::bench::{HotPathSql, SESSION_SETTINGS};
 use outbox_relay::store::{OnConfirm, Store};
 use serde_json::json;
 use tokio::sync::{Mutex, Notify};
@@ -297,9 +297,10 @@ async fn bare_db(ctx: &mut Ctx, ordering: Ordering) -> Result<()> {
     verify_sent(ctx, &table).await?;
     let r = rate(ctx.rows, elapsed);
     ctx.progress(format!(
-        "mysql: bare client ({name}): {r:.0} rows/s in {elapsed:.2?} ({} claims, {} held back, {} probes of which {} met a locked row); {}",
+        "mysql: bare client ({name}): {r:.0} rows/s in {elapsed:.2?} ({} claims, {} held back, {} gates passed, {} probes of which {} met a locked row); {}",
         tally.claims,
         tally.held_back,
+        tally.gated,
         tally.probes,
         tally.locked,
         cpu_text(&usage)
@@ -319,7 +320,7 @@ async fn bare_db(ctx: &mut Ctx, ordering: Ordering) -> Result<()> {
         key,
         json!({"rows": ctx.rows, "seconds": elapsed.as_secs_f64(), "cpu": usage,
                "connections": CLIENTS, "batch": BATCH, "claims": tally.claims,
-               "held_back": tally.held_back, "probes": tally.probes,
+               "held_back": tally.held_back, "gates_passed": tally.gated, "probes": tally.probes,
                "probes_locked": tally.locked}),
     );
     Ok(())
@@ -350,6 +351,8 @@ struct Tally {
     claims: usize,
     /// Ordered claims whose every candidate was held back.
     held_back: usize,
+    /// Ordered claims whose gate passed (no aggregate probed).
+    gated: usize,
     /// Probe statements (ordering aggregate).
     probes: usize,
     /// Probes that met a locked row (and were split, or held their aggregate back).
@@ -361,6 +364,7 @@ impl Tally {
         self.sent += o.sent;
         self.claims += o.claims;
         self.held_back += o.held_back;
+        self.gated += o.gated;
         self.probes += o.probes;
         self.locked += o.locked;
     }
@@ -425,104 +429,26 @@ impl Worker {
         })
     }
 
-    /// The relay's claim with ordering `aggregate`: the candidates (prepared, the relay's
-    /// scan window), the aggregates in flight, one probe over every other candidate aggregate
-    /// (halved around locked rows, as the relay does), then mark claimed and read the rows
-    /// taken.
+    /// The relay's claim with ordering `aggregate`, as the relay runs it
+    /// ([`HotPathSql::claim_ordered`]: the candidates over the relay's scan window, the
+    /// ordering guard, mark claimed and the rows taken).
     async fn claim_ordered(&mut self) -> Result<Claimed> {
         let mut tx = self.conn.start_transaction(TxOpts::default()).await?;
-        let scan = scan_window(i64::try_from(BATCH)?);
-        let keys: Vec<(i64, String, Option<String>)> =
-            tx.exec(self.sql.candidates(), (scan,)).await?;
-        if keys.is_empty() {
-            tx.commit().await?;
-            return Ok(Claimed::Nothing);
-        }
-        // Each aggregate's first and last candidate.
-        let mut span: HashMap<(&str, &str), (i64, i64)> = HashMap::new();
-        for (seq, ty, id) in &keys {
-            if let Some(id) = id {
-                let e = span.entry((ty, id)).or_insert((*seq, *seq));
-                e.1 = *seq;
-            }
-        }
-        let mine: HashSet<i64> = keys.iter().map(|k| k.0).collect();
-        // Aggregates in flight wait without being probed, as in the relay.
-        let busy: Vec<(String, String)> = tx.query(self.sql.busy()).await?;
-        let mut blocked: HashMap<(String, String), i64> = HashMap::new();
-        let busy: std::collections::HashSet<(String, String)> = busy.into_iter().collect();
-        for ((ty, id), (first, _)) in &span {
-            let key = ((*ty).to_owned(), (*id).to_owned());
-            if busy.contains(&key) {
-                blocked.insert(key, *first);
-            }
-        }
-        let mut heads: Vec<(&str, &str, i64)> = span
-            .iter()
-            .filter(|((ty, id), _)| !blocked.contains_key(&((*ty).to_owned(), (*id).to_owned())))
-            .map(|((ty, id), (_, last))| (*ty, *id, *last))
-            .collect();
-        heads.sort_unstable_by_key(|h| h.2);
-        let mut work = vec![heads.as_slice()];
-        while let Some(part) = work.pop() {
-            if part.is_empty() {
-                continue;
-            }
-            self.tally.probes += 1;
-            match tx
-                .query::<(String, String, i64), _>(self.sql.probe(part))
-                .await
-            {
-                Ok(rows) => {
-                    for (ty, id, seq) in rows {
-                        if !mine.contains(&seq) {
-                            let e = blocked.entry((ty, id)).or_insert(seq);
-                            *e = (*e).min(seq);
-                        }
-                    }
-                }
-                Err(e) if is_locked(&e) => {
-                    self.tally.locked += 1;
-                    if let [(ty, id, _)] = part {
-                        let first = span.get(&(*ty, *id)).map_or(i64::MIN, |s| s.0);
-                        blocked.insert(((*ty).to_owned(), (*id).to_owned()), first);
-                    } else {
-                        let (a, b) = part.split_at(part.len() / 2);
-                        work.push(a);
-                        work.push(b);
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        let mut taken = Vec::with_capacity(BATCH);
-        for (seq, ty, id) in &keys {
-            if taken.len() >= BATCH {
-                break;
-            }
-            let free = match id {
-                None => true,
-                Some(id) => blocked
-                    .get(&(ty.clone(), id.clone()))
-                    .is_none_or(|&from| *seq < from),
-            };
-            if free {
-                taken.push(*seq);
-            }
-        }
-        if taken.is_empty() {
-            tx.commit().await?;
-            return Ok(Claimed::HeldBack);
-        }
-        tx.query_drop(self.sql.mark_claimed(&taken, &self.instance))
+        let (rows, guarded) = self
+            .sql
+            .claim_ordered(&mut tx, BATCH, &self.instance)
             .await?;
-        let rows: Vec<Row> = tx.query(self.sql.rows(&taken)).await?;
-        let mut ids = Vec::with_capacity(rows.len());
-        for mut r in rows {
-            ids.push(parse_id(&take::<String>(&mut r, 1)?)?);
-        }
         tx.commit().await?;
-        Ok(Claimed::Rows(ids))
+        self.tally.gated += usize::from(guarded.gate_passed);
+        self.tally.probes += guarded.probes;
+        self.tally.locked += guarded.locked;
+        Ok(if !rows.is_empty() {
+            Claimed::Rows(rows.iter().map(|r| r.id).collect())
+        } else if guarded.candidates > 0 {
+            Claimed::HeldBack
+        } else {
+            Claimed::Nothing
+        })
     }
 }
 

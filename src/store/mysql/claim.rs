@@ -1,16 +1,23 @@
 //! Claiming on MySQL: the claim by ordering mode, a suspect on its own, and the expiry sweep
 //! run before them, each one short transaction that commits before anything is published.
 //!
-//! The ordering guard (`ordering = "aggregate"`) is one locking probe per claim: InnoDB shows a
-//! row inserted by a transaction that has not committed yet as a locked index record, so a
-//! `FOR UPDATE NOWAIT` read over an aggregate's open rows before a candidate fails at once
-//! while such a row exists, and finds the committed ones (in flight, backing off, dead) that
-//! hold the candidate back. A candidate is claimed only when the probe over its aggregate
-//! found nothing before it but the candidates claimed with it: no transaction that wrote an
-//! earlier row of the aggregate can still commit, whatever else is running. A transaction on
-//! another table never holds an aggregate back, and the probe waits for no one.
+//! The ordering guard (`ordering = "aggregate"`) rests on one fact of InnoDB: a row inserted by
+//! a transaction that has not committed yet is a locked index record, so a locking read that
+//! meets it with `NOWAIT` fails at once instead of passing it by. A candidate is claimed only
+//! when no row of its aggregate before it is open (pending, in flight or dead) or uncommitted,
+//! whatever else is running; a transaction on another table never holds an aggregate back, and
+//! the guard waits for no one. It takes two reads after the candidates are locked:
+//! - the gate: every pending row before the last candidate, locked with `NOWAIT`. When it
+//!   passes, no uncommitted insert lies before any candidate;
+//! - the open rows before the last candidate (read, not locked): each aggregate is held back
+//!   from its first open row that is not a candidate.
+//!
+//! Where the gate meets a locked row (an insert still open, another relay claiming, a settle
+//! writing), the guard falls back to probing each candidate aggregate's own open rows before
+//! its last candidate, halving the set around locked rows so that only the aggregates whose
+//! rows are locked wait.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use mysql_async::prelude::{FromValue, Queryable};
 use mysql_async::{Row, Transaction, TxOpts};
@@ -28,9 +35,13 @@ pub(super) const SUSPECT: &str = "lease expired:";
 const COLUMNS: &str = "seq, id, aggregate_type, aggregate_id, event_type, payload, headers, \
                        destination, attempts, created_at, expires_at";
 
-/// At most this many aggregates in flight are read before an ordered claim (the probe covers
-/// any beyond them).
+/// At most this many aggregates in flight are read before an ordered claim's probe (the probe
+/// covers any beyond them).
 const BUSY_CAP: usize = 10_000;
+
+/// At most this many open rows before an ordered claim's last candidate are read after the
+/// gate; past it the claim probes its aggregates instead.
+const OPEN_CAP: usize = 20_000;
 
 /// The statements of claiming, rendered once for the table.
 #[derive(Debug)]
@@ -42,7 +53,11 @@ pub(super) struct ClaimSql {
     ready_rows: String,
     /// Ready rows' keys in `seq` order, locked (`?` limit): an ordered claim's candidates.
     ready_keys: String,
-    /// The aggregates with a row in flight (read, not locked): their candidates wait.
+    /// The gate: pending rows before `?`, locked without waiting.
+    gate: String,
+    /// The open rows before `?` (read, not locked), at most [`OPEN_CAP`] + 1.
+    open: String,
+    /// The aggregates with a row in flight (read, not locked): their candidates wait unprobed.
     busy: String,
     /// Whether a suspect is ready.
     suspects_waiting: String,
@@ -55,6 +70,9 @@ pub(super) struct ClaimSql {
 impl ClaimSql {
     pub(super) fn new(table: &TableName) -> Self {
         let t = table.qualified();
+        // Forced: a locking read locks every row it reads, and the gate must read the pending
+        // rows before the candidates and nothing else.
+        let status_idx = format!("{}_status_idx", table.name);
         let ready = "status = 'pending' AND sent_at IS NULL AND available_at <= NOW(6) \
                      AND (expires_at IS NULL OR expires_at > NOW(6))";
         let not_suspect = format!("(last_error IS NULL OR last_error NOT LIKE '{SUSPECT}%')");
@@ -67,6 +85,16 @@ impl ClaimSql {
             ready_keys: format!(
                 "SELECT seq, aggregate_type, aggregate_id FROM {t} WHERE {ready} AND {not_suspect} \
                  ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
+            ),
+            gate: format!(
+                "SELECT seq FROM {t} FORCE INDEX ({status_idx}) \
+                 WHERE status = 'pending' AND seq < ? FOR UPDATE NOWAIT"
+            ),
+            open: format!(
+                "SELECT seq, aggregate_type, aggregate_id FROM {t} FORCE INDEX ({status_idx}) \
+                 WHERE status IN ('pending', 'processing', 'failed') AND seq < ? \
+                 AND aggregate_id IS NOT NULL LIMIT {}",
+                OPEN_CAP + 1
             ),
             busy: format!(
                 "SELECT DISTINCT aggregate_type, aggregate_id FROM {t} \
@@ -142,6 +170,8 @@ impl ClaimSql {
         [
             ("claim.ready_rows", self.ready_rows.clone()),
             ("claim.ready_keys", self.ready_keys.clone()),
+            ("claim.gate", self.gate.clone()),
+            ("claim.open", self.open.clone()),
             ("claim.busy", self.busy.clone()),
             (
                 "claim.probe",
@@ -182,12 +212,11 @@ impl ClaimSql {
     }
 }
 
-/// The relay's claim statements on a MySQL outbox, as the relay sends them, for tools that
-/// replay them outside the relay (the benchmark's bare MariaDB client). A claim is one
-/// transaction: with ordering `none`, [`HotPathSql::claim_none`] then
-/// [`HotPathSql::mark_claimed`]; with ordering `aggregate`, [`HotPathSql::candidates`], the
-/// probe ([`HotPathSql::probe`], whose error [`is_locked`] tells a locked row), then
-/// [`HotPathSql::mark_claimed`] and [`HotPathSql::rows`] of the candidates taken.
+/// The relay's claim on a MySQL outbox, as the relay runs it, for tools that replay it outside
+/// the relay (the benchmark's bare MariaDB client). A claim is one transaction: with ordering
+/// `none`, [`HotPathSql::claim_none`] then [`HotPathSql::mark_claimed`]; with ordering
+/// `aggregate`, [`HotPathSql::claim_ordered`] (the candidates, the guard, mark claimed and the
+/// rows taken, as the relay's own claim runs them).
 #[cfg(feature = "bench")]
 #[derive(Debug)]
 pub struct HotPathSql {
@@ -208,30 +237,20 @@ impl HotPathSql {
         &self.claim.ready_rows
     }
 
-    /// An ordered claim's candidates (prepared; `?` the scan window): `seq`, `aggregate_type`,
-    /// `aggregate_id` of the ready rows, locked.
-    pub fn candidates(&self) -> &str {
-        &self.claim.ready_keys
-    }
-
-    /// The aggregates with a row in flight, read before the probe: their candidates wait.
-    pub fn busy(&self) -> &str {
-        &self.claim.busy
-    }
-
-    /// The ordering guard's probe over `(aggregate_type, aggregate_id, last candidate's seq)`.
-    pub fn probe(&self, heads: &[(&str, &str, i64)]) -> String {
-        self.claim.probe(heads)
-    }
-
     /// Marks `seqs` claimed by `instance`.
     pub fn mark_claimed(&self, seqs: &[i64], instance: &str) -> String {
         self.claim.mark_claimed(seqs, &literal(instance))
     }
 
-    /// The rows `seqs`, in `seq` order (an ordered claim's result).
-    pub fn rows(&self, seqs: &[i64]) -> String {
-        self.claim.rows(seqs)
+    /// The relay's ordered claim of up to `limit` rows inside `tx`, marked claimed by
+    /// `instance`: the rows taken, and how the ordering guard decided.
+    pub async fn claim_ordered(
+        &self,
+        tx: &mut Transaction<'_>,
+        limit: usize,
+        instance: &str,
+    ) -> Result<(Vec<OutboxMessage>, Guarded)> {
+        self.claim.take_ordered(tx, limit, &literal(instance)).await
     }
 }
 
@@ -284,6 +303,220 @@ struct Candidate {
     aggregate: Option<(String, String)>,
 }
 
+/// A candidate key row (`ready_keys`): seq, aggregate type, aggregate id.
+fn candidate_of(mut k: Row) -> Result<Candidate> {
+    let ty: String = column(&mut k, 1, "aggregate_type")?;
+    let id: Option<String> = column(&mut k, 2, "aggregate_id")?;
+    Ok(Candidate {
+        seq: column(&mut k, 0, "seq")?,
+        aggregate: id.map(|id| (ty, id)),
+    })
+}
+
+/// Each aggregate that holds candidates back, and the seq from which it does.
+type HeldBack = HashMap<(String, String), i64>;
+
+/// How an ordered claim's guard decided, for the benchmark's tally.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Guarded {
+    /// Candidates read (ready rows in the scan window).
+    pub candidates: usize,
+    /// Whether the gate passed (else the candidates' aggregates were probed).
+    pub gate_passed: bool,
+    /// Probe statements run.
+    pub probes: usize,
+    /// Probes that met a locked row.
+    pub locked: usize,
+}
+
+/// Holds each aggregate of `open` back from its first row that is not one of the candidates
+/// (`mine`).
+fn hold_back(
+    held: &mut HeldBack,
+    mine: &HashSet<i64>,
+    open: impl IntoIterator<Item = (i64, String, String)>,
+) {
+    for (seq, ty, id) in open {
+        if !mine.contains(&seq) {
+            let from = held.entry((ty, id)).or_insert(seq);
+            *from = (*from).min(seq);
+        }
+    }
+}
+
+/// The candidates an ordered claim takes: in `seq` order, up to `limit`, each whose aggregate
+/// is not held back at or before it.
+fn free_of(candidates: &[Candidate], held: &HeldBack, limit: usize) -> Vec<i64> {
+    candidates
+        .iter()
+        .filter(|c| match &c.aggregate {
+            None => true,
+            Some(key) => held.get(key).is_none_or(|&from| c.seq < from),
+        })
+        .map(|c| c.seq)
+        .take(limit)
+        .collect()
+}
+
+impl ClaimSql {
+    /// The ordered claim inside `tx`: the candidates, the guard, then up to `limit` of them
+    /// marked claimed in the name `by` (an SQL literal, [`literal`]) and read; with how the
+    /// guard decided.
+    async fn take_ordered(
+        &self,
+        tx: &mut Transaction<'_>,
+        limit: usize,
+        by: &str,
+    ) -> Result<(Vec<OutboxMessage>, Guarded)> {
+        let scan = scan_window(i64::try_from(limit).unwrap_or(i64::MAX));
+        let keys: Vec<Row> = tx.exec(&self.ready_keys, (scan,)).await?;
+        let candidates = keys
+            .into_iter()
+            .map(candidate_of)
+            .collect::<Result<Vec<_>>>()?;
+        let mut guarded = Guarded {
+            candidates: candidates.len(),
+            ..Guarded::default()
+        };
+        let last = candidates
+            .iter()
+            .filter(|c| c.aggregate.is_some())
+            .map(|c| c.seq)
+            .max();
+        let held = match last {
+            None => HeldBack::new(),
+            Some(last) => match self.gated(tx, &candidates, last).await? {
+                Some(held) => {
+                    guarded.gate_passed = true;
+                    held
+                }
+                None => self.probed(tx, &candidates, &mut guarded).await?,
+            },
+        };
+        let taken = free_of(&candidates, &held, limit);
+        if taken.is_empty() {
+            return Ok((Vec::new(), guarded));
+        }
+        tx.query_drop(self.mark_claimed(&taken, by)).await?;
+        let rows: Vec<Row> = tx.query(self.rows(&taken)).await?;
+        let rows = rows.into_iter().map(message_of).collect::<Result<_>>()?;
+        Ok((rows, guarded))
+    }
+
+    /// The guard by gate: the pending rows before `last` locked without waiting, then the
+    /// open rows before it read. `None` when the gate met a locked row or the open rows passed
+    /// [`OPEN_CAP`]: the aggregates must be probed.
+    ///
+    /// The open rows are read after the gate, so a row before a candidate that changes state
+    /// between the two (claimed, handed back, dead-lettered) is seen open either way; one that
+    /// was sent is no longer in the way.
+    async fn gated(
+        &self,
+        tx: &mut Transaction<'_>,
+        candidates: &[Candidate],
+        last: i64,
+    ) -> Result<Option<HeldBack>> {
+        match tx.exec_drop(&self.gate, (last,)).await {
+            Ok(()) => {}
+            Err(e) if is_locked(&e) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        }
+        let rows: Vec<Row> = tx.exec(&self.open, (last,)).await?;
+        if rows.len() > OPEN_CAP {
+            return Ok(None);
+        }
+        let open = rows
+            .into_iter()
+            .map(|mut r| {
+                Ok((
+                    column::<i64>(&mut r, 0, "seq")?,
+                    column::<String>(&mut r, 1, "aggregate_type")?,
+                    column::<String>(&mut r, 2, "aggregate_id")?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mine = candidates.iter().map(|c| c.seq).collect();
+        let mut held = HeldBack::new();
+        hold_back(&mut held, &mine, open);
+        Ok(Some(held))
+    }
+
+    /// The guard by probe: each aggregate among `candidates` held back from its first
+    /// candidate when it is busy (a row of it in flight) or when the probe could not read its
+    /// rows (one of them is locked), else from its first open row before its last candidate
+    /// that is not a candidate itself. Only the aggregates not busy are probed: fewer ranges,
+    /// and no row a concurrent settle is writing to make the probe fail.
+    async fn probed(
+        &self,
+        tx: &mut Transaction<'_>,
+        candidates: &[Candidate],
+        guarded: &mut Guarded,
+    ) -> Result<HeldBack> {
+        let busy: Vec<Row> = tx.query(&self.busy).await?;
+        let mut busy_keys = HashSet::with_capacity(busy.len());
+        for mut r in busy {
+            busy_keys.insert((
+                column::<String>(&mut r, 0, "aggregate_type")?,
+                column::<String>(&mut r, 1, "aggregate_id")?,
+            ));
+        }
+        // Each aggregate's first and last candidate; the busy ones are held back unprobed.
+        let mut span: HashMap<&(String, String), (i64, i64)> = HashMap::new();
+        for c in candidates {
+            if let Some(key) = &c.aggregate {
+                span.entry(key).or_insert((c.seq, c.seq)).1 = c.seq;
+            }
+        }
+        let mut held = HeldBack::new();
+        let mut heads = Vec::with_capacity(span.len());
+        for (key, &(first, last)) in &span {
+            if busy_keys.contains(*key) {
+                held.insert((*key).clone(), first);
+            } else {
+                heads.push((key.0.as_str(), key.1.as_str(), last));
+            }
+        }
+        heads.sort_unstable_by_key(|h| h.2);
+        let mine: HashSet<i64> = candidates.iter().map(|c| c.seq).collect();
+        // Probe all aggregates at once; where that meets a locked row, halve the set until
+        // each locked aggregate stands alone (and is held back from its first candidate).
+        let mut work = vec![heads.as_slice()];
+        while let Some(part) = work.pop() {
+            if part.is_empty() {
+                continue;
+            }
+            guarded.probes += 1;
+            match tx.query::<Row, _>(self.probe(part)).await {
+                Ok(rows) => {
+                    let mut open = Vec::with_capacity(rows.len());
+                    for mut r in rows {
+                        open.push((
+                            column::<i64>(&mut r, 2, "seq")?,
+                            column::<String>(&mut r, 0, "aggregate_type")?,
+                            column::<String>(&mut r, 1, "aggregate_id")?,
+                        ));
+                    }
+                    hold_back(&mut held, &mine, open);
+                }
+                Err(e) if is_locked(&e) => {
+                    guarded.locked += 1;
+                    if let [(ty, id, _)] = part {
+                        let key = ((*ty).to_owned(), (*id).to_owned());
+                        let first = span.get(&key).map_or(i64::MIN, |s| s.0);
+                        held.insert(key, first);
+                    } else {
+                        let (a, b) = part.split_at(part.len() / 2);
+                        work.push(a);
+                        work.push(b);
+                    }
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(held)
+    }
+}
+
 impl MysqlStore {
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
     /// up to `limit` ready rows in one transaction; with [`Ordering::Aggregate`], only rows
@@ -330,119 +563,14 @@ impl MysqlStore {
         })
     }
 
-    /// The ordered claim inside `tx`: candidates, the probe, then the rows taken.
+    /// The ordered claim inside `tx` (see [`ClaimSql::take_ordered`]).
     async fn claim_ordered(
         &self,
         tx: &mut Transaction<'_>,
         limit: usize,
     ) -> Result<Vec<OutboxMessage>> {
-        let scan = scan_window(i64::try_from(limit).unwrap_or(i64::MAX));
-        let keys: Vec<Row> = tx.exec(&self.q.claim.ready_keys, (scan,)).await?;
-        let mut candidates = Vec::with_capacity(keys.len());
-        for mut k in keys {
-            let ty: String = column(&mut k, 1, "aggregate_type")?;
-            let id: Option<String> = column(&mut k, 2, "aggregate_id")?;
-            candidates.push(Candidate {
-                seq: column(&mut k, 0, "seq")?,
-                aggregate: id.map(|id| (ty, id)),
-            });
-        }
-        let busy: Vec<(String, String)> = tx.query(&self.q.claim.busy).await?;
-        let blocked = self.blocked_from(tx, &candidates, busy).await?;
-        let mut taken = Vec::new();
-        for c in &candidates {
-            if taken.len() >= limit {
-                break;
-            }
-            let free = match &c.aggregate {
-                None => true,
-                Some(key) => blocked.get(key).is_none_or(|&from| c.seq < from),
-            };
-            if free {
-                taken.push(c.seq);
-            }
-        }
-        if taken.is_empty() {
-            return Ok(Vec::new());
-        }
         let by = literal(&self.instance_id);
-        tx.query_drop(self.q.claim.mark_claimed(&taken, &by))
-            .await?;
-        let rows: Vec<Row> = tx.query(self.q.claim.rows(&taken)).await?;
-        rows.into_iter().map(message_of).collect()
-    }
-
-    /// For each aggregate among `candidates`, the seq from which its candidates are held back:
-    /// its first candidate when it is `busy` (a row of it in flight) or when the probe could
-    /// not read its rows (one of them is locked), else the first open row before its last
-    /// candidate that is not a candidate itself. An aggregate absent from the map holds nothing
-    /// back. Only the aggregates not busy are probed: fewer ranges, and no row a concurrent
-    /// settle is writing to make the probe fail.
-    async fn blocked_from(
-        &self,
-        tx: &mut Transaction<'_>,
-        candidates: &[Candidate],
-        busy: Vec<(String, String)>,
-    ) -> Result<HashMap<(String, String), i64>> {
-        // Each aggregate's first and last candidate.
-        let mut span: HashMap<(&str, &str), (i64, i64)> = HashMap::new();
-        for c in candidates {
-            if let Some((ty, id)) = &c.aggregate {
-                let e = span.entry((ty, id)).or_insert((c.seq, c.seq));
-                e.1 = c.seq;
-            }
-        }
-        let mine: std::collections::HashSet<i64> = candidates.iter().map(|c| c.seq).collect();
-        let mut blocked = HashMap::new();
-        let busy: std::collections::HashSet<(String, String)> = busy.into_iter().collect();
-        for ((ty, id), (first, _)) in &span {
-            let key = ((*ty).to_owned(), (*id).to_owned());
-            if busy.contains(&key) {
-                blocked.insert(key, *first);
-            }
-        }
-        let mut heads: Vec<(&str, &str, i64)> = span
-            .iter()
-            .filter(|((ty, id), _)| !blocked.contains_key(&((*ty).to_owned(), (*id).to_owned())))
-            .map(|((ty, id), (_, last))| (*ty, *id, *last))
-            .collect();
-        heads.sort_unstable_by_key(|h| h.2);
-        // Probe all aggregates at once; where that meets a locked row, halve the set until
-        // each locked aggregate stands alone (and is held back from its first candidate).
-        let mut work = vec![heads.as_slice()];
-        while let Some(part) = work.pop() {
-            if part.is_empty() {
-                continue;
-            }
-            match tx.query::<Row, _>(self.q.claim.probe(part)).await {
-                Ok(rows) => {
-                    for mut r in rows {
-                        let seq: i64 = column(&mut r, 2, "seq")?;
-                        if mine.contains(&seq) {
-                            continue;
-                        }
-                        let key = (
-                            column::<String>(&mut r, 0, "aggregate_type")?,
-                            column::<String>(&mut r, 1, "aggregate_id")?,
-                        );
-                        let e = blocked.entry(key).or_insert(seq);
-                        *e = (*e).min(seq);
-                    }
-                }
-                Err(e) if is_locked(&e) => {
-                    if let [(ty, id, _)] = part {
-                        let first = span.get(&(*ty, *id)).map_or(i64::MIN, |s| s.0);
-                        blocked.insert(((*ty).to_owned(), (*id).to_owned()), first);
-                    } else {
-                        let (a, b) = part.split_at(part.len() / 2);
-                        work.push(a);
-                        work.push(b);
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        Ok(blocked)
+        Ok(self.q.claim.take_ordered(tx, limit, &by).await?.0)
     }
 
     /// The expiry sweep inside `tx`: rows past their deadline become `expired` (or are
@@ -537,5 +665,52 @@ mod tests {
             "{sql}"
         );
         assert!(sql.ends_with("FOR UPDATE NOWAIT"), "{sql}");
+    }
+
+    fn candidate(seq: i64, aggregate: Option<&str>) -> Candidate {
+        Candidate {
+            seq,
+            aggregate: aggregate.map(|id| ("order".to_owned(), id.to_owned())),
+        }
+    }
+
+    fn open(rows: &[(i64, &str)]) -> Vec<(i64, String, String)> {
+        rows.iter()
+            .map(|&(seq, id)| (seq, "order".to_owned(), id.to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn an_aggregate_is_held_back_from_its_first_open_row_that_is_not_a_candidate() {
+        let candidates = [
+            candidate(10, Some("a")),
+            candidate(11, Some("b")),
+            candidate(12, Some("a")),
+            candidate(13, None),
+            candidate(16, Some("b")),
+        ];
+        let mine = candidates.iter().map(|c| c.seq).collect();
+        let mut held = HeldBack::new();
+        // a: nothing open but its candidates; b: 15 is open and not a candidate (backing off,
+        // say), 20 is in flight.
+        hold_back(
+            &mut held,
+            &mine,
+            open(&[(10, "a"), (12, "a"), (11, "b"), (15, "b"), (16, "b"), (20, "b")]),
+        );
+        assert_eq!(held.get(&("order".into(), "b".into())), Some(&15));
+        assert_eq!(held.get(&("order".into(), "a".into())), None);
+        assert_eq!(free_of(&candidates, &held, 10), vec![10, 11, 12, 13]);
+        assert_eq!(free_of(&candidates, &held, 2), vec![10, 11]);
+    }
+
+    #[test]
+    fn a_held_aggregate_keeps_every_candidate_from_its_seq_on() {
+        let candidates = [candidate(5, Some("a")), candidate(6, Some("a"))];
+        let mut held = HeldBack::new();
+        held.insert(("order".into(), "a".into()), 5);
+        assert!(free_of(&candidates, &held, 10).is_empty());
+        held.insert(("order".into(), "a".into()), 6);
+        assert_eq!(free_of(&candidates, &held, 10), vec![5]);
     }
 }

@@ -185,7 +185,7 @@ fn parse_id(text: &str) -> Result<Uuid> {
 /// feature, which only the benchmark turns on: they are not part of the library's API.
 #[cfg(feature = "bench")]
 pub mod bench {
-    pub use super::claim::{HotPathSql, is_locked};
+    pub use super::claim::{Guarded, HotPathSql};
     pub use super::connect::SESSION_SETTINGS;
     pub use crate::store::postgres::bench::scan_window;
 }
