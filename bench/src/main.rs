@@ -198,7 +198,7 @@ struct Resources {
 }
 
 /// See [`Ctx::sentinel`].
-struct Sentinel {
+pub(crate) struct Sentinel {
     pg_start: Option<String>,
     amqp: Option<lapin::Connection>,
 }

@@ -41,6 +41,7 @@ pub mod db;
 pub mod failover;
 pub mod http;
 pub mod kafka;
+pub mod mariadb_tls;
 pub mod mysql;
 pub mod nats;
 pub mod otlp;

@@ -9,9 +9,9 @@ use tokio_postgres::Client;
 use uuid::Uuid;
 
 use super::{cpu_text, scrape};
-use crate::Ctx;
 use crate::flow::{Consumer, Flow};
-use crate::util::{CpuSample, Relay, payload, percentile, pg_connect};
+use crate::util::{CpuSample, CpuUsage, Relay, payload, percentile, pg_connect};
+use crate::{Ctx, Sentinel};
 
 /// The commit → consume targets with the wake-up on (they were a test's assertions; a loaded
 /// machine misses them, so the benchmark reports them instead).
@@ -128,47 +128,26 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()));
     let max_sched_lag = commits.iter().map(|c| c.1).max().unwrap_or_default();
 
-    // Wait for every message (30 s after the last commit at most).
-    let missing = flow
-        .wait_delivered(Duration::from_secs(30), || relay.check_alive())
-        .await?;
-    if missing > 0 {
-        ctx.report.note(format!(
-            "{key}: {missing} of {} messages not received within 30 s",
-            commits.len()
-        ));
-    }
-    let usage = cpu.usage();
-    let rss = relay.peak_rss_kib();
-    let metrics = scrape(metrics_port).await;
-    let status = relay.stop(Duration::from_secs(45)).await?;
-    ctx.check(sentinel).await?;
-    if !status.success() {
-        bail!(
-            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
-            relay.tail(20)
-        );
-    }
-    consumer.stop().await;
+    let end = RunEnd {
+        key,
+        sentinel,
+        commits: commits.len(),
+        metrics_port,
+        cpu,
+    };
+    let Ended {
+        usage,
+        metrics,
+        rss,
+        lat,
+        p50,
+        p95,
+        p99,
+        max,
+    } = end.finish(ctx, &flow, relay, consumer).await?;
     if let Some(k) = rss {
         ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
     }
-
-    let mut lat: Vec<f64> = flow
-        .take_delivered()
-        .iter()
-        .map(|d| f64::from(d.latency_ms))
-        .collect();
-    lat.sort_by(f64::total_cmp);
-    if lat.is_empty() {
-        bail!("no message received");
-    }
-    let (p50, p95, p99) = (
-        percentile(&lat, 50.0),
-        percentile(&lat, 95.0),
-        percentile(&lat, 99.0),
-    );
-    let max = lat.last().copied().unwrap_or(f64::NAN);
     let achieved = commits.len() as f64 / insert_window.as_secs_f64().max(1e-9);
     ctx.progress(format!(
         "latency notify={notify}: p50 {p50:.1} ms, p95 {p95:.1} ms, p99 {p99:.1} ms, max {max:.1} ms \
@@ -226,6 +205,88 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         }),
     );
     Ok(())
+}
+
+/// What a latency run needs at its end.
+pub(super) struct RunEnd<'k> {
+    /// The run's name in the report.
+    pub key: &'k str,
+    /// Taken before the relay started: the run is void if a shared service restarted.
+    pub sentinel: Sentinel,
+    /// Rows committed.
+    pub commits: usize,
+    /// The relay's metrics port, if it serves metrics.
+    pub metrics_port: Option<u16>,
+    /// The machine's CPU counters when the inserts began.
+    pub cpu: CpuSample,
+}
+
+/// What a latency run measured.
+pub(super) struct Ended {
+    pub usage: CpuUsage,
+    pub metrics: serde_json::Value,
+    /// The relay's peak resident set, KiB.
+    pub rss: Option<u64>,
+    /// Every message's commit → consume latency, ms, sorted.
+    pub lat: Vec<f64>,
+    pub p50: f64,
+    pub p95: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl RunEnd<'_> {
+    /// Waits for every message (30 s after the last commit at most; a shortfall is noted),
+    /// stops the relay with SIGTERM (it must exit cleanly) and the consumer, and sorts the
+    /// latencies.
+    pub(super) async fn finish(
+        self,
+        ctx: &mut Ctx,
+        flow: &Flow,
+        mut relay: Relay,
+        consumer: Consumer,
+    ) -> Result<Ended> {
+        let missing = flow
+            .wait_delivered(Duration::from_secs(30), || relay.check_alive())
+            .await?;
+        if missing > 0 {
+            ctx.report.note(format!(
+                "{}: {missing} of {} messages not received within 30 s",
+                self.key, self.commits
+            ));
+        }
+        let usage = self.cpu.usage();
+        let rss = relay.peak_rss_kib();
+        let metrics = scrape(self.metrics_port).await;
+        let status = relay.stop(Duration::from_secs(45)).await?;
+        ctx.check(self.sentinel).await?;
+        if !status.success() {
+            bail!(
+                "the relay exited with {status} after SIGTERM; end of its log:\n{}",
+                relay.tail(20)
+            );
+        }
+        consumer.stop().await;
+        let mut lat: Vec<f64> = flow
+            .take_delivered()
+            .iter()
+            .map(|d| f64::from(d.latency_ms))
+            .collect();
+        lat.sort_by(f64::total_cmp);
+        if lat.is_empty() {
+            bail!("no message received");
+        }
+        Ok(Ended {
+            usage,
+            metrics,
+            rss,
+            p50: percentile(&lat, 50.0),
+            p95: percentile(&lat, 95.0),
+            p99: percentile(&lat, 99.0),
+            max: lat.last().copied().unwrap_or(f64::NAN),
+            lat,
+        })
+    }
 }
 
 /// Inserts rows `k, k+workers, …` below `total`, each at `start + i·period`, one row per

@@ -23,10 +23,11 @@ use serde_json::json;
 use tokio::sync::{Mutex, Notify};
 use uuid::Uuid;
 
+use super::latency::{Ended, RunEnd};
 use super::{cpu_per_100k, cpu_text, rate, scrape};
 use crate::Ctx;
 use crate::flow::{Consumer, Flow};
-use crate::util::{CpuSample, CpuUsage, Relay, aggregate_id, mysql_connect, payload, percentile};
+use crate::util::{CpuSample, CpuUsage, Relay, aggregate_id, mysql_connect, payload};
 
 /// The figures' section.
 const PHASE: &str = "16 mysql";
@@ -686,41 +687,23 @@ async fn latency_run(ctx: &mut Ctx, poll: Duration) -> Result<()> {
         .iter()
         .max()
         .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()));
-    let missing = flow
-        .wait_delivered(Duration::from_secs(30), || relay.check_alive())
-        .await?;
-    if missing > 0 {
-        ctx.report.note(format!(
-            "{key}: {missing} of {} messages not received within 30 s",
-            commits.len()
-        ));
-    }
-    let usage = cpu.usage();
-    let metrics = scrape(metrics_port).await;
-    let status = relay.stop(Duration::from_secs(45)).await?;
-    ctx.check(sentinel).await?;
-    if !status.success() {
-        bail!(
-            "the relay exited with {status} after SIGTERM; end of its log:\n{}",
-            relay.tail(20)
-        );
-    }
-    consumer.stop().await;
-    let mut lat: Vec<f64> = flow
-        .take_delivered()
-        .iter()
-        .map(|d| f64::from(d.latency_ms))
-        .collect();
-    lat.sort_by(f64::total_cmp);
-    if lat.is_empty() {
-        bail!("no message received");
-    }
-    let (p50, p95, p99) = (
-        percentile(&lat, 50.0),
-        percentile(&lat, 95.0),
-        percentile(&lat, 99.0),
-    );
-    let max = lat.last().copied().unwrap_or(f64::NAN);
+    let end = RunEnd {
+        key: &key,
+        sentinel,
+        commits: commits.len(),
+        metrics_port,
+        cpu,
+    };
+    let Ended {
+        usage,
+        metrics,
+        lat,
+        p50,
+        p95,
+        p99,
+        max,
+        ..
+    } = end.finish(ctx, &flow, relay, consumer).await?;
     let achieved = commits.len() as f64 / window.as_secs_f64().max(1e-9);
     ctx.progress(format!(
         "mysql latency, poll {poll_text}: p50 {p50:.1} ms, p95 {p95:.1} ms, p99 {p99:.1} ms, max {max:.1} ms \

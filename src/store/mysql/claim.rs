@@ -570,7 +570,16 @@ impl MysqlStore {
         limit: usize,
     ) -> Result<Vec<OutboxMessage>> {
         let by = literal(&self.instance_id);
-        Ok(self.q.claim.take_ordered(tx, limit, &by).await?.0)
+        let (rows, g) = self.q.claim.take_ordered(tx, limit, &by).await?;
+        tracing::debug!(
+            candidates = g.candidates,
+            taken = rows.len(),
+            gate_passed = g.gate_passed,
+            probes = g.probes,
+            probes_locked = g.locked,
+            "ordered claim"
+        );
+        Ok(rows)
     }
 
     /// The expiry sweep inside `tx`: rows past their deadline become `expired` (or are
@@ -696,7 +705,14 @@ mod tests {
         hold_back(
             &mut held,
             &mine,
-            open(&[(10, "a"), (12, "a"), (11, "b"), (15, "b"), (16, "b"), (20, "b")]),
+            open(&[
+                (10, "a"),
+                (12, "a"),
+                (11, "b"),
+                (15, "b"),
+                (16, "b"),
+                (20, "b"),
+            ]),
         );
         assert_eq!(held.get(&("order".into(), "b".into())), Some(&15));
         assert_eq!(held.get(&("order".into(), "a".into())), None);

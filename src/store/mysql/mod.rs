@@ -2,7 +2,7 @@
 //! - `connect`: the URL (`ssl-mode`, `ssl-ca`), the pool and its session settings;
 //! - [`schema`]: the DDL in `sql/mysql/`, `migrate` and the start-up inspection (server
 //!   version, columns);
-//! - `claim`: the claims by ordering mode (the ordering guard's locking probe), a suspect on
+//! - `claim`: the claims by ordering mode (the ordering guard's gate and probe), a suspect on
 //!   its own, and the expiry sweep;
 //! - `settle`: sent, rejected and handed-back rows, lease renewal and reclaim;
 //! - `operator`: `status`, dead letters, the backlog gauges and retention;
@@ -108,7 +108,8 @@ async fn within<T>(limit: std::time::Duration, call: impl Future<Output = Result
 /// outage to wait out rather than a bad statement.
 pub(super) fn is_connection(e: &mysql_async::Error) -> bool {
     match e {
-        mysql_async::Error::Io(_) => true,
+        // A certificate the URL's ssl-mode does not trust stays untrusted: configuration.
+        mysql_async::Error::Io(_) => !is_untrusted_certificate(e),
         mysql_async::Error::Driver(d) => matches!(
             d,
             mysql_async::DriverError::ConnectionClosed
@@ -134,8 +135,35 @@ pub(super) fn hint(e: &mysql_async::Error) -> &'static str {
             ": the URL's ssl-mode asks for TLS and this server offers none: turn TLS on in the \
              server, or set ssl-mode=PREFERRED (or DISABLED) to connect without it"
         }
+        e if is_untrusted_certificate(e) => {
+            ": the server's certificate is not trusted: give the CA that signed it with ssl-ca \
+             (ssl-mode=VERIFY_CA or VERIFY_IDENTITY), or set ssl-mode=REQUIRED to encrypt \
+             without verifying it"
+        }
+        // MySQL's "secure transport required".
+        mysql_async::Error::Server(s) if s.code == 3159 => {
+            ": this server takes TLS connections only: set ssl-mode=REQUIRED, VERIFY_CA or \
+             VERIFY_IDENTITY in the URL"
+        }
+        // MariaDB answers a plain-text connection it requires TLS of (require_secure_transport)
+        // with "access denied" too.
+        mysql_async::Error::Server(s) if s.code == 1045 => {
+            ": check the user and password in the URL; if the server requires TLS \
+             (require_secure_transport), the URL's ssl-mode must not be DISABLED"
+        }
         _ => "",
     }
+}
+
+/// Whether `e` is a TLS handshake that failed on the server's certificate (unknown CA, wrong
+/// name, expired).
+fn is_untrusted_certificate(e: &mysql_async::Error) -> bool {
+    let mysql_async::Error::Io(mysql_async::IoError::Io(io)) = e else {
+        return false;
+    };
+    io.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|tls| matches!(tls, rustls::Error::InvalidCertificate(_)))
 }
 
 /// Whether a statement that failed this way may have committed with its answer lost.
