@@ -81,6 +81,11 @@ const EXPIRY_SWEEP_IDLE: Duration = Duration::from_secs(5);
 /// insert that missed the NOTIFY (see [`crate::wakeup`]), waits about this long plus one poll.
 const OBSERVE_IDLE_EVERY: Duration = Duration::from_secs(5);
 
+/// How long the ordering guard may hold rows back before the loop warns about it.
+const BLOCKING_WARN_AFTER: Duration = Duration::from_secs(5);
+/// The least time between two of those warnings.
+const BLOCKING_WARN_EVERY: Duration = Duration::from_secs(30);
+
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
 pub struct LoopSettings {
@@ -451,7 +456,7 @@ struct Dispatch<'a> {
     batches: &'a TaskTracker,
     waiter: &'a mut Option<Waiter>,
     watermark: Watermark,
-    last_blocking_warning: Option<Instant>,
+    blocking_warning: BlockingWarning,
     broker_backoff: Backoff,
     db_backoff: Backoff,
     next_suspect_check: Instant,
@@ -508,7 +513,7 @@ impl<'a> Dispatch<'a> {
             batches,
             waiter,
             watermark: Watermark::new(),
-            last_blocking_warning: None,
+            blocking_warning: BlockingWarning::default(),
             broker_backoff: Backoff::reconnect(),
             db_backoff: Backoff::reconnect(),
             next_suspect_check: Instant::now(),
@@ -685,12 +690,7 @@ impl<'a> Dispatch<'a> {
         let mark = self.watermark.observe(last, &writers.writers, now);
         let lag = self.watermark.lag(now);
         self.relay.metrics.watermark_lag(lag);
-        if lag > Duration::from_secs(5)
-            && self
-                .last_blocking_warning
-                .is_none_or(|t| now.duration_since(t) > Duration::from_secs(30))
-        {
-            self.last_blocking_warning = Some(now);
+        if self.blocking_warning.due(lag, now) {
             tracing::warn!(
                 held_for = ?lag,
                 oldest_writer_age_seconds = writers.oldest_writer_age.unwrap_or_default(),
@@ -932,6 +932,30 @@ impl SweepSchedule {
     }
 }
 
+/// When to warn that a long transaction holds ordered publishing back: once the ordering guard
+/// has held rows back for more than [`BLOCKING_WARN_AFTER`], then at most every
+/// [`BLOCKING_WARN_EVERY`] while it goes on (a log line per poll would bury everything else).
+#[derive(Debug, Default)]
+struct BlockingWarning {
+    /// When the last warning was given.
+    last: Option<Instant>,
+}
+
+impl BlockingWarning {
+    /// Whether to warn at `now`, the guard holding rows back for `lag`; a yes counts as the
+    /// warning given.
+    fn due(&mut self, lag: Duration, now: Instant) -> bool {
+        let due = lag > BLOCKING_WARN_AFTER
+            && self
+                .last
+                .is_none_or(|t| now.duration_since(t) > BLOCKING_WARN_EVERY);
+        if due {
+            self.last = Some(now);
+        }
+        due
+    }
+}
+
 /// Whether a claim is split into parts run at once (see [`CLAIM_PARTS`]): only with a
 /// backlog, only when each part gets [`MIN_PART_ROWS`], and not for [`SPLIT_PAUSE`] after a
 /// split claim came back uneven.
@@ -1048,6 +1072,25 @@ mod tests {
         split.uneven(t0);
         assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE / 2), 1, "paused");
         assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE), CLAIM_PARTS);
+    }
+
+    #[test]
+    fn a_blocked_guard_is_warned_about_after_5_s_then_every_30_s() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let lag = Duration::from_secs;
+        let mut warning = BlockingWarning::default();
+        assert!(!warning.due(lag(5), t0), "held back 5 s: not yet");
+        assert!(warning.due(lag(6), s(1)), "held back over 5 s: warn");
+        assert!(!warning.due(lag(20), s(31)), "30 s since the last warning");
+        assert!(
+            warning.due(lag(36), s(32)),
+            "over 30 s since the last warning"
+        );
+        // Another long transaction soon after: still at most one warning per 30 s.
+        assert!(!warning.due(lag(0), s(40)));
+        assert!(!warning.due(lag(6), s(46)));
+        assert!(warning.due(lag(6), s(63)));
     }
 
     fn row(seq: i64, agg: Option<&str>) -> OutboxMessage {
