@@ -459,7 +459,7 @@ struct Dispatch<'a> {
     blocking_warning: BlockingWarning,
     broker_backoff: Backoff,
     db_backoff: Backoff,
-    next_suspect_check: Instant,
+    suspect_checks: SuspectChecks,
     // Whether the last claim filled its batch (so more rows are waiting). Permits come back
     // batch by batch as batches are settled, some of them small; with a backlog, claiming on
     // the first free permit would make many tiny claims, so the loop waits for `refill` permits
@@ -516,7 +516,7 @@ impl<'a> Dispatch<'a> {
             blocking_warning: BlockingWarning::default(),
             broker_backoff: Backoff::reconnect(),
             db_backoff: Backoff::reconnect(),
-            next_suspect_check: Instant::now(),
+            suspect_checks: SuspectChecks::new(cfg.lease_timeout, Instant::now()),
             backlog: false,
             refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
             split: SplitPolicy::default(),
@@ -711,20 +711,18 @@ impl<'a> Dispatch<'a> {
     async fn isolate_suspect(&mut self, mark: i64, permit: Permit) -> Step<Option<Permit>> {
         // The lease task just reclaimed rows: look now, not at the next periodic check.
         let reclaimed = self.relay.held.take_reclaimed();
-        if Instant::now() < self.next_suspect_check && !reclaimed {
+        if !self.suspect_checks.due(reclaimed, Instant::now()) {
             return Ok(Some(permit));
         }
         let relay = self.relay;
         let store = &relay.store;
         match store.bounded(store.suspects_waiting(mark)).await {
             Ok(false) => {
-                self.suspects_checked();
+                self.suspect_checks.none_left(Instant::now());
                 return Ok(Some(permit));
             }
             Ok(true) => {
-                // Keep looking on every round until none is left (this check may have been
-                // made early, on the lease task's note).
-                self.next_suspect_check = Instant::now();
+                self.suspect_checks.found(Instant::now());
                 drop(permit);
             }
             Err(e) => {
@@ -742,7 +740,7 @@ impl<'a> Dispatch<'a> {
             Ok(None) => {
                 // Another relay took it meanwhile.
                 drop(window);
-                self.suspects_checked();
+                self.suspect_checks.none_left(Instant::now());
             }
             Err(e) => {
                 drop(window);
@@ -751,12 +749,6 @@ impl<'a> Dispatch<'a> {
             }
         }
         Ok(None)
-    }
-
-    /// No suspect waits: look again after `suspect_check_period`.
-    fn suspects_checked(&mut self) {
-        self.next_suspect_check =
-            Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
     }
 
     /// Publishes the claimed `rows` in a task of their own, with the part of the window
@@ -932,6 +924,45 @@ impl SweepSchedule {
     }
 }
 
+/// When to look for rows reclaimed from a dead relay (suspects): at the first round, on every
+/// round while some are left, at once when this relay's lease task just reclaimed rows, and
+/// otherwise every [`suspect_check_period`].
+#[derive(Debug)]
+struct SuspectChecks {
+    /// When the next periodic check is due.
+    next: Instant,
+    /// [`suspect_check_period`] of the lease.
+    period: Duration,
+}
+
+impl SuspectChecks {
+    /// The first round at `now` checks.
+    fn new(lease_timeout: Duration, now: Instant) -> Self {
+        Self {
+            next: now,
+            period: suspect_check_period(lease_timeout),
+        }
+    }
+
+    /// Whether a round at `now` looks for suspects; `reclaimed`: the lease task reclaimed rows
+    /// since the last round.
+    fn due(&self, reclaimed: bool, now: Instant) -> bool {
+        reclaimed || now >= self.next
+    }
+
+    /// A check at `now` found suspects waiting: look on every round until none is left (the
+    /// check may have been made early, on the lease task's note).
+    fn found(&mut self, now: Instant) {
+        self.next = now;
+    }
+
+    /// A check at `now` found none (or another relay took the one found): look again after
+    /// the period.
+    fn none_left(&mut self, now: Instant) {
+        self.next = now + self.period;
+    }
+}
+
 /// When to warn that a long transaction holds ordered publishing back: once the ordering guard
 /// has held rows back for more than [`BLOCKING_WARN_AFTER`], then at most every
 /// [`BLOCKING_WARN_EVERY`] while it goes on (a log line per poll would bury everything else).
@@ -1072,6 +1103,33 @@ mod tests {
         split.uneven(t0);
         assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE / 2), 1, "paused");
         assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE), CLAIM_PARTS);
+    }
+
+    #[test]
+    fn suspects_are_looked_for_first_then_while_left_then_every_period_or_on_a_reclaim() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        // A 60 s lease: every 15 s.
+        let mut checks = SuspectChecks::new(Duration::from_secs(60), t0);
+        assert!(checks.due(false, t0), "the first round looks");
+        checks.found(t0);
+        assert!(
+            checks.due(false, t0),
+            "suspects left: the next round looks again"
+        );
+        checks.none_left(s(1));
+        assert!(!checks.due(false, s(15)));
+        assert!(
+            checks.due(true, s(2)),
+            "the lease task reclaimed rows: look at once"
+        );
+        assert!(checks.due(false, s(16)), "a period after the last check");
+        // The period is a quarter of the lease, between 1 and 15 s.
+        let short = SuspectChecks::new(Duration::from_secs(2), t0);
+        assert_eq!(short.period, Duration::from_secs(1));
+        let long = SuspectChecks::new(Duration::from_secs(600), t0);
+        assert_eq!(long.period, Duration::from_secs(15));
+        assert_eq!(checks.period, Duration::from_secs(15));
     }
 
     #[test]
