@@ -473,10 +473,8 @@ struct Dispatch<'a> {
     broker_up: bool,
     // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
     sweeps: SweepSchedule,
-    // Whether this round was started by the poll timer (not a NOTIFY, a settle or a recheck),
-    // and when the watermark was last observed (see `OBSERVE_IDLE_EVERY`).
-    polled: bool,
-    observed: Option<Instant>,
+    // Whether this round may claim with the watermark last observed.
+    observations: ObserveSkip,
     // A claim failed after it may have reached the database: it may have committed rows to
     // this relay whose answer never came back. Cleared once they are handed back
     // ([`Store::release_unheld`]).
@@ -522,8 +520,7 @@ impl<'a> Dispatch<'a> {
             split: SplitPolicy::default(),
             broker_up: false,
             sweeps: SweepSchedule::new(relay.settings.on_confirm, Instant::now()),
-            polled: false,
-            observed: None,
+            observations: ObserveSkip::default(),
             answer_lost: false,
             release_again: None,
         }
@@ -664,13 +661,10 @@ impl<'a> Dispatch<'a> {
             return Ok((i64::MAX, permit));
         }
         let now = Instant::now();
-        let polled = std::mem::take(&mut self.polled);
-        if polled
-            && !self.watermark.holding()
-            && self.waiter.as_ref().is_some_and(Waiter::armed)
-            && self
-                .observed
-                .is_some_and(|t| now.duration_since(t) < OBSERVE_IDLE_EVERY)
+        let armed = self.waiter.as_ref().is_some_and(Waiter::armed);
+        if self
+            .observations
+            .skip(!self.watermark.holding() && armed, now)
         {
             return Ok((self.watermark.released(), permit));
         }
@@ -686,7 +680,7 @@ impl<'a> Dispatch<'a> {
                 return Err(self.database_down(&e).await);
             }
         };
-        self.observed = Some(now);
+        self.observations.observed(now);
         let mark = self.watermark.observe(last, &writers.writers, now);
         let lag = self.watermark.lag(now);
         self.relay.metrics.watermark_lag(lag);
@@ -830,7 +824,7 @@ impl<'a> Dispatch<'a> {
     /// flow it claims again on a fixed short step even with batches in flight
     /// ([`Waiter::flowing`]).
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
-        self.polled = false;
+        self.observations.woke_by_poll(false);
         if claimed.full {
             return Ok(());
         }
@@ -863,7 +857,7 @@ impl<'a> Dispatch<'a> {
         };
         tokio::select! {
             () = self.relay.wake.notified() => {}
-            () = tokio::time::sleep(poll) => self.polled = true,
+            () = tokio::time::sleep(poll) => self.observations.woke_by_poll(true),
             () = self.shutdown.cancelled() => {}
         }
         Ok(())
@@ -960,6 +954,41 @@ impl SuspectChecks {
     /// the period.
     fn none_left(&mut self, now: Instant) {
         self.next = now + self.period;
+    }
+}
+
+/// Whether a round with `ordering = "aggregate"` may claim with the watermark it last observed
+/// instead of observing again: only a round the poll timer started (not a NOTIFY, a settle or
+/// a recheck), while the ordering guard holds nothing back and the relay's waiting record is
+/// armed (a new commit NOTIFYs), and within [`OBSERVE_IDLE_EVERY`] of the last observation.
+#[derive(Debug, Default)]
+struct ObserveSkip {
+    /// Whether the next round was started by the poll timer.
+    polled: bool,
+    /// When the watermark was last observed.
+    observed: Option<Instant>,
+}
+
+impl ObserveSkip {
+    /// The wait before the next round ended by the poll timer (`true`) or otherwise.
+    fn woke_by_poll(&mut self, polled: bool) {
+        self.polled = polled;
+    }
+
+    /// Whether the round at `now` skips observing; `quiet`: the guard holds nothing back and
+    /// the waiting record is armed. Only the round right after a poll may: this uses it up.
+    fn skip(&mut self, quiet: bool, now: Instant) -> bool {
+        let polled = std::mem::take(&mut self.polled);
+        polled
+            && quiet
+            && self
+                .observed
+                .is_some_and(|t| now.duration_since(t) < OBSERVE_IDLE_EVERY)
+    }
+
+    /// The watermark was observed at `now`.
+    fn observed(&mut self, now: Instant) {
+        self.observed = Some(now);
     }
 }
 
@@ -1130,6 +1159,43 @@ mod tests {
         let long = SuspectChecks::new(Duration::from_secs(600), t0);
         assert_eq!(long.period, Duration::from_secs(15));
         assert_eq!(checks.period, Duration::from_secs(15));
+    }
+
+    #[test]
+    fn only_a_quiet_poll_soon_after_an_observation_skips_observing() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let mut skip = ObserveSkip::default();
+        skip.woke_by_poll(true);
+        assert!(!skip.skip(true, t0), "never observed yet");
+        skip.observed(t0);
+        assert!(!skip.skip(true, s(1)), "not woken by the poll");
+        skip.woke_by_poll(true);
+        assert!(
+            skip.skip(true, s(1)),
+            "a quiet poll 1 s after the observation"
+        );
+        assert!(!skip.skip(true, s(1)), "the poll is used up by one round");
+        skip.woke_by_poll(true);
+        assert!(
+            !skip.skip(false, s(1)),
+            "the guard holds rows back, or nothing armed"
+        );
+        assert!(
+            !skip.skip(true, s(1)),
+            "a round that observed uses up the poll as well"
+        );
+        skip.woke_by_poll(true);
+        assert!(
+            !skip.skip(true, s(5)),
+            "5 s since the observation: observe again"
+        );
+        skip.woke_by_poll(true);
+        skip.woke_by_poll(false);
+        assert!(
+            !skip.skip(true, s(1)),
+            "a NOTIFY or a settle after the poll"
+        );
     }
 
     #[test]
