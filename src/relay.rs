@@ -475,14 +475,8 @@ struct Dispatch<'a> {
     sweeps: SweepSchedule,
     // Whether this round may claim with the watermark last observed.
     observations: ObserveSkip,
-    // A claim failed after it may have reached the database: it may have committed rows to
-    // this relay whose answer never came back. Cleared once they are handed back
-    // ([`Store::release_unheld`]).
-    answer_lost: bool,
-    // After that hand-back, when to hand back again and until when: a claim that got no answer
-    // in time may sit in a connection the database has not read yet and commit once it
-    // answers again (see `RELEASE_AGAIN_EVERY`).
-    release_again: Option<(Instant, Instant)>,
+    // When to hand back the rows of claims whose answer was lost.
+    lost_claims: LostClaims,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -521,8 +515,7 @@ impl<'a> Dispatch<'a> {
             broker_up: false,
             sweeps: SweepSchedule::new(relay.settings.on_confirm, Instant::now()),
             observations: ObserveSkip::default(),
-            answer_lost: false,
-            release_again: None,
+            lost_claims: LostClaims::default(),
         }
     }
 
@@ -608,8 +601,7 @@ impl<'a> Dispatch<'a> {
     /// later still leaves its rows to wait out the lease.
     async fn release_lost_claims(&mut self) -> Step<()> {
         let now = Instant::now();
-        let again = self.release_again.is_some_and(|(next, _)| now >= next);
-        if !self.answer_lost && !again {
+        if !self.lost_claims.due(now) {
             return Ok(());
         }
         let relay = self.relay;
@@ -620,12 +612,7 @@ impl<'a> Dispatch<'a> {
             .await
         {
             Ok(released) => {
-                let until = match self.release_again {
-                    Some((_, until)) if !self.answer_lost => until,
-                    _ => now + store.query_timeout(),
-                };
-                self.answer_lost = false;
-                self.release_again = (now < until).then_some((now + RELEASE_AGAIN_EVERY, until));
+                self.lost_claims.handed_back(now, store.query_timeout());
                 if released > 0 {
                     tracing::warn!(released, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
                 }
@@ -738,7 +725,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(window);
-                self.answer_lost |= e.answer_may_be_lost();
+                self.lost_claims.answer_lost(e.answer_may_be_lost());
                 self.database_down(&e).await;
             }
         }
@@ -781,7 +768,7 @@ impl<'a> Dispatch<'a> {
             .await;
         let (rows, expired, more) = match claimed {
             Ok(claim) => {
-                self.answer_lost |= claim.answer_lost;
+                self.lost_claims.answer_lost(claim.answer_lost);
                 record_expired(&relay.metrics, &claim.expired);
                 if claim.uneven {
                     self.split.uneven(now);
@@ -790,7 +777,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(permit);
-                self.answer_lost |= e.answer_may_be_lost();
+                self.lost_claims.answer_lost(e.answer_may_be_lost());
                 return Err(self.database_down(&e).await);
             }
         };
@@ -989,6 +976,42 @@ impl ObserveSkip {
     /// The watermark was observed at `now`.
     fn observed(&mut self, now: Instant) {
         self.observed = Some(now);
+    }
+}
+
+/// When to hand back the rows a claim may have committed to this relay though its answer was
+/// lost ([`Store::release_unheld`]): before the next claim after such a claim, then every
+/// [`RELEASE_AGAIN_EVERY`] for `database.query_timeout` after that first hand-back (a claim
+/// the database had not read yet, in a stalled connection, commits when it answers again).
+/// Another lost answer meanwhile starts that period afresh.
+#[derive(Debug, Default)]
+struct LostClaims {
+    /// A claim failed after it may have reached the database (or a part of it did) and its
+    /// rows are not handed back yet.
+    lost: bool,
+    /// After a hand-back: when to hand back again, and until when.
+    again: Option<(Instant, Instant)>,
+}
+
+impl LostClaims {
+    /// A claim ended; `lost`: its answer (or a part's) may have been lost.
+    fn answer_lost(&mut self, lost: bool) {
+        self.lost |= lost;
+    }
+
+    /// Whether to hand back at `now`.
+    fn due(&self, now: Instant) -> bool {
+        self.lost || self.again.is_some_and(|(next, _)| now >= next)
+    }
+
+    /// Rows were handed back at `now` (the database answers within `query_timeout`).
+    fn handed_back(&mut self, now: Instant, query_timeout: Duration) {
+        let until = match self.again {
+            Some((_, until)) if !self.lost => until,
+            _ => now + query_timeout,
+        };
+        self.lost = false;
+        self.again = (now < until).then_some((now + RELEASE_AGAIN_EVERY, until));
     }
 }
 
@@ -1196,6 +1219,40 @@ mod tests {
             !skip.skip(true, s(1)),
             "a NOTIFY or a settle after the poll"
         );
+    }
+
+    #[test]
+    fn a_lost_claim_is_handed_back_at_once_then_every_second_for_the_query_timeout() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let timeout = Duration::from_secs(3);
+        let mut lost = LostClaims::default();
+        assert!(!lost.due(t0), "nothing lost");
+        lost.answer_lost(false);
+        assert!(!lost.due(t0), "a claim that answered");
+        lost.answer_lost(true);
+        assert!(lost.due(t0), "before the next claim");
+        lost.handed_back(t0, timeout);
+        assert!(!lost.due(t0));
+        assert!(lost.due(s(1)), "again a second later");
+        lost.handed_back(s(1), timeout);
+        lost.handed_back(s(2), timeout);
+        assert!(lost.due(s(3)));
+        lost.handed_back(s(3), timeout);
+        assert!(
+            !lost.due(s(60)),
+            "the query timeout after the first hand-back: done"
+        );
+        // Another lost answer during the repeats: the period starts afresh.
+        lost.answer_lost(true);
+        lost.handed_back(s(60), timeout);
+        lost.handed_back(s(61), timeout);
+        lost.answer_lost(true);
+        lost.handed_back(s(62), timeout);
+        lost.handed_back(s(64), timeout);
+        assert!(lost.due(s(65)), "until 3 s after the second loss");
+        lost.handed_back(s(65), timeout);
+        assert!(!lost.due(s(66)));
     }
 
     #[test]
