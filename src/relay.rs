@@ -46,8 +46,8 @@ fn suspect_check_period(lease_timeout: Duration) -> Duration {
 }
 
 /// After rows of a claim whose answer was lost were handed back, how often to look for more
-/// (see `Dispatch::release_lost_claims`).
-const RELEASE_AGAIN_EVERY: Duration = Duration::from_secs(1);
+/// (see `Dispatch::hand_back_lost_claims`).
+const HAND_BACK_AGAIN_EVERY: Duration = Duration::from_secs(1);
 
 /// How many statements claim at once while a backlog is waiting (the last claim filled its
 /// share of the batch): one claim statement keeps one PostgreSQL server process busy, and
@@ -251,7 +251,7 @@ impl Relay {
 
     /// Publishes a chain in order ([`Publisher::publish_run`], or its traced form when tracing
     /// is on), stopping at the first row that does not go through: the rows after it are
-    /// handed back unspent.
+    /// handed back without spending an attempt.
     async fn publish_chain(
         &self,
         mut chain: Vec<OutboxMessage>,
@@ -531,7 +531,7 @@ impl<'a> Dispatch<'a> {
     async fn round(&mut self) -> Step<()> {
         self.instance_lock().await?;
         self.reconnect().await?;
-        self.release_lost_claims().await?;
+        self.hand_back_lost_claims().await?;
         let permit = self.take_window().await?;
         let (mark, permit) = self.observe_watermark(permit).await?;
         let Some(permit) = self.isolate_suspect(mark, permit).await? else {
@@ -595,11 +595,11 @@ impl<'a> Dispatch<'a> {
     /// came within `database.query_timeout`), hands back the rows it may have committed to
     /// this relay: every `processing` row in this relay's name that no batch holds and whose
     /// lease has not run out (those are the lease task's to reclaim). Runs before the next
-    /// claim of this loop, then again every `RELEASE_AGAIN_EVERY` for `database.query_timeout`:
+    /// claim of this loop, then again every `HAND_BACK_AGAIN_EVERY` for `database.query_timeout`:
     /// a claim the database had not read yet (a stalled connection) commits its rows when it
     /// answers again, at about the time of that first hand-back. A lost claim that commits
     /// later still leaves its rows to wait out the lease.
-    async fn release_lost_claims(&mut self) -> Step<()> {
+    async fn hand_back_lost_claims(&mut self) -> Step<()> {
         let now = Instant::now();
         if !self.lost_claims.due(now) {
             return Ok(());
@@ -611,10 +611,10 @@ impl<'a> Dispatch<'a> {
             .bounded(store.release_unheld(&relay.held.ids(), lease))
             .await
         {
-            Ok(released) => {
+            Ok(handed_back) => {
                 self.lost_claims.handed_back(now, store.query_timeout());
-                if released > 0 {
-                    tracing::warn!(released, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
+                if handed_back > 0 {
+                    tracing::warn!(released = handed_back, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
                 }
                 Ok(())
             }
@@ -981,7 +981,7 @@ impl ObserveSkip {
 
 /// When to hand back the rows a claim may have committed to this relay though its answer was
 /// lost ([`Store::release_unheld`]): before the next claim after such a claim, then every
-/// [`RELEASE_AGAIN_EVERY`] for `database.query_timeout` after that first hand-back (a claim
+/// [`HAND_BACK_AGAIN_EVERY`] for `database.query_timeout` after that first hand-back (a claim
 /// the database had not read yet, in a stalled connection, commits when it answers again).
 /// Another lost answer meanwhile starts that period afresh.
 #[derive(Debug, Default)]
@@ -1011,7 +1011,7 @@ impl LostClaims {
             _ => now + query_timeout,
         };
         self.lost = false;
-        self.again = (now < until).then_some((now + RELEASE_AGAIN_EVERY, until));
+        self.again = (now < until).then_some((now + HAND_BACK_AGAIN_EVERY, until));
     }
 }
 

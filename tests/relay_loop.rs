@@ -467,13 +467,13 @@ async fn reclaimed_rows_go_out_one_at_a_time(db: Db) {
         seen.entry(r.seq).or_default().1 = r.attempts;
     }
     let want: [&[i32]; 8] = [&[2, 2], &[2], &[2], &[2], &[1], &[1], &[1], &[1]];
-    // Stored: the attempts of the row's first publish (a refunded attempt is not stored).
+    // Stored: the attempts of the row's first publish (a row handed back keeps no attempt).
     let want = want.map(|w| (w.to_vec(), w[0]));
     let expected: BTreeMap<_, _> = inserted.iter().map(|r| r.seq).zip(want).collect();
     assert_eq!(
         seen, expected,
         "the poison row published twice with the dead relay's attempt plus one (the lost \
-         connection refunded it), the other reclaimed rows once with 2, fresh rows once with 1"
+         connection handed it back without spending it), the other reclaimed rows once with 2, fresh rows once with 1"
     );
     table.drop_table().await;
 }
@@ -543,7 +543,7 @@ async fn the_window_holds_published_rows_until_they_are_settled(db: Db) {
 }
 
 /// Shutdown while 6 publishes wait on the broker: the 3 answered during the drain are `sent`,
-/// the 3 the broker never answers are handed back `pending` with their attempt refunded, rows
+/// the 3 the broker never answers are handed back `pending` without spending an attempt, rows
 /// never claimed are untouched, no new claim starts, and `run_with` returns on its own, without
 /// an error, though those 3 are never answered (it gives up on them at its publish deadline
 /// within `shutdown_timeout`).
@@ -602,7 +602,7 @@ async fn connection_failures_never_spend_attempts(db: Db) {
     const DROPS: usize = 3;
     let new = rows(&["A", "A", "A", "B", "B", ""]);
     let settings = "[retry]\nmax_attempts = 2\nbase_delay = \"50ms\"\n";
-    let (table, config, inserted) = setup(db, "loop_connection_refunds", settings, &new).await;
+    let (table, config, inserted) = setup(db, "loop_connection_drops", settings, &new).await;
     let broker = FakeBroker::new(|_, n| answer_if(n < DROPS, Answer::Disconnect));
     broker.reachable.store(false, SeqCst);
     let relay = start(config, &broker);
