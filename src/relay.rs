@@ -460,12 +460,8 @@ struct Dispatch<'a> {
     broker_backoff: Backoff,
     db_backoff: Backoff,
     suspect_checks: SuspectChecks,
-    // Whether the last claim filled its batch (so more rows are waiting). Permits come back
-    // batch by batch as batches are settled, some of them small; with a backlog, claiming on
-    // the first free permit would make many tiny claims, so the loop waits for `refill` permits
-    // (half a window, at most a batch).
-    backlog: bool,
-    refill: usize,
+    // How much of the window a round waits for.
+    refill: Refill,
     // Whether the next claim is split (see `CLAIM_PARTS`).
     split: SplitPolicy,
     // Whether the broker was connected when last looked at: a drop from true is a lost
@@ -509,8 +505,7 @@ impl<'a> Dispatch<'a> {
             broker_backoff: Backoff::reconnect(),
             db_backoff: Backoff::reconnect(),
             suspect_checks: SuspectChecks::new(cfg.lease_timeout, Instant::now()),
-            backlog: false,
-            refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
+            refill: Refill::new(cfg.batch_size, cfg.max_in_flight),
             split: SplitPolicy::default(),
             broker_up: false,
             sweeps: SweepSchedule::new(relay.settings.on_confirm, Instant::now()),
@@ -625,7 +620,7 @@ impl<'a> Dispatch<'a> {
     /// Waits for room in this outbox's share of the in-flight window, then takes as much of
     /// it as one batch may.
     async fn take_window(&mut self) -> Step<Permit> {
-        let want = if self.backlog { self.refill } else { 1 };
+        let want = self.refill.want();
         let batch_size = self.relay.settings.relay.batch_size;
         tokio::select! {
             p = self.relay.lane.acquire(want, batch_size) => p.ok_or(Exit::Stop),
@@ -761,7 +756,7 @@ impl<'a> Dispatch<'a> {
         let held_nothing = relay.held.is_empty();
         let now = Instant::now();
         let sweep = self.sweeps.due(now);
-        let parts = self.split.parts(self.backlog, limit, now);
+        let parts = self.split.parts(self.refill.backlog(), limit, now);
         let store = &relay.store;
         let claimed = store
             .bounded(store.claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts))
@@ -788,7 +783,7 @@ impl<'a> Dispatch<'a> {
         // Full: some part filled its share, so more rows are likely ready (with ordering
         // `aggregate` the aggregates of one part may run out before the other's).
         let full = more;
-        self.backlog = full;
+        self.refill.claimed(full);
         // Nothing claimed, and nothing held when the claim began (a batch settled while the
         // claim ran may not be in its snapshot, and its settle wakes the loop anyway): the
         // relay is idle.
@@ -1012,6 +1007,43 @@ impl LostClaims {
         };
         self.lost = false;
         self.again = (now < until).then_some((now + HAND_BACK_AGAIN_EVERY, until));
+    }
+}
+
+/// How much of the in-flight window a round waits for before it claims: one permit, or while
+/// a backlog waits (the last claim filled its batch) half the window, at most a batch. Permits
+/// come back batch by batch as batches are settled, some of them small; with a backlog,
+/// claiming on the first free permit would make many tiny claims.
+#[derive(Debug)]
+struct Refill {
+    /// Whether the last claim filled its batch (so more rows are waiting).
+    backlog: bool,
+    /// What a round waits for while a backlog waits.
+    refill: usize,
+}
+
+impl Refill {
+    /// For `relay.batch_size` and `relay.max_in_flight`; no backlog yet.
+    fn new(batch_size: usize, max_in_flight: usize) -> Self {
+        Self {
+            backlog: false,
+            refill: batch_size.min(max_in_flight / 2).max(1),
+        }
+    }
+
+    /// The permits the next round waits for.
+    fn want(&self) -> usize {
+        if self.backlog { self.refill } else { 1 }
+    }
+
+    /// Whether a backlog waits.
+    fn backlog(&self) -> bool {
+        self.backlog
+    }
+
+    /// A claim came back; `full`: it filled its batch (some part filled its share).
+    fn claimed(&mut self, full: bool) {
+        self.backlog = full;
     }
 }
 
@@ -1253,6 +1285,27 @@ mod tests {
         assert!(lost.due(s(65)), "until 3 s after the second loss");
         lost.handed_back(s(65), timeout);
         assert!(!lost.due(s(66)));
+    }
+
+    #[test]
+    fn with_a_backlog_a_round_waits_for_half_the_window_at_most_a_batch() {
+        let mut refill = Refill::new(500, 2_000);
+        assert_eq!(
+            refill.want(),
+            1,
+            "no backlog: claim on the first free permit"
+        );
+        refill.claimed(true);
+        assert!(refill.backlog());
+        assert_eq!(refill.want(), 500, "a batch");
+        refill.claimed(false);
+        assert_eq!(refill.want(), 1, "the backlog drained");
+        let mut narrow = Refill::new(500, 300);
+        narrow.claimed(true);
+        assert_eq!(narrow.want(), 150, "half the window");
+        let mut one = Refill::new(500, 1);
+        one.claimed(true);
+        assert_eq!(one.want(), 1, "at least one permit");
     }
 
     #[test]
