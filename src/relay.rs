@@ -81,6 +81,9 @@ const EXPIRY_SWEEP_IDLE: Duration = Duration::from_secs(5);
 /// insert that missed the NOTIFY (see [`crate::wakeup`]), waits about this long plus one poll.
 const OBSERVE_IDLE_EVERY: Duration = Duration::from_secs(5);
 
+/// The longest poll while the ordering guard holds rows back.
+const GUARD_POLL: Duration = Duration::from_millis(50);
+
 /// How long the ordering guard may hold rows back before the loop warns about it.
 const BLOCKING_WARN_AFTER: Duration = Duration::from_secs(5);
 /// The least time between two of those warnings.
@@ -811,11 +814,8 @@ impl<'a> Dispatch<'a> {
             return Ok(());
         }
         let poll_interval = self.relay.settings.relay.poll_interval;
-        let poll = if self.watermark.holding() {
-            poll_interval.min(Duration::from_millis(50))
-        } else {
-            poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
-        };
+        let holding = self.watermark.holding();
+        let poll = poll_wait(poll_interval, holding, rand::random::<f64>());
         let poll = match self.waiter.as_mut() {
             // Also while the ordering guard holds rows back: the commit of the writer it
             // waits for must wake the relay.
@@ -1044,6 +1044,18 @@ impl Refill {
     /// A claim came back; `full`: it filled its batch (some part filled its share).
     fn claimed(&mut self, full: bool) {
         self.backlog = full;
+    }
+}
+
+/// How long to wait for the poll when nothing more is ready: `relay.poll_interval` jittered
+/// by ±10% (`jitter` drawn from [0, 1)), so that relays started together do not poll in step;
+/// at most [`GUARD_POLL`] while the ordering guard holds rows back (the writer it waits for
+/// may commit any moment).
+fn poll_wait(poll_interval: Duration, holding: bool, jitter: f64) -> Duration {
+    if holding {
+        poll_interval.min(GUARD_POLL)
+    } else {
+        poll_interval.mul_f64(0.9 + 0.2 * jitter)
     }
 }
 
@@ -1306,6 +1318,25 @@ mod tests {
         let mut one = Refill::new(500, 1);
         one.claimed(true);
         assert_eq!(one.want(), 1, "at least one permit");
+    }
+
+    #[test]
+    fn the_poll_is_jittered_by_a_tenth_and_short_while_the_guard_holds_rows_back() {
+        let interval = Duration::from_millis(1_000);
+        let ms = Duration::from_millis;
+        assert_eq!(poll_wait(interval, false, 0.0), ms(900));
+        assert_eq!(poll_wait(interval, false, 0.5), ms(1_000));
+        assert!(poll_wait(interval, false, 0.999_999) < ms(1_100));
+        assert_eq!(
+            poll_wait(interval, true, 0.7),
+            GUARD_POLL,
+            "held back: 50 ms"
+        );
+        assert_eq!(
+            poll_wait(ms(20), true, 0.7),
+            ms(20),
+            "never longer than the interval"
+        );
     }
 
     #[test]
