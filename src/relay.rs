@@ -467,9 +467,8 @@ struct Dispatch<'a> {
     refill: Refill,
     // Whether the next claim is split (see `CLAIM_PARTS`).
     split: SplitPolicy,
-    // Whether the broker was connected when last looked at: a drop from true is a lost
-    // connection, counted once however many rows (none, when idle) were in flight.
-    broker_up: bool,
+    // Whether a broker connection was lost (counted once).
+    broker: BrokerLink,
     // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
     sweeps: SweepSchedule,
     // Whether this round may claim with the watermark last observed.
@@ -510,7 +509,7 @@ impl<'a> Dispatch<'a> {
             suspect_checks: SuspectChecks::new(cfg.lease_timeout, Instant::now()),
             refill: Refill::new(cfg.batch_size, cfg.max_in_flight),
             split: SplitPolicy::default(),
-            broker_up: false,
+            broker: BrokerLink::default(),
             sweeps: SweepSchedule::new(relay.settings.on_confirm, Instant::now()),
             observations: ObserveSkip::default(),
             lost_claims: LostClaims::default(),
@@ -560,8 +559,7 @@ impl<'a> Dispatch<'a> {
             relay.health.set_broker(true);
             return Ok(());
         }
-        if self.broker_up {
-            self.broker_up = false;
+        if self.broker.lost() {
             relay.metrics.broker_down();
             tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
         }
@@ -573,7 +571,7 @@ impl<'a> Dispatch<'a> {
         match connected {
             Ok(()) => {
                 tracing::info!(publisher = %publisher.describe(), "connected to the broker");
-                self.broker_up = true;
+                self.broker.connected();
                 telemetry::record_broker_connected();
                 relay.health.set_broker(true);
                 self.broker_backoff = Backoff::reconnect();
@@ -1047,6 +1045,26 @@ impl Refill {
     }
 }
 
+/// Whether the broker was connected when last looked at: a drop from connected is a lost
+/// connection, logged and counted once however many rows (none, when idle) were in flight (a
+/// failed reconnect is counted on its own); a broker not reached yet has nothing to lose.
+#[derive(Debug, Default)]
+struct BrokerLink {
+    up: bool,
+}
+
+impl BrokerLink {
+    /// The publisher reports no connection: whether that is a loss not yet counted.
+    fn lost(&mut self) -> bool {
+        std::mem::take(&mut self.up)
+    }
+
+    /// The publisher connected.
+    fn connected(&mut self) {
+        self.up = true;
+    }
+}
+
 /// How long to wait for the poll when nothing more is ready: `relay.poll_interval` jittered
 /// by ±10% (`jitter` drawn from [0, 1)), so that relays started together do not poll in step;
 /// at most [`GUARD_POLL`] while the ordering guard holds rows back (the writer it waits for
@@ -1337,6 +1355,20 @@ mod tests {
             ms(20),
             "never longer than the interval"
         );
+    }
+
+    #[test]
+    fn a_lost_broker_connection_counts_once() {
+        let mut broker = BrokerLink::default();
+        assert!(!broker.lost(), "never connected: nothing lost");
+        broker.connected();
+        assert!(broker.lost(), "the connection dropped");
+        assert!(
+            !broker.lost(),
+            "reconnects failing after it are the same loss"
+        );
+        broker.connected();
+        assert!(broker.lost(), "a new connection lost again");
     }
 
     #[test]
