@@ -452,12 +452,10 @@ async fn reclaimed_rows_go_out_one_at_a_time(db: Db) {
     let settings = "[relay]\nbatch_size = 8\nmax_in_flight = 8\n";
     let (table, config, inserted) = setup(db, "loop_suspects", settings, &new).await;
     let dead_ids: Vec<Uuid> = inserted[..4].iter().map(|r| r.id).collect();
+    let (t, hour_ago, ids) = (table.name(), now_plus(db, -3600), id_list(&dead_ids));
     let sql = format!(
-        "UPDATE {} SET status = 'processing', attempts = 1, locked_by = 'dead-relay', \
-         locked_at = {} WHERE id IN {}",
-        table.name(),
-        now_plus(db, -3600),
-        id_list(&dead_ids)
+        "UPDATE {t} SET status = 'processing', attempts = 1, locked_by = 'dead-relay', \
+         locked_at = {hour_ago} WHERE id IN {ids}"
     );
     table.exec(&sql).await;
     let poison = inserted[0].id;
