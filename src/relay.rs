@@ -46,8 +46,8 @@ fn suspect_check_period(lease_timeout: Duration) -> Duration {
 }
 
 /// After rows of a claim whose answer was lost were handed back, how often to look for more
-/// (see `Dispatch::release_lost_claims`).
-const RELEASE_AGAIN_EVERY: Duration = Duration::from_secs(1);
+/// (see `Dispatch::hand_back_lost_claims`).
+const HAND_BACK_AGAIN_EVERY: Duration = Duration::from_secs(1);
 
 /// How many statements claim at once while a backlog is waiting (the last claim filled its
 /// share of the batch): one claim statement keeps one PostgreSQL server process busy, and
@@ -80,6 +80,14 @@ const EXPIRY_SWEEP_IDLE: Duration = Duration::from_secs(5);
 /// for (retries coming due, reclaimed rows) are older than that watermark. What is left, an
 /// insert that missed the NOTIFY (see [`crate::wakeup`]), waits about this long plus one poll.
 const OBSERVE_IDLE_EVERY: Duration = Duration::from_secs(5);
+
+/// The longest poll while the ordering guard holds rows back.
+const GUARD_POLL: Duration = Duration::from_millis(50);
+
+/// How long the ordering guard may hold rows back before the loop warns about it.
+const BLOCKING_WARN_AFTER: Duration = Duration::from_secs(5);
+/// The least time between two of those warnings.
+const BLOCKING_WARN_EVERY: Duration = Duration::from_secs(30);
 
 /// What the loop needs besides the store and the publisher.
 #[derive(Debug, Clone)]
@@ -246,7 +254,7 @@ impl Relay {
 
     /// Publishes a chain in order ([`Publisher::publish_run`], or its traced form when tracing
     /// is on), stopping at the first row that does not go through: the rows after it are
-    /// handed back unspent.
+    /// handed back without spending an attempt.
     async fn publish_chain(
         &self,
         mut chain: Vec<OutboxMessage>,
@@ -451,35 +459,22 @@ struct Dispatch<'a> {
     batches: &'a TaskTracker,
     waiter: &'a mut Option<Waiter>,
     watermark: Watermark,
-    last_blocking_warning: Option<Instant>,
+    blocking_warning: BlockingWarning,
     broker_backoff: Backoff,
     db_backoff: Backoff,
-    next_suspect_check: Instant,
-    // Whether the last claim filled its batch (so more rows are waiting). Permits come back
-    // batch by batch as batches are settled, some of them small; with a backlog, claiming on
-    // the first free permit would make many tiny claims, so the loop waits for `refill` permits
-    // (half a window, at most a batch).
-    backlog: bool,
-    refill: usize,
+    suspect_checks: SuspectChecks,
+    // How much of the window a round waits for.
+    refill: Refill,
     // Whether the next claim is split (see `CLAIM_PARTS`).
     split: SplitPolicy,
-    // Whether the broker was connected when last looked at: a drop from true is a lost
-    // connection, counted once however many rows (none, when idle) were in flight.
-    broker_up: bool,
+    // Whether a broker connection was lost (counted once).
+    broker: BrokerLink,
     // When the next claim also sweeps expired rows (see `EXPIRY_SWEEP_EVERY`).
     sweeps: SweepSchedule,
-    // Whether this round was started by the poll timer (not a NOTIFY, a settle or a recheck),
-    // and when the watermark was last observed (see `OBSERVE_IDLE_EVERY`).
-    polled: bool,
-    observed: Option<Instant>,
-    // A claim failed after it may have reached the database: it may have committed rows to
-    // this relay whose answer never came back. Cleared once they are handed back
-    // ([`Store::release_unheld`]).
-    answer_lost: bool,
-    // After that hand-back, when to hand back again and until when: a claim that got no answer
-    // in time may sit in a connection the database has not read yet and commit once it
-    // answers again (see `RELEASE_AGAIN_EVERY`).
-    release_again: Option<(Instant, Instant)>,
+    // Whether this round may claim with the watermark last observed.
+    observations: ObserveSkip,
+    // When to hand back the rows of claims whose answer was lost.
+    lost_claims: LostClaims,
 }
 
 /// What one claim brought back, for the adaptive wait.
@@ -508,19 +503,16 @@ impl<'a> Dispatch<'a> {
             batches,
             waiter,
             watermark: Watermark::new(),
-            last_blocking_warning: None,
+            blocking_warning: BlockingWarning::default(),
             broker_backoff: Backoff::reconnect(),
             db_backoff: Backoff::reconnect(),
-            next_suspect_check: Instant::now(),
-            backlog: false,
-            refill: cfg.batch_size.min(cfg.max_in_flight / 2).max(1),
+            suspect_checks: SuspectChecks::new(cfg.lease_timeout, Instant::now()),
+            refill: Refill::new(cfg.batch_size, cfg.max_in_flight),
             split: SplitPolicy::default(),
-            broker_up: false,
+            broker: BrokerLink::default(),
             sweeps: SweepSchedule::new(relay.settings.on_confirm, Instant::now()),
-            polled: false,
-            observed: None,
-            answer_lost: false,
-            release_again: None,
+            observations: ObserveSkip::default(),
+            lost_claims: LostClaims::default(),
         }
     }
 
@@ -536,7 +528,7 @@ impl<'a> Dispatch<'a> {
     async fn round(&mut self) -> Step<()> {
         self.instance_lock().await?;
         self.reconnect().await?;
-        self.release_lost_claims().await?;
+        self.hand_back_lost_claims().await?;
         let permit = self.take_window().await?;
         let (mark, permit) = self.observe_watermark(permit).await?;
         let Some(permit) = self.isolate_suspect(mark, permit).await? else {
@@ -567,8 +559,7 @@ impl<'a> Dispatch<'a> {
             relay.health.set_broker(true);
             return Ok(());
         }
-        if self.broker_up {
-            self.broker_up = false;
+        if self.broker.lost() {
             relay.metrics.broker_down();
             tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
         }
@@ -580,7 +571,7 @@ impl<'a> Dispatch<'a> {
         match connected {
             Ok(()) => {
                 tracing::info!(publisher = %publisher.describe(), "connected to the broker");
-                self.broker_up = true;
+                self.broker.connected();
                 telemetry::record_broker_connected();
                 relay.health.set_broker(true);
                 self.broker_backoff = Backoff::reconnect();
@@ -600,14 +591,13 @@ impl<'a> Dispatch<'a> {
     /// came within `database.query_timeout`), hands back the rows it may have committed to
     /// this relay: every `processing` row in this relay's name that no batch holds and whose
     /// lease has not run out (those are the lease task's to reclaim). Runs before the next
-    /// claim of this loop, then again every `RELEASE_AGAIN_EVERY` for `database.query_timeout`:
+    /// claim of this loop, then again every `HAND_BACK_AGAIN_EVERY` for `database.query_timeout`:
     /// a claim the database had not read yet (a stalled connection) commits its rows when it
     /// answers again, at about the time of that first hand-back. A lost claim that commits
     /// later still leaves its rows to wait out the lease.
-    async fn release_lost_claims(&mut self) -> Step<()> {
+    async fn hand_back_lost_claims(&mut self) -> Step<()> {
         let now = Instant::now();
-        let again = self.release_again.is_some_and(|(next, _)| now >= next);
-        if !self.answer_lost && !again {
+        if !self.lost_claims.due(now) {
             return Ok(());
         }
         let relay = self.relay;
@@ -617,15 +607,10 @@ impl<'a> Dispatch<'a> {
             .bounded(store.release_unheld(&relay.held.ids(), lease))
             .await
         {
-            Ok(released) => {
-                let until = match self.release_again {
-                    Some((_, until)) if !self.answer_lost => until,
-                    _ => now + store.query_timeout(),
-                };
-                self.answer_lost = false;
-                self.release_again = (now < until).then_some((now + RELEASE_AGAIN_EVERY, until));
-                if released > 0 {
-                    tracing::warn!(released, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
+            Ok(handed_back) => {
+                self.lost_claims.handed_back(now, store.query_timeout());
+                if handed_back > 0 {
+                    tracing::warn!(released = handed_back, table = %relay.store.table(), "handed back rows of a claim whose answer the database connection lost (never published, no attempt spent)");
                 }
                 Ok(())
             }
@@ -636,7 +621,7 @@ impl<'a> Dispatch<'a> {
     /// Waits for room in this outbox's share of the in-flight window, then takes as much of
     /// it as one batch may.
     async fn take_window(&mut self) -> Step<Permit> {
-        let want = if self.backlog { self.refill } else { 1 };
+        let want = self.refill.want();
         let batch_size = self.relay.settings.relay.batch_size;
         tokio::select! {
             p = self.relay.lane.acquire(want, batch_size) => p.ok_or(Exit::Stop),
@@ -659,13 +644,10 @@ impl<'a> Dispatch<'a> {
             return Ok((i64::MAX, permit));
         }
         let now = Instant::now();
-        let polled = std::mem::take(&mut self.polled);
-        if polled
-            && !self.watermark.holding()
-            && self.waiter.as_ref().is_some_and(Waiter::armed)
-            && self
-                .observed
-                .is_some_and(|t| now.duration_since(t) < OBSERVE_IDLE_EVERY)
+        let armed = self.waiter.as_ref().is_some_and(Waiter::armed);
+        if self
+            .observations
+            .skip(!self.watermark.holding() && armed, now)
         {
             return Ok((self.watermark.released(), permit));
         }
@@ -681,16 +663,11 @@ impl<'a> Dispatch<'a> {
                 return Err(self.database_down(&e).await);
             }
         };
-        self.observed = Some(now);
+        self.observations.observed(now);
         let mark = self.watermark.observe(last, &writers.writers, now);
         let lag = self.watermark.lag(now);
         self.relay.metrics.watermark_lag(lag);
-        if lag > Duration::from_secs(5)
-            && self
-                .last_blocking_warning
-                .is_none_or(|t| now.duration_since(t) > Duration::from_secs(30))
-        {
-            self.last_blocking_warning = Some(now);
+        if self.blocking_warning.due(lag, now) {
             tracing::warn!(
                 held_for = ?lag,
                 oldest_writer_age_seconds = writers.oldest_writer_age.unwrap_or_default(),
@@ -711,20 +688,18 @@ impl<'a> Dispatch<'a> {
     async fn isolate_suspect(&mut self, mark: i64, permit: Permit) -> Step<Option<Permit>> {
         // The lease task just reclaimed rows: look now, not at the next periodic check.
         let reclaimed = self.relay.held.take_reclaimed();
-        if Instant::now() < self.next_suspect_check && !reclaimed {
+        if !self.suspect_checks.due(reclaimed, Instant::now()) {
             return Ok(Some(permit));
         }
         let relay = self.relay;
         let store = &relay.store;
         match store.bounded(store.suspects_waiting(mark)).await {
             Ok(false) => {
-                self.suspects_checked();
+                self.suspect_checks.none_left(Instant::now());
                 return Ok(Some(permit));
             }
             Ok(true) => {
-                // Keep looking on every round until none is left (this check may have been
-                // made early, on the lease task's note).
-                self.next_suspect_check = Instant::now();
+                self.suspect_checks.found(Instant::now());
                 drop(permit);
             }
             Err(e) => {
@@ -742,21 +717,15 @@ impl<'a> Dispatch<'a> {
             Ok(None) => {
                 // Another relay took it meanwhile.
                 drop(window);
-                self.suspects_checked();
+                self.suspect_checks.none_left(Instant::now());
             }
             Err(e) => {
                 drop(window);
-                self.answer_lost |= e.answer_may_be_lost();
+                self.lost_claims.answer_lost(e.answer_may_be_lost());
                 self.database_down(&e).await;
             }
         }
         Ok(None)
-    }
-
-    /// No suspect waits: look again after `suspect_check_period`.
-    fn suspects_checked(&mut self) {
-        self.next_suspect_check =
-            Instant::now() + suspect_check_period(self.relay.settings.relay.lease_timeout);
     }
 
     /// Publishes the claimed `rows` in a task of their own, with the part of the window
@@ -788,14 +757,14 @@ impl<'a> Dispatch<'a> {
         let held_nothing = relay.held.is_empty();
         let now = Instant::now();
         let sweep = self.sweeps.due(now);
-        let parts = self.split.parts(self.backlog, limit, now);
+        let parts = self.split.parts(self.refill.backlog(), limit, now);
         let store = &relay.store;
         let claimed = store
             .bounded(store.claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts))
             .await;
         let (rows, expired, more) = match claimed {
             Ok(claim) => {
-                self.answer_lost |= claim.answer_lost;
+                self.lost_claims.answer_lost(claim.answer_lost);
                 record_expired(&relay.metrics, &claim.expired);
                 if claim.uneven {
                     self.split.uneven(now);
@@ -804,7 +773,7 @@ impl<'a> Dispatch<'a> {
             }
             Err(e) => {
                 drop(permit);
-                self.answer_lost |= e.answer_may_be_lost();
+                self.lost_claims.answer_lost(e.answer_may_be_lost());
                 return Err(self.database_down(&e).await);
             }
         };
@@ -815,7 +784,7 @@ impl<'a> Dispatch<'a> {
         // Full: some part filled its share, so more rows are likely ready (with ordering
         // `aggregate` the aggregates of one part may run out before the other's).
         let full = more;
-        self.backlog = full;
+        self.refill.claimed(full);
         // Nothing claimed, and nothing held when the claim began (a batch settled while the
         // claim ran may not be in its snapshot, and its settle wakes the loop anyway): the
         // relay is idle.
@@ -838,16 +807,13 @@ impl<'a> Dispatch<'a> {
     /// flow it claims again on a fixed short step even with batches in flight
     /// ([`Waiter::flowing`]).
     async fn adaptive_wait(&mut self, claimed: Claimed) -> Step<()> {
-        self.polled = false;
+        self.observations.woke_by_poll(false);
         if claimed.full {
             return Ok(());
         }
         let poll_interval = self.relay.settings.relay.poll_interval;
-        let poll = if self.watermark.holding() {
-            poll_interval.min(Duration::from_millis(50))
-        } else {
-            poll_interval.mul_f64(0.9 + 0.2 * rand::random::<f64>())
-        };
+        let holding = self.watermark.holding();
+        let poll = poll_wait(poll_interval, holding, rand::random::<f64>());
         let poll = match self.waiter.as_mut() {
             // Also while the ordering guard holds rows back: the commit of the writer it
             // waits for must wake the relay.
@@ -871,7 +837,7 @@ impl<'a> Dispatch<'a> {
         };
         tokio::select! {
             () = self.relay.wake.notified() => {}
-            () = tokio::time::sleep(poll) => self.polled = true,
+            () = tokio::time::sleep(poll) => self.observations.woke_by_poll(true),
             () = self.shutdown.cancelled() => {}
         }
         Ok(())
@@ -929,6 +895,209 @@ impl SweepSchedule {
             } else {
                 EXPIRY_SWEEP_EVERY
             };
+    }
+}
+
+/// When to look for rows reclaimed from a dead relay (suspects): at the first round, on every
+/// round while some are left, at once when this relay's lease task just reclaimed rows, and
+/// otherwise every [`suspect_check_period`].
+#[derive(Debug)]
+struct SuspectChecks {
+    /// When the next periodic check is due.
+    next: Instant,
+    /// [`suspect_check_period`] of the lease.
+    period: Duration,
+}
+
+impl SuspectChecks {
+    /// The first round at `now` checks.
+    fn new(lease_timeout: Duration, now: Instant) -> Self {
+        Self {
+            next: now,
+            period: suspect_check_period(lease_timeout),
+        }
+    }
+
+    /// Whether a round at `now` looks for suspects; `reclaimed`: the lease task reclaimed rows
+    /// since the last round.
+    fn due(&self, reclaimed: bool, now: Instant) -> bool {
+        reclaimed || now >= self.next
+    }
+
+    /// A check at `now` found suspects waiting: look on every round until none is left (the
+    /// check may have been made early, on the lease task's note).
+    fn found(&mut self, now: Instant) {
+        self.next = now;
+    }
+
+    /// A check at `now` found none (or another relay took the one found): look again after
+    /// the period.
+    fn none_left(&mut self, now: Instant) {
+        self.next = now + self.period;
+    }
+}
+
+/// Whether a round with `ordering = "aggregate"` may claim with the watermark it last observed
+/// instead of observing again: only a round the poll timer started (not a NOTIFY, a settle or
+/// a recheck), while the ordering guard holds nothing back and the relay's waiting record is
+/// armed (a new commit NOTIFYs), and within [`OBSERVE_IDLE_EVERY`] of the last observation.
+#[derive(Debug, Default)]
+struct ObserveSkip {
+    /// Whether the next round was started by the poll timer.
+    polled: bool,
+    /// When the watermark was last observed.
+    observed: Option<Instant>,
+}
+
+impl ObserveSkip {
+    /// The wait before the next round ended by the poll timer (`true`) or otherwise.
+    fn woke_by_poll(&mut self, polled: bool) {
+        self.polled = polled;
+    }
+
+    /// Whether the round at `now` skips observing; `quiet`: the guard holds nothing back and
+    /// the waiting record is armed. Only the round right after a poll may: this uses it up.
+    fn skip(&mut self, quiet: bool, now: Instant) -> bool {
+        let polled = std::mem::take(&mut self.polled);
+        polled
+            && quiet
+            && self
+                .observed
+                .is_some_and(|t| now.duration_since(t) < OBSERVE_IDLE_EVERY)
+    }
+
+    /// The watermark was observed at `now`.
+    fn observed(&mut self, now: Instant) {
+        self.observed = Some(now);
+    }
+}
+
+/// When to hand back the rows a claim may have committed to this relay though its answer was
+/// lost ([`Store::release_unheld`]): before the next claim after such a claim, then every
+/// [`HAND_BACK_AGAIN_EVERY`] for `database.query_timeout` after that first hand-back (a claim
+/// the database had not read yet, in a stalled connection, commits when it answers again).
+/// Another lost answer meanwhile starts that period afresh.
+#[derive(Debug, Default)]
+struct LostClaims {
+    /// A claim failed after it may have reached the database (or a part of it did) and its
+    /// rows are not handed back yet.
+    lost: bool,
+    /// After a hand-back: when to hand back again, and until when.
+    again: Option<(Instant, Instant)>,
+}
+
+impl LostClaims {
+    /// A claim ended; `lost`: its answer (or a part's) may have been lost.
+    fn answer_lost(&mut self, lost: bool) {
+        self.lost |= lost;
+    }
+
+    /// Whether to hand back at `now`.
+    fn due(&self, now: Instant) -> bool {
+        self.lost || self.again.is_some_and(|(next, _)| now >= next)
+    }
+
+    /// Rows were handed back at `now` (the database answers within `query_timeout`).
+    fn handed_back(&mut self, now: Instant, query_timeout: Duration) {
+        let until = match self.again {
+            Some((_, until)) if !self.lost => until,
+            _ => now + query_timeout,
+        };
+        self.lost = false;
+        self.again = (now < until).then_some((now + HAND_BACK_AGAIN_EVERY, until));
+    }
+}
+
+/// How much of the in-flight window a round waits for before it claims: one permit, or while
+/// a backlog waits (the last claim filled its batch) half the window, at most a batch. Permits
+/// come back batch by batch as batches are settled, some of them small; with a backlog,
+/// claiming on the first free permit would make many tiny claims.
+#[derive(Debug)]
+struct Refill {
+    /// Whether the last claim filled its batch (so more rows are waiting).
+    backlog: bool,
+    /// What a round waits for while a backlog waits.
+    refill: usize,
+}
+
+impl Refill {
+    /// For `relay.batch_size` and `relay.max_in_flight`; no backlog yet.
+    fn new(batch_size: usize, max_in_flight: usize) -> Self {
+        Self {
+            backlog: false,
+            refill: batch_size.min(max_in_flight / 2).max(1),
+        }
+    }
+
+    /// The permits the next round waits for.
+    fn want(&self) -> usize {
+        if self.backlog { self.refill } else { 1 }
+    }
+
+    /// Whether a backlog waits.
+    fn backlog(&self) -> bool {
+        self.backlog
+    }
+
+    /// A claim came back; `full`: it filled its batch (some part filled its share).
+    fn claimed(&mut self, full: bool) {
+        self.backlog = full;
+    }
+}
+
+/// Whether the broker was connected when last looked at: a drop from connected is a lost
+/// connection, logged and counted once however many rows (none, when idle) were in flight (a
+/// failed reconnect is counted on its own); a broker not reached yet has nothing to lose.
+#[derive(Debug, Default)]
+struct BrokerLink {
+    up: bool,
+}
+
+impl BrokerLink {
+    /// The publisher reports no connection: whether that is a loss not yet counted.
+    fn lost(&mut self) -> bool {
+        std::mem::take(&mut self.up)
+    }
+
+    /// The publisher connected.
+    fn connected(&mut self) {
+        self.up = true;
+    }
+}
+
+/// How long to wait for the poll when nothing more is ready: `relay.poll_interval` jittered
+/// by ±10% (`jitter` drawn from [0, 1)), so that relays started together do not poll in step;
+/// at most [`GUARD_POLL`] while the ordering guard holds rows back (the writer it waits for
+/// may commit any moment).
+fn poll_wait(poll_interval: Duration, holding: bool, jitter: f64) -> Duration {
+    if holding {
+        poll_interval.min(GUARD_POLL)
+    } else {
+        poll_interval.mul_f64(0.9 + 0.2 * jitter)
+    }
+}
+
+/// When to warn that a long transaction holds ordered publishing back: once the ordering guard
+/// has held rows back for more than [`BLOCKING_WARN_AFTER`], then at most every
+/// [`BLOCKING_WARN_EVERY`] while it goes on (a log line per poll would bury everything else).
+#[derive(Debug, Default)]
+struct BlockingWarning {
+    /// When the last warning was given.
+    last: Option<Instant>,
+}
+
+impl BlockingWarning {
+    /// Whether to warn at `now`, the guard holding rows back for `lag`; a yes counts as the
+    /// warning given.
+    fn due(&mut self, lag: Duration, now: Instant) -> bool {
+        let due = lag > BLOCKING_WARN_AFTER
+            && self
+                .last
+                .is_none_or(|t| now.duration_since(t) > BLOCKING_WARN_EVERY);
+        if due {
+            self.last = Some(now);
+        }
+        due
     }
 }
 
@@ -1048,6 +1217,177 @@ mod tests {
         split.uneven(t0);
         assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE / 2), 1, "paused");
         assert_eq!(split.parts(true, 500, t0 + SPLIT_PAUSE), CLAIM_PARTS);
+    }
+
+    #[test]
+    fn suspects_are_looked_for_first_then_while_left_then_every_period_or_on_a_reclaim() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        // A 60 s lease: every 15 s.
+        let mut checks = SuspectChecks::new(Duration::from_secs(60), t0);
+        assert!(checks.due(false, t0), "the first round looks");
+        checks.found(t0);
+        assert!(
+            checks.due(false, t0),
+            "suspects left: the next round looks again"
+        );
+        checks.none_left(s(1));
+        assert!(!checks.due(false, s(15)));
+        assert!(
+            checks.due(true, s(2)),
+            "the lease task reclaimed rows: look at once"
+        );
+        assert!(checks.due(false, s(16)), "a period after the last check");
+        // The period is a quarter of the lease, between 1 and 15 s.
+        let short = SuspectChecks::new(Duration::from_secs(2), t0);
+        assert_eq!(short.period, Duration::from_secs(1));
+        let long = SuspectChecks::new(Duration::from_secs(600), t0);
+        assert_eq!(long.period, Duration::from_secs(15));
+        assert_eq!(checks.period, Duration::from_secs(15));
+    }
+
+    #[test]
+    fn only_a_quiet_poll_soon_after_an_observation_skips_observing() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let mut skip = ObserveSkip::default();
+        skip.woke_by_poll(true);
+        assert!(!skip.skip(true, t0), "never observed yet");
+        skip.observed(t0);
+        assert!(!skip.skip(true, s(1)), "not woken by the poll");
+        skip.woke_by_poll(true);
+        assert!(
+            skip.skip(true, s(1)),
+            "a quiet poll 1 s after the observation"
+        );
+        assert!(!skip.skip(true, s(1)), "the poll is used up by one round");
+        skip.woke_by_poll(true);
+        assert!(
+            !skip.skip(false, s(1)),
+            "the guard holds rows back, or nothing armed"
+        );
+        assert!(
+            !skip.skip(true, s(1)),
+            "a round that observed uses up the poll as well"
+        );
+        skip.woke_by_poll(true);
+        assert!(
+            !skip.skip(true, s(5)),
+            "5 s since the observation: observe again"
+        );
+        skip.woke_by_poll(true);
+        skip.woke_by_poll(false);
+        assert!(
+            !skip.skip(true, s(1)),
+            "a NOTIFY or a settle after the poll"
+        );
+    }
+
+    #[test]
+    fn a_lost_claim_is_handed_back_at_once_then_every_second_for_the_query_timeout() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let timeout = Duration::from_secs(3);
+        let mut lost = LostClaims::default();
+        assert!(!lost.due(t0), "nothing lost");
+        lost.answer_lost(false);
+        assert!(!lost.due(t0), "a claim that answered");
+        lost.answer_lost(true);
+        assert!(lost.due(t0), "before the next claim");
+        lost.handed_back(t0, timeout);
+        assert!(!lost.due(t0));
+        assert!(lost.due(s(1)), "again a second later");
+        lost.handed_back(s(1), timeout);
+        lost.handed_back(s(2), timeout);
+        assert!(lost.due(s(3)));
+        lost.handed_back(s(3), timeout);
+        assert!(
+            !lost.due(s(60)),
+            "the query timeout after the first hand-back: done"
+        );
+        // Another lost answer during the repeats: the period starts afresh.
+        lost.answer_lost(true);
+        lost.handed_back(s(60), timeout);
+        lost.handed_back(s(61), timeout);
+        lost.answer_lost(true);
+        lost.handed_back(s(62), timeout);
+        lost.handed_back(s(64), timeout);
+        assert!(lost.due(s(65)), "until 3 s after the second loss");
+        lost.handed_back(s(65), timeout);
+        assert!(!lost.due(s(66)));
+    }
+
+    #[test]
+    fn with_a_backlog_a_round_waits_for_half_the_window_at_most_a_batch() {
+        let mut refill = Refill::new(500, 2_000);
+        assert_eq!(
+            refill.want(),
+            1,
+            "no backlog: claim on the first free permit"
+        );
+        refill.claimed(true);
+        assert!(refill.backlog());
+        assert_eq!(refill.want(), 500, "a batch");
+        refill.claimed(false);
+        assert_eq!(refill.want(), 1, "the backlog drained");
+        let mut narrow = Refill::new(500, 300);
+        narrow.claimed(true);
+        assert_eq!(narrow.want(), 150, "half the window");
+        let mut one = Refill::new(500, 1);
+        one.claimed(true);
+        assert_eq!(one.want(), 1, "at least one permit");
+    }
+
+    #[test]
+    fn the_poll_is_jittered_by_a_tenth_and_short_while_the_guard_holds_rows_back() {
+        let interval = Duration::from_millis(1_000);
+        let ms = Duration::from_millis;
+        assert_eq!(poll_wait(interval, false, 0.0), ms(900));
+        assert_eq!(poll_wait(interval, false, 0.5), ms(1_000));
+        assert!(poll_wait(interval, false, 0.999_999) < ms(1_100));
+        assert_eq!(
+            poll_wait(interval, true, 0.7),
+            GUARD_POLL,
+            "held back: 50 ms"
+        );
+        assert_eq!(
+            poll_wait(ms(20), true, 0.7),
+            ms(20),
+            "never longer than the interval"
+        );
+    }
+
+    #[test]
+    fn a_lost_broker_connection_counts_once() {
+        let mut broker = BrokerLink::default();
+        assert!(!broker.lost(), "never connected: nothing lost");
+        broker.connected();
+        assert!(broker.lost(), "the connection dropped");
+        assert!(
+            !broker.lost(),
+            "reconnects failing after it are the same loss"
+        );
+        broker.connected();
+        assert!(broker.lost(), "a new connection lost again");
+    }
+
+    #[test]
+    fn a_blocked_guard_is_warned_about_after_5_s_then_every_30_s() {
+        let t0 = Instant::now();
+        let s = |n| t0 + Duration::from_secs(n);
+        let lag = Duration::from_secs;
+        let mut warning = BlockingWarning::default();
+        assert!(!warning.due(lag(5), t0), "held back 5 s: not yet");
+        assert!(warning.due(lag(6), s(1)), "held back over 5 s: warn");
+        assert!(!warning.due(lag(20), s(31)), "30 s since the last warning");
+        assert!(
+            warning.due(lag(36), s(32)),
+            "over 30 s since the last warning"
+        );
+        // Another long transaction soon after: still at most one warning per 30 s.
+        assert!(!warning.due(lag(0), s(40)));
+        assert!(!warning.due(lag(6), s(46)));
+        assert!(warning.due(lag(6), s(63)));
     }
 
     fn row(seq: i64, agg: Option<&str>) -> OutboxMessage {

@@ -1,15 +1,22 @@
-//! The claim loop in process: `outbox_relay::run_with` against the real PostgreSQL (a fresh
-//! table per test, created by the library's own `Store::migrate`) with a scripted fake
+//! The claim loop in process: `outbox_relay::run_with` against the real PostgreSQL and the
+//! real MariaDB (a fresh table per test, created by `outbox-relay migrate`) with a scripted fake
 //! [`Publisher`] instead of a broker, so each test decides what the "broker" answers, when, and
 //! sees every publish the loop makes (order, attempts, overlap). What these pin down is the
 //! loop's bookkeeping — which rows spend attempts, which wait, how many are in flight — that
 //! the broker tests can only observe from outside — and, one level down, how an ordered claim
 //! fills its batch (`Store::claim_and_expire` on its own).
 //!
+//! The loop knows no SQL, so each scenario is written once as `async fn scenario(db: Db)` and
+//! run on both databases by `on_both_databases!` (tests `<scenario>::postgres` and
+//! `<scenario>::mysql`). What is the store's own choice runs on PostgreSQL alone, saying why:
+//! the claims split into parts (a MySQL claim is never split) and which rows an ordered claim
+//! picks to fill its batch. Scenarios that fail on MariaDB today because of a relay defect
+//! have their `mysql` half ignored, naming the defect.
+//!
 //! Time is real, not `tokio::time::pause`d. With paused time, whenever the runtime has no task
 //! to run it polls I/O without blocking and, if nothing is ready, jumps the clock to the next
 //! timer (tokio 1.54 `runtime/time/mod.rs`, `park_thread_timeout`): a query still on its way
-//! to PostgreSQL counts as "nothing to do", so the pool's 5 s create/connect timeouts and the
+//! to the database counts as "nothing to do", so the pool's 5 s create/connect timeouts and the
 //! loop's own sleeps fire before the database answers. The loop also measures some periods with
 //! `std::time::Instant` (suspect check, settle deadline), which pausing does not move, and
 //! pausing needs tokio's `test-util` feature, which would rebuild the dependency tree for
@@ -26,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use common::{Inserted, NewRow, PG_URL, TestTable, hex8, pg_connect, slug, wait_until};
+use common::{Db, DbConn, Inserted, NewRow, TestOutbox, on_both_databases, wait_until};
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use outbox_relay::config::{Config, Ordering, RawConfig};
@@ -40,6 +47,42 @@ use uuid::Uuid;
 
 /// How long any single wait may take before the test fails (the scenarios take well under 2 s).
 const WAIT: Duration = Duration::from_secs(15);
+
+on_both_databases!(
+    rejection_hands_back_the_rest_of_the_chain,
+    reclaimed_rows_go_out_one_at_a_time,
+    in_flight_window_bounds_concurrent_publishes,
+    the_window_holds_published_rows_until_they_are_settled,
+    shutdown_drains_then_hands_back,
+    connection_failures_never_spend_attempts,
+    an_ordered_claim_takes_a_prefix_of_each_aggregates_run,
+    an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready,
+);
+
+/// `on_both_databases!` for scenarios that fail on MySQL today: their `mysql` half is ignored,
+/// naming the relay defect (`cargo nextest run --test relay_loop --run-ignored all` runs it).
+macro_rules! on_both_databases_mysql_ignored {
+    ($($scenario:ident),+ $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn postgres() {
+                super::$scenario(super::Db::Postgres).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[ignore = "relay defect: the MySQL ordered claim scans the oldest ready rows before \
+                        it drops blocked aggregates, so rows behind a held head fill its window"]
+            async fn mysql() {
+                super::$scenario(super::Db::Mysql).await;
+            }
+        }
+    )+};
+}
+
+on_both_databases_mysql_ignored!(
+    rows_behind_a_head_that_cannot_go_out_do_not_fill_an_ordered_claims_window,
+    an_aggregate_backing_off_holds_back_no_other_aggregate,
+);
 
 // The fake broker.
 
@@ -93,7 +136,7 @@ struct FakeBroker {
     high_water: AtomicUsize,
     /// With [`FakeBroker::audit`]: the table whose rows it looks up at each publish, and the
     /// most rows ever published and still `processing` (not settled) at once.
-    audited: std::sync::OnceLock<(tokio_postgres::Client, String)>,
+    audited: std::sync::OnceLock<(tokio::sync::Mutex<DbConn>, String)>,
     unsettled_high_water: AtomicUsize,
 }
 
@@ -117,8 +160,9 @@ impl FakeBroker {
     /// At each publish, counts the rows of `table` published so far (this one included) that
     /// are still `processing`: what a crash at that moment would have published and not
     /// settled, to be published again.
-    async fn audit(&self, table: &TestTable) {
-        let set = self.audited.set((pg_connect().await, table.name.clone()));
+    async fn audit(&self, table: &TestOutbox) {
+        let conn = tokio::sync::Mutex::new(table.conn().await);
+        let set = self.audited.set((conn, table.name().to_owned()));
         assert!(set.is_ok(), "audited once");
     }
 
@@ -127,9 +171,10 @@ impl FakeBroker {
             return;
         };
         let published: Vec<Uuid> = self.log.lock().unwrap().iter().map(|p| p.msg.id).collect();
+        let ids = id_list(&published);
         let sql =
-            format!("SELECT count(*) FROM {table} WHERE status = 'processing' AND id = ANY($1)");
-        let n: i64 = db.query_one(&sql, &[&published]).await.unwrap().get(0);
+            format!("SELECT count(*) FROM {table} WHERE status = 'processing' AND id IN {ids}");
+        let n = db.lock().await.query_i64(&sql).await;
         self.unsettled_high_water
             .fetch_max(usize::try_from(n).unwrap(), SeqCst);
     }
@@ -220,14 +265,20 @@ impl Publisher for FakeBroker {
 
 // The relay under test.
 
-/// A fresh outbox table created by the library's own migration, holding `rows`, and the
-/// configuration the relay runs with, built through `RawConfig::validate` like a user's.
-/// `overrides` is TOML merged over the test's base settings.
-async fn setup(test: &str, overrides: &str, rows: &[NewRow]) -> (TestTable, Config, Vec<Inserted>) {
-    let name = format!("it_{}_{}", slug(test, 24), hex8());
+/// A fresh outbox table on `db`, holding `rows`, and the configuration the relay runs with,
+/// built through `RawConfig::validate` like a user's. `overrides` is TOML merged over the
+/// test's base settings.
+async fn setup(
+    db: Db,
+    test: &str,
+    overrides: &str,
+    rows: &[NewRow],
+) -> (TestOutbox, Config, Vec<Inserted>) {
+    let table = TestOutbox::new(db, test).await;
+    let (url, name) = (db.url(), table.name());
     let base = format!(
         // Four connections are plenty for a few dozen rows, and spare the shared server.
-        "[database]\nurl = \"{PG_URL}\"\ntable = \"{name}\"\npool_size = 4\n\
+        "[database]\nurl = \"{url}\"\ntable = \"{name}\"\npool_size = 4\n\
          [relay]\ninstance_id = \"loop-{name}\"\npoll_interval = \"100ms\"\n\
          [metrics]\nlisten = \"\"\n"
     );
@@ -238,10 +289,6 @@ async fn setup(test: &str, overrides: &str, rows: &[NewRow]) -> (TestTable, Conf
         .expect("test configuration parses");
     let config = raw.validate().expect("test configuration is valid");
     assert_eq!(config.metrics_listen, None, "tests serve no metrics");
-    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
-    assert!(!store.migrate().await.unwrap().is_empty());
-    let db = pg_connect().await;
-    let table = TestTable { name, db };
     let inserted = table.insert(rows).await;
     (table, config, inserted)
 }
@@ -270,6 +317,20 @@ async fn stop((shutdown, handle): Running) {
 fn rows(keys: &[&str]) -> Vec<NewRow> {
     let row = |k: &&str| NewRow::new("loop", Some(*k).filter(|k| !k.is_empty()), "e", json!({}));
     keys.iter().map(row).collect()
+}
+
+/// `ids` as an SQL list, `('…', '…')`, read the same on both databases.
+fn id_list(ids: &[Uuid]) -> String {
+    let quoted: Vec<String> = ids.iter().map(|id| format!("'{id}'")).collect();
+    format!("({})", quoted.join(", "))
+}
+
+/// The database's now plus `seconds` (negative: in the past), as an SQL expression of `db`.
+fn now_plus(db: Db, seconds: i64) -> String {
+    match db {
+        Db::Postgres => format!("now() + interval '{seconds} seconds'"),
+        Db::Mysql => format!("NOW(6) + INTERVAL {seconds} SECOND"),
+    }
 }
 
 /// One claim of up to `limit` rows in `parts` parts, made straight through the store (no
@@ -304,12 +365,11 @@ async fn wait_for(what: &str, check: impl Fn() -> bool) {
 /// An aggregate's run a, b, c is claimed together; the broker rejects b once. c must not go
 /// out before b: it is handed back unpublished and keeps its attempt, b spends exactly one and
 /// waits out its backoff, then b and c go out in `seq` order. Another aggregate is untouched.
-#[tokio::test]
-async fn rejection_hands_back_the_rest_of_the_chain() {
+async fn rejection_hands_back_the_rest_of_the_chain(db: Db) {
     let backoff = Duration::from_millis(300);
     let new = rows(&["A", "B", "A", "A", "B"]);
     let settings = "[retry]\nbase_delay = \"300ms\"\njitter = 0.0\n";
-    let (table, config, inserted) = setup("loop_chain_rejection", settings, &new).await;
+    let (table, config, inserted) = setup(db, "loop_chain_rejection", settings, &new).await;
     let [a, x, b, c, y]: [Inserted; 5] = inserted.try_into().unwrap();
     let broker = FakeBroker::new(move |m, n| answer_if(m.id == b.id && n == 0, Answer::Reject));
     let relay = start(config, &broker);
@@ -356,23 +416,50 @@ async fn rejection_hands_back_the_rest_of_the_chain() {
     table.drop_table().await;
 }
 
+/// An aggregate whose head the broker rejected waits out its backoff with its whole backlog
+/// behind it (more rows than a claim scans); a row of another aggregate inserted after that
+/// backlog goes out meanwhile, before the head's retry.
+async fn an_aggregate_backing_off_holds_back_no_other_aggregate(db: Db) {
+    let mut keys = ["H"].repeat(300);
+    keys.push("Y");
+    let settings = "[relay]\nbatch_size = 10\nmax_in_flight = 10\n\
+                    [retry]\nbase_delay = \"2s\"\njitter = 0.0\n";
+    let (table, config, inserted) = setup(db, "loop_backoff_hol", settings, &rows(&keys)).await;
+    let (head, y) = (inserted[0].id, inserted[300].id);
+    let broker = FakeBroker::new(move |m, n| answer_if(m.id == head && n == 0, Answer::Reject));
+    let relay = start(config, &broker);
+    let y_confirmed = || broker.confirmed().contains(&y);
+    wait_for("the other aggregate's row is confirmed", y_confirmed).await;
+    let head_retried = broker
+        .publishes()
+        .iter()
+        .filter(|p| p.msg.id == head)
+        .count()
+        > 1;
+    stop(relay).await;
+    assert!(
+        !head_retried,
+        "Y went out only after H's head came back from its backoff"
+    );
+    table.drop_table().await;
+}
+
 /// Rows a dead relay left `processing` (old lease, another `locked_by`) are reclaimed and each
 /// published alone: no other publish overlaps one of them, so the one the broker "crashes" on
 /// (a connection lost mid-publish) takes nothing else down; it goes out alone again, and no
 /// other row spends an attempt on its account.
-#[tokio::test]
-async fn reclaimed_rows_go_out_one_at_a_time() {
+async fn reclaimed_rows_go_out_one_at_a_time(db: Db) {
     // Four rows a dead relay left (the poison row first), then four fresh ones.
     let new = rows(&["P", "S1", "S2", "", "N1", "N2", "", ""]);
     let settings = "[relay]\nbatch_size = 8\nmax_in_flight = 8\n";
-    let (table, config, inserted) = setup("loop_suspects", settings, &new).await;
+    let (table, config, inserted) = setup(db, "loop_suspects", settings, &new).await;
     let dead_ids: Vec<Uuid> = inserted[..4].iter().map(|r| r.id).collect();
+    let (t, hour_ago, ids) = (table.name(), now_plus(db, -3600), id_list(&dead_ids));
     let sql = format!(
-        "UPDATE {} SET status = 'processing', attempts = 1, locked_by = 'dead-relay', \
-         locked_at = now() - interval '1 hour' WHERE id = ANY($1)",
-        table.name
+        "UPDATE {t} SET status = 'processing', attempts = 1, locked_by = 'dead-relay', \
+         locked_at = {hour_ago} WHERE id IN {ids}"
     );
-    table.db.execute(&sql, &[&dead_ids]).await.unwrap();
+    table.exec(&sql).await;
     let poison = inserted[0].id;
     let broker = FakeBroker::new(move |m, before| {
         if m.id == poison && before == 0 {
@@ -410,24 +497,23 @@ async fn reclaimed_rows_go_out_one_at_a_time() {
         seen.entry(r.seq).or_default().1 = r.attempts;
     }
     let want: [&[i32]; 8] = [&[2, 2], &[2], &[2], &[2], &[1], &[1], &[1], &[1]];
-    // Stored: the attempts of the row's first publish (a refunded attempt is not stored).
+    // Stored: the attempts of the row's first publish (a row handed back keeps no attempt).
     let want = want.map(|w| (w.to_vec(), w[0]));
     let expected: BTreeMap<_, _> = inserted.iter().map(|r| r.seq).zip(want).collect();
     assert_eq!(
         seen, expected,
         "the poison row published twice with the dead relay's attempt plus one (the lost \
-         connection refunded it), the other reclaimed rows once with 2, fresh rows once with 1"
+         connection handed it back without spending it), the other reclaimed rows once with 2, fresh rows once with 1"
     );
     table.drop_table().await;
 }
 
 /// With `max_in_flight = 4` the broker never has more than 4 publishes outstanding; while they
 /// hang the loop claims nothing more, and once the batch is answered and settled it claims again.
-#[tokio::test]
-async fn in_flight_window_bounds_concurrent_publishes() {
+async fn in_flight_window_bounds_concurrent_publishes(db: Db) {
     let settings = "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n";
     let rows = NewRow::numbered(24, "loop", None, "e");
-    let (table, config, _) = setup("loop_window", settings, &rows).await;
+    let (table, config, _) = setup(db, "loop_window", settings, &rows).await;
     let broker = FakeBroker::gated();
     let relay = start(config, &broker);
 
@@ -464,11 +550,10 @@ async fn in_flight_window_bounds_concurrent_publishes() {
 /// not only those awaiting their answer. One slow answer in each batch of 4 (`max_in_flight =
 /// 4`) keeps the batch's other three answered but unsettled meanwhile; their permits come back
 /// only with the batch's settle, so at no publish are more than 4 published rows `processing`.
-#[tokio::test]
-async fn the_window_holds_published_rows_until_they_are_settled() {
+async fn the_window_holds_published_rows_until_they_are_settled(db: Db) {
     let settings = "[relay]\nordering = \"none\"\nbatch_size = 4\nmax_in_flight = 4\n";
     let rows = NewRow::numbered(24, "loop", None, "e");
-    let (table, config, inserted) = setup("loop_unsettled", settings, &rows).await;
+    let (table, config, inserted) = setup(db, "loop_unsettled", settings, &rows).await;
     let slow: HashSet<Uuid> = inserted.iter().step_by(4).map(|r| r.id).collect();
     let broker = FakeBroker::new(move |msg, _| {
         let latency = if slow.contains(&msg.id) { 300 } else { 0 };
@@ -488,16 +573,15 @@ async fn the_window_holds_published_rows_until_they_are_settled() {
 }
 
 /// Shutdown while 6 publishes wait on the broker: the 3 answered during the drain are `sent`,
-/// the 3 the broker never answers are handed back `pending` with their attempt refunded, rows
+/// the 3 the broker never answers are handed back `pending` without spending an attempt, rows
 /// never claimed are untouched, no new claim starts, and `run_with` returns on its own, without
 /// an error, though those 3 are never answered (it gives up on them at its publish deadline
 /// within `shutdown_timeout`).
-#[tokio::test]
-async fn shutdown_drains_then_hands_back() {
+async fn shutdown_drains_then_hands_back(db: Db) {
     let settings = "[relay]\nordering = \"none\"\nbatch_size = 6\nmax_in_flight = 6\n\
                     shutdown_timeout = \"1500ms\"\n";
     let rows = NewRow::numbered(8, "loop", None, "e");
-    let (table, config, inserted) = setup("loop_shutdown", settings, &rows).await;
+    let (table, config, inserted) = setup(db, "loop_shutdown", settings, &rows).await;
     let broker = FakeBroker::gated();
     let relay = start(config, &broker);
     wait_for("6 publishes are waiting for the broker", || {
@@ -544,12 +628,11 @@ async fn shutdown_drains_then_hands_back() {
 /// each one mid-publish, every row goes out and comes back three times — more than
 /// `retry.max_attempts` (2) — without spending an attempt or being dead-lettered, and all are
 /// sent, in order per aggregate, once the connection holds.
-#[tokio::test]
-async fn connection_failures_never_spend_attempts() {
+async fn connection_failures_never_spend_attempts(db: Db) {
     const DROPS: usize = 3;
     let new = rows(&["A", "A", "A", "B", "B", ""]);
     let settings = "[retry]\nmax_attempts = 2\nbase_delay = \"50ms\"\n";
-    let (table, config, inserted) = setup("loop_connection_refunds", settings, &new).await;
+    let (table, config, inserted) = setup(db, "loop_connection_drops", settings, &new).await;
     let broker = FakeBroker::new(|_, n| answer_if(n < DROPS, Answer::Disconnect));
     broker.reachable.store(false, SeqCst);
     let relay = start(config, &broker);
@@ -598,14 +681,49 @@ async fn connection_failures_never_spend_attempts() {
     table.drop_table().await;
 }
 
+/// Interleaved aggregates, and neither by name nor with the rows without aggregate first.
+const INTERLEAVED: [&str; 11] = ["C", "", "B", "A", "C", "", "B", "A", "C", "B", "A"];
+
+/// Whatever rows an ordered claim picks to fill its batch, it hands them over in `seq` order,
+/// fills the batch when enough rows are ready, and takes of each aggregate a prefix of its
+/// rows: never a row while an older one of its aggregate stays behind.
+async fn an_ordered_claim_takes_a_prefix_of_each_aggregates_run(db: Db) {
+    let (table, config, inserted) = setup(db, "loop_claim_prefix", "", &rows(&INTERLEAVED)).await;
+    let got = ordered_claim(&config, 6).await;
+    assert!(
+        got.is_sorted(),
+        "a claim hands its rows over in seq order: {got:?}"
+    );
+    assert_eq!(got.len(), 6, "6 of 11 ready rows claimed: {got:?}");
+    for key in ["A", "B", "C"] {
+        let of_key = INTERLEAVED
+            .iter()
+            .zip(&inserted)
+            .filter(|(k, _)| **k == key);
+        let all: Vec<i64> = of_key.map(|(_, r)| r.seq).collect();
+        let claimed: Vec<i64> = all.iter().copied().filter(|s| got.contains(s)).collect();
+        assert_eq!(
+            claimed,
+            all[..claimed.len()],
+            "aggregate {key}: claimed {claimed:?}, not the oldest of {all:?}"
+        );
+    }
+    assert_eq!(table.count_where("status = 'processing'").await, 6);
+    table.drop_table().await;
+}
+
 /// An ordered claim fills its batch run by run: the aggregates whose oldest claimable row is
 /// oldest come first, each with its whole run in `seq` order, rather than one row of every
 /// aggregate in `seq` order. A row without aggregate is its own run.
+///
+/// PostgreSQL only: how the batch is filled is the store's choice, and the MySQL claim takes
+/// the oldest ready rows in `seq` order instead (docs/mysql.md, "Ordering without
+/// snapshots"); what both promise is
+/// [`an_ordered_claim_takes_a_prefix_of_each_aggregates_run`].
 #[tokio::test]
 async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
-    // Interleaved, and neither by name nor with the rows without aggregate first.
-    let keys = ["C", "", "B", "A", "C", "", "B", "A", "C", "B", "A"];
-    let (table, config, inserted) = setup("loop_claim_runs", "", &rows(&keys)).await;
+    let db = Db::Postgres;
+    let (table, config, inserted) = setup(db, "loop_claim_runs", "", &rows(&INTERLEAVED)).await;
     let got = ordered_claim(&config, 6).await;
     // C's run of three (its oldest row is the oldest), the first row without aggregate, then
     // the first two rows of B's run; A's run and the second row without aggregate wait.
@@ -621,24 +739,34 @@ async fn an_ordered_claim_takes_whole_runs_oldest_aggregate_first() {
 }
 
 /// Rows behind an aggregate's head that cannot go out in this claim — a row reclaimed from a
-/// relay that died (it goes out on its own) or one past its deadline (until the sweep) — are
-/// skipped before they take up the scan window, so another aggregate's row further on is still
-/// claimed by a claim of one row.
-#[tokio::test]
-async fn rows_behind_a_reclaimed_or_expired_head_do_not_fill_an_ordered_claims_window() {
-    // Heads S and D, 150 rows behind each, then Y.
-    let mut keys = ["S", "D"].repeat(151);
+/// relay that died (it goes out on its own), one past its deadline (until the sweep) or one
+/// backing off after a rejection (until its `available_at`) — are skipped before they take up
+/// the scan window, so another aggregate's row further on is still claimed by a claim of one
+/// row.
+async fn rows_behind_a_head_that_cannot_go_out_do_not_fill_an_ordered_claims_window(db: Db) {
+    // Heads S, D and B, 100 rows behind each, then Y.
+    let mut keys = ["S", "D", "B"].repeat(101);
     keys.push("Y");
-    let (table, config, inserted) = setup("loop_claim_window", "", &rows(&keys)).await;
-    let heads = format!(
+    let (table, config, inserted) = setup(db, "loop_claim_window", "", &rows(&keys)).await;
+    let t = table.name();
+    let reclaimed = format!(
         "UPDATE {t} SET last_error = 'lease expired: relay gone stopped while holding the row', \
-           attempts = 1 WHERE seq = {s}; \
-         UPDATE {t} SET expires_at = now() - interval '1 second' WHERE seq = {d}",
-        t = table.name,
-        s = inserted[0].seq,
-        d = inserted[1].seq,
+           attempts = 1 WHERE seq = {}",
+        inserted[0].seq
     );
-    table.db.batch_execute(&heads).await.unwrap();
+    table.exec(&reclaimed).await;
+    let past = now_plus(db, -1);
+    let expired = format!(
+        "UPDATE {t} SET expires_at = {past} WHERE seq = {}",
+        inserted[1].seq
+    );
+    table.exec(&expired).await;
+    let later = now_plus(db, 3600);
+    let backing_off = format!(
+        "UPDATE {t} SET available_at = {later}, attempts = 1 WHERE seq = {}",
+        inserted[2].seq
+    );
+    table.exec(&backing_off).await;
     let got = ordered_claim(&config, 1).await;
     let y = inserted.last().unwrap().seq;
     assert_eq!(
@@ -653,6 +781,7 @@ async fn rows_behind_a_reclaimed_or_expired_head_do_not_fill_an_ordered_claims_w
 /// ordering `aggregate`: together the parts fill the batch, each aggregate's claimed rows are
 /// the oldest of its rows (a prefix of its run, never a row behind one left out), and the next
 /// claim takes only aggregates with no rows in flight.
+/// PostgreSQL only: a MySQL claim is never split into parts.
 #[tokio::test]
 async fn a_split_ordered_claim_keeps_each_aggregates_rows_a_prefix() {
     // 60 aggregates, 5 rows each, round robin.
@@ -660,7 +789,7 @@ async fn a_split_ordered_claim_keeps_each_aggregates_rows_a_prefix() {
     let keys: Vec<&str> = (0..5)
         .flat_map(|_| names.iter().map(String::as_str))
         .collect();
-    let (table, config, inserted) = setup("loop_claim_split", "", &rows(&keys)).await;
+    let (table, config, inserted) = setup(Db::Postgres, "loop_claim_split", "", &rows(&keys)).await;
     let mut of_aggregate: BTreeMap<&str, Vec<i64>> = BTreeMap::new();
     for (key, row) in keys.iter().zip(&inserted) {
         of_aggregate.entry(key).or_default().push(row.seq);
@@ -709,11 +838,13 @@ async fn a_split_ordered_claim_keeps_each_aggregates_rows_a_prefix() {
 
 /// A claim split in two parts with ordering `none`: the parts skip each other's locked rows,
 /// so together they claim the oldest rows of the table, each once.
+/// PostgreSQL only: a MySQL claim is never split into parts.
 #[tokio::test]
 async fn a_split_claim_without_ordering_takes_the_oldest_rows_once() {
     let settings = "[relay]\nordering = \"none\"\n";
     let new = NewRow::numbered(300, "loop", None, "e");
-    let (table, config, inserted) = setup("loop_claim_split_none", settings, &new).await;
+    let (table, config, inserted) =
+        setup(Db::Postgres, "loop_claim_split_none", settings, &new).await;
     let got = claim(&config, Ordering::None, 200, 2).await;
     let seqs: Vec<i64> = got.rows.iter().map(|m| m.seq).collect();
     let oldest: Vec<i64> = inserted[..200].iter().map(|r| r.seq).collect();
@@ -729,14 +860,16 @@ async fn a_split_claim_without_ordering_takes_the_oldest_rows_once() {
 /// An open row between two candidates of one aggregate (here backing off: not ready yet)
 /// stops the run there: the claim takes the head and another aggregate's row, never the row
 /// behind the gap.
-#[tokio::test]
-async fn an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready() {
-    let (table, config, inserted) = setup("loop_claim_gap", "", &rows(&["A", "A", "A", "B"])).await;
+async fn an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready(db: Db) {
+    let (table, config, inserted) =
+        setup(db, "loop_claim_gap", "", &rows(&["A", "A", "A", "B"])).await;
     let later = format!(
-        "UPDATE {} SET available_at = now() + interval '1 hour' WHERE seq = {}",
-        table.name, inserted[1].seq
+        "UPDATE {} SET available_at = {} WHERE seq = {}",
+        table.name(),
+        now_plus(db, 3600),
+        inserted[1].seq
     );
-    table.db.batch_execute(&later).await.unwrap();
+    table.exec(&later).await;
     let got = ordered_claim(&config, 10).await;
     assert_eq!(
         got,
@@ -749,10 +882,11 @@ async fn an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready() {
 /// One aggregate's backlog split in two parts: all its rows hash to one part, which takes its
 /// share (the oldest rows, a prefix of the run); the other finds nothing. The claim says so
 /// (`uneven`), and the loop then claims whole for a while.
+/// PostgreSQL only: a MySQL claim is never split into parts.
 #[tokio::test]
 async fn a_split_claim_of_one_aggregate_takes_one_share_and_says_it_is_uneven() {
     let new = NewRow::numbered(300, "loop", Some(("hot", 1)), "e");
-    let (table, config, inserted) = setup("loop_claim_split_one", "", &new).await;
+    let (table, config, inserted) = setup(Db::Postgres, "loop_claim_split_one", "", &new).await;
     let got = claim(&config, Ordering::Aggregate, 200, 2).await;
     let seqs: Vec<i64> = got.rows.iter().map(|m| m.seq).collect();
     let oldest: Vec<i64> = inserted[..100].iter().map(|r| r.seq).collect();

@@ -1,8 +1,8 @@
-//! Settling and leases: what happens to claimed rows after the broker answered (sent or
-//! deleted, failed with a backoff or dead-lettered, handed back unspent), the renewal of the
-//! leases of rows in flight, and the reclaim of rows whose relay stopped. Every statement
-//! touches only rows still locked in this relay's name, except the reclaim, which takes rows
-//! whose lease ran out whoever held them.
+//! Settling and leases: what happens to claimed rows after the broker answered (sent or deleted,
+//! failed with a backoff or dead-lettered, handed back without spending an attempt), the renewal of
+//! the leases of rows in flight, and the reclaim of rows whose relay stopped. Every statement
+//! touches only rows still locked in this relay's name, except the reclaim, which takes rows whose
+//! lease ran out whoever held them.
 
 use std::time::Duration;
 
@@ -207,12 +207,12 @@ impl PgStore {
         Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
     }
 
-    /// Hands back, unspent, the `processing` rows locked in this instance's name that are not
-    /// in `held`: rows of a claim that committed while its answer was lost with the
-    /// connection, which this relay therefore never published. Without this they would wait
-    /// out `relay.lease_timeout`, holding back the rest of their aggregates; rows whose
-    /// `lease` already ran out are left to the reclaim. Call only while none of this relay's
-    /// claims is running, with every id a batch still holds in `held`.
+    /// Hands back, without spending an attempt, the `processing` rows locked in this instance's
+    /// name that are not in `held`: rows of a claim that committed while its answer was lost with
+    /// the connection, which this relay therefore never published. Without this they would wait out
+    /// `relay.lease_timeout`, holding back the rest of their aggregates; rows whose `lease` already
+    /// ran out are left to the reclaim. Call only while none of this relay's claims is running,
+    /// with every id a batch still holds in `held`.
     pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
         let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
         let client = self.client().await?;
@@ -270,7 +270,7 @@ mod tests {
             "{}",
             q.fail
         );
-        // Handing back refunds the attempt the claim counted; the reclaim does not.
+        // Handing back takes back the attempt the claim counted; the reclaim does not.
         for sql in [&q.release, &q.release_unheld] {
             assert!(
                 sql.contains("attempts = greatest(attempts - 1, 0)"),
@@ -278,7 +278,7 @@ mod tests {
             );
         }
         assert!(!q.reclaim.contains("attempts -"), "{}", q.reclaim);
-        // Rows whose lease ran out are the reclaim's, never handed back unspent.
+        // Rows whose lease ran out are the reclaim's, never handed back.
         let fresh = "locked_at >= now() - $3::bigint * interval '1 millisecond'";
         assert!(q.release_unheld.contains(fresh), "{}", q.release_unheld);
         assert!(
