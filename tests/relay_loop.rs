@@ -10,8 +10,7 @@
 //! run on both databases by `on_both_databases!` (tests `<scenario>::postgres` and
 //! `<scenario>::mysql`). What is the store's own choice runs on PostgreSQL alone, saying why:
 //! the claims split into parts (a MySQL claim is never split) and which rows an ordered claim
-//! picks to fill its batch. Scenarios that fail on MariaDB today because of a relay defect
-//! have their `mysql` half ignored, naming the defect.
+//! picks to fill its batch.
 //!
 //! Time is real, not `tokio::time::pause`d. With paused time, whenever the runtime has no task
 //! to run it polls I/O without blocking and, if nothing is ready, jumps the clock to the next
@@ -59,27 +58,7 @@ on_both_databases!(
     an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready,
 );
 
-/// `on_both_databases!` for scenarios that fail on MySQL today: their `mysql` half is ignored,
-/// naming the relay defect (`cargo nextest run --test relay_loop --run-ignored all` runs it).
-macro_rules! on_both_databases_mysql_ignored {
-    ($($scenario:ident),+ $(,)?) => {$(
-        mod $scenario {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn postgres() {
-                super::$scenario(super::Db::Postgres).await;
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            #[ignore = "relay defect: the MySQL ordered claim scans the oldest ready rows before \
-                        it drops blocked aggregates, so rows behind a held head fill its window"]
-            async fn mysql() {
-                super::$scenario(super::Db::Mysql).await;
-            }
-        }
-    )+};
-}
-
-on_both_databases_mysql_ignored!(
+on_both_databases!(
     rows_behind_a_head_that_cannot_go_out_do_not_fill_an_ordered_claims_window,
     an_aggregate_backing_off_holds_back_no_other_aggregate,
 );

@@ -43,6 +43,12 @@ const BUSY_CAP: usize = 10_000;
 /// gate; past it the claim probes its aggregates instead.
 const OPEN_CAP: usize = 20_000;
 
+/// At most this many windows of ready rows are read in one ordered claim.
+const MAX_WINDOWS: usize = 4;
+
+/// At most this many held-back aggregates are left out of each window after the first.
+const SKIP_CAP: usize = 16;
+
 /// The statements of claiming, rendered once for the table.
 #[derive(Debug)]
 pub(super) struct ClaimSql {
@@ -53,6 +59,8 @@ pub(super) struct ClaimSql {
     ready_rows: String,
     /// Ready rows' keys in `seq` order, locked (`?` limit): an ordered claim's candidates.
     ready_keys: String,
+    /// `ready_keys` up to its `ORDER BY`, for the windows after the first.
+    keys_from: String,
     /// The gate: pending rows before `?`, locked without waiting.
     gate: String,
     /// The open rows before `?` (read, not locked), at most [`OPEN_CAP`] + 1.
@@ -85,6 +93,9 @@ impl ClaimSql {
             ready_keys: format!(
                 "SELECT seq, aggregate_type, aggregate_id FROM {t} WHERE {ready} AND {not_suspect} \
                  ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
+            ),
+            keys_from: format!(
+                "SELECT seq, aggregate_type, aggregate_id FROM {t} WHERE {ready} AND {not_suspect}"
             ),
             gate: format!(
                 "SELECT seq FROM {t} FORCE INDEX ({status_idx}) \
@@ -125,6 +136,25 @@ impl ClaimSql {
              locked_at = NOW(6) WHERE seq IN ({})",
             self.t,
             seq_list(seqs)
+        )
+    }
+
+    /// The next window of an ordered claim: up to `scan` ready rows' keys after `after`,
+    /// leaving out the aggregates `skip` (held back in the windows before), locked.
+    fn keys_after(&self, after: i64, skip: &[&(String, String)], scan: i64) -> String {
+        let skip = if skip.is_empty() {
+            String::new()
+        } else {
+            let pairs = skip
+                .iter()
+                .map(|(ty, id)| format!("({}, {})", literal(ty), literal(id)))
+                .collect::<Vec<_>>()
+                .join(", ");
+            format!(" AND (aggregate_id IS NULL OR (aggregate_type, aggregate_id) NOT IN ({pairs}))")
+        };
+        format!(
+            "{} AND seq > {after}{skip} ORDER BY seq LIMIT {scan} FOR UPDATE SKIP LOCKED",
+            self.keys_from
         )
     }
 
@@ -170,6 +200,10 @@ impl ClaimSql {
         [
             ("claim.ready_rows", self.ready_rows.clone()),
             ("claim.ready_keys", self.ready_keys.clone()),
+            (
+                "claim.keys_after",
+                self.keys_after(625, &[&("order".to_owned(), "42".to_owned())], 625),
+            ),
             ("claim.gate", self.gate.clone()),
             ("claim.open", self.open.clone()),
             ("claim.busy", self.busy.clone()),
@@ -319,9 +353,11 @@ type HeldBack = HashMap<(String, String), i64>;
 /// How an ordered claim's guard decided, for the benchmark's tally.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Guarded {
-    /// Candidates read (ready rows in the scan window).
+    /// Candidates read (ready rows in the scan windows).
     pub candidates: usize,
-    /// Whether the gate passed (else the candidates' aggregates were probed).
+    /// Scan windows read.
+    pub windows: usize,
+    /// Whether the last guard passed the gate (else it probed the candidates' aggregates).
     pub gate_passed: bool,
     /// Probe statements run.
     pub probes: usize,
@@ -344,6 +380,25 @@ fn hold_back(
     }
 }
 
+/// Up to `cap` aggregates held back in `held`, those with the most `candidates` first.
+fn most_held<'c>(
+    candidates: &'c [Candidate],
+    held: &HeldBack,
+    cap: usize,
+) -> Vec<&'c (String, String)> {
+    let mut count: HashMap<&(String, String), usize> = HashMap::new();
+    for c in candidates {
+        if let Some(key) = &c.aggregate
+            && held.contains_key(key)
+        {
+            *count.entry(key).or_default() += 1;
+        }
+    }
+    let mut most: Vec<_> = count.into_iter().collect();
+    most.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(b.0)));
+    most.into_iter().take(cap).map(|(key, _)| key).collect()
+}
+
 /// The candidates an ordered claim takes: in `seq` order, up to `limit`, each whose aggregate
 /// is not held back at or before it.
 fn free_of(candidates: &[Candidate], held: &HeldBack, limit: usize) -> Vec<i64> {
@@ -359,9 +414,14 @@ fn free_of(candidates: &[Candidate], held: &HeldBack, limit: usize) -> Vec<i64> 
 }
 
 impl ClaimSql {
-    /// The ordered claim inside `tx`: the candidates, the guard, then up to `limit` of them
-    /// marked claimed in the name `by` (an SQL literal, [`literal`]) and read; with how the
-    /// guard decided.
+    /// The ordered claim inside `tx`: the candidates, window by window, each followed by the
+    /// guard over all of them, until `limit` of them are free, the ready rows run out or
+    /// [`MAX_WINDOWS`] were read; then the free ones marked claimed in the name `by` (an SQL
+    /// literal, [`literal`]) and read; with how the guard decided.
+    ///
+    /// A window after the first starts after the last and leaves out the aggregates held back
+    /// with the most candidates, so rows behind a head that cannot go out yet (backing off,
+    /// reclaimed, in flight) hold back no other aggregate's rows further on.
     async fn take_ordered(
         &self,
         tx: &mut Transaction<'_>,
@@ -369,31 +429,30 @@ impl ClaimSql {
         by: &str,
     ) -> Result<(Vec<OutboxMessage>, Guarded)> {
         let scan = scan_window(i64::try_from(limit).unwrap_or(i64::MAX));
-        let keys: Vec<Row> = tx.exec(&self.ready_keys, (scan,)).await?;
-        let candidates = keys
-            .into_iter()
-            .map(candidate_of)
-            .collect::<Result<Vec<_>>>()?;
-        let mut guarded = Guarded {
-            candidates: candidates.len(),
-            ..Guarded::default()
-        };
-        let last = candidates
-            .iter()
-            .filter(|c| c.aggregate.is_some())
-            .map(|c| c.seq)
-            .max();
-        let held = match last {
-            None => HeldBack::new(),
-            Some(last) => match self.gated(tx, &candidates, last).await? {
-                Some(held) => {
-                    guarded.gate_passed = true;
-                    held
+        let mut candidates: Vec<Candidate> = Vec::new();
+        let mut guarded = Guarded::default();
+        let mut skip: Vec<(String, String)> = Vec::new();
+        let taken = loop {
+            let keys: Vec<Row> = match candidates.last() {
+                None => tx.exec(&self.ready_keys, (scan,)).await?,
+                Some(last) => {
+                    let skip: Vec<&(String, String)> = skip.iter().collect();
+                    tx.query(self.keys_after(last.seq, &skip, scan)).await?
                 }
-                None => self.probed(tx, &candidates, &mut guarded).await?,
-            },
+            };
+            let full = i64::try_from(keys.len()).unwrap_or(i64::MAX) >= scan;
+            for k in keys {
+                candidates.push(candidate_of(k)?);
+            }
+            guarded.windows += 1;
+            let held = self.guard(tx, &candidates, &mut guarded).await?;
+            let taken = free_of(&candidates, &held, limit);
+            if taken.len() >= limit || !full || guarded.windows >= MAX_WINDOWS {
+                break taken;
+            }
+            skip.extend(most_held(&candidates, &held, SKIP_CAP).into_iter().cloned());
         };
-        let taken = free_of(&candidates, &held, limit);
+        guarded.candidates = candidates.len();
         if taken.is_empty() {
             return Ok((Vec::new(), guarded));
         }
@@ -401,6 +460,34 @@ impl ClaimSql {
         let rows: Vec<Row> = tx.query(self.rows(&taken)).await?;
         let rows = rows.into_iter().map(message_of).collect::<Result<_>>()?;
         Ok((rows, guarded))
+    }
+
+    /// The ordering guard over `candidates`: which aggregates hold which of them back, by the
+    /// gate where it passes, else by the probe.
+    async fn guard(
+        &self,
+        tx: &mut Transaction<'_>,
+        candidates: &[Candidate],
+        guarded: &mut Guarded,
+    ) -> Result<HeldBack> {
+        let last = candidates
+            .iter()
+            .filter(|c| c.aggregate.is_some())
+            .map(|c| c.seq)
+            .max();
+        let Some(last) = last else {
+            return Ok(HeldBack::new());
+        };
+        match self.gated(tx, candidates, last).await? {
+            Some(held) => {
+                guarded.gate_passed = true;
+                Ok(held)
+            }
+            None => {
+                guarded.gate_passed = false;
+                self.probed(tx, candidates, guarded).await
+            }
+        }
     }
 
     /// The guard by gate: the pending rows before `last` locked without waiting, then the
@@ -573,6 +660,7 @@ impl MysqlStore {
         let (rows, g) = self.q.claim.take_ordered(tx, limit, &by).await?;
         tracing::debug!(
             candidates = g.candidates,
+            windows = g.windows,
             taken = rows.len(),
             gate_passed = g.gate_passed,
             probes = g.probes,
