@@ -140,6 +140,17 @@ impl DbConn {
         }
     }
 
+    /// Ends the session (and whatever locks it holds) now.
+    pub async fn close(self) {
+        match self {
+            Self::Postgres(c) => drop(c),
+            Self::Mysql(c) => c
+                .disconnect()
+                .await
+                .unwrap_or_else(|e| panic!("disconnect: {e}")),
+        }
+    }
+
     /// Runs `sql` (one statement, no result); panics naming it.
     pub async fn exec(&mut self, sql: &str) {
         if let Err(e) = self.try_exec(sql).await {
