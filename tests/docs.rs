@@ -61,6 +61,20 @@ fn table_names(doc: &str, is_name: impl Fn(&str) -> bool) -> BTreeSet<String> {
         .collect()
 }
 
+/// Asserts that a doc names what exists and only that: `missing` introduces what exists and
+/// `documented` lacks, `unknown` what `documented` names that does not exist.
+fn assert_both_ways(
+    existing: &BTreeSet<String>,
+    documented: &BTreeSet<String>,
+    missing: &str,
+    unknown: &str,
+) {
+    let undocumented: Vec<_> = existing.difference(documented).collect();
+    let absent: Vec<_> = documented.difference(existing).collect();
+    assert!(undocumented.is_empty(), "{missing}: {undocumented:?}");
+    assert!(absent.is_empty(), "{unknown}: {absent:?}");
+}
+
 #[test]
 fn every_configuration_key_is_documented_and_every_documented_key_exists() {
     let doc = repo_file("docs/configuration.md");
@@ -73,15 +87,11 @@ fn every_configuration_key_is_documented_and_every_documented_key_exists() {
     let documented = table_names(&doc, is_key);
     let accepted = config_keys();
     assert!(accepted.len() > 40, "too few keys found: {accepted:?}");
-    let missing: Vec<_> = accepted.difference(&documented).collect();
-    let unknown: Vec<_> = documented.difference(&accepted).collect();
-    assert!(
-        missing.is_empty(),
-        "keys without a row in docs/configuration.md: {missing:?}"
-    );
-    assert!(
-        unknown.is_empty(),
-        "docs/configuration.md documents keys the relay does not accept: {unknown:?}"
+    assert_both_ways(
+        &accepted,
+        &documented,
+        "keys without a row in docs/configuration.md",
+        "docs/configuration.md documents keys the relay does not accept",
     );
 }
 
@@ -108,15 +118,11 @@ fn every_metric_is_documented_and_every_documented_metric_exists() {
         .chain(names::OPTIONAL)
         .map(|n| (*n).to_owned())
         .collect();
-    let missing: Vec<_> = exported.difference(&documented).collect();
-    let unknown: Vec<_> = documented.difference(&exported).collect();
-    assert!(
-        missing.is_empty(),
-        "metrics without a row in docs/operations.md: {missing:?}"
-    );
-    assert!(
-        unknown.is_empty(),
-        "docs/operations.md documents metrics the relay does not export: {unknown:?}"
+    assert_both_ways(
+        &exported,
+        &documented,
+        "metrics without a row in docs/operations.md",
+        "docs/operations.md documents metrics the relay does not export",
     );
 }
 
@@ -266,15 +272,11 @@ fn the_module_map_names_every_source_file_and_only_those() {
     let (listed, dirs) = module_map(&repo_file("docs/development.md"));
     let present = source_files();
     assert!(present.len() > 50, "too few files found: {present:?}");
-    let missing: Vec<_> = present.difference(&listed).collect();
-    let unknown: Vec<_> = listed.difference(&present).collect();
-    assert!(
-        missing.is_empty(),
-        "files under src/ that docs/development.md's module map does not name: {missing:?}"
-    );
-    assert!(
-        unknown.is_empty(),
-        "docs/development.md's module map names files that do not exist: {unknown:?}"
+    assert_both_ways(
+        &present,
+        &listed,
+        "files under src/ that docs/development.md's module map does not name",
+        "docs/development.md's module map names files that do not exist",
     );
     let absent: Vec<_> = dirs.iter().filter(|dir| !repo_path(dir).is_dir()).collect();
     assert!(
