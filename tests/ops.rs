@@ -25,7 +25,6 @@ use common::{
 use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::store::Store;
 use outbox_relay::store::schema::{self, MIGRATIONS};
-use outbox_relay::store::steps as schema_steps;
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
 use tokio_postgres::types::{FromSqlOwned, ToSql};
@@ -716,7 +715,7 @@ async fn version_1_table() -> (TestTable, Vec<Uuid>) {
     let table = TestTable { name, db };
     let (db, t) = (&table.db, TableName::parse(&table.name).unwrap());
     db.batch_execute(schema::VERSION_TABLE_DDL).await.unwrap();
-    let ddl = schema::render(MIGRATIONS[0].sql, &t);
+    let ddl = MIGRATIONS[0].render(&t);
     db.batch_execute(&ddl).await.expect("version 1 DDL");
     let record = "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, 1)";
     db.execute(record, &[&table.name]).await.unwrap();
@@ -771,11 +770,12 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
             assert_migrates(&table.name, 2).await;
             // The file itself is idempotent, as users may apply it from their own migrations.
             let t = TableName::parse(&table.name).unwrap();
-            let (db, again) = (&table.db, schema::render(MIGRATIONS[1].sql, &t));
             // Statement by statement, as `psql -f` applies it: its index statements run
             // CONCURRENTLY, which a transaction block refuses.
-            for statement in schema_steps::statements(&again) {
-                db.batch_execute(statement)
+            for statement in MIGRATIONS[1].statements_for(&t) {
+                table
+                    .db
+                    .batch_execute(&statement)
                     .await
                     .expect("0002 applied twice");
             }

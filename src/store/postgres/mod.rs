@@ -30,6 +30,7 @@ mod connect;
 mod console;
 mod instance;
 mod maintenance;
+mod migrations;
 mod observe;
 mod operator;
 pub mod partitions;

@@ -16,6 +16,8 @@
 //! is then one transaction and its index statements lose `CONCURRENTLY` (a concurrent build
 //! waits for every older transaction of the database, which on a new table buys nothing).
 
+use crate::config::TableName;
+
 /// How a step runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKind {
@@ -47,6 +49,110 @@ impl Step {
         }
         text.trim_end().to_owned()
     }
+}
+
+/// How `migrate` runs a statement of a migration (declared with it, in
+/// [`super::migrations`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Runs {
+    /// In one transaction with the statements around it.
+    WithOthers,
+    /// In a transaction of its own (`VALIDATE CONSTRAINT`: it reads every row).
+    OwnTransaction,
+    /// Alone, outside any transaction block (an index statement `{{concurrently}}`);
+    /// `builds`: the index it creates, when it creates one.
+    Alone {
+        /// The index's name (a template, see [`Statement::sql`]).
+        builds: Option<&'static str>,
+    },
+}
+
+/// One statement of a migration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Statement {
+    /// What stands before it in the migration's file: blank lines and comments.
+    pub before: &'static str,
+    /// The statement without its `;`, names as placeholders: `{{table}}` the table (qualified
+    /// when configured so), `{{name}}` its bare name, `{{concurrently}}` `CONCURRENTLY` or
+    /// nothing.
+    pub sql: &'static str,
+    /// How it runs.
+    pub runs: Runs,
+}
+
+/// `template` for `table`; `concurrently`: an index statement that runs alone keeps its
+/// `CONCURRENTLY`.
+pub fn render(template: &str, table: &TableName, concurrently: bool) -> String {
+    template
+        .replace("{{table}}", &table.qualified())
+        .replace("{{name}}", &table.name)
+        .replace(
+            "{{concurrently}}",
+            if concurrently { "CONCURRENTLY" } else { "" },
+        )
+}
+
+impl Statement {
+    /// The statement for `table`, ended by `;`, as it runs on an existing table.
+    pub fn for_table(&self, table: &TableName) -> String {
+        format!("{};", render(self.sql, table, true))
+    }
+}
+
+/// The migration of `statements` as its file reads, rendered for `table` (its comments too).
+pub fn file(statements: &[Statement], table: &TableName) -> String {
+    let mut out = String::new();
+    for statement in statements {
+        out.push_str(&render(statement.before, table, true));
+        out.push_str(&statement.for_table(table));
+    }
+    out.push('\n');
+    out
+}
+
+/// The steps of a migration's `statements` for `table`; `new_table` when the table is created
+/// in the same run (then the whole migration is one transaction, see the module doc).
+pub fn steps(statements: &[Statement], table: &TableName, new_table: bool) -> Vec<Step> {
+    let mut out = Vec::new();
+    let mut group = String::new();
+    let flush = |group: &mut String, out: &mut Vec<Step>| {
+        if !group.is_empty() {
+            out.push(Step {
+                kind: StepKind::Transaction,
+                sql: std::mem::take(group),
+                builds_index: None,
+            });
+        }
+    };
+    for statement in statements {
+        let sql = render(statement.sql, table, !new_table);
+        match statement.runs {
+            _ if new_table => {
+                group.push_str(&sql);
+                group.push_str(";\n");
+            }
+            Runs::Alone { builds } => {
+                flush(&mut group, &mut out);
+                out.push(Step {
+                    kind: StepKind::Concurrent,
+                    sql: format!("{sql};"),
+                    builds_index: builds.map(|name| render(name, table, true)),
+                });
+            }
+            Runs::OwnTransaction => {
+                flush(&mut group, &mut out);
+                group.push_str(&sql);
+                group.push(';');
+                flush(&mut group, &mut out);
+            }
+            Runs::WithOthers => {
+                group.push_str(&sql);
+                group.push_str(";\n");
+            }
+        }
+    }
+    flush(&mut group, &mut out);
+    out
 }
 
 /// The statements of `sql`, without their leading comments and trailing `;`.
@@ -177,7 +283,7 @@ fn without_concurrently(statement: &str) -> String {
 
 /// The steps of `sql` (one rendered migration file); `new_table` when the table is created in
 /// the same run (then the whole file is one transaction, see the module doc).
-pub fn steps(sql: &str, new_table: bool) -> Vec<Step> {
+pub fn old_steps(sql: &str, new_table: bool) -> Vec<Step> {
     let mut out = Vec::new();
     let mut group = String::new();
     let flush = |group: &mut String, out: &mut Vec<Step>| {
@@ -252,7 +358,7 @@ mod tests {
 
     #[test]
     fn index_builds_run_alone_and_validation_in_its_own_transaction() {
-        let steps = steps(FILE, false);
+        let steps = old_steps(FILE, false);
         let kinds: Vec<StepKind> = steps.iter().map(|s| s.kind).collect();
         use StepKind::{Concurrent as C, Transaction as T};
         assert_eq!(kinds, [T, T, C, C, T]);
@@ -270,7 +376,7 @@ mod tests {
 
     #[test]
     fn a_new_table_gets_one_transaction_without_concurrently() {
-        let steps = steps(FILE, true);
+        let steps = old_steps(FILE, true);
         assert_eq!(steps.len(), 1);
         assert_eq!(steps[0].kind, StepKind::Transaction);
         assert!(!steps[0].sql.to_ascii_uppercase().contains("CONCURRENTLY"));
@@ -290,5 +396,38 @@ mod tests {
         );
         assert_eq!(built_index("CREATE INDEX CONCURRENTLY ON t (a)"), None);
         assert_eq!(built_index("DROP INDEX CONCURRENTLY i"), None);
+    }
+}
+
+#[cfg(test)]
+mod equivalence {
+    use super::*;
+    use crate::store::postgres::migrations::MIGRATIONS;
+    use crate::store::postgres::schema::old_render;
+
+    #[test]
+    fn explicit_steps_render_as_the_files_did() {
+        for m in MIGRATIONS {
+            let path = format!("{}/sql/{}", env!("CARGO_MANIFEST_DIR"), m.name);
+            let old = std::fs::read_to_string(path).unwrap();
+            for name in [
+                "outbox_messages",
+                "events",
+                "app.events",
+                "zzschema.zztable",
+            ] {
+                let t = TableName::parse(name).unwrap();
+                let rendered = old_render(&old, &t);
+                assert_eq!(file(m.statements, &t), rendered, "v{} {name}", m.version);
+                for new_table in [false, true] {
+                    assert_eq!(
+                        steps(m.statements, &t, new_table),
+                        old_steps(&rendered, new_table),
+                        "v{} {name} {new_table}",
+                        m.version
+                    );
+                }
+            }
+        }
     }
 }
