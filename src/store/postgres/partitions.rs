@@ -272,8 +272,8 @@ fn quote_literal(text: &str) -> String {
 
 /// The storage settings of a queue table (schema version 3's `ALTER TABLE … SET (…)`),
 /// rendered for `relation`: every partition gets them (a partitioned table holds none).
-fn storage_settings(relation: &TableName) -> Option<String> {
-    Some(STORAGE_SETTINGS.for_table(relation))
+fn storage_settings(relation: &TableName) -> String {
+    STORAGE_SETTINGS.for_table(relation)
 }
 
 /// `name` (qualified, from the catalog) as a [`TableName`] for rendering.
@@ -354,7 +354,7 @@ impl PgStore {
         }
         sql.push_str(&format!(
             "CREATE TABLE {name} (LIKE {t} INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE);\n{}\n",
-            storage_settings(&part).unwrap_or_default()
+            storage_settings(&part)
         ));
         if let Some(default) = default {
             sql.push_str(&format!(
@@ -929,7 +929,7 @@ impl SwapPlan {
         let default = self.table.prefixed("_default");
         sql.push(format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT;"));
         let default_table = as_table(self.table.schema.as_deref(), &format!("{name}_default"));
-        sql.extend(storage_settings(&default_table));
+        sql.push(storage_settings(&default_table));
         sql.extend(wakeup_trigger(&self.table));
         sql.extend(self.grants.iter().cloned());
         sql.join("\n")

@@ -1,11 +1,10 @@
-//! The DDL in `sql/`, embedded, rendered for the configured table name, and applied.
+//! The migrations applied to the configured table, and the start-up inspection of it.
 //!
-//! The files are written for the default table `outbox_messages` so users can copy them as
-//! they are. Rendering replaces that name: the NOTIFY channel literal becomes the table name as
-//! written, index and trigger names (which PostgreSQL does not let us qualify) get the bare
-//! name, and every other reference gets the schema-qualified name.
+//! The migrations are declared in [`super::migrations`], the table's names as placeholders,
+//! and rendered for the configured table; `sql/` holds them rendered for the default table
+//! `outbox_messages`, for users to copy as they are.
 //!
-//! `migrate` applies each version as the [`steps`](super::steps) of its file, every lock under
+//! `migrate` applies each version as its [`steps`](super::steps), every lock under
 //! a short `lock_timeout`, so that it never holds up the application's inserts for long.
 
 use std::time::Duration;
@@ -47,57 +46,6 @@ fn quote_literal(text: &str) -> String {
 pub const VERSION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_schema_version (\n    \
     table_name text PRIMARY KEY,\n    version integer NOT NULL,\n    \
     applied_at timestamptz NOT NULL DEFAULT now()\n)";
-
-const DEFAULT_NAME: &str = "outbox_messages";
-
-/// Renders `sql` (written for `outbox_messages`) for `table`.
-pub fn old_render(sql: &str, table: &TableName) -> String {
-    let mut out = String::with_capacity(sql.len() + 256);
-    let mut rest = sql;
-    while let Some(pos) = rest.find(DEFAULT_NAME) {
-        let (before, tail) = rest.split_at(pos);
-        let after = &tail[DEFAULT_NAME.len()..];
-        let left_is_word = before
-            .chars()
-            .next_back()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
-        out.push_str(before);
-        if left_is_word {
-            out.push_str(DEFAULT_NAME);
-        } else if before.ends_with('\'') && after.starts_with('\'') {
-            // The NOTIFY channel: the configured name as written.
-            out.push_str(&table.channel());
-        } else if names_unqualifiable_object(&out) {
-            out.push_str(&table.name);
-        } else {
-            out.push_str(&table.qualified());
-        }
-        rest = after;
-    }
-    out.push_str(rest);
-    out
-}
-
-/// Whether the SQL just before a name is a clause whose object name may not be schema-qualified.
-fn names_unqualifiable_object(preceding: &str) -> bool {
-    let words: Vec<String> = preceding
-        .split_whitespace()
-        .rev()
-        .filter(|w| !w.eq_ignore_ascii_case("CONCURRENTLY"))
-        .take(4)
-        .map(str::to_ascii_uppercase)
-        .collect();
-    let w = |i: usize| words.get(i).map(String::as_str);
-    match (w(0), w(1), w(2), w(3)) {
-        // CREATE INDEX [CONCURRENTLY] [IF NOT EXISTS] name
-        (Some("INDEX"), ..) | (Some("EXISTS"), Some("NOT"), Some("IF"), Some("INDEX")) => true,
-        // CREATE TRIGGER name / DROP TRIGGER IF EXISTS name
-        (Some("TRIGGER"), ..) | (Some("EXISTS"), Some("IF"), Some("TRIGGER"), _) => true,
-        // ADD / VALIDATE CONSTRAINT name, DROP CONSTRAINT IF EXISTS name
-        (Some("CONSTRAINT"), ..) | (Some("EXISTS"), Some("IF"), Some("CONSTRAINT"), _) => true,
-        _ => false,
-    }
-}
 
 /// The whole DDL for `table`, as `migrate --print` shows it and `migrate` applies it.
 pub fn full_ddl(table: &TableName) -> String {
