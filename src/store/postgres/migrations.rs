@@ -63,7 +63,8 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
-/// Version 1, `sql/0001_outbox_messages.sql`: the table, its sequence, indexes and NOTIFY trigger.
+/// Version 1 (`sql/0001_outbox_messages.sql`): the table, its sequence, indexes and NOTIFY
+/// trigger.
 const V1: &[Statement] = &[
     Statement {
         before: r#"-- outbox-relay schema, version 1: the outbox table, its sequence, indexes and NOTIFY trigger.
@@ -205,7 +206,8 @@ $$"#,
         runs: Runs::WithOthers,
     },
 ];
-/// Version 2, `sql/0002_expiry.sql`: messages that expire (applied in place: the check widened and validated apart, the indexes built concurrently).
+/// Version 2 (`sql/0002_expiry.sql`): messages that expire, applied in place (the check
+/// widened and validated apart, the indexes built concurrently).
 const V2: &[Statement] = &[
     Statement {
         before: r#"-- outbox-relay schema, version 2: messages that expire.
@@ -292,7 +294,8 @@ const V2: &[Statement] = &[
         },
     },
 ];
-/// Version 3, `sql/0003_wakeup_and_storage.sql`: the wake-up record, its trigger, and a queue table's autovacuum settings.
+/// Version 3 (`sql/0003_wakeup_and_storage.sql`): the wake-up record, its trigger, and a queue
+/// table's autovacuum settings.
 const V3: &[Statement] = &[
     Statement {
         before: r#"-- outbox-relay schema, version 3: a wake-up that costs the application's commits (almost)
@@ -371,7 +374,7 @@ $$"#,
     },
     STORAGE_SETTINGS,
 ];
-/// Version 4, `sql/0004_bulk_wakeup.sql`: the wake-up trigger once per transaction.
+/// Version 4 (`sql/0004_bulk_wakeup.sql`): the wake-up trigger once per transaction.
 const V4: &[Statement] = &[
     Statement {
         before: r#"-- outbox-relay schema, version 4: a wake-up that fires once per transaction, however many rows
