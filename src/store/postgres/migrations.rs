@@ -39,6 +39,34 @@ impl Migration {
     }
 }
 
+/// A statement run in one transaction with the statements around it, after `before` (its
+/// blank lines and comments in the file).
+const fn with_others(before: &'static str, sql: &'static str) -> Statement {
+    Statement {
+        before,
+        sql,
+        runs: Runs::WithOthers,
+    }
+}
+
+/// A statement run in a transaction of its own (see [`Runs::OwnTransaction`]).
+const fn own_transaction(before: &'static str, sql: &'static str) -> Statement {
+    Statement {
+        before,
+        sql,
+        runs: Runs::OwnTransaction,
+    }
+}
+
+/// An index statement run alone, outside any transaction, building the index `builds`.
+const fn alone(before: &'static str, sql: &'static str, builds: Option<&'static str>) -> Statement {
+    Statement {
+        before,
+        sql,
+        runs: Runs::Alone { builds },
+    }
+}
+
 /// Every migration, in order.
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
@@ -66,8 +94,8 @@ pub const MIGRATIONS: &[Migration] = &[
 /// Version 1 (`sql/0001_outbox_messages.sql`): the table, its sequence, indexes and NOTIFY
 /// trigger.
 const V1: &[Statement] = &[
-    Statement {
-        before: r#"-- outbox-relay schema, version 1: the outbox table, its sequence, indexes and NOTIFY trigger.
+    with_others(
+        r#"-- outbox-relay schema, version 1: the outbox table, its sequence, indexes and NOTIFY trigger.
 --
 -- Plain, idempotent PostgreSQL 13+ DDL: copy it into your own migrations, or let
 -- `outbox-relay migrate` apply it (`outbox-relay migrate --print` shows it rendered for the
@@ -77,14 +105,11 @@ const V1: &[Statement] = &[
 -- seq is drawn only after the inserting transaction has an xid (see {{table}}_next_seq):
 -- the relay's ordering guard relies on it. Keep the sequence's CACHE at 1.
 "#,
-        sql: r#"CREATE SEQUENCE IF NOT EXISTS {{table}}_seq"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-
-"#,
-        sql: r#"CREATE OR REPLACE FUNCTION {{table}}_next_seq() RETURNS bigint
+        "CREATE SEQUENCE IF NOT EXISTS {{table}}_seq",
+    ),
+    with_others(
+        "\n\n",
+        r#"CREATE OR REPLACE FUNCTION {{table}}_next_seq() RETURNS bigint
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     -- Force an xid before drawing the number: an IDENTITY column would draw it first and let a
@@ -93,13 +118,10 @@ BEGIN
     RETURN nextval('{{table}}_seq');
 END
 $$"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-
-"#,
-        sql: r#"CREATE TABLE IF NOT EXISTS {{table}} (
+    ),
+    with_others(
+        "\n\n",
+        r#"CREATE TABLE IF NOT EXISTS {{table}} (
     id             uuid        PRIMARY KEY DEFAULT gen_random_uuid(),
     seq            bigint      NOT NULL DEFAULT {{table}}_next_seq(),
     aggregate_type text        NOT NULL DEFAULT '',
@@ -118,99 +140,80 @@ $$"#,
     created_at     timestamptz NOT NULL DEFAULT now(),
     sent_at        timestamptz NULL
 )"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-
-"#,
-        sql: r#"ALTER SEQUENCE {{table}}_seq OWNED BY {{table}}.seq"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        "\n\n",
+        "ALTER SEQUENCE {{table}}_seq OWNED BY {{table}}.seq",
+    ),
+    with_others(
+        r#"
 
 -- Claim in seq order among pending rows (ordering = "none", and the candidate scan of "aggregate").
 "#,
-        sql: r#"CREATE INDEX IF NOT EXISTS {{name}}_pending_idx
+        r#"CREATE INDEX IF NOT EXISTS {{name}}_pending_idx
     ON {{table}} (seq) WHERE status = 'pending'"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 -- Per-aggregate ordering: the earlier unsent rows of an aggregate.
 "#,
-        sql: r#"CREATE INDEX IF NOT EXISTS {{name}}_aggregate_idx
+        r#"CREATE INDEX IF NOT EXISTS {{name}}_aggregate_idx
     ON {{table}} (aggregate_type, aggregate_id, seq) WHERE status <> 'sent'"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 -- Lease reclaim of rows a dead relay left in processing.
 "#,
-        sql: r#"CREATE INDEX IF NOT EXISTS {{name}}_processing_idx
+        r#"CREATE INDEX IF NOT EXISTS {{name}}_processing_idx
     ON {{table}} (locked_at) WHERE status = 'processing'"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 -- Rows reclaimed from a relay that died holding them: claimed one at a time (see the relay).
 "#,
-        sql: r#"CREATE INDEX IF NOT EXISTS {{name}}_suspect_idx
+        r#"CREATE INDEX IF NOT EXISTS {{name}}_suspect_idx
     ON {{table}} (seq) WHERE status = 'pending' AND last_error LIKE 'lease expired:%'"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 -- Dead letters.
 "#,
-        sql: r#"CREATE INDEX IF NOT EXISTS {{name}}_failed_idx
+        r#"CREATE INDEX IF NOT EXISTS {{name}}_failed_idx
     ON {{table}} (seq) WHERE status = 'failed'"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 -- Retention cleanup of sent rows.
 "#,
-        sql: r#"CREATE INDEX IF NOT EXISTS {{name}}_sent_idx
+        r#"CREATE INDEX IF NOT EXISTS {{name}}_sent_idx
     ON {{table}} (sent_at) WHERE status = 'sent'"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 
 -- Low-latency wake-up: one NOTIFY per inserting statement, on a channel named after the table.
 "#,
-        sql: r#"CREATE OR REPLACE FUNCTION {{table}}_notify() RETURNS trigger
+        r#"CREATE OR REPLACE FUNCTION {{table}}_notify() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
     PERFORM pg_notify('{{table}}', '');
     RETURN NULL;
 END
 $$"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-
-"#,
-        sql: r#"DROP TRIGGER IF EXISTS {{name}}_notify ON {{table}}"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"CREATE TRIGGER {{name}}_notify
+    ),
+    DROP_NOTIFY_TRIGGER,
+    with_others(
+        "\n",
+        r#"CREATE TRIGGER {{name}}_notify
     AFTER INSERT ON {{table}}
     FOR EACH STATEMENT EXECUTE FUNCTION {{table}}_notify()"#,
-        runs: Runs::WithOthers,
-    },
+    ),
 ];
 /// Version 2 (`sql/0002_expiry.sql`): messages that expire, applied in place (the check
 /// widened and validated apart, the indexes built concurrently).
 const V2: &[Statement] = &[
-    Statement {
-        before: r#"-- outbox-relay schema, version 2: messages that expire.
+    with_others(
+        r#"-- outbox-relay schema, version 2: messages that expire.
 --
 -- A row whose expires_at has passed when the relay would claim it is never published: it
 -- becomes 'expired' (terminal, last_error says when) and no longer holds back the later rows
@@ -227,78 +230,65 @@ const V2: &[Statement] = &[
 -- transactions, and drops such an index itself.
 
 "#,
-        sql: r#"ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS expires_at timestamptz NULL"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+        "ALTER TABLE {{table}} ADD COLUMN IF NOT EXISTS expires_at timestamptz NULL",
+    ),
+    with_others(
+        r#"
 
 -- Widen the status check (version 1's inline CHECK, which PostgreSQL names
 -- <table>_status_check). Added NOT VALID (a moment's lock, nothing read), then validated in
 -- a transaction of its own: validating reads every row, under a lock that lets inserts through.
 "#,
-        sql: r#"ALTER TABLE {{table}} DROP CONSTRAINT IF EXISTS {{name}}_status_check"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"ALTER TABLE {{table}} ADD CONSTRAINT {{name}}_status_check
+        "ALTER TABLE {{table}} DROP CONSTRAINT IF EXISTS {{name}}_status_check",
+    ),
+    with_others(
+        "\n",
+        r#"ALTER TABLE {{table}} ADD CONSTRAINT {{name}}_status_check
     CHECK (status IN ('pending', 'processing', 'sent', 'failed', 'expired')) NOT VALID"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"ALTER TABLE {{table}} VALIDATE CONSTRAINT {{name}}_status_check"#,
-        runs: Runs::OwnTransaction,
-    },
-    Statement {
-        before: r#"
+    ),
+    own_transaction(
+        "\n",
+        "ALTER TABLE {{table}} VALIDATE CONSTRAINT {{name}}_status_check",
+    ),
+    alone(
+        r#"
 
 -- Per-aggregate ordering looks at the earlier rows of an aggregate that are still open
 -- (neither sent nor expired): this replaces version 1's aggregate index, which kept expired
 -- rows and so would make every ordering check step over them.
 "#,
-        sql: r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_open_idx
+        r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_open_idx
     ON {{table}} (aggregate_type, aggregate_id, seq) WHERE status NOT IN ('sent', 'expired')"#,
-        runs: Runs::Alone {
-            builds: Some(r#"{{name}}_open_idx"#),
-        },
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"DROP INDEX {{concurrently}} IF EXISTS {{table}}_aggregate_idx"#,
-        runs: Runs::Alone { builds: None },
-    },
-    Statement {
-        before: r#"
+        Some("{{name}}_open_idx"),
+    ),
+    alone(
+        "\n",
+        "DROP INDEX {{concurrently}} IF EXISTS {{table}}_aggregate_idx",
+        None,
+    ),
+    alone(
+        r#"
 -- Pending rows with a deadline, by deadline: the relay's expiry sweep before each claim reads
 -- only this index, empty when no row sets expires_at.
 "#,
-        sql: r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_expiry_idx
+        r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_expiry_idx
     ON {{table}} (expires_at) WHERE status = 'pending' AND expires_at IS NOT NULL"#,
-        runs: Runs::Alone {
-            builds: Some(r#"{{name}}_expiry_idx"#),
-        },
-    },
-    Statement {
-        before: r#"
+        Some("{{name}}_expiry_idx"),
+    ),
+    alone(
+        r#"
 -- Retention cleanup of expired rows (kept for cleanup.retention after their deadline).
 "#,
-        sql: r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_expired_idx
+        r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_expired_idx
     ON {{table}} (expires_at) WHERE status = 'expired'"#,
-        runs: Runs::Alone {
-            builds: Some(r#"{{name}}_expired_idx"#),
-        },
-    },
+        Some("{{name}}_expired_idx"),
+    ),
 ];
 /// Version 3 (`sql/0003_wakeup_and_storage.sql`): the wake-up record, its trigger, and a queue
 /// table's autovacuum settings.
 const V3: &[Statement] = &[
-    Statement {
-        before: r#"-- outbox-relay schema, version 3: a wake-up that costs the application's commits (almost)
+    with_others(
+        r#"-- outbox-relay schema, version 3: a wake-up that costs the application's commits (almost)
 -- nothing, and autovacuum settings for a queue table.
 --
 -- Version 1's trigger ran pg_notify in every inserting transaction. PostgreSQL serialises the
@@ -311,16 +301,15 @@ const V3: &[Statement] = &[
 -- One row per idle, LISTENing relay: written by the relay just before it sleeps, deleted when
 -- it finds work. Unlogged: after a crash the relays write their rows again.
 "#,
-        sql: r#"CREATE UNLOGGED TABLE IF NOT EXISTS {{table}}_waiters (
+        r#"CREATE UNLOGGED TABLE IF NOT EXISTS {{table}}_waiters (
     relay       text        PRIMARY KEY,  -- relay.instance_id
     pid         integer     NOT NULL,     -- backend pid of the relay's LISTEN session
     alive_until timestamptz NOT NULL      -- renewed while the relay waits; ignored after, so a
                                           -- relay that died waiting stops costing NOTIFYs
 )"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
+    ),
+    with_others(
+        r#"
 
 -- Fires at commit (deferred), so it sees the waiters committed up to then: a relay that
 -- started waiting while the transaction ran is still woken. The transaction-local setting
@@ -330,7 +319,7 @@ const V3: &[Statement] = &[
 -- grant on the outbox table stays all it needs); search_path is pinned so that definer rights
 -- cannot be steered through the caller's search_path.
 "#,
-        sql: r#"CREATE OR REPLACE FUNCTION {{table}}_wakeup() RETURNS trigger
+        r#"CREATE OR REPLACE FUNCTION {{table}}_wakeup() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
     IF current_setting('outbox.woke_' || TG_RELID, true) IS DISTINCT FROM '1' THEN
@@ -342,42 +331,23 @@ BEGIN
     RETURN NULL;
 END
 $$"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-
-"#,
-        sql: r#"DROP TRIGGER IF EXISTS {{name}}_notify ON {{table}}"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"DROP TRIGGER IF EXISTS {{name}}_wakeup ON {{table}}"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"CREATE CONSTRAINT TRIGGER {{name}}_wakeup
+    ),
+    DROP_NOTIFY_TRIGGER,
+    with_others("\n", "DROP TRIGGER IF EXISTS {{name}}_wakeup ON {{table}}"),
+    with_others(
+        "\n",
+        r#"CREATE CONSTRAINT TRIGGER {{name}}_wakeup
     AFTER INSERT ON {{table}}
     DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW EXECUTE FUNCTION {{table}}_wakeup()"#,
-        runs: Runs::WithOthers,
-    },
-    Statement {
-        before: r#"
-"#,
-        sql: r#"DROP FUNCTION IF EXISTS {{table}}_notify()"#,
-        runs: Runs::WithOthers,
-    },
+    ),
+    with_others("\n", "DROP FUNCTION IF EXISTS {{table}}_notify()"),
     STORAGE_SETTINGS,
 ];
 /// Version 4 (`sql/0004_bulk_wakeup.sql`): the wake-up trigger once per transaction.
 const V4: &[Statement] = &[
-    Statement {
-        before: r#"-- outbox-relay schema, version 4: a wake-up that fires once per transaction, however many rows
+    with_others(
+        r#"-- outbox-relay schema, version 4: a wake-up that fires once per transaction, however many rows
 -- it inserts (a bulk COPY or INSERT ... SELECT included).
 --
 -- Version 3's deferred trigger was FOR EACH ROW: a 1M-row COPY queued a million trigger events
@@ -395,7 +365,7 @@ const V4: &[Statement] = &[
 -- tables can steer what the function reads. When applying this file by hand, run it with
 -- `SET search_path = <the table's schema>, pg_temp`.
 "#,
-        sql: r#"CREATE OR REPLACE FUNCTION {{table}}_wakeup() RETURNS trigger
+        r#"CREATE OR REPLACE FUNCTION {{table}}_wakeup() RETURNS trigger
 LANGUAGE plpgsql SECURITY DEFINER SET search_path FROM CURRENT AS $$
 BEGIN
     IF EXISTS (SELECT 1 FROM {{table}}_waiters WHERE alive_until > now()) THEN
@@ -404,16 +374,21 @@ BEGIN
     RETURN NULL;
 END
 $$"#,
-        runs: Runs::WithOthers,
-    },
+    ),
     DROP_WAKEUP_TRIGGER,
     WAKEUP_TRIGGER,
 ];
 
+/// Version 1's NOTIFY trigger, dropped to be created again (version 1) or for good (version 3).
+const DROP_NOTIFY_TRIGGER: Statement = with_others(
+    "\n\n",
+    "DROP TRIGGER IF EXISTS {{name}}_notify ON {{table}}",
+);
+
 /// Version 3's autovacuum settings of a queue table: partitioning gives each partition them
 /// (a partitioned table holds none).
-pub const STORAGE_SETTINGS: Statement = Statement {
-    before: r#"
+pub const STORAGE_SETTINGS: Statement = with_others(
+    r#"
 
 -- A queue table: every row is inserted, updated twice and deleted (or updated once more and
 -- deleted by retention), so dead tuples pile up at the rate of the traffic while the live
@@ -424,7 +399,7 @@ pub const STORAGE_SETTINGS: Statement = Statement {
 -- autovacuum runs; the relay also vacuums the table itself when autovacuum is off or falls
 -- behind (see the README).
 "#,
-    sql: r#"ALTER TABLE {{table}} SET (
+    r#"ALTER TABLE {{table}} SET (
     autovacuum_vacuum_scale_factor = 0,
     autovacuum_vacuum_threshold = 5000,
     autovacuum_vacuum_insert_scale_factor = 0,
@@ -433,29 +408,23 @@ pub const STORAGE_SETTINGS: Statement = Statement {
     autovacuum_analyze_threshold = 20000,
     autovacuum_vacuum_cost_delay = 0
 )"#,
-    runs: Runs::WithOthers,
-};
+);
 
 /// Version 4's wake-up trigger, dropped to be created again (also on a partitioned table,
 /// which PostgreSQL clones it from onto every partition).
-pub const DROP_WAKEUP_TRIGGER: Statement = Statement {
-    before: r#"
-
-"#,
-    sql: r#"DROP TRIGGER IF EXISTS {{name}}_wakeup ON {{table}}"#,
-    runs: Runs::WithOthers,
-};
+pub const DROP_WAKEUP_TRIGGER: Statement = with_others(
+    "\n\n",
+    "DROP TRIGGER IF EXISTS {{name}}_wakeup ON {{table}}",
+);
 
 /// Version 4's wake-up trigger: once per transaction, at commit.
-pub const WAKEUP_TRIGGER: Statement = Statement {
-    before: r#"
-"#,
-    sql: r#"CREATE CONSTRAINT TRIGGER {{name}}_wakeup
+pub const WAKEUP_TRIGGER: Statement = with_others(
+    "\n",
+    r#"CREATE CONSTRAINT TRIGGER {{name}}_wakeup
     AFTER INSERT ON {{table}}
     DEFERRABLE INITIALLY DEFERRED
     FOR EACH ROW
     WHEN (current_setting('outbox.woke_' || '{{table}}'::regclass::oid::text, true) IS DISTINCT FROM '1'
           AND set_config('outbox.woke_' || '{{table}}'::regclass::oid::text, '1', true) = '1')
     EXECUTE FUNCTION {{table}}_wakeup()"#,
-    runs: Runs::WithOthers,
-};
+);
