@@ -13,7 +13,7 @@
 //! - [`partitions`]: a partitioned table's conversion, partitions ahead and retention by
 //!   dropping partitions;
 //! - [`schema`]: applying the migrations, and the start-up inspection of the table;
-//! - `migrations`: every migration as explicit statements, each saying how it runs, the
+//! - [`migrations`]: every migration as explicit statements, each saying how it runs, the
 //!   table's names as placeholders (`sql/` holds them rendered for the default table);
 //! - [`steps`]: those statements grouped into the steps `migrate` runs (short transactions,
 //!   and index builds `CONCURRENTLY` outside any);
@@ -32,7 +32,7 @@ mod connect;
 mod console;
 mod instance;
 mod maintenance;
-mod migrations;
+pub mod migrations;
 mod observe;
 mod operator;
 pub mod partitions;
