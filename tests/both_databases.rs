@@ -6,7 +6,8 @@
 //! aggregate; a long transaction on another table holding nothing back; the broker's and the
 //! database's connections cut by a proxy without an attempt spent; dead letters, `status`,
 //! the gauges and `dead-letters retry`; the backlog gauges while the broker is unreachable;
-//! expiry; the documented roles; and one relay serving a PostgreSQL and a MySQL outbox.
+//! expiry; the documented roles; one relay per instance id (a second refused, a lost lock
+//! waited out); and one relay serving a PostgreSQL and a MySQL outbox.
 //!
 //! The real binary against the real services, each test on its own table and exchange (and
 //! roles, proxies, metrics port).
@@ -24,8 +25,8 @@ use common::envelope::amqp_problems;
 use common::{
     AMQP_URL, Db, DbConn, MYSQL_URL, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
     RelayBuilder, RelayProcess, RowState, TempDir, TestOutbox, assert_none, bulk_row, free_port,
-    hex8, not_sent_cleanly, not_sent_once, on_both_databases, sample, scrape, wait_for_count,
-    wait_for_sample, wait_until,
+    hex8, http_get, local, not_sent_cleanly, not_sent_once, on_both_databases, sample, scrape,
+    wait_for_count, wait_for_sample, wait_until,
 };
 use outbox_relay::telemetry::names;
 use rand::seq::SliceRandom;
@@ -48,6 +49,8 @@ on_both_databases!(
     rows_waiting_for_an_unreachable_broker_show_in_the_backlog_gauges,
     a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate,
     the_documented_roles_are_enough_for_the_application_and_the_relay,
+    a_second_relay_with_the_same_instance_id_refuses_to_start,
+    a_relay_that_lost_its_instance_lock_stops_claiming_until_it_takes_it_again,
 );
 
 // ---- fixtures ---------------------------------------------------------------------------------
@@ -886,6 +889,157 @@ async fn the_documented_roles_are_enough_for_the_application_and_the_relay(db: D
     roles.drop_roles(&outbox).await;
     rabbit.teardown().await;
     outbox.drop_table().await;
+}
+
+// ---- one relay per instance id -----------------------------------------------------------------
+
+/// How relay `instance`'s lock on `table` is named in SQL, as docs/operations.md gives it:
+/// PostgreSQL's advisory-lock key, MySQL's lock name.
+fn instance_lock(db: Db, instance: &str, table: &str) -> String {
+    match db {
+        Db::Postgres => format!("hashtextextended('outbox-relay:{instance}:public.{table}', 0)"),
+        Db::Mysql => {
+            format!("CONCAT('outbox-relay:', LEFT(SHA2('{instance}:test.{table}', 256), 48))")
+        }
+    }
+}
+
+/// The session holding relay `instance`'s lock on `outbox`, if any: PostgreSQL's backend pid
+/// (`pg_locks` shows a `bigint` key's high half in `classid`, its low half in `objid`),
+/// MySQL's connection id.
+async fn instance_lock_holder(outbox: &TestOutbox, instance: &str) -> Option<i64> {
+    let lock = instance_lock(outbox.db(), instance, outbox.name());
+    let sql = match outbox.db() {
+        Db::Postgres => format!(
+            "SELECT COALESCE((SELECT l.pid FROM pg_locks l, (SELECT {lock} AS key) k \
+               WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                 AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+                 AND l.classid = ((k.key >> 32) & 4294967295)::oid \
+                 AND l.objid = (k.key & 4294967295)::oid), 0)::bigint"
+        ),
+        Db::Mysql => format!("SELECT COALESCE(IS_USED_LOCK({lock}), 0)"),
+    };
+    let holder = outbox.conn().await.query_i64(&sql).await;
+    (holder != 0).then_some(holder)
+}
+
+/// How the relay's refusal names session `holder`.
+fn lock_session(db: Db, holder: i64) -> String {
+    match db {
+        Db::Postgres => format!("backend pid {holder}"),
+        Db::Mysql => format!("connection id {holder}"),
+    }
+}
+
+/// Ends the relay's lock session `holder` from `conn` and takes relay `instance`'s lock on
+/// `table` in its place (waiting for that session to go).
+async fn take_instance_lock(conn: &mut DbConn, db: Db, instance: &str, table: &str, holder: i64) {
+    let lock = instance_lock(db, instance, table);
+    match db {
+        Db::Postgres => {
+            let end = format!("SELECT pg_terminate_backend({holder})::int::bigint");
+            assert_eq!(
+                conn.query_i64(&end).await,
+                1,
+                "the relay's lock session ends"
+            );
+            conn.exec(&format!("SELECT pg_advisory_lock({lock})")).await;
+        }
+        Db::Mysql => {
+            conn.exec(&format!("KILL {holder}")).await;
+            let taken = conn
+                .query_i64(&format!("SELECT GET_LOCK({lock}, 60)"))
+                .await;
+            assert_eq!(taken, 1, "the test's session takes the lock");
+        }
+    }
+}
+
+/// A second relay with the `relay.instance_id` of a running one, for the same table, refuses
+/// to start: exit 1, its last line one sentence naming the id, the table, the database, the
+/// session that holds the lock and what to do. The first keeps relaying; once it stops, the id
+/// is free.
+async fn a_second_relay_with_the_same_instance_id_refuses_to_start(db: Db) {
+    let test = format!("{}_same_id", db.tag());
+    let (outbox, rabbit) = outbox_and_exchange(db, &test, "#").await;
+    let instance = format!("{}-same-id-{}", db.tag(), hex8());
+    let spawn = || relay(&outbox, &rabbit, &instance).spawn();
+    let first = spawn();
+    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
+    let id = outbox.insert_ids(std::slice::from_ref(&row)).await;
+    rabbit.wait_for_ids(&id, WAIT).await;
+    let holder = instance_lock_holder(&outbox, &instance).await;
+    let holder = holder.expect("the running relay holds its instance lock");
+
+    let mut second = spawn();
+    let status = second.wait_exit(WAIT).await;
+    let stderr = second.stderr();
+    assert_eq!(status.code(), Some(1), "the second relay runs: {stderr}");
+    let last = stderr.lines().last().unwrap_or_default();
+    let sentence = format!(
+        "outbox-relay: another relay with relay.instance_id \"{instance}\" serves {} in {} (its session: {}",
+        outbox.name(),
+        db.url(),
+        lock_session(db, holder)
+    );
+    assert!(last.starts_with(&sentence), "{last}");
+    let what_to_do = "give every relay its own relay.instance_id (left unset it is the host \
+                      name and pid), or stop the other relay first";
+    assert!(last.ends_with(what_to_do), "{last}");
+
+    let id = outbox.insert_ids(std::slice::from_ref(&row)).await;
+    rabbit.wait_for_ids(&id, WAIT).await;
+    first.stop().await;
+    // Stopped, the first relay's session is gone: the id is free again.
+    let third = spawn();
+    let id = outbox.insert_ids(&[row]).await;
+    rabbit.wait_for_ids(&id, WAIT).await;
+    finish(third, outbox, rabbit).await;
+}
+
+/// The relay's instance lock session is ended by the database (`pg_terminate_backend`,
+/// `KILL`), and another session takes the lock before the relay can: the relay stops claiming
+/// and says so (rows wait, `/readyz` fails); once that session lets go, it takes the lock
+/// again and carries on.
+async fn a_relay_that_lost_its_instance_lock_stops_claiming_until_it_takes_it_again(db: Db) {
+    let test = format!("{}_lock_lost", db.tag());
+    let (outbox, rabbit) = outbox_and_exchange(db, &test, "#").await;
+    let instance = format!("{}-lock-lost-{}", db.tag(), hex8());
+    let port = free_port();
+    let relay = relay(&outbox, &rabbit, &instance)
+        .set("metrics.listen", local(port).to_string())
+        .spawn();
+    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
+    let id = outbox.insert_ids(std::slice::from_ref(&row)).await;
+    rabbit.wait_for_ids(&id, WAIT).await;
+    let holder = instance_lock_holder(&outbox, &instance).await.unwrap();
+
+    let mut other = db.connect().await;
+    take_instance_lock(&mut other, db, &instance, outbox.name(), holder).await;
+    let said = "another relay took this relay's instance lock";
+    relay.wait_for_log(said, 1, WAIT).await;
+    let ready = async || match http_get(local(port), "/readyz").await {
+        Ok((200, _)) => Ok(()),
+        other => Err(format!("{other:?}")),
+    };
+    let not_ready = async || match ready().await {
+        Ok(()) => Err("200".to_owned()),
+        Err(e) => Ok(e),
+    };
+    wait_until(WAIT, "/readyz fails while the lock is elsewhere", not_ready).await;
+    let waiting = outbox.insert_ids(&[row]).await[0];
+    // Ten polls: a relay that claimed would have sent it.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let status = outbox.row(waiting).await.status;
+    assert_eq!(status, "pending", "claimed without the instance lock");
+
+    other.close().await; // its session ends, and the lock with it
+    relay
+        .wait_for_log("took the instance locks again", 1, WAIT)
+        .await;
+    rabbit.wait_for_ids(&[waiting], WAIT).await;
+    wait_until(WAIT, "/readyz answers 200 again", ready).await;
+    finish(relay, outbox, rabbit).await;
 }
 
 // ---- both at once -----------------------------------------------------------------------------

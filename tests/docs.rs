@@ -1,7 +1,8 @@
 //! The manual stays true to the code: every configuration key the relay accepts has a row in
 //! `docs/configuration.md`, and every row names a key it accepts; every metric the relay
 //! exports has a row in `docs/operations.md`, and every row names one it exports; the README's
-//! configuration snippet and the crate's description name every publisher kind.
+//! configuration snippet and the crate's description name every publisher kind; every file
+//! under `src/` is named in `docs/development.md`'s module map, and every file it names exists.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -9,7 +10,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::repo_file;
+use common::{repo_file, repo_path};
 use outbox_relay::config::{PublisherKind, RawConfig, RawOutbox};
 use outbox_relay::telemetry::names;
 use serde_json::Value;
@@ -60,6 +61,20 @@ fn table_names(doc: &str, is_name: impl Fn(&str) -> bool) -> BTreeSet<String> {
         .collect()
 }
 
+/// Asserts that a doc names what exists and only that: `missing` introduces what exists and
+/// `documented` lacks, `unknown` what `documented` names that does not exist.
+fn assert_both_ways(
+    existing: &BTreeSet<String>,
+    documented: &BTreeSet<String>,
+    missing: &str,
+    unknown: &str,
+) {
+    let undocumented: Vec<_> = existing.difference(documented).collect();
+    let absent: Vec<_> = documented.difference(existing).collect();
+    assert!(undocumented.is_empty(), "{missing}: {undocumented:?}");
+    assert!(absent.is_empty(), "{unknown}: {absent:?}");
+}
+
 #[test]
 fn every_configuration_key_is_documented_and_every_documented_key_exists() {
     let doc = repo_file("docs/configuration.md");
@@ -72,15 +87,11 @@ fn every_configuration_key_is_documented_and_every_documented_key_exists() {
     let documented = table_names(&doc, is_key);
     let accepted = config_keys();
     assert!(accepted.len() > 40, "too few keys found: {accepted:?}");
-    let missing: Vec<_> = accepted.difference(&documented).collect();
-    let unknown: Vec<_> = documented.difference(&accepted).collect();
-    assert!(
-        missing.is_empty(),
-        "keys without a row in docs/configuration.md: {missing:?}"
-    );
-    assert!(
-        unknown.is_empty(),
-        "docs/configuration.md documents keys the relay does not accept: {unknown:?}"
+    assert_both_ways(
+        &accepted,
+        &documented,
+        "keys without a row in docs/configuration.md",
+        "docs/configuration.md documents keys the relay does not accept",
     );
 }
 
@@ -107,15 +118,11 @@ fn every_metric_is_documented_and_every_documented_metric_exists() {
         .chain(names::OPTIONAL)
         .map(|n| (*n).to_owned())
         .collect();
-    let missing: Vec<_> = exported.difference(&documented).collect();
-    let unknown: Vec<_> = documented.difference(&exported).collect();
-    assert!(
-        missing.is_empty(),
-        "metrics without a row in docs/operations.md: {missing:?}"
-    );
-    assert!(
-        unknown.is_empty(),
-        "docs/operations.md documents metrics the relay does not export: {unknown:?}"
+    assert_both_ways(
+        &exported,
+        &documented,
+        "metrics without a row in docs/operations.md",
+        "docs/operations.md documents metrics the relay does not export",
     );
 }
 
@@ -178,5 +185,102 @@ fn the_readme_snippet_and_the_crate_description_name_every_publisher_kind() {
     assert!(
         missing.is_empty(),
         "Cargo.toml's description {description:?} omits {missing:?}"
+    );
+}
+
+/// The backticked spans of `line`.
+fn backticked(line: &str) -> impl Iterator<Item = &str> {
+    line.split('`').skip(1).step_by(2)
+}
+
+/// A name in the module map that is a path: from the repository's root (`src/…`), or a bare
+/// file or directory name (`claim.rs`, `postgres/`) inside the directory of its list item.
+fn map_path(name: &str) -> Option<&str> {
+    let bare = name.trim_end_matches('/');
+    let is_file = [".rs", ".css", ".js"].iter().any(|ext| name.ends_with(ext));
+    let is_dir = name.ends_with('/');
+    let is_name = !bare.is_empty()
+        && bare
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "_.-".contains(c));
+    let rooted = name.starts_with("src/");
+    ((is_file || is_dir) && (rooted || is_name)).then_some(name)
+}
+
+/// The files and the directories `docs/development.md`'s `## Module map` names, from the
+/// repository's root. A list item's directory is the first directory it names (`src/store/`,
+/// or `postgres/` inside its parent item's), else its parent item's; bare names are inside it.
+fn module_map(doc: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (_, section) = doc
+        .split_once("\n## Module map\n")
+        .expect("docs/development.md has a `## Module map` section");
+    let section = section.split("\n## ").next().unwrap();
+    let (mut files, mut dirs) = (BTreeSet::new(), BTreeSet::new());
+    // The directory of each open list item, outermost first, and whether the innermost item
+    // has named its own yet.
+    let mut items: Vec<String> = Vec::new();
+    let mut named = true;
+    for line in section.lines() {
+        let text = line.trim_start();
+        if text.starts_with("- ") {
+            items.truncate((line.len() - text.len()) / 2);
+            items.push(items.last().cloned().unwrap_or_else(|| "src/".to_owned()));
+            named = false;
+        }
+        for name in backticked(line).filter_map(map_path) {
+            let here = items.last().map_or("src/", String::as_str);
+            let path = if name.starts_with("src/") {
+                name.to_owned()
+            } else {
+                format!("{here}{name}")
+            };
+            if !path.ends_with('/') {
+                files.insert(path);
+                continue;
+            }
+            if !named && let Some(item) = items.last_mut() {
+                item.clone_from(&path);
+                named = true;
+            }
+            dirs.insert(path);
+        }
+    }
+    (files, dirs)
+}
+
+/// Every file under `src/`, from the repository's root.
+fn source_files() -> BTreeSet<String> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = BTreeSet::new();
+    let mut stack = vec![root.join("src")];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let relative = path.strip_prefix(root).unwrap();
+                files.insert(relative.to_str().unwrap().replace('\\', "/"));
+            }
+        }
+    }
+    files
+}
+
+#[test]
+fn the_module_map_names_every_source_file_and_only_those() {
+    let (listed, dirs) = module_map(&repo_file("docs/development.md"));
+    let present = source_files();
+    assert!(present.len() > 50, "too few files found: {present:?}");
+    assert_both_ways(
+        &present,
+        &listed,
+        "files under src/ that docs/development.md's module map does not name",
+        "docs/development.md's module map names files that do not exist",
+    );
+    let absent: Vec<_> = dirs.iter().filter(|dir| !repo_path(dir).is_dir()).collect();
+    assert!(
+        absent.is_empty(),
+        "docs/development.md's module map names directories that do not exist: {absent:?}"
     );
 }

@@ -21,7 +21,7 @@ use common::{
 };
 use outbox_relay::config::TableName;
 use outbox_relay::store::schema::{self, MIGRATIONS};
-use outbox_relay::store::steps::{StepKind, steps};
+use outbox_relay::store::steps::StepKind;
 
 /// Bound for one run of the binary (`migrate` gives up within a few tries of 3 s).
 const WAIT: Duration = Duration::from_secs(60);
@@ -34,7 +34,7 @@ async fn version_1_table(record: bool) -> TestTable {
     let t = TableName::parse(&table.name).unwrap();
     let db = &table.db;
     db.batch_execute(schema::VERSION_TABLE_DDL).await.unwrap();
-    let ddl = schema::render(MIGRATIONS[0].sql, &t);
+    let ddl = MIGRATIONS[0].render(&t);
     db.batch_execute(&ddl).await.expect("version 1 DDL");
     if record {
         let sql = "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, 1)";
@@ -120,7 +120,7 @@ async fn index_valid(table: &TestTable, suffix: &str) -> Option<bool> {
 async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index_and_finishes() {
     let table = version_1_table(true).await;
     let t = TableName::parse(&table.name).unwrap();
-    let v2 = steps(&schema::render(MIGRATIONS[1].sql, &t), false);
+    let v2 = MIGRATIONS[1].steps(&t, false);
     // Version 2 as a `migrate` killed in its first index build leaves it: the steps before
     // it applied, the build's INVALID index behind (a build that cannot wait for a writer's
     // transaction fails after creating it), nothing recorded.

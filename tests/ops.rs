@@ -25,7 +25,6 @@ use common::{
 use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::store::Store;
 use outbox_relay::store::schema::{self, MIGRATIONS};
-use outbox_relay::store::steps as schema_steps;
 use outbox_relay::telemetry::names;
 use serde_json::{Value, json};
 use tokio_postgres::types::{FromSqlOwned, ToSql};
@@ -716,7 +715,7 @@ async fn version_1_table() -> (TestTable, Vec<Uuid>) {
     let table = TestTable { name, db };
     let (db, t) = (&table.db, TableName::parse(&table.name).unwrap());
     db.batch_execute(schema::VERSION_TABLE_DDL).await.unwrap();
-    let ddl = schema::render(MIGRATIONS[0].sql, &t);
+    let ddl = MIGRATIONS[0].render(&t);
     db.batch_execute(&ddl).await.expect("version 1 DDL");
     let record = "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, 1)";
     db.execute(record, &[&table.name]).await.unwrap();
@@ -771,11 +770,12 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
             assert_migrates(&table.name, 2).await;
             // The file itself is idempotent, as users may apply it from their own migrations.
             let t = TableName::parse(&table.name).unwrap();
-            let (db, again) = (&table.db, schema::render(MIGRATIONS[1].sql, &t));
             // Statement by statement, as `psql -f` applies it: its index statements run
             // CONCURRENTLY, which a transaction block refuses.
-            for statement in schema_steps::statements(&again) {
-                db.batch_execute(statement)
+            for statement in MIGRATIONS[1].statements_for(&t) {
+                table
+                    .db
+                    .batch_execute(&statement)
                     .await
                     .expect("0002 applied twice");
             }
@@ -1277,133 +1277,4 @@ async fn config_errors_exit_2_with_one_line_naming_the_key() {
             assert!(out.stdout.is_empty(), "{case}: {out:?}");
         }
     }
-}
-
-// ---- one relay per instance id -----------------------------------------------------------------
-
-/// The key of the instance lock of relay `$1` on table `public.$2`, as docs/operations.md gives
-/// it.
-const LOCK_KEY: &str = "hashtextextended('outbox-relay:' || $1 || ':public.' || $2, 0)";
-
-/// The backend pid of the session holding `instance`'s lock on `table`, if any: `pg_locks`
-/// shows a `bigint` key's high half in `classid`, its low half in `objid`.
-async fn lock_holder(table: &TestTable, instance: &str) -> Option<i32> {
-    let sql = format!(
-        "SELECT l.pid FROM pg_locks l, (SELECT {LOCK_KEY} AS key) k \
-         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-           AND l.classid = ((k.key >> 32) & 4294967295)::oid \
-           AND l.objid = (k.key & 4294967295)::oid"
-    );
-    let row = table.db.query_opt(&sql, &[&instance, &table.name]).await;
-    row.unwrap().map(|r| r.get(0))
-}
-
-/// A second relay with the `relay.instance_id` of a running one, for the same table, refuses
-/// to start: exit 1, its last line one sentence naming the id, the table, the database, the
-/// session that holds the lock and what to do. The first keeps relaying; once it stops, the id
-/// is free.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_relay_with_the_same_instance_id_refuses_to_start() {
-    let (table, rabbit) = table_and_exchange("ops_same_id").await;
-    let instance = format!("same-id-{}", hex8());
-    let spawn = || RelayBuilder::for_test(&table, &rabbit, &instance).spawn();
-    let first = spawn();
-    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
-    let id = table.insert_one(row.clone()).await;
-    rabbit.wait_for_ids(&[id], WAIT).await;
-    let holder = lock_holder(&table, &instance).await;
-    assert!(
-        holder.is_some(),
-        "the running relay holds its instance lock"
-    );
-
-    let mut second = spawn();
-    let status = second.wait_exit(WAIT).await;
-    let stderr = second.stderr();
-    assert_eq!(status.code(), Some(1), "the second relay runs: {stderr}");
-    let last = stderr.lines().last().unwrap_or_default();
-    let sentence = format!(
-        "outbox-relay: another relay with relay.instance_id \"{instance}\" serves {} in postgres://postgres@127.0.0.1:5432/test (its session: backend pid {}",
-        table.name,
-        holder.unwrap()
-    );
-    assert!(last.starts_with(&sentence), "{last}");
-    let what_to_do = "give every relay its own relay.instance_id (left unset it is the host \
-                      name and pid), or stop the other relay first";
-    assert!(last.ends_with(what_to_do), "{last}");
-
-    let id = table.insert_one(row.clone()).await;
-    rabbit.wait_for_ids(&[id], WAIT).await;
-    first.stop().await;
-    // Stopped, the first relay's session is gone: the id is free again.
-    let third = spawn();
-    let id = table.insert_one(row).await;
-    rabbit.wait_for_ids(&[id], WAIT).await;
-    finish(third, table, rabbit).await;
-}
-
-/// The relay's instance lock session is ended by the database (`pg_terminate_backend`), and
-/// another session takes the lock before the relay can: the relay stops claiming and says so
-/// (rows wait, `/readyz` fails); once that session lets go, it takes the lock again and
-/// carries on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_relay_that_lost_its_instance_lock_stops_claiming_until_it_takes_it_again() {
-    let (table, rabbit) = table_and_exchange("ops_lock_lost").await;
-    let instance = format!("lock-lost-{}", hex8());
-    let port = free_port();
-    let relay = RelayBuilder::for_test(&table, &rabbit, &instance)
-        .set("metrics.listen", local(port).to_string())
-        .set("relay.poll_interval", "200ms")
-        .spawn();
-    let row = NewRow::new("order", Some("o-1"), "created", json!({}));
-    let id = table.insert_one(row.clone()).await;
-    rabbit.wait_for_ids(&[id], WAIT).await;
-    let holder = lock_holder(&table, &instance).await.unwrap();
-
-    // End the relay's session and take the lock in its place (waiting for the session to go).
-    let other = pg_connect().await;
-    let ended: bool = other
-        .query_one("SELECT pg_terminate_backend($1)", &[&holder])
-        .await
-        .unwrap()
-        .get(0);
-    assert!(ended, "the relay's lock session is ended");
-    let take = format!("SELECT pg_advisory_lock({LOCK_KEY})");
-    other
-        .execute(&take, &[&instance, &table.name])
-        .await
-        .unwrap();
-    let said = "another relay took this relay's instance lock";
-    relay.wait_for_log(said, 1, WAIT).await;
-    let ready = async || match http_get(local(port), "/readyz").await {
-        Ok((200, _)) => Ok(()),
-        other => Err(format!("{other:?}")),
-    };
-    let not_ready = async || match ready().await {
-        Ok(()) => Err("200".to_owned()),
-        Err(e) => Ok(e),
-    };
-    wait_until(WAIT, "/readyz fails while the lock is elsewhere", not_ready).await;
-    let waiting = table.insert_one(row).await;
-    // Ten polls: a relay that claimed would have sent it.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let status: String = table
-        .db
-        .query_one(
-            &format!("SELECT status FROM {} WHERE id = $1", table.name),
-            &[&waiting],
-        )
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(status, "pending", "claimed without the instance lock");
-
-    drop(other); // its session ends, and the lock with it
-    relay
-        .wait_for_log("took the instance locks again", 1, WAIT)
-        .await;
-    rabbit.wait_for_ids(&[waiting], WAIT).await;
-    wait_until(WAIT, "/readyz answers 200 again", ready).await;
-    finish(relay, table, rabbit).await;
 }

@@ -351,7 +351,7 @@ mod tests {
     }
 
     #[test]
-    fn each_rejection_names_its_key() {
+    fn each_url_rejection_names_the_url_key() {
         rejects(HTTP, "invalid value for publisher.http.url: must be set");
         for (url, says) in [
             ("ftp://h/x", "must start with http:// or https://"),
@@ -371,6 +371,10 @@ mod tests {
                 &[],
             );
         }
+    }
+
+    #[test]
+    fn each_other_rejection_names_its_key() {
         let ok = "url = \"https://h/x\"\n";
         err_has(
             &http(&format!("{ok}method = \"GET\"")),

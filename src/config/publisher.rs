@@ -617,10 +617,12 @@ mod tests {
         );
     }
 
+    /// A Redis publisher with the section's defaults.
+    const REDIS: &str = "[publisher]\nkind = \"redis\"\n[publisher.redis]\n";
+
     #[test]
-    fn redis_section_is_checked_and_its_password_never_shown() {
-        let redis = "[publisher]\nkind = \"redis\"\n[publisher.redis]\n";
-        let c = load_str(redis, &[]).unwrap();
+    fn the_redis_section_has_defaults_and_takes_its_keys() {
+        let c = load_str(REDIS, &[]).unwrap();
         let PublisherConfig::Redis(r) = &c.publisher else {
             panic!("redis")
         };
@@ -629,7 +631,7 @@ mod tests {
         assert_eq!((r.max_len, r.timeout), (None, Duration::from_secs(10)));
         assert_eq!(c.publisher.kind(), "redis");
         let c = load_str(
-            &format!("{redis}url = \"rediss://:pw@h:6380/2\"\nstream = \"s.{{event_type}}\"\nmax_len = 1000\n"),
+            &format!("{REDIS}url = \"rediss://:pw@h:6380/2\"\nstream = \"s.{{event_type}}\"\nmax_len = 1000\n"),
             &[],
         )
         .unwrap();
@@ -640,41 +642,45 @@ mod tests {
             (r.max_len, r.stream.as_str()),
             (Some(1000), "s.{event_type}")
         );
+    }
+
+    #[test]
+    fn each_redis_rejection_names_its_key_and_never_shows_the_password() {
         rejects(
-            &format!("{redis}url = \"http://u:hunter2@h\"\n"),
+            &format!("{REDIS}url = \"http://u:hunter2@h\"\n"),
             "invalid value for publisher.redis.url: http://u:***@h must start with redis:// or rediss://",
         );
         err_has(
-            &format!("{redis}url = \"redis://:hunter2@h/x\"\n"),
+            &format!("{REDIS}url = \"redis://:hunter2@h/x\"\n"),
             &["publisher.redis.url", "database number", ":***@"],
             &["hunter2"],
         );
         err_has(
-            &format!("{redis}url = \"not a url hunter2\"\n"),
+            &format!("{REDIS}url = \"not a url hunter2\"\n"),
             &["publisher.redis.url", "is not a URL"],
             &[],
         );
         err_has(
-            &format!("{redis}stream = \"{{tenant}}\"\n"),
+            &format!("{REDIS}stream = \"{{tenant}}\"\n"),
             &["publisher.redis.stream", "tenant"],
             &[],
         );
         rejects(
-            &format!("{redis}max_len = 0\n"),
+            &format!("{REDIS}max_len = 0\n"),
             "invalid value for publisher.redis.max_len: must be at least 1 (leave it unset for no trimming)",
         );
         rejects(
-            &format!("{redis}timeout = \"0s\"\n"),
+            &format!("{REDIS}timeout = \"0s\"\n"),
             "invalid value for publisher.redis.timeout: must be greater than zero",
         );
-        err_has(&format!("{redis}maxlen = 5\n"), &["maxlen"], &[]);
+        err_has(&format!("{REDIS}maxlen = 5\n"), &["maxlen"], &[]);
         err_has(
-            &format!("{redis}url = \"rediss://:hunter2@h#insecure\"\n"),
+            &format!("{REDIS}url = \"rediss://:hunter2@h#insecure\"\n"),
             &["publisher.redis.url", "#fragment", "SSL_CERT_FILE"],
             &["hunter2"],
         );
         err_has(
-            &format!("{redis}url = \"rediss://:hunter2@h/0?protocol=resp9\"\n"),
+            &format!("{REDIS}url = \"rediss://:hunter2@h/0?protocol=resp9\"\n"),
             &["publisher.redis.url", "not usable by the Redis client"],
             &["hunter2"],
         );

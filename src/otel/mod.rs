@@ -79,59 +79,8 @@ impl Tracing {
     /// (`spawn_blocking`): the HTTP exporter's blocking client must not be built or dropped on
     /// an async worker.
     pub fn install(cfg: &TracingConfig) -> Result<Self, OtelError> {
-        let fail = |e: &dyn std::fmt::Display| OtelError::Exporter {
-            endpoint: redact_url(&cfg.endpoint),
-            reason: e.to_string(),
-        };
-        let exporter = match cfg.protocol {
-            OtlpProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
-                .with_http()
-                .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
-                .with_endpoint(&cfg.endpoint)
-                .build(),
-            OtlpProtocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
-                .with_tonic()
-                .with_endpoint(&cfg.endpoint)
-                .build(),
-        }
-        .map_err(|e| fail(&e))?;
-        let queue = std::env::var("OTEL_BSP_MAX_QUEUE_SIZE")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or(DEFAULT_QUEUE);
-        let pending = Arc::new(AtomicUsize::new(0));
-        let drops = Arc::new(Drops::default());
-        let exporter = CountingExporter {
-            inner: exporter,
-            pending: Arc::clone(&pending),
-            drops: Arc::clone(&drops),
-            probe: Probe::new(&cfg.endpoint),
-            failing: std::sync::atomic::AtomicBool::new(false),
-        };
-        let batch = BatchSpanProcessor::builder(exporter)
-            .with_batch_config(
-                BatchConfigBuilder::default()
-                    .with_max_queue_size(queue)
-                    .build(),
-            )
-            .build();
-        let processor = BoundedProcessor {
-            inner: batch,
-            pending,
-            capacity: queue,
-            drops,
-        };
-        let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(cfg.sample_ratio)));
-        let provider = SdkTracerProvider::builder()
-            .with_span_processor(processor)
-            .with_sampler(sampler)
-            .with_resource(
-                Resource::builder()
-                    .with_service_name(cfg.service_name.clone())
-                    .build(),
-            )
-            .build();
+        let processor = BoundedProcessor::new(otlp_exporter(cfg)?, &cfg.endpoint, queue_size());
+        let provider = provider(processor, cfg);
         let tracer = provider.tracer_with_scope(
             opentelemetry::InstrumentationScope::builder("outbox-relay")
                 .with_version(env!("CARGO_PKG_VERSION"))
@@ -173,6 +122,49 @@ impl Tracing {
             tracing::debug!(error = %e, "trace exporter shutdown");
         }
     }
+}
+
+/// The OTLP exporter for `cfg.endpoint`, over the configured protocol.
+fn otlp_exporter(cfg: &TracingConfig) -> Result<opentelemetry_otlp::SpanExporter, OtelError> {
+    match cfg.protocol {
+        OtlpProtocol::HttpProtobuf => opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(opentelemetry_otlp::Protocol::HttpBinary)
+            .with_endpoint(&cfg.endpoint)
+            .build(),
+        OtlpProtocol::Grpc => opentelemetry_otlp::SpanExporter::builder()
+            .with_tonic()
+            .with_endpoint(&cfg.endpoint)
+            .build(),
+    }
+    .map_err(|e| OtelError::Exporter {
+        endpoint: redact_url(&cfg.endpoint),
+        reason: e.to_string(),
+    })
+}
+
+/// Spans waiting for export, at most: `OTEL_BSP_MAX_QUEUE_SIZE` when it is a positive number,
+/// else [`DEFAULT_QUEUE`].
+fn queue_size() -> usize {
+    std::env::var("OTEL_BSP_MAX_QUEUE_SIZE")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .filter(|&n: &usize| n > 0)
+        .unwrap_or(DEFAULT_QUEUE)
+}
+
+/// The tracer provider: `processor`, the parent-based ratio sampler and the service name.
+fn provider(processor: BoundedProcessor, cfg: &TracingConfig) -> SdkTracerProvider {
+    let sampler = Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(cfg.sample_ratio)));
+    SdkTracerProvider::builder()
+        .with_span_processor(processor)
+        .with_sampler(sampler)
+        .with_resource(
+            Resource::builder()
+                .with_service_name(cfg.service_name.clone())
+                .build(),
+        )
+        .build()
 }
 
 /// Drop accounting shared by the processor and the exporter: the metric, and one warning per
@@ -232,6 +224,35 @@ struct BoundedProcessor {
     pending: Arc<AtomicUsize>,
     capacity: usize,
     drops: Arc<Drops>,
+}
+
+impl BoundedProcessor {
+    /// `exporter` behind the SDK's batch processor and a bound of `capacity` waiting spans,
+    /// both counting their drops.
+    fn new<E: SpanExporter + 'static>(exporter: E, endpoint: &str, capacity: usize) -> Self {
+        let pending = Arc::new(AtomicUsize::new(0));
+        let drops = Arc::new(Drops::default());
+        let exporter = CountingExporter {
+            inner: exporter,
+            pending: Arc::clone(&pending),
+            drops: Arc::clone(&drops),
+            probe: Probe::new(endpoint),
+            failing: std::sync::atomic::AtomicBool::new(false),
+        };
+        let batch = BatchSpanProcessor::builder(exporter)
+            .with_batch_config(
+                BatchConfigBuilder::default()
+                    .with_max_queue_size(capacity)
+                    .build(),
+            )
+            .build();
+        Self {
+            inner: batch,
+            pending,
+            capacity,
+            drops,
+        }
+    }
 }
 
 impl SpanProcessor for BoundedProcessor {

@@ -380,6 +380,25 @@ impl RowState {
     }
 }
 
+/// Reads a row with `read` until it satisfies `done`, and returns it; panics after `timeout`
+/// naming `what` and the row's last state. The `wait_row` of either database's table.
+pub(crate) async fn wait_for_row(
+    timeout: Duration,
+    what: &str,
+    read: impl AsyncFn() -> RowState,
+    done: impl Fn(&RowState) -> bool,
+) -> RowState {
+    wait_until(timeout, what, async || {
+        let row = read().await;
+        if done(&row) {
+            Ok(row)
+        } else {
+            Err(row.describe())
+        }
+    })
+    .await
+}
+
 const ROW_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, event_type, to_jsonb(payload), headers, destination, \
                            status, attempts, available_at, locked_at, locked_by, last_error, created_at, sent_at";
 
@@ -712,15 +731,7 @@ impl TestTable {
         what: &str,
         done: impl Fn(&RowState) -> bool,
     ) -> RowState {
-        wait_until(timeout, what, async || {
-            let row = self.row(id).await;
-            if done(&row) {
-                Ok(row)
-            } else {
-                Err(row.describe())
-            }
-        })
-        .await
+        wait_for_row(timeout, what, async || self.row(id).await, done).await
     }
 
     /// Waits until every row is `sent` (the counts by status in the panic message otherwise).

@@ -16,7 +16,7 @@ use chrono::{DateTime, Utc};
 use mysql_async::prelude::Queryable;
 use uuid::Uuid;
 
-use crate::db::{Inserted, NewRow, RowState, TestTable, insert_rows, try_pg_connect};
+use crate::db::{Inserted, NewRow, RowState, TestTable, insert_rows, try_pg_connect, wait_for_row};
 use crate::mysql::{MYSQL_ADDR, MYSQL_URL, MysqlTable, try_insert_in, try_mysql_conn};
 use crate::{PG_URL, RelayBuilder, wait_until};
 
@@ -137,6 +137,17 @@ impl DbConn {
                 format!("{e} {}", detail.unwrap_or_default())
             }),
             Self::Mysql(c) => c.query_drop(sql).await.map_err(|e| e.to_string()),
+        }
+    }
+
+    /// Ends the session (and whatever locks it holds) now.
+    pub async fn close(self) {
+        match self {
+            Self::Postgres(c) => drop(c),
+            Self::Mysql(c) => c
+                .disconnect()
+                .await
+                .unwrap_or_else(|e| panic!("disconnect: {e}")),
         }
     }
 
@@ -402,15 +413,7 @@ impl TestOutbox {
         what: &str,
         done: impl Fn(&RowState) -> bool,
     ) -> RowState {
-        wait_until(timeout, what, async || {
-            let row = self.row(id).await;
-            if done(&row) {
-                Ok(row)
-            } else {
-                Err(format!("{row:?}"))
-            }
-        })
-        .await
+        wait_for_row(timeout, what, async || self.row(id).await, done).await
     }
 
     /// Drops the table and what its migration created.

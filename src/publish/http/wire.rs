@@ -11,7 +11,7 @@ use super::HttpPublisher;
 use crate::config::{HttpMode, RESERVED_HEADERS, TRACE_CONTEXT_HEADERS};
 use crate::message::OutboxMessage;
 use crate::publish::envelope::EnvelopeConfig;
-use crate::publish::headers::{self, Binding, Part};
+use crate::publish::headers::{self, Binding, Header, Part};
 use crate::publish::stdout::structured_event;
 use crate::template::Fields;
 
@@ -60,6 +60,27 @@ impl HttpPublisher {
         } else {
             STRUCTURED_CONTENT_TYPE
         };
+        let list = self.header_list(msg, env, url, binary, content_type);
+        let mut headers = self.header_map(msg, list, content_type)?;
+        let body = if binary {
+            msg.payload.clone()
+        } else {
+            structured_event(msg, env)?.into_bytes()
+        };
+        sign_webhook(msg, env, &body, &mut headers)?;
+        Ok((headers, body))
+    }
+
+    /// The headers of `msg` in HTTP's binding: the row's that may go out, then (binary mode)
+    /// the `ce-` attributes, the content type and the signature.
+    fn header_list(
+        &self,
+        msg: &OutboxMessage,
+        env: &EnvelopeConfig,
+        url: &Url,
+        binary: bool,
+        content_type: &'static str,
+    ) -> Vec<Header> {
         let binding = Binding {
             attribute_prefix: "ce-",
             attributes: binary,
@@ -73,50 +94,35 @@ impl HttpPublisher {
                 );
             },
         };
-        let list = headers::headers(msg, env, url.as_str(), &binding);
+        headers::headers(msg, env, url.as_str(), &binding)
+    }
+
+    /// `list` as a request's header map, the configured static headers after the row's and
+    /// before the relay's own (which replace any of the same name).
+    fn header_map(
+        &self,
+        msg: &OutboxMessage,
+        list: Vec<Header>,
+        content_type: &'static str,
+    ) -> Result<HeaderMap, String> {
         let mut headers = HeaderMap::with_capacity(list.len() + self.static_headers.len() + 3);
         let mut static_headers = Some(&self.static_headers);
         for header in list {
             if header.part != Part::Row
                 && let Some(fixed) = static_headers.take()
             {
-                for (name, value) in fixed {
-                    headers.append(name, value.clone());
-                }
+                append_all(&mut headers, fixed);
             }
-            match header.part {
-                Part::Row => self.append_row_header(msg, &mut headers, &header.name, &header.value),
-                Part::Attribute => {
-                    let name = header_name(header.name)?;
-                    let value = HeaderValue::try_from(ce_header_value(&header.value))
-                        .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
-                    headers.insert(name, value);
-                }
-                Part::ContentType => {
-                    headers.insert(
-                        reqwest::header::CONTENT_TYPE,
-                        HeaderValue::from_static(content_type),
-                    );
-                }
-                Part::Signature => {
-                    let value = HeaderValue::from_str(&header.value)
-                        .map_err(|e| format!("signature header {}: {e}", header.name))?;
-                    headers.insert(HeaderName::from_static(crate::signing::HEADER), value);
-                }
+            if header.part == Part::Row {
+                self.append_row_header(msg, &mut headers, &header.name, &header.value);
+            } else {
+                insert_ours(&mut headers, header, content_type)?;
             }
         }
         if let Some(fixed) = static_headers {
-            for (name, value) in fixed {
-                headers.append(name, value.clone());
-            }
+            append_all(&mut headers, fixed);
         }
-        let body = if binary {
-            msg.payload.clone()
-        } else {
-            structured_event(msg, env)?.into_bytes()
-        };
-        sign_webhook(msg, env, &body, &mut headers)?;
-        Ok((headers, body))
+        Ok(headers)
     }
 
     /// Whether a row header named `name` is left out because the relay or HTTP sets it (but
@@ -170,6 +176,44 @@ impl HttpPublisher {
             tracing::warn!(id = %msg.id, header = %shown.escape_debug(), "row header left out of HTTP requests: {why}; the row is sent without it (warned once per header name)");
         }
     }
+}
+
+/// Appends every header of `fixed` to `headers`.
+fn append_all(headers: &mut HeaderMap, fixed: &HeaderMap) {
+    for (name, value) in fixed {
+        headers.append(name, value.clone());
+    }
+}
+
+/// Sets one of the relay's own headers (an attribute, the content type, the signature),
+/// replacing any of the same name.
+fn insert_ours(
+    headers: &mut HeaderMap,
+    header: Header,
+    content_type: &'static str,
+) -> Result<(), String> {
+    match header.part {
+        // The row's own go through `append_row_header`.
+        Part::Row => {}
+        Part::Attribute => {
+            let name = header_name(header.name)?;
+            let value = HeaderValue::try_from(ce_header_value(&header.value))
+                .map_err(|e| format!("CloudEvents attribute {name}: {e}"))?;
+            headers.insert(name, value);
+        }
+        Part::ContentType => {
+            headers.insert(
+                reqwest::header::CONTENT_TYPE,
+                HeaderValue::from_static(content_type),
+            );
+        }
+        Part::Signature => {
+            let value = HeaderValue::from_str(&header.value)
+                .map_err(|e| format!("signature header {}: {e}", header.name))?;
+            headers.insert(HeaderName::from_static(crate::signing::HEADER), value);
+        }
+    }
+    Ok(())
 }
 
 /// Appends `value` percent-encoded: everything but the unreserved characters of RFC 3986

@@ -312,6 +312,73 @@ impl KafkaPublisher {
         }
         outcome
     }
+    /// Queues `stretch` (records for one `topic`) on one producer without waiting for
+    /// reports (see `enqueue`): the records queued, and the outcome of the one the producer
+    /// refused outright, which ends the stretch.
+    async fn queue_stretch<'m>(
+        &self,
+        stretch: &'m [OutboxMessage],
+        topic: &str,
+        env: &EnvelopeConfig,
+    ) -> (Vec<Queued<'m>>, Option<Outcome>) {
+        let mut queued = Vec::with_capacity(stretch.len());
+        let mut pinned = None;
+        for msg in stretch {
+            let at = Instant::now();
+            match self.enqueue(msg, topic, env, pinned).await {
+                Ok(delivery) => {
+                    pinned = Some(delivery.1);
+                    queued.push((delivery, at, msg));
+                }
+                Err(outcome) => return (queued, Some(outcome)),
+            }
+        }
+        (queued, None)
+    }
+
+    /// Reads the reports of `queued` in order onto `outcomes`; whether the producer is being
+    /// replaced (an outcome is connection-level), which ends the run there.
+    async fn read_reports(
+        &self,
+        queued: Vec<Queued<'_>>,
+        topic: &str,
+        env: &EnvelopeConfig,
+        outcomes: &mut Vec<Outcome>,
+    ) -> bool {
+        for (delivery, at, msg) in queued {
+            let reported = self.report(delivery, at).await;
+            // Alone only while everything before it was confirmed: after a failure the
+            // aggregate's later records are not sent again.
+            let outcome = if outcomes.iter().all(|o| *o == Outcome::Confirmed) {
+                self.judged_alone(msg, topic, env, reported).await
+            } else {
+                reported.outcome
+            };
+            let replaced = matches!(outcome, Outcome::Unavailable(_));
+            outcomes.push(outcome);
+            if replaced {
+                return true;
+            }
+        }
+        false
+    }
+}
+
+/// A record queued for a run: its delivery (and the producer's generation), when it was
+/// queued, and its message.
+type Queued<'m> = ((DeliveryFuture, u64), Instant, &'m OutboxMessage);
+
+/// How many of a run's `outcomes` to keep once one is not `Confirmed`: up to the last
+/// confirmed one after the first failure (past it only a confirmed answer matters), else up
+/// to the failure; `None` while all are confirmed.
+fn kept_past_a_failure(outcomes: &[Outcome]) -> Option<usize> {
+    let first = outcomes.iter().position(|o| *o != Outcome::Confirmed)?;
+    let last = outcomes
+        .iter()
+        .rposition(|o| *o == Outcome::Confirmed)
+        .filter(|&i| i > first)
+        .unwrap_or(first);
+    Some(last + 1)
 }
 
 #[async_trait]
@@ -437,49 +504,15 @@ impl Publisher for KafkaPublisher {
         for same in topics.chunk_by(|a, b| a == b) {
             let (stretch, topic) = (&run[start..start + same.len()], same[0].as_str());
             start += same.len();
-            let mut deliveries = Vec::with_capacity(stretch.len());
-            let mut refused = None;
-            // One producer takes the whole stretch (see `enqueue`).
-            let mut pinned = None;
-            for msg in stretch {
-                let queued = Instant::now();
-                match self.enqueue(msg, topic, env, pinned).await {
-                    Ok(delivery) => {
-                        pinned = Some(delivery.1);
-                        deliveries.push((delivery, queued, msg));
-                    }
-                    Err(outcome) => {
-                        refused = Some(outcome);
-                        break;
-                    }
-                }
-            }
-            for (delivery, queued, msg) in deliveries {
-                let reported = self.report(delivery, queued).await;
-                // Alone only while everything before it was confirmed: after a failure the
-                // aggregate's later records are not sent again.
-                let outcome = if outcomes.iter().all(|o| *o == Outcome::Confirmed) {
-                    self.judged_alone(msg, topic, env, reported).await
-                } else {
-                    reported.outcome
-                };
-                let replaced = matches!(outcome, Outcome::Unavailable(_));
-                outcomes.push(outcome);
-                if replaced {
-                    // The producer is being replaced: what it still holds is purged, and the
-                    // caller hands back the rest of the run.
-                    return outcomes;
-                }
+            let (queued, refused) = self.queue_stretch(stretch, topic, env).await;
+            if self.read_reports(queued, topic, env, &mut outcomes).await {
+                // The producer is being replaced: what it still holds is purged, and the
+                // caller hands back the rest of the run.
+                return outcomes;
             }
             outcomes.extend(refused);
-            if let Some(first) = outcomes.iter().position(|o| *o != Outcome::Confirmed) {
-                // Past the first failure only a confirmed answer matters: keep up to the last.
-                let last = outcomes
-                    .iter()
-                    .rposition(|o| *o == Outcome::Confirmed)
-                    .filter(|&i| i > first)
-                    .unwrap_or(first);
-                outcomes.truncate(last + 1);
+            if let Some(kept) = kept_past_a_failure(&outcomes) {
+                outcomes.truncate(kept);
                 return outcomes;
             }
         }
@@ -498,6 +531,16 @@ impl Publisher for KafkaPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_run_keeps_its_outcomes_up_to_the_last_confirmed_past_the_first_failure() {
+        let ok = || Outcome::Confirmed;
+        let bad = || Outcome::Rejected("no".to_owned());
+        assert_eq!(kept_past_a_failure(&[ok(), ok()]), None);
+        assert_eq!(kept_past_a_failure(&[ok(), bad(), bad()]), Some(2));
+        assert_eq!(kept_past_a_failure(&[bad(), bad(), ok(), bad()]), Some(3));
+        assert_eq!(kept_past_a_failure(&[ok(), bad(), ok()]), Some(3));
+    }
 
     pub(super) fn config(properties: &[(&str, &str)]) -> KafkaConfig {
         KafkaConfig {

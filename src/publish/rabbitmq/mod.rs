@@ -48,7 +48,7 @@ mod wire;
 pub use classify::classify_confirmation;
 pub(crate) use connection::declare_queue;
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -100,6 +100,46 @@ impl RabbitMqPublisher {
             "no confirm within {}",
             humantime::format_duration(self.cfg.confirm_timeout)
         ))
+    }
+
+    /// A message that was unconfirmed on a channel the broker closed (`reason`), published
+    /// again: on the channels, then alone if the broker closes a second channel with it on.
+    /// Republishing is bounded by one `confirm_timeout` from here; past it, handed back (the
+    /// connection may well be fine: it is left to the other messages to tell).
+    async fn publish_again(
+        &self,
+        live: &Arc<Live>,
+        msg: &OutboxMessage,
+        env: &EnvelopeConfig,
+        routing_key: ShortString,
+        reason: &str,
+    ) -> Outcome {
+        let deadline = Instant::now() + self.cfg.confirm_timeout;
+        tracing::debug!(id = %msg.id, reason = %reason, "publishing again a message that was unconfirmed on a channel the broker closed");
+        let rebuild = || {
+            self.properties(msg, env, routing_key.as_str())
+                .map_err(Outcome::Rejected)
+        };
+        let props = match rebuild() {
+            Ok(props) => props,
+            Err(outcome) => return outcome,
+        };
+        let reason = match self
+            .publish_on_channels(live, msg, &routing_key, props, rebuild, deadline)
+            .await
+        {
+            OnChannels::Done(outcome) => return outcome,
+            OnChannels::TimedOut => return self.not_republished(),
+            OnChannels::Closed(reason) => reason,
+        };
+        tracing::warn!(id = %msg.id, reason = %reason, "the broker closed two channels with this message unconfirmed on them; publishing it alone");
+        match rebuild() {
+            Ok(props) => {
+                self.publish_alone(live, msg, routing_key, props, deadline)
+                    .await
+            }
+            Err(outcome) => outcome,
+        }
     }
 
     /// A message that was on a closed channel not answered in time: handed back unspent.
@@ -168,55 +208,31 @@ impl Publisher for RabbitMqPublisher {
             Ok(p) => p,
             Err(reason) => return Outcome::Rejected(reason),
         };
-        let id = msg.id.to_string();
-        let rebuild = || {
-            self.properties(msg, env, routing_key.as_str())
-                .map_err(Outcome::Rejected)
-        };
-        let culprit = self.culprits().contains(&id);
-        if culprit {
+        let deadline = Instant::now() + self.cfg.confirm_timeout;
+        if self.culprits().contains(&msg.id.to_string()) {
             // It closed a channel alone before: alone again, not among other messages.
-            let deadline = Instant::now() + self.cfg.confirm_timeout;
             return self
                 .publish_alone(&live, msg, routing_key, props, deadline)
                 .await;
         }
-        let deadline = Instant::now() + self.cfg.confirm_timeout;
-        let reason = match self
+        let rebuild = || {
+            self.properties(msg, env, routing_key.as_str())
+                .map_err(Outcome::Rejected)
+        };
+        match self
             .publish_on_channels(&live, msg, &routing_key, props, rebuild, deadline)
             .await
         {
-            OnChannels::Done(outcome) => return outcome,
+            OnChannels::Done(outcome) => outcome,
             OnChannels::TimedOut => {
                 // No answer at all: the connection is dead rather than the message bad.
                 self.slot.mark_down(live.generation);
-                return self.no_confirm();
+                self.no_confirm()
             }
-            OnChannels::Closed(reason) => reason,
-        };
-        // Republishing is bounded by one confirm_timeout from here; past it, handed back (the
-        // connection may well be fine: it is left to the other messages to tell).
-        let deadline = Instant::now() + self.cfg.confirm_timeout;
-        tracing::debug!(id = %msg.id, reason = %reason, "publishing again a message that was unconfirmed on a channel the broker closed");
-        let props = match rebuild() {
-            Ok(props) => props,
-            Err(outcome) => return outcome,
-        };
-        let reason = match self
-            .publish_on_channels(&live, msg, &routing_key, props, rebuild, deadline)
-            .await
-        {
-            OnChannels::Done(outcome) => return outcome,
-            OnChannels::TimedOut => return self.not_republished(),
-            OnChannels::Closed(reason) => reason,
-        };
-        tracing::warn!(id = %msg.id, reason = %reason, "the broker closed two channels with this message unconfirmed on them; publishing it alone");
-        match rebuild() {
-            Ok(props) => {
-                self.publish_alone(&live, msg, routing_key, props, deadline)
+            OnChannels::Closed(reason) => {
+                self.publish_again(&live, msg, env, routing_key, &reason)
                     .await
             }
-            Err(outcome) => outcome,
         }
     }
 

@@ -12,9 +12,11 @@
 //! - `console`: the web console's bounded reads (counts, a page of dead letters, one message);
 //! - [`partitions`]: a partitioned table's conversion, partitions ahead and retention by
 //!   dropping partitions;
-//! - [`schema`]: the DDL in `sql/`, migrations and the start-up inspection of the table;
-//! - [`steps`]: a migration file cut into the steps `migrate` runs (short transactions, and
-//!   index builds `CONCURRENTLY` outside any);
+//! - [`schema`]: applying the migrations, and the start-up inspection of the table;
+//! - [`migrations`]: every migration as explicit statements, each saying how it runs, the
+//!   table's names as placeholders (`sql/` holds them rendered for the default table);
+//! - [`steps`]: those statements grouped into the steps `migrate` runs (short transactions,
+//!   and index builds `CONCURRENTLY` outside any);
 //! - `connect`: the URL, TLS, the pool and its session settings, and the
 //!   LISTEN session's statements;
 //! - `instance`: the instance lock (an advisory lock on `relay.instance_id` and the table, on
@@ -30,6 +32,7 @@ mod connect;
 mod console;
 mod instance;
 mod maintenance;
+pub mod migrations;
 mod observe;
 mod operator;
 pub mod partitions;

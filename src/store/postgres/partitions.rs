@@ -27,8 +27,8 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio_postgres::error::SqlState;
 
+use super::migrations::{DROP_WAKEUP_TRIGGER, STORAGE_SETTINGS, WAKEUP_TRIGGER};
 use super::operator::cleanup_sql;
-use super::steps::statements;
 use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
 
@@ -272,12 +272,8 @@ fn quote_literal(text: &str) -> String {
 
 /// The storage settings of a queue table (schema version 3's `ALTER TABLE … SET (…)`),
 /// rendered for `relation`: every partition gets them (a partitioned table holds none).
-fn storage_settings(relation: &TableName) -> Option<String> {
-    let v3 = super::schema::MIGRATIONS.iter().find(|m| m.version == 3)?;
-    statements(v3.sql)
-        .into_iter()
-        .find(|s| s.starts_with("ALTER TABLE outbox_messages SET ("))
-        .map(|s| format!("{};", super::schema::render(s, relation)))
+fn storage_settings(relation: &TableName) -> String {
+    STORAGE_SETTINGS.for_table(relation)
 }
 
 /// `name` (qualified, from the catalog) as a [`TableName`] for rendering.
@@ -358,7 +354,7 @@ impl PgStore {
         }
         sql.push_str(&format!(
             "CREATE TABLE {name} (LIKE {t} INCLUDING DEFAULTS INCLUDING CONSTRAINTS INCLUDING STORAGE);\n{}\n",
-            storage_settings(&part).unwrap_or_default()
+            storage_settings(&part)
         ));
         if let Some(default) = default {
             sql.push_str(&format!(
@@ -933,7 +929,7 @@ impl SwapPlan {
         let default = self.table.prefixed("_default");
         sql.push(format!("CREATE TABLE {default} PARTITION OF {t} DEFAULT;"));
         let default_table = as_table(self.table.schema.as_deref(), &format!("{name}_default"));
-        sql.extend(storage_settings(&default_table));
+        sql.push(storage_settings(&default_table));
         sql.extend(wakeup_trigger(&self.table));
         sql.extend(self.grants.iter().cloned());
         sql.join("\n")
@@ -948,13 +944,9 @@ fn plain_index(name: &str) -> String {
 /// Schema version 4's wake-up trigger statements, rendered for `table`: created on the
 /// partitioned table, PostgreSQL clones the trigger onto every partition.
 fn wakeup_trigger(table: &TableName) -> Vec<String> {
-    let Some(v4) = super::schema::MIGRATIONS.iter().find(|m| m.version == 4) else {
-        return Vec::new();
-    };
-    statements(v4.sql)
-        .into_iter()
-        .filter(|s| s.starts_with("DROP TRIGGER") || s.starts_with("CREATE CONSTRAINT TRIGGER"))
-        .map(|s| format!("{};", super::schema::render(s, table)))
+    [DROP_WAKEUP_TRIGGER, WAKEUP_TRIGGER]
+        .iter()
+        .map(|s| s.for_table(table))
         .collect()
 }
 

@@ -1,18 +1,17 @@
-//! The DDL in `sql/`, embedded, rendered for the configured table name, and applied.
+//! The migrations applied to the configured table, and the start-up inspection of it.
 //!
-//! The files are written for the default table `outbox_messages` so users can copy them as
-//! they are. Rendering replaces that name: the NOTIFY channel literal becomes the table name as
-//! written, index and trigger names (which PostgreSQL does not let us qualify) get the bare
-//! name, and every other reference gets the schema-qualified name.
+//! The migrations are declared in [`super::migrations`], the table's names as placeholders,
+//! and rendered for the configured table; `sql/` holds them rendered for the default table
+//! `outbox_messages`, for users to copy as they are.
 //!
-//! `migrate` applies each version as the [`steps`](super::steps) of its file, every lock under
+//! `migrate` applies each version as its [`steps`](super::steps), every lock under
 //! a short `lock_timeout`, so that it never holds up the application's inserts for long.
 
 use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
 
-use super::steps::{Step, StepKind, steps};
+use super::steps::{Step, StepKind};
 use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
 use crate::message::PayloadKind;
@@ -36,40 +35,7 @@ const MIGRATE_LOCK: &str = "SELECT pg_try_advisory_lock(hashtext('outbox-relay:m
 const MIGRATE_LOCK_POLL: Duration = Duration::from_millis(200);
 const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay:migrate'))";
 
-/// One versioned migration file.
-#[derive(Debug, Clone, Copy)]
-pub struct Migration {
-    /// Version recorded in `outbox_relay_schema_version` once applied.
-    pub version: i32,
-    /// File name under `sql/`.
-    pub name: &'static str,
-    /// The DDL as written for the default table.
-    pub sql: &'static str,
-}
-
-/// Every migration, in order.
-pub const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        name: "0001_outbox_messages.sql",
-        sql: include_str!("../../../sql/0001_outbox_messages.sql"),
-    },
-    Migration {
-        version: 2,
-        name: "0002_expiry.sql",
-        sql: include_str!("../../../sql/0002_expiry.sql"),
-    },
-    Migration {
-        version: 3,
-        name: "0003_wakeup_and_storage.sql",
-        sql: include_str!("../../../sql/0003_wakeup_and_storage.sql"),
-    },
-    Migration {
-        version: 4,
-        name: "0004_bulk_wakeup.sql",
-        sql: include_str!("../../../sql/0004_bulk_wakeup.sql"),
-    },
-];
+pub use super::migrations::{MIGRATIONS, Migration};
 
 /// `text` as an SQL string literal.
 fn quote_literal(text: &str) -> String {
@@ -81,57 +47,6 @@ pub const VERSION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_sch
     table_name text PRIMARY KEY,\n    version integer NOT NULL,\n    \
     applied_at timestamptz NOT NULL DEFAULT now()\n)";
 
-const DEFAULT_NAME: &str = "outbox_messages";
-
-/// Renders `sql` (written for `outbox_messages`) for `table`.
-pub fn render(sql: &str, table: &TableName) -> String {
-    let mut out = String::with_capacity(sql.len() + 256);
-    let mut rest = sql;
-    while let Some(pos) = rest.find(DEFAULT_NAME) {
-        let (before, tail) = rest.split_at(pos);
-        let after = &tail[DEFAULT_NAME.len()..];
-        let left_is_word = before
-            .chars()
-            .next_back()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
-        out.push_str(before);
-        if left_is_word {
-            out.push_str(DEFAULT_NAME);
-        } else if before.ends_with('\'') && after.starts_with('\'') {
-            // The NOTIFY channel: the configured name as written.
-            out.push_str(&table.channel());
-        } else if names_unqualifiable_object(&out) {
-            out.push_str(&table.name);
-        } else {
-            out.push_str(&table.qualified());
-        }
-        rest = after;
-    }
-    out.push_str(rest);
-    out
-}
-
-/// Whether the SQL just before a name is a clause whose object name may not be schema-qualified.
-fn names_unqualifiable_object(preceding: &str) -> bool {
-    let words: Vec<String> = preceding
-        .split_whitespace()
-        .rev()
-        .filter(|w| !w.eq_ignore_ascii_case("CONCURRENTLY"))
-        .take(4)
-        .map(str::to_ascii_uppercase)
-        .collect();
-    let w = |i: usize| words.get(i).map(String::as_str);
-    match (w(0), w(1), w(2), w(3)) {
-        // CREATE INDEX [CONCURRENTLY] [IF NOT EXISTS] name
-        (Some("INDEX"), ..) | (Some("EXISTS"), Some("NOT"), Some("IF"), Some("INDEX")) => true,
-        // CREATE TRIGGER name / DROP TRIGGER IF EXISTS name
-        (Some("TRIGGER"), ..) | (Some("EXISTS"), Some("IF"), Some("TRIGGER"), _) => true,
-        // ADD / VALIDATE CONSTRAINT name, DROP CONSTRAINT IF EXISTS name
-        (Some("CONSTRAINT"), ..) | (Some("EXISTS"), Some("IF"), Some("CONSTRAINT"), _) => true,
-        _ => false,
-    }
-}
-
 /// The whole DDL for `table`, as `migrate --print` shows it and `migrate` applies it.
 pub fn full_ddl(table: &TableName) -> String {
     let mut out = String::new();
@@ -140,7 +55,7 @@ pub fn full_ddl(table: &TableName) -> String {
     }
     for m in MIGRATIONS {
         out.push_str(&format!("-- {} (version {})\n", m.name, m.version));
-        out.push_str(&render(m.sql, table));
+        out.push_str(&m.render(table));
         out.push('\n');
     }
     out
@@ -159,7 +74,7 @@ pub struct SchemaState {
 /// version table, schema-qualified): with the version's last transaction, or in one of its
 /// own. `fresh`: the table does not exist yet.
 fn version_steps(m: &Migration, table: &TableName, versions: &str, fresh: bool) -> Vec<Step> {
-    let mut steps = steps(&render(m.sql, table), fresh);
+    let mut steps = m.steps(table, fresh);
     let record = format!(
         "INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
          ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now();",
@@ -668,17 +583,33 @@ impl PgStore {
 mod tests {
     use super::*;
 
+    /// The files under `sql/`, as users copy them, are the migrations rendered for the default
+    /// table.
     #[test]
-    fn default_table_renders_unchanged() {
+    fn each_file_under_sql_is_its_migration_for_the_default_table() {
         let t = TableName::parse("outbox_messages").unwrap();
-        assert_eq!(render(MIGRATIONS[0].sql, &t), MIGRATIONS[0].sql);
+        let files = [
+            include_str!("../../../sql/0001_outbox_messages.sql"),
+            include_str!("../../../sql/0002_expiry.sql"),
+            include_str!("../../../sql/0003_wakeup_and_storage.sql"),
+            include_str!("../../../sql/0004_bulk_wakeup.sql"),
+        ];
+        assert_eq!(MIGRATIONS.len(), files.len());
+        for (m, text) in MIGRATIONS.iter().zip(files) {
+            assert!(
+                m.name.starts_with(&format!("{:04}_", m.version)),
+                "{}",
+                m.name
+            );
+            assert_eq!(m.render(&t), text, "sql/{} differs", m.name);
+        }
     }
 
     /// Renders `migration` for `app.events` and asserts that no default name is left and that
     /// the result contains every one of `needles`.
-    fn assert_renders_for_app_events(migration: &str, needles: &[&str]) {
+    fn assert_renders_for_app_events(migration: &Migration, needles: &[&str]) {
         let t = TableName::parse("app.events").unwrap();
-        let sql = render(migration, &t);
+        let sql = migration.render(&t);
         assert!(!sql.contains("outbox_messages"), "{sql}");
         for needle in needles {
             assert!(sql.contains(needle), "missing {needle:?} in:\n{sql}");
@@ -688,7 +619,7 @@ mod tests {
     #[test]
     fn qualified_table_renders_every_kind_of_name() {
         assert_renders_for_app_events(
-            MIGRATIONS[0].sql,
+            &MIGRATIONS[0],
             &[
                 "CREATE SEQUENCE IF NOT EXISTS app.events_seq;",
                 "CREATE OR REPLACE FUNCTION app.events_next_seq()",
@@ -708,7 +639,7 @@ mod tests {
     #[test]
     fn expiry_migration_names_constraints_bare_and_drops_the_qualified_index() {
         assert_renders_for_app_events(
-            MIGRATIONS[1].sql,
+            &MIGRATIONS[1],
             &[
                 "ALTER TABLE app.events ADD COLUMN IF NOT EXISTS expires_at",
                 "DROP CONSTRAINT IF EXISTS events_status_check;",
@@ -725,7 +656,7 @@ mod tests {
     fn wakeup_renders_for_a_qualified_table() {
         let v3 = MIGRATIONS.iter().find(|m| m.version == 3).unwrap();
         assert_renders_for_app_events(
-            v3.sql,
+            v3,
             &[
                 "CREATE UNLOGGED TABLE IF NOT EXISTS app.events_waiters (",
                 "CREATE OR REPLACE FUNCTION app.events_wakeup()",
@@ -744,7 +675,7 @@ mod tests {
     fn bulk_wakeup_renders_its_once_per_transaction_condition_for_a_qualified_table() {
         let v4 = MIGRATIONS.iter().find(|m| m.version == 4).unwrap();
         assert_renders_for_app_events(
-            v4.sql,
+            v4,
             &[
                 "CREATE OR REPLACE FUNCTION app.events_wakeup()",
                 "SELECT 1 FROM app.events_waiters WHERE alive_until > now()",
