@@ -150,7 +150,9 @@ impl ClaimSql {
                 .map(|(ty, id)| format!("({}, {})", literal(ty), literal(id)))
                 .collect::<Vec<_>>()
                 .join(", ");
-            format!(" AND (aggregate_id IS NULL OR (aggregate_type, aggregate_id) NOT IN ({pairs}))")
+            format!(
+                " AND (aggregate_id IS NULL OR (aggregate_type, aggregate_id) NOT IN ({pairs}))"
+            )
         };
         format!(
             "{} AND seq > {after}{skip} ORDER BY seq LIMIT {scan} FOR UPDATE SKIP LOCKED",
@@ -380,6 +382,17 @@ fn hold_back(
     }
 }
 
+/// Each aggregate's first and last candidate.
+fn spans(candidates: &[Candidate]) -> HashMap<&(String, String), (i64, i64)> {
+    let mut span: HashMap<&(String, String), (i64, i64)> = HashMap::new();
+    for c in candidates {
+        if let Some(key) = &c.aggregate {
+            span.entry(key).or_insert((c.seq, c.seq)).1 = c.seq;
+        }
+    }
+    span
+}
+
 /// Up to `cap` aggregates held back in `held`, those with the most `candidates` first.
 fn most_held<'c>(
     candidates: &'c [Candidate],
@@ -528,6 +541,19 @@ impl ClaimSql {
         Ok(Some(held))
     }
 
+    /// The aggregates with a row in flight (read, not locked).
+    async fn busy(&self, tx: &mut Transaction<'_>) -> Result<HashSet<(String, String)>> {
+        let rows: Vec<Row> = tx.query(&self.busy).await?;
+        let mut busy = HashSet::with_capacity(rows.len());
+        for mut r in rows {
+            busy.insert((
+                column::<String>(&mut r, 0, "aggregate_type")?,
+                column::<String>(&mut r, 1, "aggregate_id")?,
+            ));
+        }
+        Ok(busy)
+    }
+
     /// The guard by probe: each aggregate among `candidates` held back from its first
     /// candidate when it is busy (a row of it in flight) or when the probe could not read its
     /// rows (one of them is locked), else from its first open row before its last candidate
@@ -539,21 +565,9 @@ impl ClaimSql {
         candidates: &[Candidate],
         guarded: &mut Guarded,
     ) -> Result<HeldBack> {
-        let busy: Vec<Row> = tx.query(&self.busy).await?;
-        let mut busy_keys = HashSet::with_capacity(busy.len());
-        for mut r in busy {
-            busy_keys.insert((
-                column::<String>(&mut r, 0, "aggregate_type")?,
-                column::<String>(&mut r, 1, "aggregate_id")?,
-            ));
-        }
-        // Each aggregate's first and last candidate; the busy ones are held back unprobed.
-        let mut span: HashMap<&(String, String), (i64, i64)> = HashMap::new();
-        for c in candidates {
-            if let Some(key) = &c.aggregate {
-                span.entry(key).or_insert((c.seq, c.seq)).1 = c.seq;
-            }
-        }
+        let busy_keys = self.busy(tx).await?;
+        // The busy aggregates are held back from their first candidate, unprobed.
+        let span = spans(candidates);
         let mut held = HeldBack::new();
         let mut heads = Vec::with_capacity(span.len());
         for (key, &(first, last)) in &span {
@@ -575,15 +589,14 @@ impl ClaimSql {
             guarded.probes += 1;
             match tx.query::<Row, _>(self.probe(part)).await {
                 Ok(rows) => {
-                    let mut open = Vec::with_capacity(rows.len());
-                    for mut r in rows {
-                        open.push((
+                    let open = rows.into_iter().map(|mut r| {
+                        Ok((
                             column::<i64>(&mut r, 2, "seq")?,
                             column::<String>(&mut r, 0, "aggregate_type")?,
                             column::<String>(&mut r, 1, "aggregate_id")?,
-                        ));
-                    }
-                    hold_back(&mut held, &mine, open);
+                        ))
+                    });
+                    hold_back(&mut held, &mine, open.collect::<Result<Vec<_>>>()?);
                 }
                 Err(e) if is_locked(&e) => {
                     guarded.locked += 1;
