@@ -135,25 +135,17 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         metrics_port,
         cpu,
     };
-    let Ended {
-        usage,
-        metrics,
-        rss,
-        lat,
-        p50,
-        p95,
-        p99,
-        max,
-    } = end.finish(ctx, &flow, relay, consumer).await?;
-    if let Some(k) = rss {
+    let e = end.finish(ctx, &flow, relay, consumer).await?;
+    let (p50, p95, p99, max) = (e.p50, e.p95, e.p99, e.max);
+    if let Some(k) = e.rss {
         ctx.peak_rss_kib = ctx.peak_rss_kib.max(k);
     }
     let achieved = commits.len() as f64 / insert_window.as_secs_f64().max(1e-9);
     ctx.progress(format!(
         "latency notify={notify}: p50 {p50:.1} ms, p95 {p95:.1} ms, p99 {p99:.1} ms, max {max:.1} ms \
          ({} msgs, achieved {achieved:.0} inserts/s, worst schedule lag {max_sched_lag:.1?}); {}",
-        lat.len(),
-        cpu_text(&usage)
+        e.lat.len(),
+        cpu_text(&e.usage)
     ));
     let label = if notify {
         "commit → consume, NOTIFY on"
@@ -197,11 +189,11 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     ctx.report.detail(
         key,
         json!({
-            "rate_per_s": rate_per_s, "seconds": ctx.lat_secs, "messages": lat.len(),
+            "rate_per_s": rate_per_s, "seconds": ctx.lat_secs, "messages": e.lat.len(),
             "achieved_inserts_per_s": achieved, "worst_schedule_lag_ms": max_sched_lag.as_secs_f64() * 1000.0,
             "p50_ms": p50, "p95_ms": p95, "p99_ms": p99, "max_ms": max,
-            "peak_rss_mib": rss.map(|k| k as f64 / 1024.0), "cpu": usage,
-            "relay_metrics": metrics,
+            "peak_rss_mib": e.rss.map(|k| k as f64 / 1024.0), "cpu": e.usage,
+            "relay_metrics": e.metrics,
         }),
     );
     Ok(())

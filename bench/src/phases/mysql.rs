@@ -23,7 +23,7 @@ use serde_json::json;
 use tokio::sync::{Mutex, Notify};
 use uuid::Uuid;
 
-use super::latency::{Ended, RunEnd};
+use super::latency::RunEnd;
 use super::{cpu_per_100k, cpu_text, rate, scrape};
 use crate::Ctx;
 use crate::flow::{Consumer, Flow};
@@ -694,22 +694,14 @@ async fn latency_run(ctx: &mut Ctx, poll: Duration) -> Result<()> {
         metrics_port,
         cpu,
     };
-    let Ended {
-        usage,
-        metrics,
-        lat,
-        p50,
-        p95,
-        p99,
-        max,
-        ..
-    } = end.finish(ctx, &flow, relay, consumer).await?;
+    let e = end.finish(ctx, &flow, relay, consumer).await?;
+    let (p50, p95, p99, max) = (e.p50, e.p95, e.p99, e.max);
     let achieved = commits.len() as f64 / window.as_secs_f64().max(1e-9);
     ctx.progress(format!(
         "mysql latency, poll {poll_text}: p50 {p50:.1} ms, p95 {p95:.1} ms, p99 {p99:.1} ms, max {max:.1} ms \
          ({} msgs, achieved {achieved:.0} inserts/s); {}",
-        lat.len(),
-        cpu_text(&usage)
+        e.lat.len(),
+        cpu_text(&e.usage)
     ));
     let label = format!("MariaDB → RabbitMQ commit → consume, poll_interval {poll_text}");
     ctx.report.figure(
@@ -731,9 +723,9 @@ async fn latency_run(ctx: &mut Ctx, poll: Duration) -> Result<()> {
     ctx.report.detail(
         &key,
         json!({
-            "rate_per_s": rate_per_s, "seconds": ctx.lat_secs, "messages": lat.len(),
+            "rate_per_s": rate_per_s, "seconds": ctx.lat_secs, "messages": e.lat.len(),
             "achieved_inserts_per_s": achieved, "p50_ms": p50, "p95_ms": p95, "p99_ms": p99,
-            "max_ms": max, "cpu": usage, "relay_metrics": metrics,
+            "max_ms": max, "cpu": e.usage, "relay_metrics": e.metrics,
         }),
     );
     Ok(())
