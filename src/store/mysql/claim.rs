@@ -43,6 +43,12 @@ const BUSY_CAP: usize = 10_000;
 /// gate; past it the claim probes its aggregates instead.
 const OPEN_CAP: usize = 20_000;
 
+/// The expiry sweep looks this many scan windows past the first pending row: a row further on
+/// is expired once the queue reaches it (no claim publishes it past its deadline either way).
+/// The table has no index on the deadline (one more for every insert to write), so a sweep
+/// over every pending row would read a whole backlog every two seconds.
+const SWEEP_WINDOWS: i64 = 16;
+
 /// At most this many windows of ready rows are read in one ordered claim.
 const MAX_WINDOWS: usize = 4;
 
@@ -71,7 +77,9 @@ pub(super) struct ClaimSql {
     suspects_waiting: String,
     /// The oldest ready suspect, locked.
     suspect: String,
-    /// Pending rows past their deadline, locked (`?` limit).
+    /// The first pending row's seq (an index dive): where the expiry sweep starts.
+    first_pending: String,
+    /// Pending rows past their deadline before `?` in `seq` order, locked (`?` limit).
     due: String,
 }
 
@@ -118,10 +126,11 @@ impl ClaimSql {
                 "SELECT {COLUMNS} FROM {t} WHERE {ready} AND {suspect} \
                  ORDER BY seq LIMIT 1 FOR UPDATE SKIP LOCKED"
             ),
+            first_pending: format!("SELECT MIN(seq) FROM {t} WHERE status = 'pending'"),
             due: format!(
-                "SELECT seq, id, aggregate_type FROM {t} \
-                 WHERE expires_at <= NOW(6) AND status = 'pending' \
-                 ORDER BY expires_at LIMIT ? FOR UPDATE SKIP LOCKED"
+                "SELECT seq, id, aggregate_type FROM {t} FORCE INDEX ({status_idx}) \
+                 WHERE status = 'pending' AND seq < ? AND expires_at <= NOW(6) \
+                 ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
             ),
             aggregate_idx: format!("{}_aggregate_idx", table.name),
             t,
@@ -220,6 +229,7 @@ impl ClaimSql {
             ("claim.rows", self.rows(seqs)),
             ("claim.suspects_waiting", self.suspects_waiting.clone()),
             ("claim.suspect", self.suspect.clone()),
+            ("claim.first_pending", self.first_pending.clone()),
             ("claim.due", self.due.clone()),
             ("claim.expire_mark", self.expire(seqs, ExpirySweep::Mark)),
             (
@@ -683,8 +693,8 @@ impl MysqlStore {
         Ok(rows)
     }
 
-    /// The expiry sweep inside `tx`: rows past their deadline become `expired` (or are
-    /// deleted), and are returned for the metrics.
+    /// The expiry sweep inside `tx`: rows past their deadline among the first pending ones
+    /// ([`SWEEP_WINDOWS`]) become `expired` (or are deleted), and are returned for the metrics.
     async fn sweep(
         &self,
         tx: &mut Transaction<'_>,
@@ -692,7 +702,12 @@ impl MysqlStore {
         limit: usize,
     ) -> Result<Vec<Expired>> {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows: Vec<Row> = tx.exec(&self.q.claim.due, (limit,)).await?;
+        let first: Option<Option<i64>> = tx.query_first(&self.q.claim.first_pending).await?;
+        let Some(first) = first.flatten() else {
+            return Ok(Vec::new());
+        };
+        let reach = first.saturating_add(scan_window(limit).saturating_mul(SWEEP_WINDOWS));
+        let rows: Vec<Row> = tx.exec(&self.q.claim.due, (reach, limit)).await?;
         let mut seqs = Vec::with_capacity(rows.len());
         let mut expired = Vec::with_capacity(rows.len());
         for mut r in rows {

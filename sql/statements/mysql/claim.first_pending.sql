@@ -1,0 +1,3 @@
+SELECT MIN(seq)
+FROM outbox_messages
+WHERE status = 'pending'
