@@ -63,10 +63,8 @@ pub(super) struct ClaimSql {
     aggregate_idx: String,
     /// Ready rows in `seq` order, locked (`?` limit): ordering `none` takes them all.
     ready_rows: String,
-    /// Ready rows' keys in `seq` order, locked (`?` limit): an ordered claim's candidates.
-    ready_keys: String,
-    /// `ready_keys` up to its `ORDER BY`, for the windows after the first.
-    keys_from: String,
+    /// `ready_rows` up to its `ORDER BY`, for an ordered claim's windows after the first.
+    rows_from: String,
     /// The gate: pending rows before `?`, locked without waiting.
     gate: String,
     /// The open rows before `?` (read, not locked), at most [`OPEN_CAP`] + 1.
@@ -98,13 +96,7 @@ impl ClaimSql {
                 "SELECT {COLUMNS} FROM {t} WHERE {ready} AND {not_suspect} \
                  ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
             ),
-            ready_keys: format!(
-                "SELECT seq, aggregate_type, aggregate_id FROM {t} WHERE {ready} AND {not_suspect} \
-                 ORDER BY seq LIMIT ? FOR UPDATE SKIP LOCKED"
-            ),
-            keys_from: format!(
-                "SELECT seq, aggregate_type, aggregate_id FROM {t} WHERE {ready} AND {not_suspect}"
-            ),
+            rows_from: format!("SELECT {COLUMNS} FROM {t} WHERE {ready} AND {not_suspect}"),
             gate: format!(
                 "SELECT seq FROM {t} FORCE INDEX ({status_idx}) \
                  WHERE status = 'pending' AND seq < ? FOR UPDATE NOWAIT"
@@ -148,9 +140,9 @@ impl ClaimSql {
         )
     }
 
-    /// The next window of an ordered claim: up to `scan` ready rows' keys after `after`,
+    /// The next window of an ordered claim: up to `scan` ready rows after `after`,
     /// leaving out the aggregates `skip` (held back in the windows before), locked.
-    fn keys_after(&self, after: i64, skip: &[&(String, String)], scan: i64) -> String {
+    fn rows_after(&self, after: i64, skip: &[&(String, String)], scan: i64) -> String {
         let skip = if skip.is_empty() {
             String::new()
         } else {
@@ -165,16 +157,7 @@ impl ClaimSql {
         };
         format!(
             "{} AND seq > {after}{skip} ORDER BY seq LIMIT {scan} FOR UPDATE SKIP LOCKED",
-            self.keys_from
-        )
-    }
-
-    /// The rows `seqs`, in `seq` order.
-    fn rows(&self, seqs: &[i64]) -> String {
-        format!(
-            "SELECT {COLUMNS} FROM {} WHERE seq IN ({}) ORDER BY seq",
-            self.t,
-            seq_list(seqs)
+            self.rows_from
         )
     }
 
@@ -210,10 +193,9 @@ impl ClaimSql {
         let seqs = &[7, 8];
         [
             ("claim.ready_rows", self.ready_rows.clone()),
-            ("claim.ready_keys", self.ready_keys.clone()),
             (
-                "claim.keys_after",
-                self.keys_after(625, &[&("order".to_owned(), "42".to_owned())], 625),
+                "claim.rows_after",
+                self.rows_after(625, &[&("order".to_owned(), "42".to_owned())], 625),
             ),
             ("claim.gate", self.gate.clone()),
             ("claim.open", self.open.clone()),
@@ -226,7 +208,6 @@ impl ClaimSql {
                 "claim.mark_claimed",
                 self.mark_claimed(seqs, &literal("relay-1")),
             ),
-            ("claim.rows", self.rows(seqs)),
             ("claim.suspects_waiting", self.suspects_waiting.clone()),
             ("claim.suspect", self.suspect.clone()),
             ("claim.first_pending", self.first_pending.clone()),
@@ -343,19 +324,23 @@ fn message_of(mut r: Row) -> Result<OutboxMessage> {
     })
 }
 
-/// An ordered claim's candidate: its seq and aggregate.
+/// An ordered claim's candidate: its seq, its aggregate and the row.
 struct Candidate {
     seq: i64,
     aggregate: Option<(String, String)>,
+    row: OutboxMessage,
 }
 
-/// A candidate key row (`ready_keys`): seq, aggregate type, aggregate id.
-fn candidate_of(mut k: Row) -> Result<Candidate> {
-    let ty: String = column(&mut k, 1, "aggregate_type")?;
-    let id: Option<String> = column(&mut k, 2, "aggregate_id")?;
+/// A ready row (in [`COLUMNS`] order) as a candidate.
+fn candidate_of(r: Row) -> Result<Candidate> {
+    let row = message_of(r)?;
     Ok(Candidate {
-        seq: column(&mut k, 0, "seq")?,
-        aggregate: id.map(|id| (ty, id)),
+        seq: row.seq,
+        aggregate: row
+            .aggregate_id
+            .as_ref()
+            .map(|id| (row.aggregate_type.clone(), id.clone())),
+        row,
     })
 }
 
@@ -457,10 +442,10 @@ impl ClaimSql {
         let mut skip: Vec<(String, String)> = Vec::new();
         let taken = loop {
             let keys: Vec<Row> = match candidates.last() {
-                None => tx.exec(&self.ready_keys, (scan,)).await?,
+                None => tx.exec(&self.ready_rows, (scan,)).await?,
                 Some(last) => {
                     let skip: Vec<&(String, String)> = skip.iter().collect();
-                    tx.query(self.keys_after(last.seq, &skip, scan)).await?
+                    tx.query(self.rows_after(last.seq, &skip, scan)).await?
                 }
             };
             let full = i64::try_from(keys.len()).unwrap_or(i64::MAX) >= scan;
@@ -480,8 +465,15 @@ impl ClaimSql {
             return Ok((Vec::new(), guarded));
         }
         tx.query_drop(self.mark_claimed(&taken, by)).await?;
-        let rows: Vec<Row> = tx.query(self.rows(&taken)).await?;
-        let rows = rows.into_iter().map(message_of).collect::<Result<_>>()?;
+        let taken: HashSet<i64> = taken.into_iter().collect();
+        let rows = candidates
+            .into_iter()
+            .filter(|c| taken.contains(&c.seq))
+            .map(|c| OutboxMessage {
+                attempts: c.row.attempts + 1,
+                ..c.row
+            })
+            .collect();
         Ok((rows, guarded))
     }
 
@@ -796,6 +788,20 @@ mod tests {
         Candidate {
             seq,
             aggregate: aggregate.map(|id| ("order".to_owned(), id.to_owned())),
+            row: OutboxMessage {
+                id: uuid::Uuid::nil(),
+                seq,
+                aggregate_type: "order".to_owned(),
+                aggregate_id: aggregate.map(str::to_owned),
+                event_type: "order.changed".to_owned(),
+                payload: b"{}".to_vec(),
+                headers: b"{}".to_vec(),
+                destination: None,
+                attempts: 0,
+                created_at: chrono::Utc::now(),
+                expires_at: None,
+                traceparent: None,
+            },
         }
     }
 

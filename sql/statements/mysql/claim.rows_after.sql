@@ -1,4 +1,4 @@
-SELECT seq, aggregate_type, aggregate_id
+SELECT seq, id, aggregate_type, aggregate_id, event_type, payload, headers, destination, attempts, created_at, expires_at
 FROM outbox_messages
 WHERE status = 'pending'
 AND sent_at IS NULL
