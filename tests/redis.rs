@@ -208,15 +208,23 @@ async fn order_holds_per_aggregate_with_1000_aggregates_and_wrongtype_failures_m
         table.insert(&rows).await;
         if round == 4 {
             // Mid-run, t3's stream key becomes a string: its XADDs fail with WRONGTYPE
-            // (message-level), its aggregates back off and hold their later rows.
+            // (message-level), its aggregates back off and hold their later rows. One
+            // MULTI/EXEC, so that no XADD lands between the two on a new stream that the SET
+            // would then overwrite.
             streams.wait_for_entries(1000, WAIT).await;
-            let _: () = redis::cmd("RENAME")
+            let _: () = redis::pipe()
+                .atomic()
+                .cmd("RENAME")
                 .arg(&t3)
                 .arg(&moved)
+                .ignore()
+                .cmd("SET")
+                .arg(&t3)
+                .arg("not a stream")
+                .ignore()
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            let _: () = conn.set(&t3, "not a stream").await.unwrap();
         }
     }
     let what = "t3 rows are rejected with WRONGTYPE";

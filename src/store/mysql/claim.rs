@@ -388,16 +388,19 @@ fn spans(candidates: &[Candidate]) -> HashMap<&(String, String), (i64, i64)> {
     span
 }
 
-/// Up to `cap` aggregates held back in `held`, those with the most `candidates` first.
+/// Up to `cap` aggregates held back in `held` and not yet `skipped`, those with the most
+/// `candidates` first.
 fn most_held<'c>(
     candidates: &'c [Candidate],
     held: &HeldBack,
+    skipped: &[(String, String)],
     cap: usize,
 ) -> Vec<&'c (String, String)> {
     let mut count: HashMap<&(String, String), usize> = HashMap::new();
     for c in candidates {
         if let Some(key) = &c.aggregate
             && held.contains_key(key)
+            && !skipped.contains(key)
         {
             *count.entry(key).or_default() += 1;
         }
@@ -441,16 +444,16 @@ impl ClaimSql {
         let mut guarded = Guarded::default();
         let mut skip: Vec<(String, String)> = Vec::new();
         let taken = loop {
-            let keys: Vec<Row> = match candidates.last() {
+            let window: Vec<Row> = match candidates.last() {
                 None => tx.exec(&self.ready_rows, (scan,)).await?,
                 Some(last) => {
                     let skip: Vec<&(String, String)> = skip.iter().collect();
                     tx.query(self.rows_after(last.seq, &skip, scan)).await?
                 }
             };
-            let full = i64::try_from(keys.len()).unwrap_or(i64::MAX) >= scan;
-            for k in keys {
-                candidates.push(candidate_of(k)?);
+            let full = i64::try_from(window.len()).unwrap_or(i64::MAX) >= scan;
+            for r in window {
+                candidates.push(candidate_of(r)?);
             }
             guarded.windows += 1;
             let held = self.guard(tx, &candidates, &mut guarded).await?;
@@ -458,7 +461,9 @@ impl ClaimSql {
             if taken.len() >= limit || !full || guarded.windows >= MAX_WINDOWS {
                 break taken;
             }
-            skip.extend(most_held(&candidates, &held, SKIP_CAP).into_iter().cloned());
+            let more = most_held(&candidates, &held, &skip, SKIP_CAP);
+            let more: Vec<(String, String)> = more.into_iter().cloned().collect();
+            skip.extend(more);
         };
         guarded.candidates = candidates.len();
         if taken.is_empty() {
@@ -850,5 +855,31 @@ mod tests {
         assert!(free_of(&candidates, &held, 10).is_empty());
         held.insert(("order".into(), "a".into()), 6);
         assert_eq!(free_of(&candidates, &held, 10), vec![5]);
+    }
+
+    #[test]
+    fn each_further_window_leaves_out_the_most_held_aggregates_not_left_out_yet() {
+        let candidates = [
+            candidate(1, Some("a")),
+            candidate(2, Some("a")),
+            candidate(3, Some("a")),
+            candidate(4, Some("b")),
+            candidate(5, Some("b")),
+            candidate(6, Some("c")),
+            candidate(7, Some("free")),
+        ];
+        let held: HeldBack = ["a", "b", "c"]
+            .iter()
+            .map(|id| (("order".to_owned(), (*id).to_owned()), 0))
+            .collect();
+        let key = |id: &str| ("order".to_owned(), id.to_owned());
+        let most = most_held(&candidates, &held, &[], 2);
+        assert_eq!(most, vec![&key("a"), &key("b")]);
+        let next = most_held(&candidates, &held, &[key("a"), key("b")], 2);
+        assert_eq!(
+            next,
+            vec![&key("c")],
+            "a and b are left out already; free is not held"
+        );
     }
 }
