@@ -1,4 +1,4 @@
-SELECT e.aggregate_type, e.aggregate_id, e.seq
+SELECT e.seq, e.aggregate_type, e.aggregate_id
 FROM outbox_messages e FORCE INDEX (outbox_messages_aggregate_idx)
 WHERE e.status IN ('pending', 'processing', 'failed')
 AND ((e.aggregate_type = _utf8mb4 X'6f72646572'

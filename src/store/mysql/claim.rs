@@ -142,7 +142,7 @@ impl ClaimSql {
 
     /// The next window of an ordered claim: up to `scan` ready rows after `after`,
     /// leaving out the aggregates `skip` (held back in the windows before), locked.
-    fn rows_after(&self, after: i64, skip: &[&(String, String)], scan: i64) -> String {
+    fn rows_after(&self, after: i64, skip: &[(String, String)], scan: i64) -> String {
         let skip = if skip.is_empty() {
             String::new()
         } else {
@@ -179,7 +179,7 @@ impl ClaimSql {
         // The aggregate index, forced: a locking read locks every row it reads, so the probe
         // must read the ranges of the candidates' aggregates and nothing else.
         format!(
-            "SELECT e.aggregate_type, e.aggregate_id, e.seq FROM {} e FORCE INDEX ({}) \
+            "SELECT e.seq, e.aggregate_type, e.aggregate_id FROM {} e FORCE INDEX ({}) \
              WHERE e.status IN ('pending', 'processing', 'failed') AND ({each}) \
              FOR UPDATE NOWAIT",
             self.t, self.aggregate_idx
@@ -195,7 +195,7 @@ impl ClaimSql {
             ("claim.ready_rows", self.ready_rows.clone()),
             (
                 "claim.rows_after",
-                self.rows_after(625, &[&("order".to_owned(), "42".to_owned())], 625),
+                self.rows_after(625, &[("order".to_owned(), "42".to_owned())], 625),
             ),
             ("claim.gate", self.gate.clone()),
             ("claim.open", self.open.clone()),
@@ -324,9 +324,8 @@ fn message_of(mut r: Row) -> Result<OutboxMessage> {
     })
 }
 
-/// An ordered claim's candidate: its seq, its aggregate and the row.
+/// An ordered claim's candidate: the row, and its aggregate as a key.
 struct Candidate {
-    seq: i64,
     aggregate: Option<(String, String)>,
     row: OutboxMessage,
 }
@@ -335,7 +334,6 @@ struct Candidate {
 fn candidate_of(r: Row) -> Result<Candidate> {
     let row = message_of(r)?;
     Ok(Candidate {
-        seq: row.seq,
         aggregate: row
             .aggregate_id
             .as_ref()
@@ -362,6 +360,19 @@ pub struct Guarded {
     pub locked: usize,
 }
 
+/// Open rows as the gate's open read and the probe return them: seq, aggregate type, id.
+fn open_rows(rows: Vec<Row>) -> Result<Vec<(i64, String, String)>> {
+    rows.into_iter()
+        .map(|mut r| {
+            Ok((
+                column(&mut r, 0, "seq")?,
+                column(&mut r, 1, "aggregate_type")?,
+                column(&mut r, 2, "aggregate_id")?,
+            ))
+        })
+        .collect()
+}
+
 /// Holds each aggregate of `open` back from its first row that is not one of the candidates
 /// (`mine`).
 fn hold_back(
@@ -382,7 +393,7 @@ fn spans(candidates: &[Candidate]) -> HashMap<&(String, String), (i64, i64)> {
     let mut span: HashMap<&(String, String), (i64, i64)> = HashMap::new();
     for c in candidates {
         if let Some(key) = &c.aggregate {
-            span.entry(key).or_insert((c.seq, c.seq)).1 = c.seq;
+            span.entry(key).or_insert((c.row.seq, c.row.seq)).1 = c.row.seq;
         }
     }
     span
@@ -417,9 +428,9 @@ fn free_of(candidates: &[Candidate], held: &HeldBack, limit: usize) -> Vec<i64> 
         .iter()
         .filter(|c| match &c.aggregate {
             None => true,
-            Some(key) => held.get(key).is_none_or(|&from| c.seq < from),
+            Some(key) => held.get(key).is_none_or(|&from| c.row.seq < from),
         })
-        .map(|c| c.seq)
+        .map(|c| c.row.seq)
         .take(limit)
         .collect()
 }
@@ -446,10 +457,7 @@ impl ClaimSql {
         let taken = loop {
             let window: Vec<Row> = match candidates.last() {
                 None => tx.exec(&self.ready_rows, (scan,)).await?,
-                Some(last) => {
-                    let skip: Vec<&(String, String)> = skip.iter().collect();
-                    tx.query(self.rows_after(last.seq, &skip, scan)).await?
-                }
+                Some(last) => tx.query(self.rows_after(last.row.seq, &skip, scan)).await?,
             };
             let full = i64::try_from(window.len()).unwrap_or(i64::MAX) >= scan;
             for r in window {
@@ -473,7 +481,7 @@ impl ClaimSql {
         let taken: HashSet<i64> = taken.into_iter().collect();
         let rows = candidates
             .into_iter()
-            .filter(|c| taken.contains(&c.seq))
+            .filter(|c| taken.contains(&c.row.seq))
             .map(|c| OutboxMessage {
                 attempts: c.row.attempts + 1,
                 ..c.row
@@ -493,19 +501,20 @@ impl ClaimSql {
         let last = candidates
             .iter()
             .filter(|c| c.aggregate.is_some())
-            .map(|c| c.seq)
+            .map(|c| c.row.seq)
             .max();
         let Some(last) = last else {
             return Ok(HeldBack::new());
         };
-        match self.gated(tx, candidates, last).await? {
+        let mine: HashSet<i64> = candidates.iter().map(|c| c.row.seq).collect();
+        match self.gated(tx, &mine, last).await? {
             Some(held) => {
                 guarded.gate_passed = true;
                 Ok(held)
             }
             None => {
                 guarded.gate_passed = false;
-                self.probed(tx, candidates, guarded).await
+                self.probed(tx, candidates, &mine, guarded).await
             }
         }
     }
@@ -520,7 +529,7 @@ impl ClaimSql {
     async fn gated(
         &self,
         tx: &mut Transaction<'_>,
-        candidates: &[Candidate],
+        mine: &HashSet<i64>,
         last: i64,
     ) -> Result<Option<HeldBack>> {
         match tx.exec_drop(&self.gate, (last,)).await {
@@ -532,19 +541,8 @@ impl ClaimSql {
         if rows.len() > OPEN_CAP {
             return Ok(None);
         }
-        let open = rows
-            .into_iter()
-            .map(|mut r| {
-                Ok((
-                    column::<i64>(&mut r, 0, "seq")?,
-                    column::<String>(&mut r, 1, "aggregate_type")?,
-                    column::<String>(&mut r, 2, "aggregate_id")?,
-                ))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mine = candidates.iter().map(|c| c.seq).collect();
         let mut held = HeldBack::new();
-        hold_back(&mut held, &mine, open);
+        hold_back(&mut held, mine, open_rows(rows)?);
         Ok(Some(held))
     }
 
@@ -570,6 +568,7 @@ impl ClaimSql {
         &self,
         tx: &mut Transaction<'_>,
         candidates: &[Candidate],
+        mine: &HashSet<i64>,
         guarded: &mut Guarded,
     ) -> Result<HeldBack> {
         let busy_keys = self.busy(tx).await?;
@@ -585,7 +584,6 @@ impl ClaimSql {
             }
         }
         heads.sort_unstable_by_key(|h| h.2);
-        let mine: HashSet<i64> = candidates.iter().map(|c| c.seq).collect();
         // Probe all aggregates at once; where that meets a locked row, halve the set until
         // each locked aggregate stands alone (and is held back from its first candidate).
         let mut work = vec![heads.as_slice()];
@@ -595,16 +593,7 @@ impl ClaimSql {
             }
             guarded.probes += 1;
             match tx.query::<Row, _>(self.probe(part)).await {
-                Ok(rows) => {
-                    let open = rows.into_iter().map(|mut r| {
-                        Ok((
-                            column::<i64>(&mut r, 2, "seq")?,
-                            column::<String>(&mut r, 0, "aggregate_type")?,
-                            column::<String>(&mut r, 1, "aggregate_id")?,
-                        ))
-                    });
-                    hold_back(&mut held, &mine, open.collect::<Result<Vec<_>>>()?);
-                }
+                Ok(rows) => hold_back(&mut held, mine, open_rows(rows)?),
                 Err(e) if is_locked(&e) => {
                     guarded.locked += 1;
                     if let [(ty, id, _)] = part {
@@ -791,7 +780,6 @@ mod tests {
 
     fn candidate(seq: i64, aggregate: Option<&str>) -> Candidate {
         Candidate {
-            seq,
             aggregate: aggregate.map(|id| ("order".to_owned(), id.to_owned())),
             row: OutboxMessage {
                 id: uuid::Uuid::nil(),
@@ -825,7 +813,7 @@ mod tests {
             candidate(13, None),
             candidate(16, Some("b")),
         ];
-        let mine = candidates.iter().map(|c| c.seq).collect();
+        let mine = candidates.iter().map(|c| c.row.seq).collect();
         let mut held = HeldBack::new();
         // a: nothing open but its candidates; b: 15 is open and not a candidate (backing off,
         // say), 20 is in flight.
