@@ -10,7 +10,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
-use common::{repo_file, repo_path};
+use common::{repo_file, repo_path, source_files};
 use outbox_relay::config::{PublisherKind, RawConfig, RawOutbox};
 use outbox_relay::telemetry::names;
 use serde_json::Value;
@@ -248,29 +248,10 @@ fn module_map(doc: &str) -> (BTreeSet<String>, BTreeSet<String>) {
     (files, dirs)
 }
 
-/// Every file under `src/`, from the repository's root.
-fn source_files() -> BTreeSet<String> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let mut files = BTreeSet::new();
-    let mut stack = vec![root.join("src")];
-    while let Some(dir) = stack.pop() {
-        for entry in std::fs::read_dir(&dir).unwrap() {
-            let path = entry.unwrap().path();
-            if path.is_dir() {
-                stack.push(path);
-            } else {
-                let relative = path.strip_prefix(root).unwrap();
-                files.insert(relative.to_str().unwrap().replace('\\', "/"));
-            }
-        }
-    }
-    files
-}
-
 #[test]
 fn the_module_map_names_every_source_file_and_only_those() {
     let (listed, dirs) = module_map(&repo_file("docs/development.md"));
-    let present = source_files();
+    let present = source_files("src");
     assert!(present.len() > 50, "too few files found: {present:?}");
     assert_both_ways(
         &present,

@@ -28,6 +28,26 @@ pub fn repo_file(relative: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
 }
 
+/// Every file under the repository's folder `dir` (`src`, `src/config`), from the repository's
+/// root (`src/lib.rs`).
+pub fn source_files(dir: &str) -> std::collections::BTreeSet<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = std::collections::BTreeSet::new();
+    let mut stack = vec![root.join(dir)];
+    while let Some(dir) = stack.pop() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                stack.push(path);
+            } else {
+                let relative = path.strip_prefix(root).unwrap();
+                files.insert(relative.to_str().unwrap().replace('\\', "/"));
+            }
+        }
+    }
+    files
+}
+
 /// The binary under test (the kit finds the same file next to the test executable).
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");
 
