@@ -585,10 +585,10 @@ async fn dead_letters_are_counted_shown_and_retried_in_order(db: Db) {
     let error = row.last_error.unwrap_or_default();
     assert!(error.contains("NO_ROUTE"), "{error:?}");
     // The row behind may have been claimed with the head's last attempt and handed back
-    // when the head failed: it ends pending, its attempt refunded.
+    // when the head failed: it ends pending, handed back (no attempt spent).
     let what = "the row behind the dead letter is pending with no attempt spent";
-    let unspent = |r: &RowState| r.status == "pending" && r.attempts == 0;
-    outbox.wait_row(behind, WAIT, what, unspent).await;
+    let handed_back = |r: &RowState| r.status == "pending" && r.attempts == 0;
+    outbox.wait_row(behind, WAIT, what, handed_back).await;
     assert_eq!(
         delivered(&rabbit, behind),
         0,

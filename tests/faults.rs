@@ -705,7 +705,7 @@ async fn connection_cut(service: Service, ordering: &str) {
     let why = format!("no new session through the proxy after the cut ({sessions_before_cut})");
     assert!(sessions > sessions_before_cut, "{why}");
     if rabbitmq {
-        // The rows in flight at the cut were handed back (their attempt refunded: see above).
+        // The rows in flight at the cut were handed back (no attempt spent: see above).
         let why = "rows were in flight at the cut but none was handed back";
         let handed_back = relay.log_count("handing the row back");
         assert!(handed_back >= 1, "{in_flight} {why}\n{}", relay.stderr());
@@ -1036,8 +1036,8 @@ async fn rows_claimed_in_our_name_whose_answer_was_lost_come_back_after_the_leas
 /// The same state made by a real claim: the proxy forwards the relay's claim to the server and
 /// holds its answer back, then cuts the connection. The relay cannot know whether the claim
 /// committed; once the database answers again it hands back every row in its name that no
-/// batch holds, unspent, so the rows go out on their first attempt long before their 120 s
-/// lease would have let them.
+/// batch holds (no attempt spent), so the rows go out on their first attempt long before their
+/// 120 s lease would have let them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_answer_was_lost_is_handed_back_when_the_database_answers_again() {
     let _shared = SERVICES.read().await;

@@ -10,7 +10,7 @@
 //!   and `outbox_broker_connected` follow the connection.
 //! - kill -9 of the relay 3 times during a 20k drain: the duplicate window leaves 0 duplicates
 //!   in the stream, 0 lost, order kept.
-//! - No acknowledgement within `ack_timeout`: the row is handed back unspent, stored once.
+//! - No acknowledgement within `ack_timeout`: the row is handed back (no attempt spent), stored once.
 //! - A stream whose duplicate window is shorter than twice the lease is warned about by `check`
 //!   and at start.
 

@@ -188,7 +188,7 @@ async fn a_channel_closed_mid_drain_loses_reorders_and_charges_nothing_but_its_c
     assert_eq!(
         (follower_row.status.as_str(), follower_row.attempts),
         ("pending", 0),
-        "the follower waits behind its dead letter, unspent: {follower_row:?}"
+        "the follower waits behind its dead letter, no attempt spent: {follower_row:?}"
     );
     assert!(
         !rabbit.id_counts().contains_key(&closer.to_string()),

@@ -8,8 +8,8 @@
 //! other aggregates, a 10 s outage (a proxy cut with rows flowing: nothing lost, no attempt
 //! spent, `/readyz` and `outbox_broker_connected` follow), a relay SIGKILLed three times during
 //! a 20k drain (nothing lost or reordered, duplicates within `max_in_flight` per kill), a
-//! server unreachable at start, no reply within `publisher.redis.timeout` (handed back
-//! unspent), a row over the server's `proto-max-bulk-len`, `check` against a reachable and an
+//! server unreachable at start, no reply within `publisher.redis.timeout` (handed
+//! back), a row over the server's `proto-max-bulk-len`, `check` against a reachable and an
 //! unreachable server, and `rediss://` (TLS in front of the server: a trusted CA relays, an
 //! untrusted one spends nothing).
 
@@ -302,7 +302,7 @@ async fn a_wrongtype_row_is_dead_lettered_without_holding_back_other_aggregates(
         assert_eq!(
             state,
             ("pending", 0),
-            "rows behind a dead letter wait unspent"
+            "rows behind a dead letter wait, no attempt spent"
         );
     }
     let kind: String = redis::cmd("TYPE")

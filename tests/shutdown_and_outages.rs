@@ -383,7 +383,7 @@ async fn a_replaced_kafka_producer_does_not_take_its_successor_down() {
 
 /// A broker that stops answering (a black hole, longer than the publish timeout: RabbitMQ's
 /// `confirm_timeout` with `ordering = "none"`, Kafka's `message_timeout` in the middle of
-/// ordered runs): every held row is handed back unspent; once the broker answers again every
+/// ordered runs): every held row is handed back (no attempt spent); once the broker answers again every
 /// row arrives and is sent on its first counted attempt. `broker` was started for `case.label`.
 async fn black_hole(case: &BlackHole, broker: Broker) {
     let (label, n) = (case.label, case.rows);
@@ -401,16 +401,16 @@ async fn black_hole(case: &BlackHole, broker: Broker) {
         .spawn();
     hold_rows_behind_a_black_hole(&table, &broker, &instance, n).await;
 
-    // The publish timeout passes: the relay says so, and hands every row back, attempt
-    // refunded. (On Kafka the rows may not have been claimed yet: the log line says they were.)
-    let refunded = "status = 'pending' AND attempts = 0 AND locked_by IS NULL";
+    // The publish timeout passes: the relay says so, and hands every row back, no attempt
+    // spent. (On Kafka the rows may not have been claimed yet: the log line says they were.)
+    let handed_back = "status = 'pending' AND attempts = 0 AND locked_by IS NULL";
     let what = format!(
         "the relay logs {:?} and hands all {n} rows back",
         case.timed_out
     );
     wait_until(case.hand_back_within, &what, async || {
         let noticed = relay.log_count(case.timed_out);
-        match table.count_where(refunded).await {
+        match table.count_where(handed_back).await {
             back if noticed >= 1 && back == n as i64 => Ok(()),
             back => Err(format!("logged {noticed} time(s), {back} rows handed back")),
         }

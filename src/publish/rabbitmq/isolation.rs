@@ -95,7 +95,7 @@ impl RabbitMqPublisher {
     /// Publishes one message alone on a solo channel and waits for its own answer: with nothing
     /// else unconfirmed on that channel, a return or a channel closure can only be its own.
     /// Waiting for a solo channel and for the answer both end at `deadline`: the message is
-    /// then handed back unspent.
+    /// then handed back.
     pub(super) async fn publish_alone(
         &self,
         live: &Live,

@@ -23,7 +23,7 @@
 //! answer can only be its own; a message that closes such a channel is the culprit
 //! (message-level failure), and its id is remembered so that its next attempt goes alone at
 //! once instead of closing a channel full of others. All that republishing is bounded by one
-//! `confirm_timeout` from the first closure: past it the message is handed back unspent. The
+//! `confirm_timeout` from the first closure: past it the message is handed back. The
 //! caller still waits for each message's final answer before publishing the next of its
 //! aggregate, so republishing never reorders an aggregate.
 //!
@@ -142,7 +142,7 @@ impl RabbitMqPublisher {
         }
     }
 
-    /// A message that was on a closed channel not answered in time: handed back unspent.
+    /// A message that was on a closed channel not answered in time: handed back.
     fn not_republished(&self) -> Outcome {
         Outcome::Unavailable(format!(
             "not confirmed within {} of the broker closing a channel it was on",

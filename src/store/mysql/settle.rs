@@ -21,8 +21,8 @@ pub(super) struct SettleSql {
     sent: String,
     /// Sent, retention 0 (before `WHERE`).
     delete: String,
-    /// Handed back, the claim's attempt given back (before `WHERE`).
-    release: String,
+    /// Handed back, the attempt the claim counted taken back (before `WHERE`).
+    hand_back: String,
     /// Lease renewed (before `WHERE`).
     heartbeat: String,
     /// Rejected: `?` max attempts (twice), `?` delay (µs), `?` error, `?` id, `?` instance.
@@ -40,7 +40,7 @@ impl SettleSql {
                    locked_at = NULL, last_error = NULL"
             ),
             delete: format!("DELETE FROM {t}"),
-            release: format!(
+            hand_back: format!(
                 "UPDATE {t} SET status = 'pending', attempts = GREATEST(attempts - 1, 0), \
                    locked_by = NULL, locked_at = NULL"
             ),
@@ -80,7 +80,7 @@ impl SettleSql {
         [
             ("settle.mark_sent", Self::on_held(&self.sent, ids, by)),
             ("settle.delete_sent", Self::on_held(&self.delete, ids, by)),
-            ("settle.release", Self::on_held(&self.release, ids, by)),
+            ("settle.hand_back", Self::on_held(&self.hand_back, ids, by)),
             ("settle.heartbeat", Self::on_held(&self.heartbeat, ids, by)),
             ("settle.fail", self.fail.clone()),
             ("settle.expired_leases", self.expired_leases.clone()),
@@ -156,13 +156,13 @@ impl MysqlStore {
     }
 
     /// The rows back to `pending` without spending the attempt the claim counted.
-    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
-        self.on_held(&self.q.settle.release, ids).await
+    pub async fn hand_back(&self, ids: &[Uuid]) -> Result<u64> {
+        self.on_held(&self.q.settle.hand_back, ids).await
     }
 
-    /// As [`MysqlStore::release`], for the rows in this relay's name that it does not hold (a
+    /// As [`MysqlStore::hand_back`], for the rows in this relay's name that it does not hold (a
     /// claim whose answer the connection lost), within the lease.
-    pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
+    pub async fn hand_back_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
         let not_held = if held.is_empty() {
             String::new()
         } else {
@@ -171,7 +171,7 @@ impl MysqlStore {
         let sql = format!(
             "{} WHERE status = 'processing' AND locked_by = {} {not_held} \
                AND locked_at >= NOW(6) - INTERVAL {} MICROSECOND",
-            self.q.settle.release,
+            self.q.settle.hand_back,
             literal(&self.instance_id),
             micros(lease)
         );

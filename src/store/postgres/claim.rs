@@ -79,7 +79,7 @@ pub struct Claim {
     /// aggregates than there were parts, and splitting the next claim would not pay.
     pub uneven: bool,
     /// A part of a split claim failed while other parts claimed rows: the failed part may
-    /// have committed before its answer was lost (see [`PgStore::release_unheld`]).
+    /// have committed before its answer was lost (see [`PgStore::hand_back_unheld`]).
     pub answer_lost: bool,
 }
 

@@ -47,8 +47,8 @@ pub(super) struct SettleSql {
     pub(super) mark_sent: String,
     pub(super) delete_sent: String,
     pub(super) fail: String,
-    pub(super) release: String,
-    pub(super) release_unheld: String,
+    pub(super) hand_back: String,
+    pub(super) hand_back_unheld: String,
     pub(super) heartbeat: String,
     pub(super) reclaim: String,
 }
@@ -60,8 +60,8 @@ impl SettleSql {
             mark_sent: mark_sent(&t),
             delete_sent: delete_sent(&t),
             fail: fail(&t),
-            release: release(&t),
-            release_unheld: release_unheld(&t),
+            hand_back: hand_back(&t),
+            hand_back_unheld: hand_back_unheld(&t),
             heartbeat: heartbeat(&t),
             reclaim: reclaim(&t),
         }
@@ -105,7 +105,7 @@ fn fail(t: &str) -> String {
 
 /// The rows back to `pending` without spending the attempt the claim counted. `$1` ids, `$2`
 /// instance id.
-fn release(t: &str) -> String {
+fn hand_back(t: &str) -> String {
     format!(
         "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
            locked_by = NULL, locked_at = NULL \
@@ -113,11 +113,11 @@ fn release(t: &str) -> String {
     )
 }
 
-/// As [`release`], for the rows in this relay's name that it does not hold: a claim committed
+/// As [`hand_back`], for the rows in this relay's name that it does not hold: a claim committed
 /// whose answer the connection lost, so they were never published. Rows whose lease ran out
 /// are left to [`reclaim`] (an outcome this relay gave up recording). `$1` the ids the relay
 /// holds, `$2` instance id, `$3` lease (ms).
-fn release_unheld(t: &str) -> String {
+fn hand_back_unheld(t: &str) -> String {
     format!(
         "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
            locked_by = NULL, locked_at = NULL \
@@ -128,7 +128,7 @@ fn release_unheld(t: &str) -> String {
 
 /// Keeps this relay's leases alive while it waits for a slow broker, so only a relay that
 /// stopped ever has its rows reclaimed. Only the ids the relay holds: a row claimed in its
-/// name whose answer was lost is handed back ([`PgStore::release_unheld`]) or, if this relay
+/// name whose answer was lost is handed back ([`PgStore::hand_back_unheld`]) or, if this relay
 /// stops first, expires. `$1` ids, `$2` instance id.
 fn heartbeat(t: &str) -> String {
     format!(
@@ -198,12 +198,12 @@ impl PgStore {
 
     /// Hands rows back to `pending` without spending an attempt (connection-level failure,
     /// shutdown, or rows never published because an earlier row of their aggregate failed).
-    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
+    pub async fn hand_back(&self, ids: &[Uuid]) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.settle.release).await?;
+        let stmt = client.prepare_cached(&self.q.settle.hand_back).await?;
         Ok(client.execute(&stmt, &[&ids, &self.instance_id]).await?)
     }
 
@@ -213,10 +213,12 @@ impl PgStore {
     /// `relay.lease_timeout`, holding back the rest of their aggregates; rows whose `lease` already
     /// ran out are left to the reclaim. Call only while none of this relay's claims is running,
     /// with every id a batch still holds in `held`.
-    pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
+    pub async fn hand_back_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
         let lease_ms = i64::try_from(lease.as_millis()).unwrap_or(i64::MAX);
         let client = self.client().await?;
-        let stmt = client.prepare_cached(&self.q.settle.release_unheld).await?;
+        let stmt = client
+            .prepare_cached(&self.q.settle.hand_back_unheld)
+            .await?;
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 3] =
             [&held, &self.instance_id, &lease_ms];
         Ok(client.execute(&stmt, &params).await?)
@@ -256,8 +258,8 @@ mod tests {
         for (name, sql) in [
             ("mark_sent", &q.mark_sent),
             ("delete_sent", &q.delete_sent),
-            ("release", &q.release),
-            ("release_unheld", &q.release_unheld),
+            ("hand_back", &q.hand_back),
+            ("hand_back_unheld", &q.hand_back_unheld),
             ("heartbeat", &q.heartbeat),
         ] {
             assert!(sql.contains("app.events "), "{name}: {sql}");
@@ -271,7 +273,7 @@ mod tests {
             q.fail
         );
         // Handing back takes back the attempt the claim counted; the reclaim does not.
-        for sql in [&q.release, &q.release_unheld] {
+        for sql in [&q.hand_back, &q.hand_back_unheld] {
             assert!(
                 sql.contains("attempts = greatest(attempts - 1, 0)"),
                 "{sql}"
@@ -280,7 +282,7 @@ mod tests {
         assert!(!q.reclaim.contains("attempts -"), "{}", q.reclaim);
         // Rows whose lease ran out are the reclaim's, never handed back.
         let fresh = "locked_at >= now() - $3::bigint * interval '1 millisecond'";
-        assert!(q.release_unheld.contains(fresh), "{}", q.release_unheld);
+        assert!(q.hand_back_unheld.contains(fresh), "{}", q.hand_back_unheld);
         assert!(
             q.reclaim.contains("'lease expired: relay '"),
             "{}",
