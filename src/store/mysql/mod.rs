@@ -18,6 +18,7 @@ mod claim;
 mod connect;
 mod console;
 mod instance;
+mod migrations;
 mod operator;
 pub mod schema;
 mod settle;

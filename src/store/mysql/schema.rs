@@ -1,36 +1,15 @@
-//! The DDL in `sql/mysql/`, embedded, rendered for the configured table name, and applied;
-//! the start-up inspection (server version, the table's columns and payload type).
-//!
-//! The files are written for the default table `outbox_messages` so users can copy them as
-//! they are. Rendering gives index and constraint names (which MySQL keeps per table and per
-//! schema) the bare table name as prefix and every other reference the qualified name.
+//! Applying the migrations of [`super::migrations`] (their files are `sql/mysql/`); the
+//! start-up inspection (server version, the table's columns and payload type).
 
 use mysql_async::Row;
 use mysql_async::prelude::Queryable;
 
 use super::claim::column;
+pub use super::migrations::{MIGRATIONS, Migration, Statement};
 use super::{MysqlStore, Result, StoreError};
 use crate::config::TableName;
 use crate::message::PayloadKind;
 use crate::store::{SchemaPlan, SchemaState};
-
-/// One versioned migration file of `sql/mysql/`.
-#[derive(Debug, Clone, Copy)]
-pub struct Migration {
-    /// Version recorded in `outbox_relay_schema_version` once applied.
-    pub version: i32,
-    /// File name under `sql/mysql/`.
-    pub name: &'static str,
-    /// The file's text.
-    pub sql: &'static str,
-}
-
-/// Every migration, in order.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_outbox_messages.sql",
-    sql: include_str!("../../../sql/mysql/0001_outbox_messages.sql"),
-}];
 
 /// The oldest servers the relay runs on: the first with `SKIP LOCKED` and `NOWAIT`.
 const MYSQL_MIN: (u32, u32, u32) = (8, 0, 1);
@@ -67,36 +46,12 @@ const VERSION_TABLE: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_schema_vers
     version INT NOT NULL, \
     applied_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)) ENGINE = InnoDB";
 
-/// `sql` for `table`: derived names (`outbox_messages_…`) get the bare name, the table the
-/// qualified one.
-pub fn render(sql: &str, table: &TableName) -> String {
-    sql.replace("outbox_messages_", &format!("{}_", table.name))
-        .replace("outbox_messages", &table.qualified())
-}
-
-/// The statements of a migration file: comments dropped, split at the `;` ending a line.
-pub fn statements(sql: &str) -> Vec<String> {
-    let text: String = sql
-        .lines()
-        .map(|l| match l.find("--") {
-            Some(i) if !l[..i].contains('\'') => &l[..i],
-            _ => l,
-        })
-        .collect::<Vec<_>>()
-        .join("\n");
-    text.split(";\n")
-        .chain(std::iter::once(""))
-        .map(|s| s.trim().trim_end_matches(';').trim().to_owned())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
 /// The whole DDL for `table`, as `migrate --print` shows it.
 pub fn full_ddl(table: &TableName) -> String {
     let mut out = String::from("-- MySQL / MariaDB\n");
     for m in MIGRATIONS {
         out.push_str(&format!("-- {} (version {})\n", m.name, m.version));
-        out.push_str(&render(m.sql, table));
+        out.push_str(&m.render(table));
         out.push('\n');
     }
     out
@@ -171,7 +126,7 @@ impl MysqlStore {
     }
 
     /// Applies the migrations the table lacks; returns the versions applied. Concurrent
-    /// `migrate`s are serialised by a named lock; each file is idempotent.
+    /// `migrate`s are serialised by a named lock; each statement is idempotent.
     pub async fn migrate(&self) -> Result<Vec<i32>> {
         let mut conn = self.conn().await?;
         self.check_version(&mut conn).await?;
@@ -191,7 +146,7 @@ impl MysqlStore {
         let (_, version) = self.current(conn).await?;
         let mut applied = Vec::new();
         for m in MIGRATIONS.iter().filter(|m| m.version > version) {
-            for stmt in statements(&render(m.sql, &self.table)) {
+            for stmt in m.statements_for(&self.table) {
                 conn.query_drop(stmt).await?;
             }
             conn.exec_drop(
@@ -290,21 +245,6 @@ impl MysqlStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_file_is_one_create_table_and_renders_for_a_qualified_table() {
-        let t = TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}"));
-        let stmts = statements(&render(MIGRATIONS[0].sql, &t));
-        assert_eq!(stmts.len(), 1, "{stmts:?}");
-        let s = &stmts[0];
-        assert!(
-            s.starts_with("CREATE TABLE IF NOT EXISTS app.events ("),
-            "{s}"
-        );
-        assert!(s.contains("KEY events_aggregate_idx"), "{s}");
-        assert!(s.contains("CONSTRAINT events_status_check"), "{s}");
-        assert!(!s.contains("outbox_messages"), "{s}");
-    }
 
     #[test]
     fn servers_without_skip_locked_are_named() {
