@@ -17,7 +17,6 @@
 mod common;
 
 use std::collections::{HashMap, HashSet};
-use std::os::unix::process::ExitStatusExt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,7 +25,7 @@ use common::{
     AMQP_URL, Db, DbConn, MYSQL_URL, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
     RelayBuilder, RelayProcess, RowState, TempDir, TestOutbox, assert_none, bulk_row, free_port,
     hex8, http_get, local, not_sent_cleanly, not_sent_once, on_both_databases, sample, scrape,
-    wait_for_count, wait_for_sample, wait_until,
+    sigkill_while_holding_rows, wait_for_count, wait_for_sample, wait_until,
 };
 use outbox_relay::telemetry::names;
 use rand::seq::SliceRandom;
@@ -84,17 +83,6 @@ async fn finish(relay: RelayProcess, outbox: TestOutbox, rabbit: RabbitFixture) 
 fn delivered(rabbit: &RabbitFixture, id: Uuid) -> usize {
     let counts = rabbit.id_counts();
     counts.get(&id.to_string()).copied().unwrap_or(0)
-}
-
-/// The first arrivals of `of`, in arrival order.
-fn arrival_order(rabbit: &RabbitFixture, of: &[Uuid]) -> Vec<Uuid> {
-    let mut seen = HashSet::new();
-    let ids = rabbit
-        .deliveries()
-        .into_iter()
-        .filter_map(|d| d.message_id.parse().ok());
-    ids.filter(|id| of.contains(id) && seen.insert(*id))
-        .collect()
 }
 
 /// Runs `builder` with `args` to completion; asserts success and parses stdout as JSON.
@@ -274,26 +262,10 @@ async fn sigkilled_replicas_lose_nothing_and_keep_the_order_of_1000_aggregates(d
     let mut held_at_death = Vec::new();
     for k in 0..4 {
         let slot = k % 3;
-        let label = slots[slot].label.clone();
-        let since = rabbit.count();
-        tokio::time::sleep(Duration::from_millis(300 + rand::random_range(0..1200))).await;
-        let held_now = format!("status = 'processing' AND locked_by = '{label}'");
-        let what = format!("{label} holds rows and deliveries progress");
-        wait_until(WAIT, &what, async || {
-            let held = outbox.count_where(&held_now).await;
-            let progress = rabbit.count() - since;
-            if held > 0 && progress >= 100 {
-                Ok(())
-            } else {
-                Err(format!("{held} held by {label}, {progress} delivered"))
-            }
-        })
-        .await;
-        let victim = &mut slots[slot];
-        victim.sigkill();
-        let status = victim.wait_exit(Duration::from_secs(10)).await;
-        assert_eq!(status.signal(), Some(9), "{label} should die by SIGKILL");
-        held_at_death.push(outbox.count_where(&held_now).await);
+        let count_where = async |condition: &str| outbox.count_where(condition).await;
+        let held =
+            sigkill_while_holding_rows(&mut slots[slot], WAIT, count_where, || rabbit.count());
+        held_at_death.push(held.await);
         slots[slot] = spawn(format!("{tag}-k{}{}", k + 1, ["a", "b", "c"][slot]));
     }
     let written = stop_writer(writer).await;
@@ -396,11 +368,7 @@ async fn a_late_commit_never_lets_a_later_row_of_its_aggregate_out_first(db: Db)
     rabbit
         .wait_for_ids(&[first.id, second.id, y.id], WAIT)
         .await;
-    assert_eq!(
-        arrival_order(&rabbit, &both),
-        both,
-        "n arrives before n + 1"
-    );
+    assert_eq!(rabbit.arrival_order(&both), both, "n arrives before n + 1");
     outbox.wait_all_sent(WAIT).await;
     finish(relay, outbox, rabbit).await;
 }
@@ -654,7 +622,7 @@ async fn dead_letters_are_counted_shown_and_retried_in_order(db: Db) {
         .await;
     assert!(retry.status.success(), "{}", retry.stderr);
     rabbit.wait_for_ids(&[dead, behind], WAIT).await;
-    assert_eq!(arrival_order(&rabbit, &[dead, behind]), [dead, behind]);
+    assert_eq!(rabbit.arrival_order(&[dead, behind]), [dead, behind]);
     outbox.wait_all_sent(WAIT).await;
     let status = json_of(outbox.operator(), &["status", "--json"]).await;
     for (key, want) in [

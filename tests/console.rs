@@ -131,6 +131,17 @@ fn seconds(text: &str) -> Option<f64> {
     Some(total)
 }
 
+/// The overview's counts, in the order a card shows them.
+const FIGURES: [&str; 7] = [
+    "ready",
+    "waiting",
+    "processing",
+    "sent",
+    "failed",
+    "expired",
+    "blocked",
+];
+
 /// The counts the overview shows, read from the table the way the console defines them.
 async fn table_counts(table: &TestTable) -> BTreeMap<&'static str, i64> {
     let t = &table.name;
@@ -149,33 +160,17 @@ async fn table_counts(table: &TestTable) -> BTreeMap<&'static str, i64> {
          FROM {t}"
     );
     let r = table.db.query_one(&sql, &[]).await.unwrap();
-    [
-        "ready",
-        "waiting",
-        "processing",
-        "sent",
-        "failed",
-        "expired",
-        "blocked",
-    ]
-    .into_iter()
-    .enumerate()
-    .map(|(i, k)| (k, r.get::<_, i64>(i)))
-    .collect()
+    FIGURES
+        .into_iter()
+        .enumerate()
+        .map(|(i, k)| (k, r.get::<_, i64>(i)))
+        .collect()
 }
 
 /// The same counts as the overview shows them (`None` for a figure not shown as a number).
 async fn shown_counts(b: &Browser, outbox: &str) -> BTreeMap<&'static str, Option<i64>> {
     let mut out = BTreeMap::new();
-    for k in [
-        "ready",
-        "waiting",
-        "processing",
-        "sent",
-        "failed",
-        "expired",
-        "blocked",
-    ] {
+    for k in FIGURES {
         out.insert(k, figure(b, outbox, k).await.as_deref().and_then(number));
     }
     out

@@ -113,16 +113,8 @@ impl Dest {
     /// Stops `relay`, deletes what the test created on the broker and drops `table`.
     async fn finish(self, relay: RelayProcess, table: TestTable) {
         match self {
-            Self::Nats(stream) => {
-                relay.stop().await;
-                stream.teardown().await;
-                table.drop_table().await;
-            }
-            Self::Redis(streams) => {
-                relay.stop().await;
-                streams.teardown().await;
-                table.drop_table().await;
-            }
+            Self::Nats(stream) => common::finish_with(relay, table, stream.teardown()).await,
+            Self::Redis(streams) => common::finish_with(relay, table, streams.teardown()).await,
         }
     }
 }

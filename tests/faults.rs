@@ -59,7 +59,8 @@ use common::{
     AMQP_URL, Analysis, DurableQueue, Inserted, NewRow, PG_URL, Proxy, RABBIT_ADDR, RabbitFixture,
     RelayBuilder, RelayProcess, RowState, TempDir, TestTable, analyse, assert_none, drop_both,
     finish, free_port, hex8, http_get, insert_rows, listening_addrs, local, not_sent_once,
-    pg_connect, scrape, spawn_steady_writer, table_and_exchange, wait_for_count, wait_until,
+    pg_connect, scrape, sigkill_while_holding_rows, spawn_steady_writer, table_and_exchange,
+    wait_for_count, wait_until,
 };
 use lapin::{Connection, ConnectionProperties};
 use rand::seq::SliceRandom;
@@ -300,26 +301,10 @@ async fn sigkilled_replicas_under_load_lose_nothing_and_keep_aggregate_order() {
     for k in 0..kills {
         let slot = k % 3;
         let label = slots[slot].label.clone();
-        // Let the survivors work a while (0.3–1.5 s), then strike while the victim holds rows.
-        let since = rabbit.count();
-        tokio::time::sleep(Duration::from_millis(300 + rand::random_range(0..1200))).await;
-        let held_now = format!("status = 'processing' AND locked_by = '{label}'");
-        let what = format!("{label} holds rows and deliveries progress");
-        wait_until(secs(60), &what, async || {
-            let held = table.count_where(&held_now).await;
-            let progress = rabbit.count() - since;
-            if held > 0 && progress >= 100 {
-                Ok(())
-            } else {
-                Err(format!("{held} held by {label}, {progress} delivered"))
-            }
-        })
-        .await;
-        let victim = &mut slots[slot];
-        victim.sigkill();
-        let status = victim.wait_exit(secs(10)).await;
-        assert_eq!(status.signal(), Some(9), "{label} should die by SIGKILL");
-        held_at_death.push(table.count_where(&held_now).await);
+        let count_where = async |condition: &str| table.count_where(condition).await;
+        let held =
+            sigkill_while_holding_rows(&mut slots[slot], secs(60), count_where, || rabbit.count());
+        held_at_death.push(held.await);
         killed.push(label);
         slots[slot] = spawn(&format!("k{}{}", k + 1, ["a", "b", "c"][slot]));
     }

@@ -14,7 +14,6 @@ use std::time::Duration;
 use common::{
     NewRow, RabbitFixture, RelayBuilder, RelayProcess, RowState, TestTable, finish, wait_until,
 };
-use uuid::Uuid;
 
 /// How long a message or row state may take to show up, and a CLI command to finish.
 const WAIT: Duration = Duration::from_secs(30);
@@ -32,17 +31,6 @@ async fn unroutable(test: &str, max_attempts: u32) -> (TestTable, RabbitFixture,
         .set("retry.max_attempts", max_attempts.to_string())
         .spawn();
     (table, rabbit, relay)
-}
-
-/// The first arrivals of `of`, in arrival order.
-fn ids_in_arrival_order(rabbit: &RabbitFixture, of: &[Uuid]) -> Vec<Uuid> {
-    let mut seen = std::collections::HashSet::new();
-    let ids = rabbit
-        .deliveries()
-        .into_iter()
-        .filter_map(|d| d.message_id.parse().ok());
-    ids.filter(|id| of.contains(id) && seen.insert(*id))
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,7 +70,7 @@ async fn backoff_parks_only_its_aggregate() {
     // Fix the routing: X drains, in order.
     rabbit.bind("parked.#").await;
     rabbit.wait_for_ids(&parked, WAIT).await;
-    assert_eq!(ids_in_arrival_order(&rabbit, &parked), parked);
+    assert_eq!(rabbit.arrival_order(&parked), parked);
     table.wait_all_sent(WAIT).await;
     finish(relay, table, rabbit).await;
 }

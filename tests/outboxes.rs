@@ -150,16 +150,8 @@ impl Dest {
     async fn finish(self, relay: RelayProcess, table: TestTable) {
         match self {
             Self::Sink(sink) => sink.finish(relay, table).await,
-            Self::Nats(stream) => {
-                relay.stop().await;
-                stream.teardown().await;
-                table.drop_table().await;
-            }
-            Self::Redis(streams) => {
-                relay.stop().await;
-                streams.teardown().await;
-                table.drop_table().await;
-            }
+            Self::Nats(stream) => common::finish_with(relay, table, stream.teardown()).await,
+            Self::Redis(streams) => common::finish_with(relay, table, streams.teardown()).await,
         }
     }
 }

@@ -227,20 +227,9 @@ impl Target {
     async fn finish(self, relay: RelayProcess, table: TestTable) {
         match self {
             Self::Broker(sink) => sink.finish(relay, table).await,
-            Self::Webhook(_) => {
-                relay.stop().await;
-                table.drop_table().await;
-            }
-            Self::Nats(stream) => {
-                relay.stop().await;
-                stream.teardown().await;
-                table.drop_table().await;
-            }
-            Self::Redis(streams) => {
-                relay.stop().await;
-                streams.teardown().await;
-                table.drop_table().await;
-            }
+            Self::Webhook(_) => common::finish_with(relay, table, async {}).await,
+            Self::Nats(stream) => common::finish_with(relay, table, stream.teardown()).await,
+            Self::Redis(streams) => common::finish_with(relay, table, streams.teardown()).await,
         }
     }
 }

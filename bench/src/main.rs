@@ -339,27 +339,35 @@ impl Ctx {
     /// Creates `bench_<tag>_<run id>` with the library's migration.
     async fn new_table(&mut self, tag: &str) -> Result<String> {
         let table = format!("bench_{tag}_{}", self.run_id);
-        let config = self.config(&table, |_| {})?;
-        let store = Store::new(&config.database, "outbox-bench")?;
-        self.res.tables.push(table.clone());
-        store
-            .migrate()
-            .await
-            .with_context(|| format!("cannot migrate {table}"))?;
-        Ok(table)
+        self.migrated(table, false).await
     }
 
     /// Creates `bench_mysql_<tag>_<run id>` at `--mysql-url` with the library's migration.
     async fn new_mysql_table(&mut self, tag: &str) -> Result<String> {
         let table = format!("bench_mysql_{tag}_{}", self.run_id);
+        self.migrated(table, true).await
+    }
+
+    /// Creates `table` with the library's migration, at `--mysql-url` when `mysql`, and keeps
+    /// its name for the clean-up.
+    async fn migrated(&mut self, table: String, mysql: bool) -> Result<String> {
         let url = self.args.mysql_url.clone();
-        let config = self.config(&table, |raw| raw.database.url = url)?;
+        let config = self.config(&table, |raw| {
+            if mysql {
+                raw.database.url = url;
+            }
+        })?;
         let store = Store::new(&config.database, "outbox-bench")?;
-        self.res.mysql_tables.push(table.clone());
+        let (created, at) = if mysql {
+            (&mut self.res.mysql_tables, " at --mysql-url")
+        } else {
+            (&mut self.res.tables, "")
+        };
+        created.push(table.clone());
         store
             .migrate()
             .await
-            .with_context(|| format!("cannot migrate {table} at --mysql-url"))?;
+            .with_context(|| format!("cannot migrate {table}{at}"))?;
         Ok(table)
     }
 

@@ -19,7 +19,7 @@ use super::chart::{self, Chart};
 use super::history::Point;
 use super::render::{self, Card, DeadLetters, Found, Layout, Notice, PER_PAGE};
 use super::{Console, View, within};
-use crate::store::{Selection, StoreError};
+use crate::store::{PageRequest, Selection, StoreError};
 
 /// How often a refused action may be logged (the rest are counted into the next line).
 pub(super) const REFUSALS_LOGGED_EVERY: Duration = Duration::from_secs(60);
@@ -341,10 +341,11 @@ async fn dead_letter_data(
 ) -> Result<(Arc<View>, DeadLetterData), Problem> {
     let view = c.view(outbox).ok_or_else(|| c.unknown_outbox(outbox))?;
     let page = page_number(query, outbox)?;
-    let read = within(
-        view.store
-            .dead_letter_page(page - 1, PER_PAGE, c.config.show_payloads),
-    )
+    let read = within(view.store.dead_letter_page(PageRequest {
+        page: page - 1,
+        per_page: PER_PAGE,
+        show_payloads: c.config.show_payloads,
+    }))
     .await
     .map_err(|e| Problem::database(outbox, &e))?;
     let pages = ((read.total + PER_PAGE - 1) / PER_PAGE).max(1);
@@ -389,28 +390,40 @@ impl Console {
     }
 }
 
+/// Answers a request for a dead-letter page: `answer` with what the page shows, `problem` with
+/// what is wrong (an unknown outbox, a bad or past page number, the database).
+async fn on_dead_letters(
+    c: &Console,
+    outbox: &str,
+    query: Option<&str>,
+    answer: impl FnOnce(&DeadLetters<'_>) -> Response,
+    problem: impl FnOnce(&Problem) -> Response,
+) -> Response {
+    match dead_letter_data(c, outbox, query).await {
+        Ok((view, data)) => answer(&c.dead_letters_view(&view.name, &data)),
+        Err(p) => problem(&p),
+    }
+}
+
 async fn dead_letters_page(
     State(c): State<Shared>,
     Path(outbox): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    match dead_letter_data(&c, &outbox, query.as_deref()).await {
-        Ok((view, data)) => {
-            let d = c.dead_letters_view(&view.name, &data);
-            let api = format!(
-                "/api/outboxes/{}/dead-letters?page={}",
-                render::path_segment(&view.name),
-                data.page
-            );
-            let title = format!("Dead letters · {}", view.name);
-            let layout = c.layout(&title, "dead-letters", Some(api));
-            html(
-                StatusCode::OK,
-                render::page(&layout, &render::dead_letters(&d)),
-            )
-        }
-        Err(p) => c.problem_page(&p),
-    }
+    let answer = |d: &DeadLetters<'_>| {
+        let api = format!(
+            "/api/outboxes/{}/dead-letters?page={}",
+            render::path_segment(d.outbox),
+            d.page
+        );
+        let title = format!("Dead letters · {}", d.outbox);
+        let layout = c.layout(&title, "dead-letters", Some(api));
+        html(
+            StatusCode::OK,
+            render::page(&layout, &render::dead_letters(d)),
+        )
+    };
+    on_dead_letters(&c, &outbox, query.as_deref(), answer, |p| c.problem_page(p)).await
 }
 
 fn problem_json(p: &Problem) -> Response {
@@ -426,20 +439,14 @@ async fn dead_letters_json(
     Path(outbox): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Response {
-    match dead_letter_data(&c, &outbox, query.as_deref()).await {
-        Ok((view, data)) => {
-            let d = c.dead_letters_view(&view.name, &data);
-            let items = render::dead_letter_items(&d);
-            json_response(
-                StatusCode::OK,
-                &json!({
-                    "values": { "total": d.total_text(), "pageinfo": d.page_text() },
-                    "items": items,
-                }),
-            )
-        }
-        Err(p) => problem_json(&p),
-    }
+    let answer = |d: &DeadLetters<'_>| {
+        let body = json!({
+            "values": { "total": d.total_text(), "pageinfo": d.page_text() },
+            "items": render::dead_letter_items(d),
+        });
+        json_response(StatusCode::OK, &body)
+    };
+    on_dead_letters(&c, &outbox, query.as_deref(), answer, problem_json).await
 }
 
 /// The id asked for, or the notice that it is not a UUID.

@@ -21,7 +21,9 @@ pub use postgres::{
     Backlog, Claim, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure, OnConfirm, SchemaPlan,
     SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
 };
-pub use postgres::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
+pub use postgres::{
+    COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
+};
 pub use postgres::{MAINTENANCE_TIMEOUT_FACTOR, PgStore, partitions, schema, steps};
 
 /// The relay's own hot-path statements and session settings, for the benchmark (`bench/`).
@@ -438,14 +440,9 @@ impl Store {
         either!(self, s => s.console_counts().await)
     }
 
-    /// Page `page` (from 0) of `per_page` dead letters, with their number (up to [`COUNT_CAP`]).
-    pub async fn dead_letter_page(
-        &self,
-        page: i64,
-        per_page: i64,
-        show_payloads: bool,
-    ) -> Result<DeadLetterPage> {
-        either!(self, s => s.dead_letter_page(page, per_page, show_payloads).await)
+    /// The page of dead letters `asked` for, with their number (up to [`COUNT_CAP`]).
+    pub async fn dead_letter_page(&self, asked: PageRequest) -> Result<DeadLetterPage> {
+        either!(self, s => s.dead_letter_page(asked).await)
     }
 
     /// The row with `id`, whatever its status, for the console's lookup.

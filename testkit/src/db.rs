@@ -366,7 +366,7 @@ impl RowState {
             .or_else(|| (!clean).then(|| self.describe()))
     }
 
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!(
             "{} (seq {}): status {} attempts {} sent_at {:?} locked_by {:?} last_error {:?}",
             self.id,
@@ -380,24 +380,55 @@ impl RowState {
     }
 }
 
-/// Reads a row with `read` until it satisfies `done`, and returns it; panics after `timeout`
-/// naming `what` and the row's last state. The `wait_row` of either database's table.
-pub(crate) async fn wait_for_row(
-    timeout: Duration,
-    what: &str,
-    read: impl AsyncFn() -> RowState,
-    done: impl Fn(&RowState) -> bool,
-) -> RowState {
-    wait_until(timeout, what, async || {
-        let row = read().await;
-        if done(&row) {
-            Ok(row)
-        } else {
-            Err(row.describe())
+/// The waits of a test table, written once for [`TestTable`], [`MysqlTable`] and
+/// [`TestOutbox`] over their `count_where`, `status_counts` and `row`; `self.$name` is the
+/// table's name.
+///
+/// [`MysqlTable`]: crate::mysql::MysqlTable
+/// [`TestOutbox`]: crate::outbox::TestOutbox
+macro_rules! table_waits {
+    ($($name:tt)+) => {
+        /// Waits until `count_where(condition)` is `want`; panics after `timeout` with the last
+        /// count and the row counts by status.
+        pub async fn wait_count(&self, condition: &str, want: i64, timeout: std::time::Duration) {
+            let what = format!("{want} rows of {} where {condition}", self.$($name)+);
+            $crate::wait_until(timeout, &what, async || {
+                match self.count_where(condition).await {
+                    n if n == want => Ok(()),
+                    n => Err(format!("{n}; {:?}", self.status_counts().await)),
+                }
+            })
+            .await;
         }
-    })
-    .await
+
+        /// Waits until every row is `sent` (the counts by status in the panic message
+        /// otherwise).
+        pub async fn wait_all_sent(&self, timeout: std::time::Duration) {
+            self.wait_count("status <> 'sent'", 0, timeout).await;
+        }
+
+        /// Waits until row `id` satisfies `done`, and returns it; panics after `timeout` naming
+        /// `what` and the row's last state.
+        pub async fn wait_row(
+            &self,
+            id: uuid::Uuid,
+            timeout: std::time::Duration,
+            what: &str,
+            done: impl Fn(&$crate::db::RowState) -> bool,
+        ) -> $crate::db::RowState {
+            $crate::wait_until(timeout, what, async || {
+                let row = self.row(id).await;
+                if done(&row) {
+                    Ok(row)
+                } else {
+                    Err(row.describe())
+                }
+            })
+            .await
+        }
+    };
 }
+pub(crate) use table_waits;
 
 const ROW_COLUMNS: &str = "id, seq, aggregate_type, aggregate_id, event_type, to_jsonb(payload), headers, destination, \
                            status, attempts, available_at, locked_at, locked_by, last_error, created_at, sent_at";
@@ -709,39 +740,7 @@ impl TestTable {
         .await
     }
 
-    /// Waits until `count_where(condition)` is `want`; panics after `timeout` with the last
-    /// count and the row counts by status.
-    pub async fn wait_count(&self, condition: &str, want: i64, timeout: Duration) {
-        let what = format!("{want} rows of {} where {condition}", self.name);
-        wait_until(timeout, &what, async || {
-            match self.count_where(condition).await {
-                n if n == want => Ok(()),
-                n => Err(format!("{n}; {:?}", self.status_counts().await)),
-            }
-        })
-        .await;
-    }
-
-    /// Waits until row `id` satisfies `done`, and returns it; panics after `timeout` naming
-    /// `what` and the row's last state.
-    pub async fn wait_row(
-        &self,
-        id: Uuid,
-        timeout: Duration,
-        what: &str,
-        done: impl Fn(&RowState) -> bool,
-    ) -> RowState {
-        wait_for_row(timeout, what, async || self.row(id).await, done).await
-    }
-
-    /// Waits until every row is `sent` (the counts by status in the panic message otherwise).
-    pub async fn wait_all_sent(&self, timeout: Duration) {
-        let what = format!("every row of {} is sent", self.name);
-        self.wait_for_counts(timeout, &what, |counts| {
-            counts.iter().all(|(status, n)| status == "sent" || *n == 0)
-        })
-        .await;
-    }
+    table_waits!(name);
 
     /// Drops the table and the objects the migration created for it.
     pub async fn drop_table(self) {

@@ -153,6 +153,17 @@ pub async fn drop_both(table: TestTable, rabbit: RabbitFixture) {
 
 /// Stops `relay` (asserting a clean exit, see [`RelayProcess::stop`]), then [`drop_both`].
 pub async fn finish(relay: RelayProcess, table: TestTable, rabbit: RabbitFixture) {
+    finish_with(relay, table, rabbit.teardown()).await;
+}
+
+/// The end of a test: stops `relay` (asserting a clean exit, see [`RelayProcess::stop`]), runs
+/// `teardown` (what the test made on the broker goes), then drops `table`.
+pub async fn finish_with(
+    relay: RelayProcess,
+    table: TestTable,
+    teardown: impl Future<Output = ()>,
+) {
     relay.stop().await;
-    drop_both(table, rabbit).await;
+    teardown.await;
+    table.drop_table().await;
 }

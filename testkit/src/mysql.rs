@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use crate::db::{Inserted, NewRow, RowState};
 use crate::process::RelayBuilder;
-use crate::{hex8, slug, wait_until};
+use crate::{hex8, slug};
 
 /// The local MariaDB/MySQL server's test database, as root.
 pub const MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
@@ -235,23 +235,7 @@ impl MysqlTable {
         utc(now.unwrap_or_else(|| panic!("NOW(6) returned no row")))
     }
 
-    /// Waits until `condition` holds for `want` rows; panics with the counts by status after
-    /// `timeout`.
-    pub async fn wait_count(&self, condition: &str, want: i64, timeout: Duration) {
-        let what = format!("{want} rows of {} where {condition}", self.name);
-        wait_until(timeout, &what, async || {
-            match self.count_where(condition).await {
-                n if n == want => Ok(()),
-                n => Err(format!("{n}; {:?}", self.status_counts().await)),
-            }
-        })
-        .await;
-    }
-
-    /// Waits until every row is `sent`.
-    pub async fn wait_all_sent(&self, timeout: Duration) {
-        self.wait_count("status <> 'sent'", 0, timeout).await;
-    }
+    crate::db::table_waits!(name);
 
     /// Drops the table and its version record.
     pub async fn drop_table(self) {

@@ -10,15 +10,14 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use mysql_async::prelude::Queryable;
 use uuid::Uuid;
 
-use crate::db::{Inserted, NewRow, RowState, TestTable, insert_rows, try_pg_connect, wait_for_row};
+use crate::db::{Inserted, NewRow, RowState, TestTable, insert_rows, try_pg_connect};
 use crate::mysql::{MYSQL_ADDR, MYSQL_URL, MysqlTable, try_insert_in, try_mysql_conn};
-use crate::{PG_URL, RelayBuilder, wait_until};
+use crate::{PG_URL, RelayBuilder};
 
 /// Emits, for each scenario `async fn <name>(db: Db)` named, a module `<name>` with two tests,
 /// `postgres` and `mysql`, that run it on each database: a scenario written once runs twice
@@ -386,35 +385,7 @@ impl TestOutbox {
         }
     }
 
-    /// Waits until `count_where(condition)` is `want`; panics after `timeout` with the last
-    /// count and the row counts by status.
-    pub async fn wait_count(&self, condition: &str, want: i64, timeout: Duration) {
-        let what = format!("{want} rows of {} where {condition}", self.name());
-        wait_until(timeout, &what, async || {
-            match self.count_where(condition).await {
-                n if n == want => Ok(()),
-                n => Err(format!("{n}; {:?}", self.status_counts().await)),
-            }
-        })
-        .await;
-    }
-
-    /// Waits until every row is `sent` (the counts by status in the panic message otherwise).
-    pub async fn wait_all_sent(&self, timeout: Duration) {
-        self.wait_count("status <> 'sent'", 0, timeout).await;
-    }
-
-    /// Waits until row `id` satisfies `done`, and returns it; panics after `timeout` naming
-    /// `what` and the row's last state.
-    pub async fn wait_row(
-        &self,
-        id: Uuid,
-        timeout: Duration,
-        what: &str,
-        done: impl Fn(&RowState) -> bool,
-    ) -> RowState {
-        wait_for_row(timeout, what, async || self.row(id).await, done).await
-    }
+    crate::db::table_waits!(name());
 
     /// Drops the table and what its migration created.
     pub async fn drop_table(self) {

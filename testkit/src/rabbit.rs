@@ -275,6 +275,17 @@ impl RabbitFixture {
         self.received.lock().unwrap().len()
     }
 
+    /// The first arrivals of `of` (ids), in arrival order.
+    pub fn arrival_order(&self, of: &[Uuid]) -> Vec<Uuid> {
+        let mut seen = std::collections::HashSet::new();
+        let ids = self
+            .deliveries()
+            .into_iter()
+            .filter_map(|d| d.message_id.parse().ok());
+        ids.filter(|id| of.contains(id) && seen.insert(*id))
+            .collect()
+    }
+
     /// A copy of every delivery so far, in arrival order.
     pub fn deliveries(&self) -> Vec<Delivered> {
         self.received.lock().unwrap().clone()

@@ -156,3 +156,36 @@ pub async fn an_unanswered_publish_is_handed_back(
     );
     (first, held)
 }
+
+/// The strike of the SIGKILL tests: lets the survivors work a while (0.3–1.5 s), waits (up to
+/// `wait`) until `victim` holds rows (`count_where` counts a table's rows matching a condition)
+/// and `delivered()` has grown by at least 100, then kills `victim` with SIGKILL, asserts it
+/// died by it, and returns how many rows it held at its death.
+pub async fn sigkill_while_holding_rows(
+    victim: &mut RelayProcess,
+    wait: std::time::Duration,
+    count_where: impl AsyncFn(&str) -> i64,
+    delivered: impl Fn() -> usize,
+) -> i64 {
+    use std::os::unix::process::ExitStatusExt;
+    let label = victim.label.clone();
+    let since = delivered();
+    let pause = 300 + rand::random_range(0..1200);
+    tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+    let held_now = format!("status = 'processing' AND locked_by = '{label}'");
+    let what = format!("{label} holds rows and deliveries progress");
+    wait_until(wait, &what, async || {
+        let held = count_where(&held_now).await;
+        let progress = delivered() - since;
+        if held > 0 && progress >= 100 {
+            Ok(())
+        } else {
+            Err(format!("{held} held by {label}, {progress} delivered"))
+        }
+    })
+    .await;
+    victim.sigkill();
+    let status = victim.wait_exit(std::time::Duration::from_secs(10)).await;
+    assert_eq!(status.signal(), Some(9), "{label} should die by SIGKILL");
+    count_where(&held_now).await
+}

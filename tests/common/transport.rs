@@ -154,8 +154,6 @@ impl Sink {
     /// Stops `relay` (asserting a clean exit, see [`RelayProcess::stop`]), tears the sink down
     /// and drops `table`: the end of a test.
     pub async fn finish(self, relay: RelayProcess, table: TestTable) {
-        relay.stop().await;
-        self.teardown().await;
-        table.drop_table().await;
+        super::finish_with(relay, table, self.teardown()).await;
     }
 }

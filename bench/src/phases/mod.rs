@@ -131,6 +131,32 @@ async fn stop_checked(
     Ok(())
 }
 
+/// Measures step `what` (`Ctx::measured`: again after a service restart): `run` gives its
+/// result and `report` writes it. A failed step is said and its error added to `errors`, so
+/// the phase goes on with the next; returns the result of a step that succeeded.
+async fn measure<R>(
+    ctx: &mut Ctx,
+    what: &str,
+    errors: &mut Vec<String>,
+    run: impl AsyncFn(&mut Ctx) -> Result<R>,
+    report: impl Fn(&mut Ctx, &R),
+) -> Option<R> {
+    let done = std::sync::Mutex::new(None);
+    let result = ctx
+        .measured(what, async |ctx: &mut Ctx| {
+            let r = run(ctx).await?;
+            report(ctx, &r);
+            *done.lock().unwrap_or_else(|p| p.into_inner()) = Some(r);
+            Ok(())
+        })
+        .await;
+    if let Err(e) = result {
+        ctx.progress(format!("ERROR {what}: {e:#}"));
+        errors.push(format!("{what}: {e:#}"));
+    }
+    done.into_inner().unwrap_or_else(|p| p.into_inner())
+}
+
 /// `Ok` when no case failed, else every case's error.
 fn all_ok(errors: Vec<String>) -> Result<()> {
     if errors.is_empty() {

@@ -11,7 +11,7 @@
 //! grows meanwhile, and whether retention catches up once it ends.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
@@ -120,24 +120,13 @@ pub async fn retention(ctx: &mut Ctx) -> Result<()> {
              --retention-partition-interval must be positive"
         );
     }
-    let done: Mutex<Vec<VariantResult>> = Mutex::default();
+    let mut done = Vec::new();
     let mut errors = Vec::new();
     for &variant in &a.retention_variants {
         let what = format!("retention {}", variant.label(&a));
-        let result = ctx
-            .measured(&what, async |ctx: &mut Ctx| {
-                let r = variant_run(ctx, variant).await?;
-                report_variant(ctx, &r);
-                done.lock().unwrap_or_else(|p| p.into_inner()).push(r);
-                Ok(())
-            })
-            .await;
-        if let Err(e) = result {
-            ctx.progress(format!("ERROR {what}: {e:#}"));
-            errors.push(format!("{what}: {e:#}"));
-        }
+        let run = async |ctx: &mut Ctx| variant_run(ctx, variant).await;
+        done.extend(super::measure(ctx, &what, &mut errors, run, report_variant).await);
     }
-    let done = done.into_inner().unwrap_or_else(|p| p.into_inner());
     report_summary(ctx, &done);
     super::all_ok(errors)
 }

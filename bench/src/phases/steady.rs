@@ -8,7 +8,7 @@
 //! issue #13's targets: the default wake-up against poll-only for the application, and a table
 //! that stays the same size for as long as the traffic lasts.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow, bail};
@@ -188,26 +188,15 @@ pub async fn steady(ctx: &mut Ctx) -> Result<()> {
         ctx.report.note(msg);
         cases.retain(|c| *c != Case::DefaultKafka);
     }
-    let done: Mutex<Vec<RunResult>> = Mutex::default();
+    let mut done = Vec::new();
     let mut errors = Vec::new();
     for &mode in &a.steady_writers {
         for &case in &cases {
             let what = format!("steady {} / {}", mode.label(&a), case.label());
-            let result = ctx
-                .measured(&what, async |ctx: &mut Ctx| {
-                    let r = steady_run(ctx, mode, case).await?;
-                    report_run(ctx, &r);
-                    done.lock().unwrap_or_else(|p| p.into_inner()).push(r);
-                    Ok(())
-                })
-                .await;
-            if let Err(e) = result {
-                ctx.progress(format!("ERROR {what}: {e:#}"));
-                errors.push(format!("{what}: {e:#}"));
-            }
+            let run = async |ctx: &mut Ctx| steady_run(ctx, mode, case).await;
+            done.extend(super::measure(ctx, &what, &mut errors, run, report_run).await);
         }
     }
-    let done = done.into_inner().unwrap_or_else(|p| p.into_inner());
     report_summary(ctx, &done);
     super::all_ok(errors)
 }

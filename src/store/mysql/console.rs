@@ -7,7 +7,9 @@ use uuid::Uuid;
 
 use super::claim::column;
 use super::{MysqlStore, Result, parse_id, utc};
-use crate::store::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
+use crate::store::{
+    COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
+};
 
 /// The payload and headers columns, or NULLs in their place when they are hidden.
 fn payload_columns(show_payloads: bool) -> &'static str {
@@ -43,14 +45,9 @@ impl MysqlStore {
         })
     }
 
-    /// Page `page` (from 0) of `per_page` dead letters, oldest first, with the number of dead
-    /// letters (up to [`COUNT_CAP`]).
-    pub async fn dead_letter_page(
-        &self,
-        page: i64,
-        per_page: i64,
-        show_payloads: bool,
-    ) -> Result<DeadLetterPage> {
+    /// The page of dead letters `asked` for, oldest first, with the number of dead letters (up
+    /// to [`COUNT_CAP`]).
+    pub async fn dead_letter_page(&self, asked: PageRequest) -> Result<DeadLetterPage> {
         let t = self.table.qualified();
         let mut conn = self.conn().await?;
         let total: Option<i64> = conn
@@ -58,15 +55,15 @@ impl MysqlStore {
                 "SELECT COUNT(*) FROM (SELECT 1 FROM {t} WHERE status = 'failed' LIMIT {COUNT_CAP}) x"
             ))
             .await?;
-        let offset = page.saturating_mul(per_page).max(0);
+        let offset = asked.page.saturating_mul(asked.per_page).max(0);
         let rows: Vec<Row> = conn
             .exec(
                 format!(
                     "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, \
                        created_at, {} FROM {t} WHERE status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
-                    payload_columns(show_payloads)
+                    payload_columns(asked.show_payloads)
                 ),
-                (per_page.max(0), offset),
+                (asked.per_page.max(0), offset),
             )
             .await?;
         let mut out = DeadLetterPage {

@@ -49,6 +49,17 @@ pub struct DeadLetterRow {
     pub headers: Option<Vec<u8>>,
 }
 
+/// Which page of dead letters the console asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageRequest {
+    /// The page, from 0.
+    pub page: i64,
+    /// Dead letters a page.
+    pub per_page: i64,
+    /// Whether the rows carry their payloads and headers.
+    pub show_payloads: bool,
+}
+
 /// A page of dead letters and how many there are.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeadLetterPage {
@@ -159,20 +170,15 @@ impl PgStore {
         })
     }
 
-    /// Page `page` (from 0) of `per_page` dead letters, oldest first, with the number of dead
-    /// letters (up to [`COUNT_CAP`]).
-    pub async fn dead_letter_page(
-        &self,
-        page: i64,
-        per_page: i64,
-        show_payloads: bool,
-    ) -> Result<DeadLetterPage> {
+    /// The page of dead letters `asked` for, oldest first, with the number of dead letters (up
+    /// to [`COUNT_CAP`]).
+    pub async fn dead_letter_page(&self, asked: PageRequest) -> Result<DeadLetterPage> {
         let client = self.client().await?;
-        let sql = dead_letter_page_sql(&self.table().qualified(), show_payloads);
+        let sql = dead_letter_page_sql(&self.table().qualified(), asked.show_payloads);
         let stmt = client.prepare_cached(&sql).await?;
-        let offset = page.saturating_mul(per_page);
+        let offset = asked.page.saturating_mul(asked.per_page);
         let rows = client
-            .query(&stmt, &[&COUNT_CAP, &per_page, &offset])
+            .query(&stmt, &[&COUNT_CAP, &asked.per_page, &offset])
             .await?;
         let mut out = DeadLetterPage {
             total: 0,

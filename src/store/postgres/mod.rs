@@ -45,7 +45,9 @@ mod waiting;
 pub(crate) use claim::scan_window;
 pub use claim::{Claim, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
-pub use console::{COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow};
+pub use console::{
+    COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
+};
 pub use instance::LockSession;
 pub use maintenance::{Backlog, TableHealth};
 pub use observe::WriterSnapshot;
