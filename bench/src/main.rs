@@ -187,6 +187,26 @@ enum Phase {
     Console,
 }
 
+impl Phase {
+    /// Whether the phase starts the relay binary.
+    fn runs_relay(self) -> bool {
+        !matches!(
+            self,
+            Self::Db | Self::Broker | Self::Naive | Self::Insert | Self::Claim
+        )
+    }
+
+    /// Whether a run without `--only` measures it (`claim` not with `--quick`).
+    fn in_default_run(self, quick: bool) -> bool {
+        match self {
+            Self::Db | Self::Broker | Self::Naive | Self::Relay => true,
+            Self::Latency | Self::Insert | Self::Outboxes => true,
+            Self::Claim => !quick,
+            _ => false,
+        }
+    }
+}
+
 /// What the phases create, removed after each phase (and at exit, whatever happened).
 #[derive(Default)]
 struct Resources {
@@ -743,22 +763,7 @@ async fn setup(args: Args) -> Result<Ctx> {
     let extra_env = parse_relay_env(&args.relay_env)?;
     let run_id = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
     let relay_bin = outbox_testkit::relay_bin();
-    let needs_relay = args.only.is_empty()
-        || [
-            Phase::Relay,
-            Phase::Latency,
-            Phase::Outboxes,
-            Phase::Steady,
-            Phase::Nats,
-            Phase::Redis,
-            Phase::Tracing,
-            Phase::Http,
-            Phase::Retention,
-            Phase::Mysql,
-            Phase::Console,
-        ]
-        .iter()
-        .any(|p| args.only.contains(p));
+    let needs_relay = args.only.is_empty() || args.only.iter().any(|p| p.runs_relay());
     if needs_relay && !relay_bin.is_file() {
         bail!(
             "{} not found: build both binaries with `cargo build --release --workspace`",
@@ -788,40 +793,16 @@ async fn setup(args: Args) -> Result<Ctx> {
 async fn run(ctx: &mut Ctx) {
     let selected = |p: Phase| {
         if ctx.args.only.is_empty() {
-            !(p == Phase::Claim && ctx.args.quick)
-                && p != Phase::Steady
-                && p != Phase::Nats
-                && p != Phase::Redis
-                && p != Phase::Tracing
-                && p != Phase::Http
-                && p != Phase::Retention
-                && p != Phase::Mysql
-                && p != Phase::Console
+            p.in_default_run(ctx.args.quick)
         } else {
             ctx.args.only.contains(&p)
         }
     };
-    let plan: Vec<Phase> = [
-        Phase::Db,
-        Phase::Broker,
-        Phase::Naive,
-        Phase::Relay,
-        Phase::Latency,
-        Phase::Insert,
-        Phase::Claim,
-        Phase::Outboxes,
-        Phase::Steady,
-        Phase::Nats,
-        Phase::Redis,
-        Phase::Tracing,
-        Phase::Http,
-        Phase::Retention,
-        Phase::Mysql,
-        Phase::Console,
-    ]
-    .into_iter()
-    .filter(|p| selected(*p))
-    .collect();
+    let plan: Vec<Phase> = Phase::value_variants()
+        .iter()
+        .copied()
+        .filter(|p| selected(*p))
+        .collect();
     ctx.progress(format!(
         "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}",
         ctx.run_id,
