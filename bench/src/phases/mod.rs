@@ -157,6 +157,11 @@ async fn measure<R>(
     done.into_inner().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The width of a summary table's first column: its longest label's (3 when there is none).
+fn label_width<'a>(labels: impl Iterator<Item = &'a str>) -> usize {
+    labels.map(|l| l.chars().count()).max().unwrap_or(3)
+}
+
 /// `Ok` when no case failed, else every case's error.
 fn all_ok(errors: Vec<String>) -> Result<()> {
     if errors.is_empty() {

@@ -23,7 +23,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 use super::steady::{
     Health, WriterPlan, WriterStats, claim_probe, health_text, insert_sql, lag_sql, mib,
-    sample_health, start_relay, warm_up, write,
+    sample_health, start_relay, start_writing, warm_up, write, writer_clients,
 };
 use super::{cpu_per_100k, cpu_text};
 use crate::Ctx;
@@ -270,17 +270,9 @@ async fn variant_run(ctx: &mut Ctx, variant: Variant) -> Result<VariantResult> {
     warm_up(ctx, &insert_sql, &flow, &mut running).await?;
 
     let conns = a.retention_connections;
-    let mut clients = Vec::with_capacity(conns);
-    for _ in 0..conns {
-        clients.push(pg_connect(&ctx.args.database_url).await?);
-    }
-    ctx.progress(format!(
-        "retention {label}: writing for {:?} into {table}",
-        a.retention_duration
-    ));
-    let origin = Instant::now() + Duration::from_millis(200);
-    let end = origin + a.retention_duration;
-    flow.restart(origin);
+    let clients = writer_clients(ctx, conns).await?;
+    let what = format!("retention {label}");
+    let (origin, end) = start_writing(ctx, &flow, &what, &table, a.retention_duration);
     let plan = Arc::new(WriterPlan {
         sql: insert_sql,
         conns,
@@ -863,11 +855,7 @@ fn report_summary(ctx: &mut Ctx, runs: &[VariantResult]) {
     if runs.is_empty() {
         return;
     }
-    let w = runs
-        .iter()
-        .map(|r| r.label.chars().count())
-        .max()
-        .unwrap_or(3);
+    let w = super::label_width(runs.iter().map(|r| r.label.as_str()));
     let mut text = format!(
         "{:<w$} {:>8} {:>8} {:>8} {:>7} {:>15} {:>6} {:>9} {:>9} {:>4} {:>15} {:>6} {:>8}\n",
         "variant",

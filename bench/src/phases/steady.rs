@@ -502,18 +502,10 @@ async fn steady_run(ctx: &mut Ctx, mode: Writers, case: Case) -> Result<RunResul
     }
 
     let conns = a.steady_connections;
-    let mut clients = Vec::with_capacity(conns);
-    for _ in 0..conns {
-        clients.push(pg_connect(&ctx.args.database_url).await?);
-    }
+    let clients = writer_clients(ctx, conns).await?;
     let mut health = vec![sample_health(&ctx.pg, &table, Some(&probe), 0.0).await?];
-    ctx.progress(format!(
-        "steady {label}: writing for {:?} into {table}",
-        a.steady_duration
-    ));
-    let origin = Instant::now() + Duration::from_millis(200);
-    let end = origin + a.steady_duration;
-    flow.restart(origin);
+    let what = format!("steady {label}");
+    let (origin, end) = start_writing(ctx, &flow, &what, &table, a.steady_duration);
     let plan = Arc::new(WriterPlan {
         sql: insert_sql,
         conns,
@@ -703,6 +695,30 @@ pub(super) async fn warm_up(
 
 // ---------------------------------------------------------------------------------------------
 // The application's writers
+
+/// `conns` connections to `--database-url` for the writers.
+pub(super) async fn writer_clients(ctx: &Ctx, conns: usize) -> Result<Vec<Client>> {
+    let mut clients = Vec::with_capacity(conns);
+    for _ in 0..conns {
+        clients.push(pg_connect(&ctx.args.database_url).await?);
+    }
+    Ok(clients)
+}
+
+/// Says that run `what`'s writers write into `table` for `duration`; returns when they start
+/// (in 200 ms, which `flow` counts from) and when they end.
+pub(super) fn start_writing(
+    ctx: &Ctx,
+    flow: &Flow,
+    what: &str,
+    table: &str,
+    duration: Duration,
+) -> (Instant, Instant) {
+    ctx.progress(format!("{what}: writing for {duration:?} into {table}"));
+    let origin = Instant::now() + Duration::from_millis(200);
+    flow.restart(origin);
+    (origin, origin + duration)
+}
 
 /// What every writer connection does.
 pub(super) struct WriterPlan {
@@ -1169,11 +1185,7 @@ type Metric = (&'static str, fn(&RunResult) -> f64);
 /// The side-by-side table, and per writer mode the ratios of issue #13's targets (default /
 /// poll-only: commits/s ≥ 0.95, commit p99 ≤ 1.1) and each against no relay.
 fn report_summary(ctx: &mut Ctx, runs: &[RunResult]) {
-    let w = runs
-        .iter()
-        .map(|r| r.label.chars().count())
-        .max()
-        .unwrap_or(3);
+    let w = super::label_width(runs.iter().map(|r| r.label.as_str()));
     let mut text = format!(
         "{:<w$} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>7} {:>17} {:>20} {:>13} {:>8}\n",
         "run",
