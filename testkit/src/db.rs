@@ -175,7 +175,7 @@ pub async fn migrate_table(table: &str) -> Vec<i32> {
     migrate_table_at(PG_URL, table).await
 }
 
-/// [`migrate_table`] on the database at `url`.
+/// [`migrate_table`] on the database at `url` (PostgreSQL or MySQL).
 pub async fn migrate_table_at(url: &str, table: &str) -> Vec<i32> {
     let out = RelayBuilder::operator(table)
         .set("database.url", url)

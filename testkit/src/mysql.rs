@@ -6,7 +6,6 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
 
 use chrono::{DateTime, NaiveDateTime, Utc};
 use mysql_async::prelude::Queryable;
@@ -15,7 +14,6 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use crate::db::{Inserted, NewRow, RowState};
-use crate::process::RelayBuilder;
 use crate::{hex8, slug};
 
 /// The local MariaDB/MySQL server's test database, as root.
@@ -94,17 +92,7 @@ impl MysqlTable {
         if !GC_DONE.swap(true, Ordering::SeqCst) {
             collect_old_tables(&mut conn).await;
         }
-        let out = RelayBuilder::bare(&name)
-            .set("database.url", MYSQL_URL)
-            .set("database.table", &name)
-            .output(&["migrate"], Duration::from_secs(60))
-            .await;
-        assert!(
-            out.status.success(),
-            "outbox-relay migrate {name} on MySQL failed: {}\n{}",
-            out.stdout,
-            out.stderr
-        );
+        crate::db::migrate_table_at(MYSQL_URL, &name).await;
         Self {
             name,
             conn: Mutex::new(conn),
