@@ -654,7 +654,8 @@ pub fn dead_letter_items(d: &DeadLetters<'_>) -> String {
         return "<li class=\"empty\">No dead letters in this outbox.</li>".to_owned();
     }
     let mut out = String::new();
-    for r in d.rows {
+    for row in d.rows {
+        let r = &row.letter;
         let id = r.id.to_string();
         let aggregate = match &r.aggregate_id {
             Some(a) => format!("{} / {}", r.aggregate_type, a),
@@ -685,8 +686,8 @@ pub fn dead_letter_items(d: &DeadLetters<'_>) -> String {
             created = time(r.created_at),
         );
         out.push_str(&payload_blocks(
-            r.payload.as_deref(),
-            r.headers.as_deref(),
+            row.payload.as_deref(),
+            row.headers.as_deref(),
             d.show_payloads,
         ));
         if d.actions {

@@ -6,6 +6,7 @@ use mysql_async::prelude::Queryable;
 use uuid::Uuid;
 
 use super::claim::column;
+use super::operator::dead_letter;
 use super::{MysqlStore, Result, parse_id, utc};
 use crate::store::{
     COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
@@ -59,8 +60,9 @@ impl MysqlStore {
         let rows: Vec<Row> = conn
             .exec(
                 format!(
-                    "SELECT id, aggregate_type, aggregate_id, event_type, attempts, last_error, \
-                       created_at, {} FROM {t} WHERE status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
+                    "SELECT id, seq, aggregate_type, aggregate_id, event_type, attempts, \
+                       last_error, created_at, available_at, {} FROM {t} \
+                     WHERE status = 'failed' ORDER BY seq LIMIT ? OFFSET ?",
                     payload_columns(asked.show_payloads)
                 ),
                 (asked.per_page.max(0), offset),
@@ -71,17 +73,10 @@ impl MysqlStore {
             rows: Vec::with_capacity(rows.len()),
         };
         for mut r in rows {
-            let id: String = column(&mut r, 0, "id")?;
             out.rows.push(DeadLetterRow {
-                id: parse_id(&id)?,
-                aggregate_type: column(&mut r, 1, "aggregate_type")?,
-                aggregate_id: column(&mut r, 2, "aggregate_id")?,
-                event_type: column(&mut r, 3, "event_type")?,
-                attempts: column(&mut r, 4, "attempts")?,
-                last_error: column(&mut r, 5, "last_error")?,
-                created_at: utc(column(&mut r, 6, "created_at")?),
-                payload: column(&mut r, 7, "payload")?,
-                headers: column(&mut r, 8, "headers")?,
+                letter: dead_letter(&mut r)?,
+                payload: column(&mut r, 9, "payload")?,
+                headers: column(&mut r, 10, "headers")?,
             });
         }
         Ok(out)

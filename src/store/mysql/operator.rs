@@ -134,6 +134,24 @@ impl OperatorSql {
     }
 }
 
+/// The dead letter in `r`'s first columns: id, seq, aggregate type, aggregate id, event type,
+/// attempts, last error, created at, available at (the console's page reads the same columns
+/// first).
+pub(super) fn dead_letter(r: &mut Row) -> Result<DeadLetter> {
+    let id: String = column(r, 0, "id")?;
+    Ok(DeadLetter {
+        id: parse_id(&id)?,
+        seq: column(r, 1, "seq")?,
+        aggregate_type: column(r, 2, "aggregate_type")?,
+        aggregate_id: column(r, 3, "aggregate_id")?,
+        event_type: column(r, 4, "event_type")?,
+        attempts: column(r, 5, "attempts")?,
+        last_error: column(r, 6, "last_error")?,
+        created_at: utc(column(r, 7, "created_at")?),
+        available_at: utc(column(r, 8, "available_at")?),
+    })
+}
+
 impl MysqlStore {
     /// Counts by status, overall and per aggregate type.
     pub async fn status(&self) -> Result<StatusReport> {
@@ -170,22 +188,7 @@ impl MysqlStore {
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetter>> {
         let mut conn = self.conn().await?;
         let rows: Vec<Row> = conn.exec(&self.q.operator.dead_letters, (limit,)).await?;
-        rows.into_iter()
-            .map(|mut r| {
-                let id: String = column(&mut r, 0, "id")?;
-                Ok(DeadLetter {
-                    id: parse_id(&id)?,
-                    seq: column(&mut r, 1, "seq")?,
-                    aggregate_type: column(&mut r, 2, "aggregate_type")?,
-                    aggregate_id: column(&mut r, 3, "aggregate_id")?,
-                    event_type: column(&mut r, 4, "event_type")?,
-                    attempts: column(&mut r, 5, "attempts")?,
-                    last_error: column(&mut r, 6, "last_error")?,
-                    created_at: utc(column(&mut r, 7, "created_at")?),
-                    available_at: utc(column(&mut r, 8, "available_at")?),
-                })
-            })
-            .collect()
+        rows.into_iter().map(|mut r| dead_letter(&mut r)).collect()
     }
 
     /// Sets dead letters back to `pending` with attempts reset (keeping `last_error`); returns

@@ -9,7 +9,8 @@ use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
 use super::claim::RawBytes;
-use super::{PgStore, Result};
+use super::operator::dead_letter;
+use super::{DeadLetter, PgStore, Result};
 
 /// The largest count the console reads exactly; past it a count shows as "at least".
 pub const COUNT_CAP: i64 = 100_000;
@@ -26,23 +27,12 @@ pub struct ConsoleCounts {
     pub expired: i64,
 }
 
-/// One dead letter as the console lists it.
+/// One dead letter as the console lists it: what `dead-letters list` shows, and its payload
+/// and headers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DeadLetterRow {
-    /// Row id.
-    pub id: Uuid,
-    /// Aggregate type.
-    pub aggregate_type: String,
-    /// Aggregate id.
-    pub aggregate_id: Option<String>,
-    /// Event type.
-    pub event_type: String,
-    /// Attempts used.
-    pub attempts: i32,
-    /// The last failure.
-    pub last_error: Option<String>,
-    /// Insert time.
-    pub created_at: DateTime<Utc>,
+    /// The dead letter.
+    pub letter: DeadLetter,
     /// The payload's bytes (`None` when the console hides payloads).
     pub payload: Option<Vec<u8>>,
     /// The headers' JSON text (`None` when the console hides payloads).
@@ -133,12 +123,12 @@ fn counts_sql(t: &str) -> String {
 fn dead_letter_page_sql(t: &str, show_payloads: bool) -> String {
     let payload = payload_columns(show_payloads);
     format!(
-        "SELECT n.total, d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.attempts, \
-           d.last_error, d.created_at, d.p, d.h \
+        "SELECT n.total, d.id, d.seq, d.aggregate_type, d.aggregate_id, d.event_type, \
+           d.attempts, d.last_error, d.created_at, d.available_at, d.p, d.h \
          FROM (SELECT count(*) AS total FROM (SELECT 1 FROM {t} WHERE status = 'failed' LIMIT $1) c) n \
          LEFT JOIN LATERAL ( \
            SELECT id, seq, aggregate_type, aggregate_id, event_type, attempts, last_error, \
-             created_at, {payload} \
+             created_at, available_at, {payload} \
            FROM {t} WHERE status = 'failed' ORDER BY seq LIMIT $2 OFFSET $3) d ON true \
          ORDER BY d.seq"
     )
@@ -186,19 +176,13 @@ impl PgStore {
         };
         for r in rows {
             out.total = r.try_get(0)?;
-            let Some(id) = r.try_get::<_, Option<Uuid>>(1)? else {
+            if r.try_get::<_, Option<Uuid>>(1)?.is_none() {
                 continue; // the page is past the last dead letter
-            };
+            }
             out.rows.push(DeadLetterRow {
-                id,
-                aggregate_type: r.try_get(2)?,
-                aggregate_id: r.try_get(3)?,
-                event_type: r.try_get(4)?,
-                attempts: r.try_get(5)?,
-                last_error: r.try_get(6)?,
-                created_at: r.try_get(7)?,
-                payload: r.try_get::<_, Option<RawBytes>>(8)?.map(|b| b.0),
-                headers: r.try_get::<_, Option<RawBytes>>(9)?.map(|b| b.0),
+                letter: dead_letter(&r, 1)?,
+                payload: r.try_get::<_, Option<RawBytes>>(10)?.map(|b| b.0),
+                headers: r.try_get::<_, Option<RawBytes>>(11)?.map(|b| b.0),
             });
         }
         Ok(out)

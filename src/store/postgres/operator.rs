@@ -109,6 +109,23 @@ pub struct DeadLetter {
     pub available_at: DateTime<Utc>,
 }
 
+/// The dead letter in `r`'s columns from `first` on: id, seq, aggregate type, aggregate id,
+/// event type, attempts, last error, created at, available at (the console's page reads the
+/// same columns after its count).
+pub(super) fn dead_letter(r: &tokio_postgres::Row, first: usize) -> Result<DeadLetter> {
+    Ok(DeadLetter {
+        id: r.try_get(first)?,
+        seq: r.try_get(first + 1)?,
+        aggregate_type: r.try_get(first + 2)?,
+        aggregate_id: r.try_get(first + 3)?,
+        event_type: r.try_get(first + 4)?,
+        attempts: r.try_get(first + 5)?,
+        last_error: r.try_get(first + 6)?,
+        created_at: r.try_get(first + 7)?,
+        available_at: r.try_get(first + 8)?,
+    })
+}
+
 /// Which dead letters an operator command applies to.
 #[derive(Debug, Clone)]
 pub enum Selection {
@@ -219,21 +236,7 @@ impl PgStore {
         let rows = client
             .query(&self.q.operator.dead_letters, &[&limit])
             .await?;
-        rows.iter()
-            .map(|r| {
-                Ok(DeadLetter {
-                    id: r.try_get(0)?,
-                    seq: r.try_get(1)?,
-                    aggregate_type: r.try_get(2)?,
-                    aggregate_id: r.try_get(3)?,
-                    event_type: r.try_get(4)?,
-                    attempts: r.try_get(5)?,
-                    last_error: r.try_get(6)?,
-                    created_at: r.try_get(7)?,
-                    available_at: r.try_get(8)?,
-                })
-            })
-            .collect()
+        rows.iter().map(|r| dead_letter(r, 0)).collect()
     }
 
     /// Sets dead letters back to `pending` with attempts reset (keeping `last_error`); returns
