@@ -410,7 +410,7 @@ impl Relay {
                 }
                 if !hand_back.is_empty() {
                     let store = &self.store;
-                    store.bounded(store.release(&hand_back)).await?;
+                    store.bounded(store.hand_back(&hand_back)).await?;
                     hand_back.clear();
                 }
                 Ok::<(), StoreError>(())
@@ -604,7 +604,7 @@ impl<'a> Dispatch<'a> {
         let lease = relay.settings.relay.lease_timeout;
         let store = &relay.store;
         match store
-            .bounded(store.release_unheld(&relay.held.ids(), lease))
+            .bounded(store.hand_back_unheld(&relay.held.ids(), lease))
             .await
         {
             Ok(handed_back) => {
@@ -973,7 +973,7 @@ impl ObserveSkip {
 }
 
 /// When to hand back the rows a claim may have committed to this relay though its answer was
-/// lost ([`Store::release_unheld`]): before the next claim after such a claim, then every
+/// lost ([`Store::hand_back_unheld`]): before the next claim after such a claim, then every
 /// [`HAND_BACK_AGAIN_EVERY`] for `database.query_timeout` after that first hand-back (a claim
 /// the database had not read yet, in a stalled connection, commits when it answers again).
 /// Another lost answer meanwhile starts that period afresh.

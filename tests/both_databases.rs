@@ -6,8 +6,9 @@
 //! aggregate; a long transaction on another table holding nothing back; the broker's and the
 //! database's connections cut by a proxy without an attempt spent; dead letters, `status`,
 //! the gauges and `dead-letters retry`; the backlog gauges while the broker is unreachable;
-//! expiry; the documented roles; one relay per instance id (a second refused, a lost lock
-//! waited out); and one relay serving a PostgreSQL and a MySQL outbox.
+//! the ready age as a claim sees it; expiry; the documented roles; one relay per instance id
+//! (a second refused, a lost lock waited out); and one relay serving a PostgreSQL and a
+//! MySQL outbox.
 //!
 //! The real binary against the real services, each test on its own table and exchange (and
 //! roles, proxies, metrics port).
@@ -27,6 +28,7 @@ use common::{
     hex8, http_get, local, not_sent_cleanly, not_sent_once, on_both_databases, sample, scrape,
     sigkill_while_holding_rows, wait_for_count, wait_for_sample, wait_until,
 };
+use outbox_relay::config::Ordering;
 use outbox_relay::telemetry::names;
 use rand::seq::SliceRandom;
 use serde_json::{Value, json};
@@ -46,6 +48,7 @@ on_both_databases!(
     a_database_cut_spends_no_attempt_and_loses_nothing,
     dead_letters_are_counted_shown_and_retried_in_order,
     rows_waiting_for_an_unreachable_broker_show_in_the_backlog_gauges,
+    the_ready_age_counts_only_rows_a_claim_would_take_now,
     a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate,
     the_documented_roles_are_enough_for_the_application_and_the_relay,
     a_second_relay_with_the_same_instance_id_refuses_to_start,
@@ -675,6 +678,88 @@ async fn rows_waiting_for_an_unreachable_broker_show_in_the_backlog_gauges(db: D
         "nothing was claimed"
     );
     relay.stop().await;
+    outbox.drop_table().await;
+}
+
+/// `secs` from now (negative: ago) as an SQL timestamp expression of `db`.
+fn from_now(db: Db, secs: f64) -> String {
+    match db {
+        Db::Postgres => format!("now() + make_interval(secs => {secs})"),
+        Db::Mysql => format!("TIMESTAMPADD(MICROSECOND, {}, NOW(6))", (secs * 1e6) as i64),
+    }
+}
+
+/// Inserts a row of aggregate `order`/`id` in `status`, created `age` seconds ago and ready
+/// `ready_in` seconds from now (negative: since then); a `failed` row has 5 attempts.
+async fn insert_state(outbox: &TestOutbox, id: &str, status: &str, age: f64, ready_in: f64) {
+    let (attempts, error) = match status {
+        "failed" => (5, "'rejected'"),
+        _ => (0, "NULL"),
+    };
+    outbox
+        .exec(&format!(
+            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, status, \
+               attempts, last_error, created_at, available_at) \
+             VALUES ('order', '{id}', 'gauge.event', '{{\"gauge\": true}}', '{status}', \
+               {attempts}, {error}, {}, {})",
+            outbox.name(),
+            from_now(outbox.db(), -age),
+            from_now(outbox.db(), ready_in),
+        ))
+        .await;
+}
+
+/// The ready age (the lag alerts use) counts only rows a claim would take now: with ordering
+/// `aggregate` no row behind a dead letter, behind a row in flight or behind its own head
+/// backing off; a row's age counts from the end of its backoff. The store's own figures.
+async fn the_ready_age_counts_only_rows_a_claim_would_take_now(db: Db) {
+    let outbox = TestOutbox::new(db, &format!("{}_ready_age", db.tag())).await;
+    // A dead letter with two followers ready for 600 s: its aggregate is blocked.
+    insert_state(&outbox, "dead", "failed", 900.0, -900.0).await;
+    insert_state(&outbox, "dead", "pending", 600.0, -600.0).await;
+    insert_state(&outbox, "dead", "pending", 600.0, -600.0).await;
+    // Behind a row in flight (another relay's) for 400 s.
+    insert_state(&outbox, "busy", "processing", 450.0, -450.0).await;
+    insert_state(&outbox, "busy", "pending", 400.0, -400.0).await;
+    // Behind its own head backing off for another 300 s.
+    insert_state(&outbox, "slow", "pending", 350.0, 300.0).await;
+    insert_state(&outbox, "slow", "pending", 300.0, -300.0).await;
+    let mut raw = outbox_relay::config::RawConfig::default();
+    raw.database.url = db.url().to_owned();
+    raw.database.table = Some(outbox.name().to_owned());
+    raw.metrics.listen = String::new();
+    let config = raw.validate().unwrap();
+    let store = outbox_relay::store::Store::new(&config.database, "gauges").unwrap();
+    let backlog = |ordering| {
+        let store = &store;
+        async move { store.backlog(ordering).await.unwrap() }
+    };
+    let ordered = backlog(Ordering::Aggregate).await;
+    assert_eq!(
+        ordered.oldest_ready_age, 0.0,
+        "nothing is claimable: {ordered:?}"
+    );
+    assert_eq!(
+        (ordered.failed, ordered.blocked_aggregates),
+        (1, 1),
+        "{ordered:?}"
+    );
+    assert_eq!((ordered.ready, ordered.waiting), (4, 1), "{ordered:?}");
+    assert!(
+        (ordered.oldest_waiting_age - 350.0).abs() < 5.0,
+        "{ordered:?}"
+    );
+    assert!(
+        (ordered.oldest_pending_age - 600.0).abs() < 5.0,
+        "{ordered:?}"
+    );
+    // Without ordering every ready row is claimable: the oldest has waited 600 s.
+    let none = backlog(Ordering::None).await;
+    assert!((none.oldest_ready_age - 600.0).abs() < 5.0, "{none:?}");
+    // A claimable row, ready for 20 s since its backoff ended: the ready age is its own.
+    insert_state(&outbox, "free", "pending", 100.0, -20.0).await;
+    let ordered = backlog(Ordering::Aggregate).await;
+    assert!((ordered.oldest_ready_age - 20.0).abs() < 5.0, "{ordered:?}");
     outbox.drop_table().await;
 }
 

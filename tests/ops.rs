@@ -409,48 +409,6 @@ fn store_for(table: &TestTable) -> Store {
     Store::new(&config.database, &config.relay.instance_id).unwrap()
 }
 
-#[tokio::test]
-async fn the_ready_age_counts_only_rows_a_claim_would_take_now() {
-    let table = ops_table().await;
-    let rows = [
-        // (A row's ready age counts from its `available_at`.) A dead letter with two followers
-        // ready for 600 s: its aggregate is blocked, nothing
-        // of it can be claimed.
-        state_row("order", Some("dead"), "failed", 900.0).failed_after(5, "rejected"),
-        state_row("order", Some("dead"), "pending", 600.0).available_in(-600.0),
-        state_row("order", Some("dead"), "pending", 600.0).available_in(-600.0),
-        // Behind a row in flight (another relay's) for 400 s: not claimable either.
-        state_row("order", Some("busy"), "processing", 450.0),
-        state_row("order", Some("busy"), "pending", 400.0).available_in(-400.0),
-        // Behind its own head backing off: that head is waiting, its follower is not claimable.
-        state_row("order", Some("slow"), "pending", 350.0).available_in(300.0),
-        state_row("order", Some("slow"), "pending", 300.0).available_in(-300.0),
-    ];
-    insert_states(&table, &rows).await;
-    let store = store_for(&table);
-    let b = store.backlog(Ordering::Aggregate).await.unwrap();
-    assert_eq!(b.oldest_ready_age, 0.0, "nothing is claimable: {b:?}");
-    assert_eq!((b.failed, b.blocked_aggregates), (1, 1), "{b:?}");
-    assert_eq!(
-        (b.ready, b.waiting),
-        (4, 1),
-        "ready counts rows not backing off: {b:?}"
-    );
-    // Without ordering every ready row is claimable: the oldest has waited 600 s.
-    let none = store.backlog(Ordering::None).await.unwrap();
-    assert!((none.oldest_ready_age - 600.0).abs() < 5.0, "{none:?}");
-
-    // A claimable row: the ready age is its own, not the blocked rows'.
-    insert_states(
-        &table,
-        &[state_row("order", Some("free"), "pending", 20.0).available_in(-20.0)],
-    )
-    .await;
-    let b = store.backlog(Ordering::Aggregate).await.unwrap();
-    assert!((b.oldest_ready_age - 20.0).abs() < 5.0, "{b:?}");
-    table.drop_table().await;
-}
-
 // ---- table health ------------------------------------------------------------------------------
 
 #[tokio::test]

@@ -370,18 +370,6 @@ impl Store {
         either!(self, s => s.hand_back_unheld(held, lease).await)
     }
 
-    /// [`Store::hand_back`] by its former name, kept only until `relay.rs` calls it by the new
-    /// one ("release" is the lease task's word for no longer renewing a lease).
-    pub async fn release(&self, ids: &[Uuid]) -> Result<u64> {
-        self.hand_back(ids).await
-    }
-
-    /// [`Store::hand_back_unheld`] by its former name, kept only until `relay.rs` calls it by
-    /// the new one.
-    pub async fn release_unheld(&self, held: &[Uuid], lease: Duration) -> Result<u64> {
-        self.hand_back_unheld(held, lease).await
-    }
-
     /// Renews this relay's leases on `ids`.
     pub async fn heartbeat(&self, ids: &[Uuid]) -> Result<u64> {
         either!(self, s => s.heartbeat(ids).await)

@@ -1,12 +1,4 @@
-SELECT CAST((
-    SELECT COUNT(*)
-    FROM outbox_messages
-    WHERE status = 'pending'
-    AND available_at <= NOW(6)) AS SIGNED), CAST((
-    SELECT COUNT(*)
-    FROM outbox_messages
-    WHERE status = 'pending'
-    AND available_at > NOW(6)) AS SIGNED), COALESCE(TIMESTAMPDIFF(MICROSECOND, LEAST(COALESCE((
+SELECT CAST(COALESCE(SUM(available_at <= NOW(6)), 0) AS SIGNED), CAST(COALESCE(SUM(available_at > NOW(6)), 0) AS SIGNED), COALESCE(TIMESTAMPDIFF(MICROSECOND, LEAST(COALESCE((
           SELECT created_at
           FROM outbox_messages
           WHERE status = 'pending'
@@ -31,14 +23,8 @@ SELECT CAST((
         WHERE e.aggregate_type = f.aggregate_type
         AND e.aggregate_id = f.aggregate_id
         AND e.status IN ('pending', 'processing', 'failed')
-        AND e.seq < f.seq)) b) AS SIGNED), COALESCE(TIMESTAMPDIFF(MICROSECOND, (
-      SELECT MIN(GREATEST(c.created_at, c.available_at))
-      FROM outbox_messages c
-      WHERE c.status = 'pending'
-      AND c.available_at <= NOW(6)
-      AND (c.expires_at IS NULL
-        OR c.expires_at > NOW(6)) ), NOW(6)) / 1e6, 0e0), COALESCE(TIMESTAMPDIFF(MICROSECOND, (
-      SELECT MIN(created_at)
-      FROM outbox_messages
-      WHERE status = 'pending'
-      AND available_at > NOW(6)), NOW(6)) / 1e6, 0e0)
+        AND e.seq < f.seq)) b) AS SIGNED), COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(CASE WHEN available_at <= NOW(6)
+      AND (expires_at IS NULL
+        OR expires_at > NOW(6)) THEN GREATEST(created_at, available_at) END), NOW(6)) / 1e6, 0e0), COALESCE(TIMESTAMPDIFF(MICROSECOND, MIN(CASE WHEN available_at > NOW(6) THEN created_at END), NOW(6)) / 1e6, 0e0)
+FROM outbox_messages
+WHERE status = 'pending'
