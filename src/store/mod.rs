@@ -307,7 +307,7 @@ impl Store {
                 s.claim_and_expire(ordering, limit, watermark, sweep, parts)
                     .await
             }
-            Self::Mysql(s) => s.claim_and_expire(ordering, limit, sweep, parts).await,
+            Self::Mysql(s) => s.claim_and_expire(ordering, limit, sweep).await,
         }
     }
 

@@ -25,7 +25,7 @@ use mysql_async::{Row, Transaction, TxOpts};
 use super::{MysqlStore, Result, StoreError, parse_id, seq_list, utc};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
-use crate::store::postgres::{scan_window, split};
+use crate::store::postgres::scan_window;
 use crate::store::{Claim, Expired, ExpirySweep};
 
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them.
@@ -617,105 +617,46 @@ impl MysqlStore {
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
     /// up to `limit` ready rows in one transaction; with [`Ordering::Aggregate`], only rows
     /// whose aggregate has no open row before them but rows claimed with them.
-    ///
-    /// With ordering `none` and `parts` above 1 the claim is split into up to that many
-    /// transactions run at once, each on its own connection (as many as the pool has free
-    /// right now) for its share of `limit`, skipping each other's locked rows: one claim keeps
-    /// one server thread busy, and a backlog drains faster when the server's other cores help.
-    /// An ordered claim is never split (its guard reads the queue's front as one). The rows
-    /// come back in `seq` order either way.
     pub async fn claim_and_expire(
         &self,
         ordering: Ordering,
         limit: usize,
         sweep: ExpirySweep,
-        parts: usize,
     ) -> Result<Claim> {
         let mut conn = self.conn().await?;
-        let extra = match ordering {
-            Ordering::None => self.conns_if_free(parts.clamp(1, limit.max(1)) - 1).await,
-            Ordering::Aggregate => Vec::new(),
-        };
-        let shares = split(limit, 1 + extra.len());
-        let first = self.claim_first(&mut conn, ordering, (shares[0], limit), sweep);
-        let others = futures::future::join_all(
-            extra
-                .into_iter()
-                .zip(&shares[1..])
-                .map(|(conn, &share)| self.claim_part(conn, share)),
-        );
-        let (first, others) = tokio::join!(first, others);
-        claim_of(first, others, &shares)
-    }
-
-    /// Up to `n` pooled connections that are free now, without waiting for one.
-    async fn conns_if_free(&self, n: usize) -> Vec<mysql_async::Conn> {
-        let mut free = Vec::with_capacity(n);
-        while free.len() < n {
-            match tokio::time::timeout(FREE_NOW, self.conn()).await {
-                Ok(Ok(c)) => free.push(c),
-                _ => break,
-            }
-        }
-        free
-    }
-
-    /// The expiry sweep and the claim's first part (all of it unless split: `share` of
-    /// `limit`) in one transaction on `conn`.
-    async fn claim_first(
-        &self,
-        conn: &mut mysql_async::Conn,
-        ordering: Ordering,
-        (share, limit): (usize, usize),
-        sweep: ExpirySweep,
-    ) -> Result<(Vec<OutboxMessage>, Vec<Expired>)> {
         let mut tx = conn.start_transaction(TxOpts::default()).await?;
         let expired = match sweep {
             ExpirySweep::Skip => Vec::new(),
             sweep => self.sweep(&mut tx, sweep, limit).await?,
         };
+        let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = match ordering {
-            Ordering::None => self.take_unordered(&mut tx, share).await?,
-            Ordering::Aggregate => self.claim_ordered(&mut tx, share).await?,
+            Ordering::None => {
+                let rows: Vec<Row> = tx.exec(&self.q.claim.ready_rows, (limit_i,)).await?;
+                let mut rows = rows
+                    .into_iter()
+                    .map(message_of)
+                    .collect::<Result<Vec<_>>>()?;
+                let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+                if !seqs.is_empty() {
+                    let by = literal(&self.instance_id);
+                    tx.query_drop(self.q.claim.mark_claimed(&seqs, &by)).await?;
+                }
+                for r in &mut rows {
+                    r.attempts += 1;
+                }
+                rows
+            }
+            Ordering::Aggregate => self.claim_ordered(&mut tx, limit).await?,
         };
         tx.commit().await?;
-        Ok((rows, expired))
-    }
-
-    /// Another part of a split claim without ordering: up to `share` rows on `conn`.
-    async fn claim_part(
-        &self,
-        mut conn: mysql_async::Conn,
-        share: usize,
-    ) -> Result<Vec<OutboxMessage>> {
-        let mut tx = conn.start_transaction(TxOpts::default()).await?;
-        let rows = self.take_unordered(&mut tx, share).await?;
-        tx.commit().await?;
-        Ok(rows)
-    }
-
-    /// The claim without ordering inside `tx`: up to `limit` ready rows in `seq` order (those
-    /// another transaction holds skipped), marked claimed.
-    async fn take_unordered(
-        &self,
-        tx: &mut Transaction<'_>,
-        limit: usize,
-    ) -> Result<Vec<OutboxMessage>> {
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows: Vec<Row> = tx.exec(&self.q.claim.ready_rows, (limit,)).await?;
-        let mut rows = rows
-            .into_iter()
-            .map(message_of)
-            .collect::<Result<Vec<_>>>()?;
-        let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
-        if !seqs.is_empty() {
-            let by = literal(&self.instance_id);
-            tx.query_drop(self.q.claim.mark_claimed(&seqs, &by)).await?;
-        }
-        for r in &mut rows {
-            r.attempts += 1;
-        }
-        Ok(rows)
+        Ok(Claim {
+            more: rows.len() >= limit,
+            rows,
+            expired,
+            uneven: false,
+            answer_lost: false,
+        })
     }
 
     /// The ordered claim inside `tx` (see [`ClaimSql::take_ordered`]).
@@ -805,54 +746,6 @@ impl MysqlStore {
         msg.attempts += 1;
         Ok(Some(msg))
     }
-}
-
-/// How long a split claim waits for each further connection before it starts with fewer.
-const FREE_NOW: std::time::Duration = std::time::Duration::from_millis(2);
-
-/// The claim the parts of a split claim (the first with the expiry sweep) add up to. A part
-/// that failed while another claimed rows is a warning: those rows are this relay's now and go
-/// out; the next round retries the rest. More rows are likely ready when any part filled its
-/// share.
-fn claim_of(
-    first: Result<(Vec<OutboxMessage>, Vec<Expired>)>,
-    others: Vec<Result<Vec<OutboxMessage>>>,
-    shares: &[usize],
-) -> Result<Claim> {
-    let mut rows = Vec::new();
-    let mut expired = Vec::new();
-    let mut more = false;
-    let mut failed = None;
-    let parts = std::iter::once(first.map(|(rows, exp)| {
-        expired = exp;
-        rows
-    }))
-    .chain(others);
-    for (part, &share) in parts.zip(shares) {
-        match part {
-            Ok(part) => {
-                more |= part.len() >= share;
-                rows.extend(part);
-            }
-            Err(e) => failed = Some(e),
-        }
-    }
-    let answer_lost = match failed {
-        Some(e) if rows.is_empty() => return Err(e),
-        Some(e) => {
-            tracing::warn!(error = %e, claimed = rows.len(), "part of a split claim failed; publishing what the other parts claimed");
-            e.answer_may_be_lost()
-        }
-        None => false,
-    };
-    rows.sort_unstable_by_key(|m| m.seq);
-    Ok(Claim {
-        rows,
-        expired,
-        more,
-        uneven: false,
-        answer_lost,
-    })
 }
 
 /// Whether `e` is `NOWAIT` meeting a locked row (MySQL 3572, MariaDB 1205).

@@ -87,7 +87,7 @@ pub struct Claim {
 const SCAN_SLACK: i64 = 100;
 
 /// `limit` rows in `parts` shares as even as can be (the first ones one larger).
-pub(crate) fn split(limit: usize, parts: usize) -> Vec<usize> {
+fn split(limit: usize, parts: usize) -> Vec<usize> {
     (0..parts)
         .map(|k| limit / parts + usize::from(k < limit % parts))
         .collect()
