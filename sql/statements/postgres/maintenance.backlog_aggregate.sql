@@ -27,7 +27,12 @@ SELECT p.ready, p.waiting, (
       AND e.seq < f.seq)) b), (
   SELECT coalesce(extract(epoch
       FROM now() - min(greatest(c.created_at, c.available_at))), 0)::float8
-  FROM outbox_messages c
+  FROM (
+    SELECT seq, status, aggregate_type, aggregate_id, created_at, available_at, expires_at
+    FROM outbox_messages
+    WHERE status = 'pending'
+    ORDER BY seq
+    LIMIT 5000) c
   WHERE c.status = 'pending'
   AND c.available_at <= now()
   AND (c.expires_at IS NULL
