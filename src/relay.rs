@@ -27,7 +27,7 @@ use crate::message::OutboxMessage;
 use crate::publish::envelope::EnvelopeConfig;
 use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
-use crate::store::{Expired, ExpirySweep, Failure, OnConfirm, Store, StoreError};
+use crate::store::{ClaimRequest, Expired, ExpirySweep, Failure, OnConfirm, Store, StoreError};
 use crate::tasks::instance::LockHeld;
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
@@ -760,7 +760,13 @@ impl<'a> Dispatch<'a> {
         let parts = self.split.parts(self.refill.backlog(), limit, now);
         let store = &relay.store;
         let claimed = store
-            .bounded(store.claim_and_expire(settings.relay.ordering, limit, mark, sweep, parts))
+            .bounded(store.claim_and_expire(ClaimRequest {
+                ordering: settings.relay.ordering,
+                limit,
+                watermark: mark,
+                sweep,
+                parts,
+            }))
             .await;
         let (rows, expired, more) = match claimed {
             Ok(claim) => {

@@ -37,7 +37,7 @@ use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
 use outbox_relay::config::{Config, Ordering, RawConfig};
 use outbox_relay::publish::{ConnectError, Outcome, Publisher, envelope::EnvelopeConfig};
-use outbox_relay::store::{Claim, ExpirySweep, Store};
+use outbox_relay::store::{Claim, ClaimRequest, ExpirySweep, Store};
 use outbox_relay::{PublisherFactory, RunError, message::OutboxMessage, run_with};
 use serde_json::json;
 use tokio::{sync::Semaphore, task::JoinHandle};
@@ -317,7 +317,13 @@ fn now_plus(db: Db, seconds: i64) -> String {
 async fn claim(config: &Config, ordering: Ordering, limit: usize, parts: usize) -> Claim {
     let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
     let sweep = ExpirySweep::Skip;
-    let claim = store.claim_and_expire(ordering, limit, i64::MAX, sweep, parts);
+    let claim = store.claim_and_expire(ClaimRequest {
+        ordering,
+        limit,
+        watermark: i64::MAX,
+        sweep,
+        parts,
+    });
     claim.await.unwrap()
 }
 

@@ -18,8 +18,9 @@ pub use instance::{LockHolder, LockSession, SessionId};
 
 pub use postgres::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use postgres::{
-    Backlog, Claim, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure, OnConfirm, SchemaPlan,
-    SchemaState, Selection, StatusCounts, StatusReport, TableHealth, WriterSnapshot,
+    Backlog, Claim, ClaimRequest, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure,
+    OnConfirm, SchemaPlan, SchemaState, Selection, StatusCounts, StatusReport, TableHealth,
+    WriterSnapshot,
 };
 pub use postgres::{
     COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
@@ -292,22 +293,15 @@ impl Store {
         either!(self, s => s.ping().await)
     }
 
-    /// Expires pending rows past their deadline (as `sweep` says), then claims up to `limit`
-    /// ready rows (see [`PgStore::claim_and_expire`] and [`MysqlStore::claim_and_expire`]).
-    pub async fn claim_and_expire(
-        &self,
-        ordering: Ordering,
-        limit: usize,
-        watermark: i64,
-        sweep: ExpirySweep,
-        parts: usize,
-    ) -> Result<Claim> {
+    /// Expires pending rows past their deadline, then claims ready rows, as `request` says
+    /// (see [`PgStore::claim_and_expire`] and [`MysqlStore::claim_and_expire`]).
+    pub async fn claim_and_expire(&self, request: ClaimRequest) -> Result<Claim> {
         match self {
-            Self::Postgres(s) => {
-                s.claim_and_expire(ordering, limit, watermark, sweep, parts)
+            Self::Postgres(s) => s.claim_and_expire(request).await,
+            Self::Mysql(s) => {
+                s.claim_and_expire(request.ordering, request.limit, request.sweep)
                     .await
             }
-            Self::Mysql(s) => s.claim_and_expire(ordering, limit, sweep).await,
         }
     }
 
@@ -318,10 +312,14 @@ impl Store {
         limit: usize,
         watermark: i64,
     ) -> Result<Vec<OutboxMessage>> {
-        Ok(self
-            .claim_and_expire(ordering, limit, watermark, ExpirySweep::Mark, 1)
-            .await?
-            .rows)
+        let request = ClaimRequest {
+            ordering,
+            limit,
+            watermark,
+            sweep: ExpirySweep::Mark,
+            parts: 1,
+        };
+        Ok(self.claim_and_expire(request).await?.rows)
     }
 
     /// The ordering guard's observation: the highest `seq` that is final, and the table's

@@ -50,14 +50,8 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     let consumer = Consumer::rabbitmq(&ctx.args.amqp_url, &name, Arc::clone(&flow)).await?;
 
     let mut env = ctx.relay_env(&table);
-    env.push(("RELAY_RELAY__ORDERING".into(), "aggregate".into()));
     env.push(("RELAY_RELAY__NOTIFY".into(), notify.to_string()));
-    env.push(("RELAY_PUBLISHER__KIND".into(), "rabbitmq".into()));
-    env.push(("RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(), name.clone()));
-    let metrics_port = ctx.metrics_port(&mut env)?;
-    env.extend(ctx.extra_env.iter().cloned());
-    let log = ctx.dir.join(format!("{key}.log"));
-    let mut relay = Relay::spawn(key, &env, &log)?;
+    let (mut relay, metrics_port) = spawn_relay(ctx, key, env, &name)?;
 
     let insert_sql = format!(
         "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
@@ -72,10 +66,7 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         .try_get(0)?;
     flow.warm_up(&[id], &mut relay).await?;
 
-    let rate_per_s = ctx.lat_rate.max(1);
-    let total = (u64::from(rate_per_s) * ctx.lat_secs).max(1);
-    let period = Duration::from_secs_f64(1.0 / f64::from(rate_per_s));
-    let workers = 8u64.min(total);
+    let (rate_per_s, total, period, workers) = pace(ctx);
     ctx.progress(format!(
         "latency notify={notify}: inserting {total} rows at {rate_per_s}/s over {} aggregates ({workers} connections)",
         AGGREGATES
@@ -197,6 +188,35 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         }),
     );
     Ok(())
+}
+
+/// The pace of a latency run's writers: rows per second, rows in all, the time between two
+/// rows, and how many connections insert them (8 at most).
+pub(super) fn pace(ctx: &Ctx) -> (u32, u64, Duration, u64) {
+    let rate_per_s = ctx.lat_rate.max(1);
+    let total = (u64::from(rate_per_s) * ctx.lat_secs).max(1);
+    let period = Duration::from_secs_f64(1.0 / f64::from(rate_per_s));
+    (rate_per_s, total, period, 8u64.min(total))
+}
+
+/// Spawns the relay of a latency run as `key` with `env` (the database's settings): ordering
+/// aggregate, publishing to the RabbitMQ exchange `exchange`; with its metrics port.
+pub(super) fn spawn_relay(
+    ctx: &Ctx,
+    key: &str,
+    mut env: Vec<(String, String)>,
+    exchange: &str,
+) -> Result<(Relay, Option<u16>)> {
+    env.push(("RELAY_RELAY__ORDERING".into(), "aggregate".into()));
+    env.push(("RELAY_PUBLISHER__KIND".into(), "rabbitmq".into()));
+    env.push((
+        "RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(),
+        exchange.to_owned(),
+    ));
+    let metrics_port = ctx.metrics_port(&mut env)?;
+    env.extend(ctx.extra_env.iter().cloned());
+    let log = ctx.dir.join(format!("{key}.log"));
+    Ok((Relay::spawn(key, &env, &log)?, metrics_port))
 }
 
 /// What a latency run needs at its end.

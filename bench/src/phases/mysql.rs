@@ -620,14 +620,8 @@ async fn latency_run(ctx: &mut Ctx, poll: Duration) -> Result<()> {
     let flow = Flow::new();
     let consumer = Consumer::rabbitmq(&ctx.args.amqp_url, &name, Arc::clone(&flow)).await?;
     let mut env = relay_env(ctx, &table);
-    env.push(("RELAY_RELAY__ORDERING".into(), "aggregate".into()));
     env.push(("RELAY_RELAY__POLL_INTERVAL".into(), poll_text.clone()));
-    env.push(("RELAY_PUBLISHER__KIND".into(), "rabbitmq".into()));
-    env.push(("RELAY_PUBLISHER__RABBITMQ__EXCHANGE".into(), name.clone()));
-    let metrics_port = ctx.metrics_port(&mut env)?;
-    env.extend(ctx.extra_env.iter().cloned());
-    let log = ctx.dir.join(format!("{key}.log"));
-    let mut relay = Relay::spawn(&key, &env, &log)?;
+    let (mut relay, metrics_port) = super::latency::spawn_relay(ctx, &key, env, &name)?;
 
     let insert_sql = format!(
         "INSERT INTO {table} (id, aggregate_type, aggregate_id, event_type, payload) \
@@ -646,10 +640,7 @@ async fn latency_run(ctx: &mut Ctx, poll: Duration) -> Result<()> {
     .await?;
     flow.warm_up(&[id], &mut relay).await?;
 
-    let rate_per_s = ctx.lat_rate.max(1);
-    let total = (u64::from(rate_per_s) * ctx.lat_secs).max(1);
-    let period = Duration::from_secs_f64(1.0 / f64::from(rate_per_s));
-    let workers = 8u64.min(total);
+    let (rate_per_s, total, period, workers) = super::latency::pace(ctx);
     ctx.progress(format!(
         "mysql latency, poll {poll_text}: inserting {total} rows at {rate_per_s}/s over {AGGREGATES} aggregates ({workers} connections)"
     ));

@@ -66,6 +66,23 @@ pub enum ExpirySweep {
     Delete,
 }
 
+/// What one claim round asks of the store.
+#[derive(Debug, Clone, Copy)]
+pub struct ClaimRequest {
+    /// `relay.ordering`.
+    pub ordering: Ordering,
+    /// At most this many rows.
+    pub limit: usize,
+    /// With ordering `aggregate` on PostgreSQL, the highest `seq` of a row with an aggregate
+    /// that may be claimed (the ordering guard's watermark); a MySQL claim checks each
+    /// aggregate's earlier rows itself.
+    pub watermark: i64,
+    /// Whether pending rows past their deadline are expired first.
+    pub sweep: ExpirySweep,
+    /// Into how many parts run at once the claim may be split (PostgreSQL).
+    pub parts: usize,
+}
+
 /// What one claim round did: rows to publish, and rows that expired instead.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Claim {
@@ -394,9 +411,9 @@ fn claim_of(
 
 impl PgStore {
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
-    /// up to `limit` ready rows. With
-    /// [`Ordering::Aggregate`], only rows at or below `watermark` (for rows with an aggregate
-    /// id) whose earlier open rows all come along.
+    /// up to `limit` ready rows (see [`ClaimRequest`]). With [`Ordering::Aggregate`], only rows
+    /// at or below `watermark` (for rows with an aggregate id) whose earlier open rows all
+    /// come along.
     ///
     /// The sweep and the (first part of the) claim are pipelined on one connection and run in
     /// the order sent, so that claim already sees the rows just expired as no longer holding
@@ -409,14 +426,14 @@ impl PgStore {
     /// faster when the server's other cores help. With ordering `none` the parts simply skip
     /// each other's locked rows; with `aggregate` each takes the aggregates that hash to it.
     /// The rows come back in `seq` order either way.
-    pub async fn claim_and_expire(
-        &self,
-        ordering: Ordering,
-        limit: usize,
-        watermark: i64,
-        sweep: ExpirySweep,
-        parts: usize,
-    ) -> Result<Claim> {
+    pub async fn claim_and_expire(&self, request: ClaimRequest) -> Result<Claim> {
+        let ClaimRequest {
+            ordering,
+            limit,
+            watermark,
+            sweep,
+            parts,
+        } = request;
         let client = self.client().await?;
         // The other parts only on connections free right now, taken before any part starts:
         // a claim never waits for a connection (with outboxes sharing a small pool, waiting
