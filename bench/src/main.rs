@@ -42,6 +42,10 @@
 //!     shared ceilings); commit → consume latency with `poll_interval` 1s and 100ms.
 //! 17. `console` (only when named in `--only`): drains with the web console's overview open
 //!     and refreshing every second, against drains with nobody looking.
+//! 18. `dbcost` (only when named in `--only`): what PostgreSQL pays per message for the
+//!     application's own one-row inserts and for the relay's drain of them to the stdout sink
+//!     (defaults; ordering none with retention 0s; a partitioned table): WAL bytes, CPU of the
+//!     postgres processes, heap inserts, updates (HOT) and deletes.
 //!
 //! Progress goes to stderr; stdout gets the plans, a table and finally one JSON line.
 //! One file per phase under `phases/`; the relay process, topics and tables come from
@@ -76,8 +80,8 @@ struct Args {
     #[arg(long)]
     quick: bool,
     /// Only these phases (comma-separated): db, broker, naive, relay, latency, insert, claim,
-    /// outboxes, steady, nats, redis, tracing, http, retention, mysql, console (steady and the
-    /// last seven run only when named here).
+    /// outboxes, steady, nats, redis, tracing, http, retention, mysql, console, dbcost (steady
+    /// and the last eight run only when named here).
     #[arg(long, value_delimiter = ',')]
     only: Vec<Phase>,
     /// Print only the JSON line on stdout (plans and table go nowhere; progress still on stderr).
@@ -185,6 +189,8 @@ enum Phase {
     Mysql,
     /// 17. Drains with the console open and refreshing vs closed (not in the default run).
     Console,
+    /// 18. PostgreSQL's cost per message, app inserts vs relay drains (not in the default run).
+    Dbcost,
 }
 
 impl Phase {
@@ -841,6 +847,7 @@ async fn run(ctx: &mut Ctx) {
                     Phase::Retention => phases::retention(ctx).await,
                     Phase::Mysql => phases::mysql(ctx).await,
                     Phase::Console => phases::console(ctx).await,
+                    Phase::Dbcost => phases::dbcost(ctx).await,
                 },
             )
             .await;

@@ -31,10 +31,7 @@ pub async fn insert_cost(ctx: &mut Ctx) -> Result<()> {
     let table = ctx.new_table("insert").await?;
     let trigger = format!("{table}_wakeup");
     let secs = if ctx.args.quick { 2 } else { 3 };
-    let sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb)"
-    );
+    let sql = app_insert_sql(&table);
     let mut results: HashMap<(usize, &str), Vec<f64>> = HashMap::new();
     let sentinel = ctx.sentinel().await;
     for clients in [1usize, 8] {
@@ -99,6 +96,15 @@ pub async fn insert_cost(ctx: &mut Ctx) -> Result<()> {
         ),
     );
     Ok(())
+}
+
+/// The application's one-row INSERT into `table`, as the README writes it: `$1` the aggregate
+/// id, `$2` the payload as JSON text.
+pub(super) fn app_insert_sql(table: &str) -> String {
+    format!(
+        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb)"
+    )
 }
 
 async fn insert_burst(url: &str, sql: &str, clients: usize, secs: Duration) -> Result<f64> {

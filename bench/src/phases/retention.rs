@@ -389,11 +389,15 @@ async fn variant_run(ctx: &mut Ctx, variant: Variant) -> Result<VariantResult> {
 }
 
 /// The relay's variable for `database.partition_interval`.
-const PARTITION_ENV: &str = "RELAY_DATABASE__PARTITION_INTERVAL";
+pub(super) const PARTITION_ENV: &str = "RELAY_DATABASE__PARTITION_INTERVAL";
 
 /// Creates `table` with `outbox-relay migrate` (partitioned by `partition_interval` when
 /// given), registered for removal first.
-async fn migrate(ctx: &mut Ctx, table: &str, partition_interval: Option<&str>) -> Result<()> {
+pub(super) async fn migrate(
+    ctx: &mut Ctx,
+    table: &str,
+    partition_interval: Option<&str>,
+) -> Result<()> {
     ctx.res.tables.push(table.to_owned());
     let mut builder = ctx
         .relay_env(table)
