@@ -774,13 +774,17 @@ async fn a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate(
     let test = format!("{}_expiry", db.tag());
     let (outbox, rabbit) = outbox_and_exchange(db, &test, "#").await;
     let head = outbox
-        .insert_expiring(Some("a-1"), "first", Some(-1.0))
+        .insert_one(NewRow::order(Some("a-1"), "first").expires_in(-1.0))
         .await;
-    let second = outbox.insert_expiring(Some("a-1"), "second", None).await;
+    let second = outbox
+        .insert_one(NewRow::order(Some("a-1"), "second"))
+        .await;
     let third = outbox
-        .insert_expiring(Some("a-1"), "third", Some(3600.0))
+        .insert_one(NewRow::order(Some("a-1"), "third").expires_in(3600.0))
         .await;
-    let loose = outbox.insert_expiring(None, "loose", Some(-0.001)).await;
+    let loose = outbox
+        .insert_one(NewRow::order(None, "loose").expires_in(-0.001))
+        .await;
     let port = free_port();
     let relay = relay(&outbox, &rabbit, &test.replace('_', "-"))
         .set("metrics.listen", format!("127.0.0.1:{port}"))

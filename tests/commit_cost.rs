@@ -66,11 +66,11 @@ async fn application_commits_beside_the_relay() {
                 RelayBuilder::for_test(&table, &rabbit, &format!("cost-{round}"))
                     .set("relay.notify", (mode != "poll only").to_string())
                     .set("cleanup.retention", "0s")
+                    .serving_metrics()
                     .spawn()
             });
             if let Some(r) = &relay {
-                r.wait_for_log("connected to the broker", 1, Duration::from_secs(30))
-                    .await;
+                r.wait_broker_connected(Duration::from_secs(30)).await;
             }
             if mode == "notify every txn" {
                 sql("INSERT INTO $TABLE_waiters (relay, pid, alive_until) \

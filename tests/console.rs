@@ -212,7 +212,7 @@ async fn the_overview_shows_the_tables_counts_and_the_lag_rising_while_the_broke
         // The row seeded as another relay's claim stays processing.
         .set("relay.lease_timeout", "10m")
         .spawn();
-    relay.wait_for_log("connected to the broker", 1, WAIT).await;
+    relay.wait_broker_connected(WAIT).await;
     let sent = table
         .insert_ids(&NewRow::numbered(5, "ok", Some(("s-", 5)), "created"))
         .await;

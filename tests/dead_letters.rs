@@ -78,6 +78,7 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
             .set("retry.max_delay", max_delay)
             .set("retry.jitter", "0.0")
             .set("retry.max_attempts", max_attempts.to_string())
+            .serving_metrics()
     };
     let case = match transport {
         Transport::RabbitMq => {
@@ -124,9 +125,7 @@ async fn undeliverable_rows_back_off_and_dead_letter(transport: Transport) {
     };
     // Start the clock only once the relay is up (its start-up is not part of any delay).
     let relay = &case.relay;
-    relay
-        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
-        .await;
+    relay.wait_broker_connected(Duration::from_secs(30)).await;
 
     let bad_rows: Vec<NewRow> = [Some("bad-1"), Some("bad-2"), None]
         .into_iter()

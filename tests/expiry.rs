@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use common::nats::{NATS_URL, NatsStream, nats_relay};
 use common::{
-    Proxy, RABBIT_ADDR, REDIS_URL, RabbitFixture, RedisStreams, RelayBuilder, RelayProcess,
+    NewRow, Proxy, RABBIT_ADDR, REDIS_URL, RabbitFixture, RedisStreams, RelayBuilder, RelayProcess,
     TestTable, drop_both, finish, free_port, redis_relay, table_and_exchange, wait_for_sample,
 };
 use serde_json::Value;
@@ -137,13 +137,15 @@ async fn past_deadline_is_expired_unpublished_and_frees_its_aggregate(broker: Br
     // deadline an hour away. A row without aggregate id that expired. Inserted before the
     // relay starts, so the first claim meets them all.
     let head = table
-        .insert_expiring(Some("a-1"), "first", Some(-1.0))
+        .insert_one(NewRow::order(Some("a-1"), "first").expires_in(-1.0))
         .await;
-    let second = table.insert_expiring(Some("a-1"), "second", None).await;
+    let second = table.insert_one(NewRow::order(Some("a-1"), "second")).await;
     let third = table
-        .insert_expiring(Some("a-1"), "third", Some(3600.0))
+        .insert_one(NewRow::order(Some("a-1"), "third").expires_in(3600.0))
         .await;
-    let loose = table.insert_expiring(None, "loose", Some(-0.001)).await;
+    let loose = table
+        .insert_one(NewRow::order(None, "loose").expires_in(-0.001))
+        .await;
     let port = free_port();
     let relay = dest
         .relay(&table, &test.replace('_', "-"))
@@ -197,17 +199,18 @@ async fn a_row_whose_deadline_passes_during_a_broker_outage_expires_instead_of_g
         .set("publisher.rabbitmq.url", proxy.amqp_url())
         .set("relay.ordering", "aggregate")
         .set("publisher.rabbitmq.confirm_timeout", "30s")
+        .serving_metrics()
         .spawn();
-    relay.wait_for_log("connected to the broker", 1, WAIT).await;
+    relay.wait_broker_connected(WAIT).await;
 
     // Publishes go into a black hole: the rows are claimed before their deadline and wait.
     proxy.stall();
     let deadline_secs = 3.0;
     let expiring = table
-        .insert_expiring(Some("b-1"), "expiring", Some(deadline_secs))
+        .insert_one(NewRow::order(Some("b-1"), "expiring").expires_in(deadline_secs))
         .await;
-    let after = table.insert_expiring(Some("b-1"), "after", None).await;
-    let plain = table.insert_expiring(Some("b-2"), "plain", None).await;
+    let after = table.insert_one(NewRow::order(Some("b-1"), "after")).await;
+    let plain = table.insert_one(NewRow::order(Some("b-2"), "plain")).await;
     let what = "the expiring row is in flight";
     table
         .wait_row(expiring, WAIT, what, |r| r.status == "processing")
@@ -248,12 +251,12 @@ async fn retention_removes_expired_rows_like_sent_ones() {
     // Expired an hour ago (removed at once with a 30 min retention), expired just now (kept
     // for the retention), and a row that is sent (kept: fresh).
     let old = table
-        .insert_expiring(Some("r-1"), "old", Some(-3600.0))
+        .insert_one(NewRow::order(Some("r-1"), "old").expires_in(-3600.0))
         .await;
     let recent = table
-        .insert_expiring(Some("r-2"), "recent", Some(-1.0))
+        .insert_one(NewRow::order(Some("r-2"), "recent").expires_in(-1.0))
         .await;
-    let sent = table.insert_expiring(Some("r-3"), "sent", None).await;
+    let sent = table.insert_one(NewRow::order(Some("r-3"), "sent")).await;
     let first = relay(&table, &rabbit, "expiry-retention")
         .set("cleanup.retention", "30m")
         .set("cleanup.interval", "300ms")
@@ -269,7 +272,9 @@ async fn retention_removes_expired_rows_like_sent_ones() {
     first.stop().await;
 
     // Retention 0 deletes rows on confirm; rows that expire are deleted at once as well.
-    let gone = table.insert_expiring(Some("r-4"), "gone", Some(-1.0)).await;
+    let gone = table
+        .insert_one(NewRow::order(Some("r-4"), "gone").expires_in(-1.0))
+        .await;
     let relay = relay(&table, &rabbit, "expiry-retention-zero")
         .set("cleanup.retention", "0s")
         .spawn();

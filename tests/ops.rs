@@ -774,7 +774,9 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
     .await;
     assert_eq!(triggers, [format!("{}_wakeup deferrable true", table.name)]);
 
-    let late = table.insert_expiring(Some("u-1"), "late", Some(-1.0)).await;
+    let late = table
+        .insert_one(NewRow::order(Some("u-1"), "late").expires_in(-1.0))
+        .await;
     rabbit.wait_for_ids(&ids, WAIT).await;
     let what = "every row settles";
     let settled = |s: &BTreeMap<String, i64>| s["sent"] == 300 && s.get("expired") == Some(&1);

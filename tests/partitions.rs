@@ -169,10 +169,9 @@ async fn a_partition_past_retention_holding_a_dead_letter_and_a_row_in_flight_is
         .set("publisher.rabbitmq.url", proxy.amqp_url())
         .set("publisher.rabbitmq.confirm_timeout", "120s")
         .set("cleanup.retention", "1h")
+        .serving_metrics()
         .spawn();
-    holder
-        .wait_for_log("connected to the broker", 1, WAIT)
-        .await;
+    holder.wait_broker_connected(WAIT).await;
     proxy.stall();
     let in_flight = insert_at(&table, "h-0", "-10 minutes", "pending").await;
     let held = table

@@ -90,10 +90,9 @@ async fn an_insert_only_application_role_inserts_wakes_the_relay_and_its_rows_ar
     // A long poll: rows out well before it prove the wake-up ran for the application's role.
     let relay = RelayBuilder::for_test(&table, &rabbit, "priv-app-relay")
         .set("relay.poll_interval", "60s")
+        .serving_metrics()
         .spawn();
-    relay
-        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
-        .await;
+    relay.wait_broker_connected(Duration::from_secs(30)).await;
     let what = "the relay records that it waits";
     let waiting = |w: &[String]| w.len() == 1;
     table

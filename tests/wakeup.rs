@@ -85,10 +85,10 @@ async fn wait_for_waiter(table: &TestTable, instance: &str) {
 async fn an_idle_relay_is_woken_by_each_commit_and_a_lingering_or_busy_one_costs_no_notify() {
     let (table, rabbit) = table_and_exchange("wake_idle").await;
     // A long poll: a row that waited for it would take seconds.
-    let relay = relay(&table, &rabbit, "wake-idle", POLL).spawn();
-    relay
-        .wait_for_log("connected to the broker", 1, Duration::from_secs(30))
-        .await;
+    let relay = relay(&table, &rabbit, "wake-idle", POLL)
+        .serving_metrics()
+        .spawn();
+    relay.wait_broker_connected(Duration::from_secs(30)).await;
     wait_for_waiter(&table, "wake-idle").await;
     let counter = NotifyCounter::start(&table.name).await;
 

@@ -212,6 +212,10 @@ pub struct NewRow {
     pub payload: Value,
     pub headers: Value,
     pub destination: Option<String>,
+    /// Seconds from the database's now to the row's `expires_at` (negative: already past);
+    /// `None`: the row never expires and the insert leaves the column out (so it also fits a
+    /// table from before schema version 2).
+    pub expires_in: Option<f64>,
 }
 
 impl NewRow {
@@ -229,7 +233,13 @@ impl NewRow {
             payload,
             headers: Value::Object(serde_json::Map::new()),
             destination: None,
+            expires_in: None,
         }
+    }
+
+    /// `('order', aggregate_id, event_type)` with payload `{"x": 1}`.
+    pub fn order(aggregate_id: Option<&str>, event_type: &str) -> Self {
+        Self::new("order", aggregate_id, event_type, json!({ "x": 1 }))
     }
 
     /// `n` rows of `aggregate_type`/`event_type` with payload `{"i": i}`. With
@@ -261,6 +271,13 @@ impl NewRow {
     /// Sets the row's `destination`.
     pub fn destination(mut self, destination: &str) -> Self {
         self.destination = Some(destination.to_owned());
+        self
+    }
+
+    /// Sets the row's `expires_at` to `seconds` from the database's now (negative: already
+    /// past).
+    pub fn expires_in(mut self, seconds: f64) -> Self {
+        self.expires_in = Some(seconds);
         self
     }
 }
@@ -298,9 +315,16 @@ pub async fn try_insert_rows<C: GenericClient + Sync>(
     table: &str,
     rows: &[NewRow],
 ) -> Result<Vec<Inserted>, tokio_postgres::Error> {
+    let (column, value) = if rows.iter().any(|r| r.expires_in.is_some()) {
+        (", expires_at", ", now() + x * interval '1 second'")
+    } else {
+        ("", "")
+    };
     let sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination) \
-         SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[]) \
+        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination{column}) \
+         SELECT t, a, e, p, h, d{value} \
+         FROM unnest($1::text[], $2::text[], $3::text[], $4::jsonb[], $5::jsonb[], $6::text[], $7::float8[]) \
+           AS u(t, a, e, p, h, d, x) \
          RETURNING id, seq"
     );
     let types: Vec<&str> = rows.iter().map(|r| r.aggregate_type.as_str()).collect();
@@ -309,10 +333,19 @@ pub async fn try_insert_rows<C: GenericClient + Sync>(
     let payloads: Vec<&Value> = rows.iter().map(|r| &r.payload).collect();
     let headers: Vec<&Value> = rows.iter().map(|r| &r.headers).collect();
     let destinations: Vec<Option<&str>> = rows.iter().map(|r| r.destination.as_deref()).collect();
+    let expiries: Vec<Option<f64>> = rows.iter().map(|r| r.expires_in).collect();
     let out = client
         .query(
             &sql,
-            &[&types, &ids, &events, &payloads, &headers, &destinations],
+            &[
+                &types,
+                &ids,
+                &events,
+                &payloads,
+                &headers,
+                &destinations,
+                &expiries,
+            ],
         )
         .await?;
     Ok(out
@@ -645,29 +678,6 @@ impl TestTable {
             .query_one("SELECT clock_timestamp()", &[])
             .await
             .expect("clock_timestamp")
-            .get(0)
-    }
-
-    /// Inserts one row `('order', aggregate_id, event_type)` whose `expires_at` is `expires_in`
-    /// seconds from the database's now (none when `None`; negative: already past); returns its
-    /// id.
-    pub async fn insert_expiring(
-        &self,
-        aggregate_id: Option<&str>,
-        event_type: &str,
-        expires_in: Option<f64>,
-    ) -> Uuid {
-        let sql = format!(
-            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, expires_at) \
-             VALUES ('order', $1, $2, '{{\"x\": 1}}'::jsonb, \
-                     now() + $3::float8 * interval '1 second') \
-             RETURNING id",
-            self.name
-        );
-        self.db
-            .query_one(&sql, &[&aggregate_id, &event_type, &expires_in])
-            .await
-            .unwrap_or_else(|e| panic!("insert into {}: {e}", self.name))
             .get(0)
     }
 

@@ -125,36 +125,6 @@ impl MysqlTable {
         out
     }
 
-    /// Inserts one row `('order', aggregate_id, event_type)` whose `expires_at` is
-    /// `expires_in` seconds from the server's now (none when `None`; negative: already past);
-    /// returns its id.
-    pub async fn insert_expiring(
-        &self,
-        aggregate_id: Option<&str>,
-        event_type: &str,
-        expires_in: Option<f64>,
-    ) -> Uuid {
-        let micros = expires_in.map(|s| (s * 1e6).round() as i64);
-        let sql = format!(
-            "INSERT INTO {} (aggregate_type, aggregate_id, event_type, payload, expires_at) \
-             VALUES ('order', ?, ?, '{{\"x\": 1}}', NOW(6) + INTERVAL ? MICROSECOND)",
-            self.name
-        );
-        let mut conn = self.conn.lock().await;
-        conn.exec_drop(&sql, (aggregate_id, event_type, micros))
-            .await
-            .unwrap_or_else(|e| panic!("insert into {}: {e}", self.name));
-        let id: Option<String> = conn
-            .query_first(format!(
-                "SELECT id FROM {} WHERE seq = LAST_INSERT_ID()",
-                self.name
-            ))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let id = id.unwrap_or_else(|| panic!("the row just inserted is not in {}", self.name));
-        Uuid::parse_str(&id).unwrap_or_else(|e| panic!("{e}"))
-    }
-
     /// `SELECT <every column> FROM <table> <rest>` (`rest`: test-authored SQL).
     async fn select(&self, rest: &str) -> Vec<RowState> {
         let sql = format!(
@@ -248,25 +218,33 @@ pub async fn try_insert_in<Q: Queryable>(
     table: &str,
     rows: &[NewRow],
 ) -> Result<Vec<Inserted>, String> {
-    let sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination) \
-         VALUES (?, ?, ?, ?, ?, ?)"
-    );
+    let sql = |expiring: bool| {
+        let (column, value) = if expiring {
+            (", expires_at", ", NOW(6) + INTERVAL ? MICROSECOND")
+        } else {
+            ("", "")
+        };
+        format!(
+            "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload, headers, destination{column}) \
+             VALUES (?, ?, ?, ?, ?, ?{value})"
+        )
+    };
     let mut out = Vec::with_capacity(rows.len());
     for r in rows {
-        conn.exec_drop(
-            &sql,
-            (
-                &r.aggregate_type,
-                &r.aggregate_id,
-                &r.event_type,
-                r.payload.to_string(),
-                r.headers.to_string(),
-                &r.destination,
-            ),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
+        let mut params: Vec<mysql_async::Value> = vec![
+            r.aggregate_type.as_str().into(),
+            r.aggregate_id.as_deref().into(),
+            r.event_type.as_str().into(),
+            r.payload.to_string().into(),
+            r.headers.to_string().into(),
+            r.destination.as_deref().into(),
+        ];
+        if let Some(seconds) = r.expires_in {
+            params.push(((seconds * 1e6).round() as i64).into());
+        }
+        conn.exec_drop(sql(r.expires_in.is_some()), params)
+            .await
+            .map_err(|e| e.to_string())?;
         let row: Option<(String, i64)> = conn
             .query_first(format!(
                 "SELECT id, seq FROM {table} WHERE seq = LAST_INSERT_ID()"

@@ -312,25 +312,9 @@ impl TestOutbox {
         self.insert(rows).await.into_iter().map(|r| r.id).collect()
     }
 
-    /// Inserts one row `('order', aggregate_id, event_type)` whose `expires_at` is
-    /// `expires_in` seconds from the database's now (none when `None`; negative: already
-    /// past); returns its id.
-    pub async fn insert_expiring(
-        &self,
-        aggregate_id: Option<&str>,
-        event_type: &str,
-        expires_in: Option<f64>,
-    ) -> Uuid {
-        match self {
-            Self::Postgres(t) => {
-                t.insert_expiring(aggregate_id, event_type, expires_in)
-                    .await
-            }
-            Self::Mysql(t) => {
-                t.insert_expiring(aggregate_id, event_type, expires_in)
-                    .await
-            }
-        }
+    /// Inserts one row; its id.
+    pub async fn insert_one(&self, row: NewRow) -> Uuid {
+        self.insert(&[row]).await[0].id
     }
 
     /// Every row, in `seq` order.

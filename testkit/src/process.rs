@@ -194,6 +194,15 @@ impl RelayBuilder {
         self
     }
 
+    /// Serves `/metrics` on a free loopback port, so that the test can wait on the relay's state
+    /// ([`RelayProcess::wait_broker_connected`]) rather than on its log lines.
+    pub fn serving_metrics(self) -> Self {
+        self.set(
+            "metrics.listen",
+            format!("127.0.0.1:{}", crate::free_port()),
+        )
+    }
+
     /// Sets a config key (dotted, e.g. `relay.ordering`) through its `RELAY_*` variable.
     pub fn set(self, key: &str, value: impl Into<String>) -> Self {
         self.env(&env_key(key), value)
@@ -230,6 +239,11 @@ impl RelayBuilder {
         let pid = child
             .id()
             .ok_or_else(|| std::io::Error::other("the child exited before its pid was read"))?;
+        let metrics_port = self
+            .env
+            .get(&env_key("metrics.listen"))
+            .and_then(|listen| listen.parse::<std::net::SocketAddr>().ok())
+            .map(|addr| addr.port());
         let stdout = Arc::new(Mutex::new(Vec::new()));
         let stderr = Arc::new(Mutex::new(Vec::new()));
         let mut readers = Vec::new();
@@ -248,6 +262,7 @@ impl RelayBuilder {
             stdout,
             stderr,
             readers,
+            metrics_port,
             _dir: dir,
         })
     }
@@ -296,6 +311,8 @@ pub struct RelayProcess {
     stdout: Arc<Mutex<Vec<String>>>,
     stderr: Arc<Mutex<Vec<String>>>,
     readers: Vec<JoinHandle<()>>,
+    /// Where `/metrics` is served, when the test set `metrics.listen`.
+    metrics_port: Option<u16>,
     _dir: TempDir,
 }
 
@@ -335,6 +352,18 @@ impl RelayProcess {
     pub async fn wait_for_log(&self, needle: &str, n: usize, timeout: Duration) {
         let what = format!("relay {} logs {needle:?} {n} time(s)", self.label);
         wait_for_count(timeout, &what, n, || self.log_count(needle)).await;
+    }
+
+    /// Waits until the relay's `outbox_broker_connected` gauge is 1: it has connected to the
+    /// broker. Needs `metrics.listen` ([`RelayBuilder::serving_metrics`]).
+    pub async fn wait_broker_connected(&self, timeout: Duration) {
+        let Some(port) = self.metrics_port else {
+            panic!(
+                "relay {}: wait_broker_connected reads /metrics; start it with serving_metrics()",
+                self.label
+            );
+        };
+        crate::wait_for_sample(port, timeout, "outbox_broker_connected", &[], |v| v == 1.0).await;
     }
 
     /// Whether the process is still running.

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Result, bail};
 use serde_json::json;
+use tokio::task::JoinSet;
 use tokio_postgres::Client;
 use uuid::Uuid;
 
@@ -16,6 +17,38 @@ use crate::{Ctx, Sentinel};
 /// The commit → consume targets with the wake-up on (they were a test's assertions; a loaded
 /// machine misses them, so the benchmark reports them instead).
 const TARGETS_MS: [(&str, f64); 2] = [("p50", 10.0), ("p99", 50.0)];
+
+/// Waits for every inserter of a latency run, checking after each that the relay is still up;
+/// what they recorded, or the first inserter's error.
+pub(super) async fn join_inserters<T: Send + 'static>(
+    mut tasks: JoinSet<Result<Vec<T>>>,
+    relay: &mut Relay,
+) -> Result<Vec<T>> {
+    let mut recorded = Vec::new();
+    let mut errors = Vec::new();
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(Ok(v)) => recorded.extend(v),
+            Ok(Err(e)) => errors.push(format!("{e:#}")),
+            Err(e) => errors.push(format!("inserter task: {e}")),
+        }
+        relay.check_alive()?;
+    }
+    match errors.first() {
+        Some(e) => bail!("inserter failed: {e}"),
+        None => Ok(recorded),
+    }
+}
+
+/// From `start` to the latest of `commits` (zero when there are none).
+pub(super) fn since(
+    start: tokio::time::Instant,
+    commits: impl Iterator<Item = Instant>,
+) -> Duration {
+    commits
+        .max()
+        .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()))
+}
 
 /// Commit → consumer receive, RabbitMQ, ordering aggregate, with and without NOTIFY.
 pub async fn latency(ctx: &mut Ctx) -> Result<()> {
@@ -76,7 +109,7 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
         clients.push(pg_connect(&ctx.args.database_url).await?);
     }
     let cpu = CpuSample::take();
-    let mut tasks = tokio::task::JoinSet::new();
+    let mut tasks = JoinSet::new();
     let start = tokio::time::Instant::now() + Duration::from_millis(100);
     for (k, client) in clients.into_iter().enumerate() {
         let sql = insert_sql.clone();
@@ -89,34 +122,8 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
             Arc::clone(&flow),
         ));
     }
-    let mut commits: Vec<(Instant, Duration)> = Vec::with_capacity(total as usize);
-    let mut worker_errors = Vec::new();
-    let mut done_workers = 0;
-    while done_workers < workers {
-        let Some(joined) = tasks.join_next().await else {
-            break;
-        };
-        match joined {
-            Ok(Ok(v)) => {
-                done_workers += 1;
-                commits.extend(v);
-            }
-            Ok(Err(e)) => {
-                done_workers += 1;
-                worker_errors.push(format!("{e:#}"));
-            }
-            Err(e) => worker_errors.push(format!("inserter task: {e}")),
-        }
-        relay.check_alive()?;
-    }
-    if let Some(e) = worker_errors.first() {
-        bail!("inserter failed: {e}");
-    }
-    let insert_window = commits
-        .iter()
-        .map(|(at, _)| *at)
-        .max()
-        .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()));
+    let commits = join_inserters(tasks, &mut relay).await?;
+    let insert_window = since(start, commits.iter().map(|(at, _)| *at));
     let max_sched_lag = commits.iter().map(|c| c.1).max().unwrap_or_default();
 
     let end = RunEnd {

@@ -661,23 +661,8 @@ async fn latency_run(ctx: &mut Ctx, poll: Duration) -> Result<()> {
             Arc::clone(&flow),
         ));
     }
-    let mut commits: Vec<Instant> = Vec::with_capacity(total as usize);
-    let mut worker_error = None;
-    while let Some(joined) = tasks.join_next().await {
-        match joined {
-            Ok(Ok(v)) => commits.extend(v),
-            Ok(Err(e)) => worker_error = Some(format!("{e:#}")),
-            Err(e) => worker_error = Some(format!("inserter task: {e}")),
-        }
-        relay.check_alive()?;
-    }
-    if let Some(e) = worker_error {
-        bail!("inserter failed: {e}");
-    }
-    let window = commits
-        .iter()
-        .max()
-        .map_or(Duration::ZERO, |last| last.duration_since(start.into_std()));
+    let commits = super::latency::join_inserters(tasks, &mut relay).await?;
+    let window = super::latency::since(start, commits.iter().copied());
     let end = RunEnd {
         key: &key,
         sentinel,
