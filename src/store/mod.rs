@@ -43,10 +43,10 @@ use mysql::MysqlStore;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No connection could be had from the pool (database down, pool exhausted, timeout).
-    #[error("cannot get a database connection: {}", chain(.0))]
+    #[error("cannot get a database connection: {}{}", chain(.0), certificate_hint(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     /// A statement failed.
-    #[error("database error: {}", chain(.0))]
+    #[error("database error: {}{}", chain(.0), certificate_hint(.0))]
     Db(#[from] tokio_postgres::Error),
     /// A MySQL/MariaDB statement or connection failed.
     #[error("database error: {}{}", chain(.0), mysql::hint(.0))]
@@ -101,15 +101,48 @@ fn chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// Whether a TLS handshake among `e` and its causes failed on the server's certificate
+/// (unknown CA, another name, expired): configuration to fix, not an outage to wait out.
+pub(crate) fn untrusted_certificate(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(err) = next {
+        // An `io::Error`'s `source()` skips the error it wraps: look inside it too.
+        let tls = err.downcast_ref::<rustls::Error>().or_else(|| {
+            err.downcast_ref::<std::io::Error>()
+                .and_then(std::io::Error::get_ref)
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        });
+        if matches!(tls, Some(rustls::Error::InvalidCertificate(_))) {
+            return true;
+        }
+        next = err.source();
+    }
+    false
+}
+
+/// What to do about a PostgreSQL server whose certificate `sslmode=require` does not trust
+/// (appended to the error's message; empty for any other error).
+fn certificate_hint(e: &(dyn std::error::Error + 'static)) -> &'static str {
+    if untrusted_certificate(e) {
+        ": the server's certificate is not trusted for this host (sslmode=require verifies it \
+         against the system trust store): connect by the host name the certificate is for, or \
+         add the CA that signed it to the system trust store"
+    } else {
+        ""
+    }
+}
+
 impl StoreError {
     /// Whether the error is a lost or refused connection rather than a bad statement. A
     /// server that refuses writes ([`StoreError::is_read_only`]) counts: until the relay
-    /// reaches the one that takes them, it is an outage like any other.
+    /// reaches the one that takes them, it is an outage like any other. A server certificate
+    /// that is not trusted does not: it stays untrusted until the configuration changes.
     pub fn is_connection(&self) -> bool {
         match self {
-            Self::Pool(_) => true,
+            Self::Pool(e) => !untrusted_certificate(e),
             // Without an SQLSTATE: lost or refused connections, but also a value this side
             // could not convert (a bug, not an outage: it must not be logged as one).
+            Self::Db(e) if untrusted_certificate(e) => false,
             Self::Db(e) => {
                 e.is_closed() || (e.code().is_none() && !is_conversion(e)) || self.is_read_only()
             }

@@ -162,9 +162,7 @@ fn is_untrusted_certificate(e: &mysql_async::Error) -> bool {
     let mysql_async::Error::Io(mysql_async::IoError::Io(io)) = e else {
         return false;
     };
-    io.get_ref()
-        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        .is_some_and(|tls| matches!(tls, rustls::Error::InvalidCertificate(_)))
+    super::untrusted_certificate(io)
 }
 
 /// Whether a statement that failed this way may have committed with its answer lost.
