@@ -432,6 +432,19 @@ impl RelayProcess {
         status
     }
 
+    /// Waits for the process to exit, and asserts that it failed with `needle` in its logs: a
+    /// start-up error that names its cause, where an outage would have been waited out.
+    pub async fn expect_start_error(mut self, timeout: Duration, needle: &str) {
+        let status = self.wait_exit(timeout).await;
+        let stderr = self.stderr();
+        assert!(!status.success(), "{} went on:\n{stderr}", self.label);
+        assert!(
+            stderr.contains(needle),
+            "{}'s error does not say {needle:?}:\n{stderr}",
+            self.label
+        );
+    }
+
     /// SIGTERM, then asserts a clean exit (status 0) within 20 s.
     pub async fn stop(mut self) {
         self.sigterm();
