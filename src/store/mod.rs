@@ -140,9 +140,9 @@ impl StoreError {
     pub fn is_connection(&self) -> bool {
         match self {
             Self::Pool(e) => !untrusted_certificate(e),
+            Self::Db(e) if untrusted_certificate(e) => false,
             // Without an SQLSTATE: lost or refused connections, but also a value this side
             // could not convert (a bug, not an outage: it must not be logged as one).
-            Self::Db(e) if untrusted_certificate(e) => false,
             Self::Db(e) => {
                 e.is_closed() || (e.code().is_none() && !is_conversion(e)) || self.is_read_only()
             }

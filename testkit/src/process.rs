@@ -437,7 +437,11 @@ impl RelayProcess {
     pub async fn expect_start_error(mut self, timeout: Duration, needle: &str) {
         let status = self.wait_exit(timeout).await;
         let stderr = self.stderr();
-        assert!(!status.success(), "{} went on:\n{stderr}", self.label);
+        assert!(
+            !status.success(),
+            "{} did not fail ({status}):\n{stderr}",
+            self.label
+        );
         assert!(
             stderr.contains(needle),
             "{}'s error does not say {needle:?}:\n{stderr}",
