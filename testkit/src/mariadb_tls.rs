@@ -6,7 +6,8 @@
 //! (`have_ssl` is `DISABLED`), which is why this one exists.
 //!
 //! The server runs as root (`--user=root`), as the tests do. [`TlsMariadb`] kills it and
-//! removes its files when dropped, also when a test panics.
+//! removes its files when dropped, also when a test panics; a test process that is killed takes
+//! the server with it (a parent-death signal).
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -61,7 +62,10 @@ impl TlsMariadb {
         );
         let port = free_port();
         let log = std::fs::File::create(dir.join("server.log")).expect("server log");
-        let server = Command::new("/usr/sbin/mariadbd")
+        // setpriv (util-linux) runs mariadbd with a parent-death signal: a test process killed
+        // before it could drop the server (SIGKILL, a timeout) takes the server with it.
+        let server = Command::new("setpriv")
+            .args(["--pdeathsig", "KILL", "/usr/sbin/mariadbd"])
             .arg("--no-defaults")
             .arg(format!("--datadir={}", data.display()))
             .arg(format!("--tmpdir={}", tmp.display()))
