@@ -289,9 +289,39 @@ async fn run_outboxes(
     Ok(failed)
 }
 
+/// An error and its causes, `outer: inner: innermost`, leaving out a cause whose text is
+/// already there (tokio-postgres hides the cause of connection and TLS failures behind a
+/// generic message, so a store error spells its causes out; the binary prints its last error
+/// this way).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use std::path::Path;
+
+    #[test]
+    fn a_cause_already_spelled_out_is_not_repeated() {
+        let inner = std::io::Error::other("connection refused");
+        let e = anyhow::Error::new(inner).context("cannot connect: connection refused");
+        assert_eq!(
+            super::error_chain(e.as_ref()),
+            "cannot connect: connection refused"
+        );
+        let e = anyhow::anyhow!("bad row").context("relay stopped");
+        assert_eq!(super::error_chain(e.as_ref()), "relay stopped: bad row");
+    }
 
     /// The `.rs` files under `dir` (relative to the crate root), with their text.
     fn sources(dir: &str) -> Vec<(String, String)> {

@@ -178,27 +178,10 @@ fn main() -> ExitCode {
     match runtime.block_on(execute(args.command, config, only.as_deref())) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("outbox-relay: {}", describe(&e));
+            eprintln!("outbox-relay: {}", outbox_relay::error_chain(e.as_ref()));
             ExitCode::from(1)
         }
     }
-}
-
-/// `e` and its causes, `outer: inner: innermost`, leaving out a cause whose text is already
-/// there (a store error spells out its own causes).
-fn describe(e: &anyhow::Error) -> String {
-    let mut out = String::new();
-    for cause in e.chain() {
-        let text = cause.to_string();
-        if out.contains(&text) {
-            continue;
-        }
-        if !out.is_empty() {
-            out.push_str(": ");
-        }
-        out.push_str(&text);
-    }
-    out
 }
 
 /// The usage errors (exit 2) found before connecting: a tail with nothing to read, an
@@ -283,18 +266,4 @@ fn spawn_signal_handler(token: CancellationToken) {
         }
         token.cancel();
     });
-}
-
-#[cfg(test)]
-mod tests {
-    use super::describe;
-
-    #[test]
-    fn a_cause_already_spelled_out_is_not_repeated() {
-        let inner = std::io::Error::other("connection refused");
-        let e = anyhow::Error::new(inner).context("cannot connect: connection refused");
-        assert_eq!(describe(&e), "cannot connect: connection refused");
-        let e = anyhow::anyhow!("bad row").context("relay stopped");
-        assert_eq!(describe(&e), "relay stopped: bad row");
-    }
 }

@@ -36,6 +36,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::config::{DatabaseConfig, DatabaseKind, Ordering, OutboxConfig, TableName};
+use crate::error_chain;
 use crate::message::{OutboxMessage, PayloadKind};
 use mysql::MysqlStore;
 
@@ -43,13 +44,13 @@ use mysql::MysqlStore;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// No connection could be had from the pool (database down, pool exhausted, timeout).
-    #[error("cannot get a database connection: {}{}", chain(.0), certificate_hint(.0))]
+    #[error("cannot get a database connection: {}{}", error_chain(.0), certificate_hint(.0))]
     Pool(#[from] deadpool_postgres::PoolError),
     /// A statement failed.
-    #[error("database error: {}{}", chain(.0), certificate_hint(.0))]
+    #[error("database error: {}{}", error_chain(.0), certificate_hint(.0))]
     Db(#[from] tokio_postgres::Error),
     /// A MySQL/MariaDB statement or connection failed.
-    #[error("database error: {}{}", chain(.0), mysql::hint(.0))]
+    #[error("database error: {}{}", error_chain(.0), mysql::hint(.0))]
     Mysql(#[from] mysql_async::Error),
     /// The schema is missing or not what the relay expects.
     #[error("{0}")]
@@ -83,22 +84,6 @@ pub enum StoreError {
     /// like a lost connection; the statement may still have run.
     #[error("the database did not answer within {} (database.query_timeout)", humantime::format_duration(*.0))]
     Timeout(std::time::Duration),
-}
-
-/// An error and its causes, `outer: inner: innermost` (tokio-postgres hides the cause of
-/// connection and TLS failures behind a generic message).
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 /// Whether a TLS handshake among `e` and its causes failed on the server's certificate
