@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::claim::column;
 use super::{MysqlStore, Result, id_list, parse_id, utc};
 use crate::config::{Ordering, TableName};
-use crate::store::{Backlog, DeadLetter, Selection, StatusCounts, StatusReport};
+use crate::store::{Backlog, DeadLetter, HEAD_REACH, Selection, StatusCounts, StatusReport};
 
 /// The open statuses: rows that hold back the later rows of their aggregate.
 const OPEN: &str = "('pending', 'processing', 'failed')";
@@ -41,12 +41,6 @@ fn age(expr: &str) -> String {
     format!("COALESCE(TIMESTAMPDIFF(MICROSECOND, {expr}, NOW(6)) / 1e6, 0e0)")
 }
 
-/// With ordering `aggregate`, the ready age looks for claimable heads among this many pending
-/// rows from the first (in `seq` order). Whether a row is its aggregate's head is one index
-/// probe per row, so over a whole backlog of 100,000 rows the gauge would cost seconds every
-/// refresh; an ordered claim itself reads at most four windows of the queue's front.
-const HEAD_REACH: usize = 5_000;
-
 /// The backlog statement; `ready_head` limits the ready age to claimable heads among the first
 /// [`HEAD_REACH`] pending rows. The counts and the ages of the pending rows come from one pass
 /// over them.
@@ -58,8 +52,9 @@ fn backlog(t: &str, ready_head: bool) -> String {
         format!(
             "(SELECT MIN(GREATEST(c.created_at, c.available_at)) \
               FROM (SELECT seq, aggregate_type, aggregate_id, created_at, available_at, expires_at \
-                    FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT {HEAD_REACH}) c \
+                    FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT {}) c \
               WHERE {} AND (c.aggregate_id IS NULL OR {}))",
+            HEAD_REACH,
             ready("c."),
             head(t, "c")
         )

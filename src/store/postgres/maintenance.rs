@@ -4,6 +4,7 @@
 use super::predicates::no_open_row_before;
 use super::{PgStore, Result};
 use crate::config::{Ordering, TableName};
+use crate::store::HEAD_REACH;
 
 /// The outbox table's health as PostgreSQL's statistics see it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -58,12 +59,6 @@ enum ReadyAge {
     /// longer than it has.
     Head,
 }
-
-/// With ordering `aggregate`, the ready age looks for claimable heads among this many pending
-/// rows from the first (in `seq` order): whether a row is its aggregate's head is one index
-/// probe per row, about 0.6 s for a backlog of 100,000 rows every refresh, and the front of
-/// the queue is where the oldest ready rows are.
-const HEAD_REACH: usize = 5_000;
 
 /// The backlog statement. Cheap on a large table: each part walks a partial index. The
 /// oldest unsent row is approximated by the lowest seq among pending and processing rows. A
