@@ -86,10 +86,7 @@ async fn latency_run(ctx: &mut Ctx, notify: bool) -> Result<()> {
     env.push(("RELAY_RELAY__NOTIFY".into(), notify.to_string()));
     let (mut relay, metrics_port) = spawn_relay(ctx, key, env, &name)?;
 
-    let insert_sql = format!(
-        "INSERT INTO {table} (aggregate_type, aggregate_id, event_type, payload) \
-         VALUES ('order', $1, 'OrderPlaced', $2::text::jsonb) RETURNING id"
-    );
+    let insert_sql = format!("{} RETURNING id", super::insert::app_insert_sql(&table));
 
     // Warm-up: one row through the whole path (the relay is connected and listening).
     let warm = pg_connect(&ctx.args.database_url).await?;
