@@ -48,11 +48,9 @@ DROP FUNCTION IF EXISTS outbox_messages_notify();
 -- A queue table: every row is inserted, updated twice and deleted (or updated once more and
 -- deleted by retention), so dead tuples pile up at the rate of the traffic while the live
 -- table stays small. Autovacuum's defaults (20% of the table) wait far too long; vacuum after
--- a fixed number of dead tuples instead, without cost-based sleeping. (No fillfactor: the
--- status updates cannot be HOT, since `status` is in the partial indexes' predicates, so free
--- space on the page would only make the table bigger.) These take effect only where
--- autovacuum runs; the relay also vacuums the table itself when autovacuum is off or falls
--- behind (see the README).
+-- a fixed number of dead tuples instead, without cost-based sleeping (version 5 adds a
+-- fillfactor). These take effect only where autovacuum runs; the relay also vacuums the table
+-- itself when autovacuum is off or falls behind (see the README).
 ALTER TABLE outbox_messages SET (
     autovacuum_vacuum_scale_factor = 0,
     autovacuum_vacuum_threshold = 5000,

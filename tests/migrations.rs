@@ -164,7 +164,7 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
         out.stderr
     );
     assert!(
-        out.stdout.contains("applied schema versions [2, 3, 4]"),
+        out.stdout.contains("applied schema versions [2, 3, 4, 5]"),
         "{}",
         out.stdout
     );

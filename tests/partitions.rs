@@ -66,6 +66,16 @@ async fn partition_of(table: &TestTable, id: Uuid) -> String {
     table.db.query_one(&sql, &[&id]).await.unwrap().get(0)
 }
 
+/// The partitions of `table` whose storage settings lack schema version 5's fillfactor.
+async fn partitions_without_room(table: &TestTable) -> Vec<String> {
+    let sql = "SELECT relid::text FROM pg_partition_tree($1::text::regclass) t \
+               JOIN pg_class c ON c.oid = t.relid \
+               WHERE t.isleaf AND NOT coalesce('fillfactor=50' = ANY(c.reloptions), false) \
+               ORDER BY 1";
+    let rows = table.db.query(sql, &[&table.name]).await.unwrap();
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_are_made_ahead_and_rows_outside_them_go_to_default_and_are_relayed() {
     let table = TestTable::partitioned("part_ahead", "1m").await;
@@ -118,7 +128,40 @@ async fn partitions_are_made_ahead_and_rows_outside_them_go_to_default_and_are_r
     })
     .await;
     assert!(made.starts_with(&format!("{}_p20", table.name)), "{made}");
+    // Every partition, the relay's own included, has room on its pages for the relay's updates.
+    assert_eq!(partitions_without_room(&table).await, Vec::<String>::new());
     finish(relay, table, rabbit).await;
+}
+
+/// Schema version 5 on a table partitioned at version 4 (whose partitions have the default
+/// fillfactor): `migrate` sets the fillfactor of each partition, since a partitioned table
+/// holds no storage settings of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_gives_each_partition_of_a_version_4_table_room_for_updates() {
+    let table = TestTable::partitioned("part_room", "1m").await;
+    let leaves = table.partitions().await;
+    assert!(leaves.len() >= 3, "{leaves:?}");
+    assert_eq!(partitions_without_room(&table).await, Vec::<String>::new());
+    for leaf in &leaves {
+        let reset = format!("ALTER TABLE {leaf} RESET (fillfactor)");
+        table.db.batch_execute(&reset).await.unwrap();
+    }
+    let version_4 = "UPDATE outbox_relay_schema_version SET version = 4 WHERE table_name = $1";
+    assert_eq!(
+        table.db.execute(version_4, &[&table.name]).await.unwrap(),
+        1
+    );
+    assert_eq!(partitions_without_room(&table).await.len(), leaves.len());
+
+    let out = migrate_partitioned(&table.name, "1m").await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        out.stdout.contains("applied schema versions [5]"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(partitions_without_room(&table).await, Vec::<String>::new());
+    table.drop_table().await;
 }
 
 /// `n_tup_del` of `relation` as the statistics have it (`None` once it is gone).

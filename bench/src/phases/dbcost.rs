@@ -20,7 +20,9 @@
 //!   `pg_stat_user_tables`, summed over the table's partitions, read once the sessions that
 //!   wrote have ended (a backend flushes its statistics when it exits).
 //!
-//! The cases: the relay's defaults (ordering `aggregate`, retention 24h); ordering `none` with
+//! The cases: the relay's defaults (ordering `aggregate`, retention 24h); the same on a table
+//! whose fillfactor is reset to 100 (the full pages of schema version 4, before version 5 left
+//! room on each page for the relay's updates); ordering `none` with
 //! `cleanup.retention = "0s"` (rows deleted on confirm); the defaults on a table partitioned
 //! by `database.partition_interval = "1h"` (created by `outbox-relay migrate`). Each drain is
 //! also reported against the insert into the same table (`…_wal_vs_insert`).
@@ -59,15 +61,27 @@ struct Case {
     env: &'static [(&'static str, &'static str)],
     /// `database.partition_interval` of the table and the relay.
     partition_interval: Option<&'static str>,
+    /// The table's fillfactor reset to PostgreSQL's default (100) after `migrate`: pages as
+    /// schema version 4 left them, for an A/B against version 5's room for updates.
+    full_pages: bool,
 }
 
-static CASES: [Case; 3] = [
+static CASES: [Case; 4] = [
     Case {
         key: "default",
         short: "df",
         label: "relay, defaults (ordering aggregate, retention 24h)",
         env: &[],
         partition_interval: None,
+        full_pages: false,
+    },
+    Case {
+        key: "default_full_pages",
+        short: "fp",
+        label: "relay, defaults, fillfactor 100 (schema version 4's full pages)",
+        env: &[],
+        partition_interval: None,
+        full_pages: true,
     },
     Case {
         key: "none_0s",
@@ -78,6 +92,7 @@ static CASES: [Case; 3] = [
             ("RELAY_CLEANUP__RETENTION", "0s"),
         ],
         partition_interval: None,
+        full_pages: false,
     },
     Case {
         key: "partitioned",
@@ -85,6 +100,7 @@ static CASES: [Case; 3] = [
         label: "relay, defaults, partitioned 1h",
         env: &[],
         partition_interval: Some("1h"),
+        full_pages: false,
     },
 ];
 
@@ -144,6 +160,8 @@ struct CaseResult {
     quiet: Background,
     insert: Cost,
     relay: Cost,
+    /// The table with its indexes (over its partitions) once drained, in bytes.
+    table_bytes: i64,
 }
 
 /// Every case, one after the other, then the side-by-side table.
@@ -163,6 +181,10 @@ pub async fn dbcost(ctx: &mut Ctx) -> Result<()> {
 async fn case_run(ctx: &mut Ctx, case: &'static Case) -> Result<CaseResult> {
     let table = format!("bench_dbcost_{}_{}", case.short, ctx.run_id);
     migrate(ctx, &table, case.partition_interval).await?;
+    if case.full_pages {
+        let reset = format!("ALTER TABLE {table} RESET (fillfactor)");
+        ctx.pg.batch_execute(&reset).await?;
+    }
     let sentinel = ctx.sentinel().await;
     if let Err(e) = ctx.pg.batch_execute("CHECKPOINT").await {
         ctx.progress(format!(
@@ -229,11 +251,17 @@ async fn case_run(ctx: &mut Ctx, case: &'static Case) -> Result<CaseResult> {
     } else {
         verify_sent(&ctx.pg, &table, ctx.rows).await?;
     }
+    let size = "SELECT CASE WHEN c.relkind = 'p' \
+                THEN (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree(c.oid)) \
+                ELSE pg_total_relation_size(c.oid) END::bigint \
+                FROM pg_class c WHERE c.oid = $1::text::regclass";
+    let table_bytes = ctx.pg.query_one(size, &[&table]).await?.try_get(0)?;
     Ok(CaseResult {
         case,
         quiet,
         insert,
         relay: relay_cost,
+        table_bytes,
     })
 }
 
@@ -500,6 +528,10 @@ fn report_case(ctx: &mut Ctx, r: &CaseResult) {
     ));
     let insert_key = match case.key {
         "default" => Some(("dbcost_insert", "the application's INSERT (+ commit)")),
+        "default_full_pages" => Some((
+            "dbcost_insert_full_pages",
+            "the application's INSERT (+ commit), fillfactor 100",
+        )),
         "partitioned" => Some((
             "dbcost_insert_partitioned",
             "the application's INSERT (+ commit), partitioned 1h",
@@ -511,6 +543,13 @@ fn report_case(ctx: &mut Ctx, r: &CaseResult) {
     }
     let prefix = format!("dbcost_relay_{}", case.key);
     report_cost(ctx, &prefix, case.label, &r.relay);
+    ctx.report.figure(
+        PHASE,
+        &format!("{prefix}_table_bytes"),
+        &format!("{}: table and indexes once drained", case.label),
+        r.table_bytes as f64,
+        "B",
+    );
     ctx.report.figure(
         PHASE,
         &format!("{prefix}_wal_vs_insert"),
@@ -588,6 +627,13 @@ fn report_summary(ctx: &mut Ctx, done: &[CaseResult]) {
             } else {
                 ""
             }
+        ));
+    }
+    for r in done {
+        text.push_str(&format!(
+            "after [{}]: table and indexes {:.1} MiB\n",
+            r.case.key,
+            r.table_bytes as f64 / (1024.0 * 1024.0)
         ));
     }
     for r in done {

@@ -89,6 +89,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_bulk_wakeup.sql",
         statements: V4,
     },
+    Migration {
+        version: 5,
+        name: "0005_room_for_updates.sql",
+        statements: V5,
+    },
 ];
 
 /// Version 1 (`sql/0001_outbox_messages.sql`): the table, its sequence, indexes and NOTIFY
@@ -379,6 +384,47 @@ $$"#,
     WAKEUP_TRIGGER,
 ];
 
+/// Version 5 (`sql/0005_room_for_updates.sql`): room on each page for the next version of its
+/// rows, so that the relay's updates are logged as the bytes they change.
+const V5: &[Statement] = &[ROOM_FOR_UPDATES];
+
+/// Version 5's fillfactor, on a plain table or on each partition of a partitioned table (a
+/// partition the relay creates gets it with [`STORAGE_SETTINGS`]).
+pub const ROOM_FOR_UPDATES: Statement = with_others(
+    r#"-- outbox-relay schema, version 5: room on each page for its rows' next versions, so that the
+-- relay's updates cost the WAL of what they change, not of the whole row.
+--
+-- The relay updates each row twice (claimed, then sent or back to pending). The updates cannot
+-- be HOT (`status` is in the partial indexes' predicates), but PostgreSQL logs an update whose
+-- new version stays on the old one's page as only the bytes that changed (the payload and
+-- headers, which come before them, are left out). With the default fillfactor (100) inserts
+-- fill each page and every new version lands on another page, logged whole. At 50 a page keeps
+-- room for one more version of each row on it: the claim updates a page's rows in one
+-- statement, and by the next update the claim's old versions are pruned. The relay's WAL per
+-- message halves, the application's insert writes the same WAL, and the table is about a fifth
+-- larger (docs/performance.md, "Database cost per message").
+--
+-- A moment's lock that lets inserts through (SHARE UPDATE EXCLUSIVE); nothing is rewritten,
+-- pages written from now on keep the room. A partitioned table holds no storage settings: each
+-- of its partitions gets the setting, and the relay gives it to the partitions it creates.
+"#,
+    r#"DO $$
+DECLARE
+    part regclass;
+BEGIN
+    FOR part IN
+        SELECT c.oid::regclass FROM pg_class c
+         WHERE c.oid = '{{table}}'::regclass AND c.relkind = 'r'
+        UNION ALL
+        SELECT i.inhrelid::regclass FROM pg_inherits i
+         WHERE i.inhparent = '{{table}}'::regclass
+    LOOP
+        EXECUTE format('ALTER TABLE %s SET (fillfactor = 50)', part);
+    END LOOP;
+END
+$$"#,
+);
+
 /// Version 1's NOTIFY trigger, dropped to be created again (version 1) or for good (version 3).
 const DROP_NOTIFY_TRIGGER: Statement = with_others(
     "\n\n",
@@ -386,18 +432,16 @@ const DROP_NOTIFY_TRIGGER: Statement = with_others(
 );
 
 /// Version 3's autovacuum settings of a queue table: partitioning gives each partition them
-/// (a partitioned table holds none).
+/// (a partitioned table holds none), and version 5's fillfactor ([`ROOM_FOR_UPDATES`]).
 pub const STORAGE_SETTINGS: Statement = with_others(
     r#"
 
 -- A queue table: every row is inserted, updated twice and deleted (or updated once more and
 -- deleted by retention), so dead tuples pile up at the rate of the traffic while the live
 -- table stays small. Autovacuum's defaults (20% of the table) wait far too long; vacuum after
--- a fixed number of dead tuples instead, without cost-based sleeping. (No fillfactor: the
--- status updates cannot be HOT, since `status` is in the partial indexes' predicates, so free
--- space on the page would only make the table bigger.) These take effect only where
--- autovacuum runs; the relay also vacuums the table itself when autovacuum is off or falls
--- behind (see the README).
+-- a fixed number of dead tuples instead, without cost-based sleeping (version 5 adds a
+-- fillfactor). These take effect only where autovacuum runs; the relay also vacuums the table
+-- itself when autovacuum is off or falls behind (see the README).
 "#,
     r#"ALTER TABLE {{table}} SET (
     autovacuum_vacuum_scale_factor = 0,

@@ -27,7 +27,7 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio_postgres::error::SqlState;
 
-use super::migrations::{DROP_WAKEUP_TRIGGER, STORAGE_SETTINGS, WAKEUP_TRIGGER};
+use super::migrations::{DROP_WAKEUP_TRIGGER, ROOM_FOR_UPDATES, STORAGE_SETTINGS, WAKEUP_TRIGGER};
 use super::operator::cleanup_sql;
 use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
@@ -270,10 +270,15 @@ fn quote_literal(text: &str) -> String {
     format!("'{}'", text.replace('\'', "''"))
 }
 
-/// The storage settings of a queue table (schema version 3's `ALTER TABLE … SET (…)`),
-/// rendered for `relation`: every partition gets them (a partitioned table holds none).
+/// The storage settings of a queue table (schema version 3's autovacuum settings and version
+/// 5's fillfactor), rendered for `relation`: every partition gets them (a partitioned table
+/// holds none).
 fn storage_settings(relation: &TableName) -> String {
-    STORAGE_SETTINGS.for_table(relation)
+    format!(
+        "{}\n{}",
+        STORAGE_SETTINGS.for_table(relation),
+        ROOM_FOR_UPDATES.for_table(relation)
+    )
 }
 
 /// `name` (qualified, from the catalog) as a [`TableName`] for rendering.

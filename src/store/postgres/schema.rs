@@ -593,6 +593,7 @@ mod tests {
             include_str!("../../../sql/0002_expiry.sql"),
             include_str!("../../../sql/0003_wakeup_and_storage.sql"),
             include_str!("../../../sql/0004_bulk_wakeup.sql"),
+            include_str!("../../../sql/0005_room_for_updates.sql"),
         ];
         assert_eq!(MIGRATIONS.len(), files.len());
         for (m, text) in MIGRATIONS.iter().zip(files) {
@@ -685,6 +686,19 @@ mod tests {
                 "current_setting('outbox.woke_' || 'app.events'::regclass::oid::text, true)",
                 "set_config('outbox.woke_' || 'app.events'::regclass::oid::text, '1', true)",
                 "EXECUTE FUNCTION app.events_wakeup()",
+            ],
+        );
+    }
+
+    #[test]
+    fn room_for_updates_renders_for_a_qualified_table() {
+        let v5 = MIGRATIONS.iter().find(|m| m.version == 5).unwrap();
+        assert_renders_for_app_events(
+            v5,
+            &[
+                "WHERE c.oid = 'app.events'::regclass AND c.relkind = 'r'",
+                "WHERE i.inhparent = 'app.events'::regclass",
+                "SET (fillfactor = 50)",
             ],
         );
     }
