@@ -237,7 +237,12 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
         ),
         _ => format!("table {table} found"),
     };
-    Ok(if plan.apply.is_empty() {
+    Ok(if !plan.behind.is_empty() {
+        format!(
+            "database: ok ({url}, {found}; schema versions {:?} not applied: run `outbox-relay migrate`)",
+            plan.behind
+        )
+    } else if plan.apply.is_empty() {
         format!("database: ok ({url}, {found})")
     } else {
         format!(

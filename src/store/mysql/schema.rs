@@ -180,6 +180,7 @@ impl MysqlStore {
                 .map(|m| m.version)
                 .filter(|&v| v > version)
                 .collect(),
+            recorded: version > 0,
         })
     }
 

@@ -68,6 +68,9 @@ pub struct SchemaState {
     pub table_exists: bool,
     /// Versions `migrate` would apply, in order (every one when the table does not exist).
     pub pending: Vec<i32>,
+    /// `migrate` recorded a version for the table (not so for DDL applied by hand, whose
+    /// version nothing records).
+    pub recorded: bool,
 }
 
 /// The steps of migration `m` for `table`, the last recording the version in `versions` (the
@@ -107,13 +110,15 @@ impl SchemaState {
                 "table {table} does not exist: run `outbox-relay migrate`, or set database.auto_migrate = true"
             )));
         }
+        let (apply, behind) = match (auto_migrate, self.recorded) {
+            (true, _) => (self.pending, Vec::new()),
+            (false, true) => (Vec::new(), self.pending),
+            (false, false) => (Vec::new(), Vec::new()),
+        };
         Ok(SchemaPlan {
             table_exists: self.table_exists,
-            apply: if auto_migrate {
-                self.pending
-            } else {
-                Vec::new()
-            },
+            apply,
+            behind,
             partition,
         })
     }
@@ -508,6 +513,7 @@ impl PgStore {
                 .map(|m| m.version)
                 .filter(|&v| v > current.version)
                 .collect(),
+            recorded: current.version > 0,
         })
     }
 
@@ -563,6 +569,10 @@ pub struct SchemaPlan {
     pub table_exists: bool,
     /// Schema versions start-up applies (empty without `auto_migrate`).
     pub apply: Vec<i32>,
+    /// Schema versions the table lacks, by the version `migrate` recorded, that start-up
+    /// leaves to `migrate` (without `auto_migrate`): `check` and `run` say so. Empty for a
+    /// table whose DDL was applied by hand (nothing recorded).
+    pub behind: Vec<i32>,
     /// Start-up partitions the plain table (`auto_migrate` and `partition_interval` set).
     pub partition: bool,
 }
