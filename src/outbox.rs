@@ -269,7 +269,7 @@ async fn prepare(
             let plan = store.plan_schema(config.database.auto_migrate);
             let plan = store.bounded(plan).await?;
             if !plan.behind.is_empty() {
-                tracing::warn!(outbox = %outbox.name, table = %store.table(), versions = ?plan.behind, "schema versions not applied to the table (database.auto_migrate is off): run `outbox-relay migrate`; the relay runs meanwhile");
+                tracing::warn!(outbox = %outbox.name, table = %store.table(), versions = ?plan.behind, "schema versions not applied to the table (database.auto_migrate is off): run `outbox-relay migrate`");
             }
             if !plan.apply.is_empty() || plan.partition {
                 let applied = store.migrate().await?;

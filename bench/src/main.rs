@@ -136,6 +136,10 @@ struct Args {
     /// RELAY_RELAY__MAX_IN_FLIGHT=4000. Recorded in the JSON.
     #[arg(long = "relay-env", value_name = "KEY=VALUE")]
     relay_env: Vec<String>,
+    /// Reset the fillfactor of every PostgreSQL table the bench creates to 100 (the full pages
+    /// of schema version 4): an A/B against schema version 5 with one binary.
+    #[arg(long)]
+    full_pages: bool,
     /// Give up a drain after this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -394,6 +398,10 @@ impl Ctx {
             .migrate()
             .await
             .with_context(|| format!("cannot migrate {table}{at}"))?;
+        if self.args.full_pages && !mysql {
+            let reset = format!("ALTER TABLE {table} RESET (fillfactor)");
+            self.pg.batch_execute(&reset).await?;
+        }
         Ok(table)
     }
 
@@ -810,7 +818,7 @@ async fn run(ctx: &mut Ctx) {
         .filter(|p| selected(*p))
         .collect();
     ctx.progress(format!(
-        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}",
+        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}{}",
         ctx.run_id,
         ctx.rows,
         ctx.naive_rows,
@@ -821,6 +829,11 @@ async fn run(ctx: &mut Ctx) {
             String::new()
         } else {
             format!(", relay env {:?}", masked_env(&ctx.extra_env))
+        },
+        if ctx.args.full_pages {
+            ", full pages (PostgreSQL tables at fillfactor 100)"
+        } else {
+            ""
         }
     ));
     for phase in plan {
@@ -1127,6 +1140,7 @@ fn finish(ctx: &mut Ctx) {
     out.insert("rows".into(), json!(ctx.rows));
     out.insert("naive_rows".into(), json!(ctx.naive_rows));
     out.insert("quick".into(), json!(ctx.args.quick));
+    out.insert("full_pages".into(), json!(ctx.args.full_pages));
     out.insert("latency_rate_per_s".into(), json!(ctx.lat_rate));
     out.insert("latency_seconds".into(), json!(ctx.lat_secs));
     for (k, v) in &report.json {
