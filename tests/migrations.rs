@@ -5,7 +5,8 @@
 //! transaction ends; `run` refuses a table without `expires_at` (hand-applied version-1 DDL)
 //! and tells the user to run `migrate`, which fixes it; a `migrate` interrupted in a concurrent
 //! index build left an INVALID index, which the next `migrate` drops and builds again; two
-//! `migrate`s at once both finish.
+//! `migrate`s at once both finish; without `auto_migrate`, `check` and `run` name the schema
+//! versions a migrated table lacks.
 //!
 //! Each test has its own `it_mig_…` table.
 

@@ -3,7 +3,9 @@
 //! dead letters and rows in flight moved to DEFAULT, unchanged, under traffic) and keeping one
 //! with too many dead letters whole until they are retried or discarded, the in-place
 //! conversion of a plain table while a writer inserts and a relay runs, a conversion an
-//! interrupted `migrate` left half done, and a table `migrate` refuses to partition.
+//! interrupted `migrate` left half done, a table `migrate` refuses to partition, and schema
+//! version 5's fillfactor on every partition (the relay's own, and those of a table
+//! partitioned at version 4).
 //!
 //! The real binary against the local PostgreSQL and RabbitMQ, one-minute partitions, a table
 //! and exchange per test.

@@ -4,7 +4,8 @@
 //! sees every publish the loop makes (order, attempts, overlap). What these pin down is the
 //! loop's bookkeeping — which rows spend attempts, which wait, how many are in flight — that
 //! the broker tests can only observe from outside — and, one level down, how an ordered claim
-//! fills its batch (`Store::claim_and_expire` on its own).
+//! fills its batch and where a claimed row's new version lands (`Store::claim_and_expire` on
+//! its own).
 //!
 //! The loop knows no SQL, so each scenario is written once as `async fn scenario(db: Db)` and
 //! run on both databases by `on_both_databases!` (tests `<scenario>::postgres` and
