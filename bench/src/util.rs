@@ -216,6 +216,15 @@ pub async fn create_index(pg: &Client, table: &str, idx: &IndexDef) -> Result<()
     Ok(())
 }
 
+/// Resets plain `table`'s fillfactor to PostgreSQL's default (100): the full pages of schema
+/// version 4, for an A/B against version 5's room for the relay's updates.
+pub async fn full_pages(pg: &Client, table: &str) -> Result<()> {
+    let reset = format!("ALTER TABLE {table} RESET (fillfactor)");
+    pg.batch_execute(&reset)
+        .await
+        .with_context(|| format!("cannot reset the fillfactor of {table}"))
+}
+
 /// Average size in bytes of the payload as the relay sends it (jsonb's text form).
 pub async fn avg_payload_bytes(pg: &Client, table: &str) -> Result<f64> {
     let row = pg

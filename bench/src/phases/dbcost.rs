@@ -39,9 +39,11 @@ use tokio_postgres::Client;
 
 use super::insert::app_insert_sql;
 use super::retention::{PARTITION_ENV, migrate};
+use super::steady::{mib, sample_health};
 use crate::Ctx;
 use crate::util::{
-    CpuSample, CpuUsage, Relay, aggregate_id, payload, pg_connect, verify_sent, wait_drained,
+    CpuSample, CpuUsage, Relay, aggregate_id, full_pages, payload, pg_connect, verify_sent,
+    wait_drained,
 };
 
 /// The phase's name in the report.
@@ -182,8 +184,7 @@ async fn case_run(ctx: &mut Ctx, case: &'static Case) -> Result<CaseResult> {
     let table = format!("bench_dbcost_{}_{}", case.short, ctx.run_id);
     migrate(ctx, &table, case.partition_interval).await?;
     if case.full_pages {
-        let reset = format!("ALTER TABLE {table} RESET (fillfactor)");
-        ctx.pg.batch_execute(&reset).await?;
+        full_pages(&ctx.pg, &table).await?;
     }
     let sentinel = ctx.sentinel().await;
     if let Err(e) = ctx.pg.batch_execute("CHECKPOINT").await {
@@ -251,11 +252,7 @@ async fn case_run(ctx: &mut Ctx, case: &'static Case) -> Result<CaseResult> {
     } else {
         verify_sent(&ctx.pg, &table, ctx.rows).await?;
     }
-    let size = "SELECT CASE WHEN c.relkind = 'p' \
-                THEN (SELECT sum(pg_total_relation_size(relid)) FROM pg_partition_tree(c.oid)) \
-                ELSE pg_total_relation_size(c.oid) END::bigint \
-                FROM pg_class c WHERE c.oid = $1::text::regclass";
-    let table_bytes = ctx.pg.query_one(size, &[&table]).await?.try_get(0)?;
+    let table_bytes = sample_health(&ctx.pg, &table, None, 0.0).await?.total_bytes;
     Ok(CaseResult {
         case,
         quiet,
@@ -633,7 +630,7 @@ fn report_summary(ctx: &mut Ctx, done: &[CaseResult]) {
         text.push_str(&format!(
             "after [{}]: table and indexes {:.1} MiB\n",
             r.case.key,
-            r.table_bytes as f64 / (1024.0 * 1024.0)
+            mib(r.table_bytes)
         ));
     }
     for r in done {
