@@ -20,7 +20,7 @@
 //!    (`broker_killed_and_restarted_mid_stream_spends_no_attempt`), not repeated here.
 //! 4. Poison rows, each failing or passing on its own: header values of every JSON kind (numbers
 //!    beyond i64/u64/f64 kept exact), headers that are not an object, names and routing keys
-//!    over AMQP's 255 bytes, a `bytea` payload of arbitrary bytes, a message over RabbitMQ's
+//!    over AMQP's 255 bytes, headers larger than one AMQP frame, a `bytea` payload of arbitrary bytes, a message over RabbitMQ's
 //!    `max_message_size`, Kafka topics that cannot exist, a Kafka produce batch the broker
 //!    rejects for one record in it, and a 10,000-row aggregate ahead of 50 small ones.
 //! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
@@ -1274,6 +1274,12 @@ async fn poison_rows_fail_or_pass_alone_without_stalling_other_aggregates() {
         (long_key, Some("routing key is longer than 255 bytes")),
         (long_name, Some("longer than 255 bytes")),
         (long_event, Some("event_type is longer than 255 bytes")),
+        // Headers AMQP cannot fit in one frame (RabbitMQ's frame_max is 128 KiB): sent, the
+        // broker would close the whole connection; refused, it fails alone.
+        (
+            case("huge-headers").headers(json!({ "big": "x".repeat(200_000) })),
+            Some("frame_max"),
+        ),
     ];
     let others = NewRow::numbered(200, "normal", Some(("n-", 20)), "e");
     let poisons = insert_poisons(&table, cases, others).await;

@@ -204,7 +204,11 @@ impl Publisher for RabbitMqPublisher {
         let Ok(routing_key) = ShortString::try_new(routing_key) else {
             return Outcome::Rejected("routing key is longer than 255 bytes".to_owned());
         };
-        let props = match self.properties(msg, env, routing_key.as_str()) {
+        let frame_max = live.connection.configuration().frame_max();
+        let props = match self
+            .properties(msg, env, routing_key.as_str())
+            .and_then(|p| wire::fits_one_frame(&p, frame_max).map(|()| p))
+        {
             Ok(p) => p,
             Err(reason) => return Outcome::Rejected(reason),
         };
