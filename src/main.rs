@@ -77,8 +77,8 @@ enum Command {
 enum DeadLetters {
     /// List dead letters, oldest first.
     List {
-        /// At most this many rows in all (outbox by outbox, in configuration order).
-        #[arg(long, default_value_t = 100)]
+        /// At most this many rows in all (outbox by outbox, in configuration order); at least 1.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..))]
         limit: i64,
         /// Print JSON for scripts.
         #[arg(long)]

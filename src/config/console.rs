@@ -78,13 +78,14 @@ impl RawConsole {
     /// Checks the section: actions need a token, and a token must be long enough.
     pub(super) fn validate(self) -> Result<ConsoleConfig, ConfigError> {
         if let Some(token) = &self.token {
-            let chars = token.0.chars().count();
-            if token.0.trim().is_empty() || chars < MIN_CONSOLE_TOKEN_CHARS {
+            // Counted without surrounding blanks, as a request's token is compared.
+            let chars = token.0.trim().chars().count();
+            if chars < MIN_CONSOLE_TOKEN_CHARS {
                 // Never echo the token: only its length and what is expected.
                 return Err(ConfigError::invalid(
                     "console.token",
                     format!(
-                        "is {chars} characters; at least {MIN_CONSOLE_TOKEN_CHARS} are required (e.g. the output of `openssl rand -hex 24`); the value is not shown"
+                        "is {chars} characters without its surrounding blanks; at least {MIN_CONSOLE_TOKEN_CHARS} are required (e.g. the output of `openssl rand -hex 24`); the value is not shown"
                     ),
                 ));
             }
@@ -159,6 +160,15 @@ mod tests {
             "[console]\nallow_actions = true\ntoken = \"hunter2\"\n",
             &["console.token", "7 characters", "at least 16"],
             &["hunter2"],
+        );
+        let blanks = " ".repeat(20);
+        err_has(
+            &format!("[console]\nallow_actions = true\ntoken = \"{blanks}\"\n"),
+            &[
+                "console.token",
+                "is 0 characters without its surrounding blanks",
+            ],
+            &[],
         );
         err_has(
             "[console]\nallow_actions = true\n",

@@ -246,9 +246,19 @@ pub(super) fn database_name(key: &str, url: &str) -> Result<String, ConfigError>
     match DatabaseKind::of(url) {
         DatabaseKind::Postgres => {
             let pg: tokio_postgres::Config = url.parse().map_err(|e| {
+                let scheme = url.trim_start().split("://").next().unwrap_or_default();
+                let hint = if url.contains("://")
+                    && !["postgres", "postgresql"]
+                        .iter()
+                        .any(|s| scheme.eq_ignore_ascii_case(s))
+                {
+                    " (the relay takes postgres:// or postgresql:// for PostgreSQL, mysql:// for MySQL and MariaDB)"
+                } else {
+                    ""
+                };
                 ConfigError::invalid(
                     key.clone(),
-                    format!("{} is not a PostgreSQL URL: {e}", redact_url(url)),
+                    format!("{} is not a PostgreSQL URL: {e}{hint}", redact_url(url)),
                 )
             })?;
             Ok(pg.get_dbname().unwrap_or("postgres").to_owned())
@@ -447,6 +457,11 @@ mod tests {
         rejects(
             "[database]\nurl = \"postgres://h:x/db\"\n",
             "invalid value for database.url: postgres://h:x/db is not a PostgreSQL URL",
+        );
+        crate::config::tests::err_has(
+            "[database]\nurl = \"mariadb://root@127.0.0.1:3306/test\"\n",
+            &["database.url", "mysql:// for MySQL and MariaDB"],
+            &[],
         );
         rejects(
             "[database]\npool_size = 1\n",

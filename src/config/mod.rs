@@ -246,12 +246,24 @@ fn describe_figment_error(e: figment::Error) -> String {
     e.into_iter()
         .map(|e| {
             let key = e.path.join(".");
-            let origin = e
+            let from_env = e
                 .metadata
                 .as_ref()
-                .and_then(|m| m.source.as_ref().map(|s| format!(" (in {s})")))
-                .or_else(|| e.metadata.as_ref().map(|m| format!(" (from {})", m.name)))
-                .unwrap_or_default();
+                .is_some_and(|m| m.source.is_none() && m.name.contains("environment variable"));
+            let origin = if from_env && !e.path.is_empty() {
+                // The variable itself, as figment read it (keys are matched in any case).
+                let var = format!("RELAY_{}", e.path.join("__").to_uppercase());
+                format!(
+                    " (from the environment variable {var}: every RELAY_* variable is read as a \
+                     configuration key, RELAY_<SECTION>__<KEY>; rename or unset it)"
+                )
+            } else {
+                e.metadata
+                    .as_ref()
+                    .and_then(|m| m.source.as_ref().map(|s| format!(" (in {s})")))
+                    .or_else(|| e.metadata.as_ref().map(|m| format!(" (from {})", m.name)))
+                    .unwrap_or_default()
+            };
             if let figment::error::Kind::UnknownVariant(value, expected) = &e.kind
                 && let Some(message) = closed_set_error(&key, value, expected)
             {
@@ -480,6 +492,21 @@ pub(super) mod tests {
             panic!("rabbitmq")
         };
         assert_eq!(q.exchange, "from-env");
+    }
+
+    #[test]
+    fn an_environment_variable_that_is_no_key_is_named_in_the_error() {
+        for (var, value) in [("PORT", "tcp://10.0.0.1:9187"), ("DATABASE_URL", "x")] {
+            let e = load_str("", &[(var, value)]).unwrap_err().to_string();
+            let named = format!("from the environment variable RELAY_{var}:");
+            assert!(e.contains(&named), "{e}");
+            assert!(e.contains("RELAY_<SECTION>__<KEY>"), "{e}");
+        }
+        // A bad value of a real key names its variable too.
+        let e = load_str("", &[("RELAY__BATCH_SIZE", "many")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RELAY_RELAY__BATCH_SIZE"), "{e}");
     }
 
     #[test]

@@ -566,6 +566,13 @@ impl Action {
     }
 }
 
+/// The token of an `Authorization: Bearer <token>` value, the scheme's name in any case
+/// (RFC 9110 §11.1), surrounding blanks trimmed.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 /// Bytes equal in time independent of where they differ (the token is compared this way).
 fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -583,10 +590,9 @@ impl Console {
                 let given = headers
                     .get(header::AUTHORIZATION)
                     .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-                    .map(str::trim);
+                    .and_then(bearer_token);
                 match given {
-                    Some(g) if same_secret(g.as_bytes(), token.0.as_bytes()) => return None,
+                    Some(g) if same_secret(g.as_bytes(), token.0.trim().as_bytes()) => return None,
                     Some(_) => "wrong console token",
                     None => "no console token (send Authorization: Bearer <console.token>)",
                 }
@@ -728,6 +734,15 @@ mod tests {
         assert!(!same_secret(b"abcdef", b"abcdeg"));
         assert!(!same_secret(b"abc", b"abcdef"));
         assert!(!same_secret(b"", b"x"));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        assert_eq!(bearer_token("Bearer abc"), Some("abc"));
+        assert_eq!(bearer_token("bearer abc "), Some("abc"));
+        assert_eq!(bearer_token("BEARER  abc"), Some("abc"));
+        assert_eq!(bearer_token("Basic abc"), None);
+        assert_eq!(bearer_token("Bearerabc"), None);
     }
 
     #[test]
