@@ -106,18 +106,26 @@ impl<'de> Deserialize<'de> for HumanDuration {
                 f.write_str("a duration string with a unit, such as \"500ms\", \"30s\" or \"5m\"")
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<HumanDuration, E> {
-                humantime::parse_duration(v.trim())
-                    .map(HumanDuration)
-                    .map_err(|e| {
-                        E::custom(format!(
-                            "bad duration {v:?}: {e} (write e.g. \"500ms\", \"30s\", \"5m\")"
-                        ))
-                    })
+                let d = humantime::parse_duration(v.trim()).map_err(|e| {
+                    E::custom(format!(
+                        "bad duration {v:?}: {e} (write e.g. \"500ms\", \"30s\", \"5m\")"
+                    ))
+                })?;
+                if d > LONGEST_DURATION {
+                    return Err(E::custom(format!(
+                        "duration {v:?} is longer than 100 years, the longest any setting takes"
+                    )));
+                }
+                Ok(HumanDuration(d))
             }
         }
         d.deserialize_str(V)
     }
 }
+
+/// The longest duration any setting takes: 100 years (365-day years). Longer ones would
+/// overflow the database's interval arithmetic at run time, round after round.
+const LONGEST_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 fn dur(s: &str) -> HumanDuration {
     HumanDuration(humantime::parse_duration(s).unwrap_or_default())

@@ -113,7 +113,16 @@ impl RawRelay {
             ));
         }
         positive("relay.poll_interval", r.poll_interval)?;
-        positive("relay.lease_timeout", r.lease_timeout)?;
+        if r.lease_timeout.0 < MIN_LEASE {
+            return Err(ConfigError::invalid(
+                "relay.lease_timeout",
+                format!(
+                    "{} is shorter than 1s: leases are renewed every third of it, and a relay that \
+                     cannot renew in time has its rows published again by another relay",
+                    humantime::format_duration(r.lease_timeout.0)
+                ),
+            ));
+        }
         let source = match r.source {
             Some(s) if s.trim().is_empty() => {
                 return Err(ConfigError::invalid("relay.source", "must not be empty"));
@@ -135,6 +144,9 @@ impl RawRelay {
         })
     }
 }
+
+/// The shortest `relay.lease_timeout`.
+const MIN_LEASE: Duration = Duration::from_secs(1);
 
 /// Host name + pid, e.g. `web-1:4242`.
 pub fn default_instance_id() -> String {
@@ -179,7 +191,16 @@ mod tests {
         );
         rejects(
             "[relay]\nlease_timeout = \"0s\"\n",
-            "invalid value for relay.lease_timeout: must be greater than zero",
+            "invalid value for relay.lease_timeout: 0s is shorter than 1s",
+        );
+        rejects(
+            "[relay]\nlease_timeout = \"1ms\"\n",
+            "invalid value for relay.lease_timeout: 1ms is shorter than 1s",
+        );
+        crate::config::tests::err_has(
+            "[relay]\nlease_timeout = \"100000000000000h\"\n",
+            &["relay.lease_timeout", "longer than 100 years"],
+            &[],
         );
         rejects(
             "[relay]\nsource = \"\"\n",
