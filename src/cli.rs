@@ -63,6 +63,19 @@ fn targets<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<Target<'a>>
     Ok(out)
 }
 
+/// [`targets`] whose tables exist: a missing one is an error that says to run `migrate` (what
+/// `check` and `run` say), not the database's own "relation does not exist".
+async fn existing_targets<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<Target<'a>>> {
+    let targets = targets(config, only)?;
+    for t in &targets {
+        t.store
+            .plan_schema(false)
+            .await
+            .with_context(|| t.context("read"))?;
+    }
+    Ok(targets)
+}
+
 /// `migrate [--print] [--outbox NAME]`.
 pub async fn migrate(config: &Config, print: bool, only: Option<&str>) -> Result<()> {
     let selected = select(config, only)?;
@@ -264,7 +277,7 @@ struct StatusJson {
 pub async fn status(config: &Config, json: bool, only: Option<&str>) -> Result<()> {
     let mut total = StatusReport::default();
     let mut by_outbox = Vec::new();
-    for t in targets(config, only)? {
+    for t in existing_targets(config, only).await? {
         let report = t.store.status().await.with_context(|| t.context("read"))?;
         total.overall.add(&report.overall);
         for (ty, c) in &report.by_aggregate_type {
@@ -378,7 +391,7 @@ pub async fn dead_letters_list(
     json: bool,
     only: Option<&str>,
 ) -> Result<()> {
-    let targets = targets(config, only)?;
+    let targets = existing_targets(config, only).await?;
     let several = targets.len() > 1;
     let mut rows: Vec<Listed<'_>> = Vec::new();
     for t in &targets {
@@ -476,7 +489,7 @@ pub async fn dead_letters_apply(
     only: Option<&str>,
 ) -> Result<()> {
     let verb = action.verb();
-    let targets = targets(config, only)?;
+    let targets = existing_targets(config, only).await?;
     let context = || format!("{verb} in {}", names(&targets));
     // Which outbox holds which id.
     let mut plan: Vec<(&Target<'_>, Selection)> = Vec::new();

@@ -1,7 +1,7 @@
 //! Operations, end to end against the local PostgreSQL and RabbitMQ (docs/operations.md): what an
 //! operator sees on `/metrics`, `/healthz` and `/readyz` (also through a broker outage), the
-//! `status` and `dead-letters` commands against rows in known states, what `check`, `migrate`
-//! and `run` do with a missing, dropped or version-1 table (upgraded in place with rows
+//! `status` and `dead-letters` commands against rows in known states, what `check`, `migrate`,
+//! `run` and the operator's commands do with a missing, dropped or version-1 table (upgraded in place with rows
 //! pending and in flight), table vacuuming, retention cleanup, configuration errors, and a
 //! real Prometheus scraping the relay with the shipped alert rules loaded.
 //!
@@ -639,6 +639,15 @@ async fn check_makes_the_start_up_decision_about_a_missing_table() {
     out.assert_stdout_has(&fix);
     let out = exits(cli_auto(&name, false), &["run"], 1).await;
     assert!(out.stderr.contains(&fix), "{}", out.stderr);
+    // The operator's commands say the same, not the database's "relation does not exist".
+    for args in [
+        &["status"][..],
+        &["dead-letters", "list"],
+        &["dead-letters", "retry", "--all"],
+    ] {
+        let out = exits(cli_auto(&name, false), args, 1).await;
+        assert!(out.stderr.contains(&fix), "{args:?}: {}", out.stderr);
+    }
     assert!(!table.exists().await);
 }
 
