@@ -233,6 +233,15 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
         .inspect()
         .await
         .map_err(|e| format!("database: reachable, but {e}"))?;
+    t.store.may_write().await.map_err(|e| {
+        if e.is_permission_denied() {
+            format!(
+                "database: reachable, but the relay's user may not update or delete rows of {table} ({e}): grant what docs/security.md (PostgreSQL) or docs/mysql.md (MySQL/MariaDB) lists for the relay"
+            )
+        } else {
+            format!("database: reachable, but {e}")
+        }
+    })?;
     let layout = match t.store.as_postgres() {
         Some(pg) => pg.layout().await.ok().flatten(),
         None => None,

@@ -13,6 +13,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -137,13 +138,18 @@ pub struct RelayParts {
 
 /// The claim/publish/settle engine shared by the dispatcher and its batch tasks: one
 /// outbox's [`RelayParts`], read through `Deref`.
-pub struct Relay(RelayParts);
+pub struct Relay {
+    parts: RelayParts,
+    /// The broker confirmed one of this outbox's messages since the dispatcher last
+    /// connected: the connection is proven, and losing it is an outage rather than a flap.
+    confirmed_since_connect: AtomicBool,
+}
 
 impl std::ops::Deref for Relay {
     type Target = RelayParts;
 
     fn deref(&self) -> &RelayParts {
-        &self.0
+        &self.parts
     }
 }
 
@@ -159,7 +165,10 @@ enum RowResult {
 impl Relay {
     /// Wires the engine.
     pub fn new(parts: RelayParts) -> Arc<Self> {
-        Arc::new(Self(parts))
+        Arc::new(Self {
+            parts,
+            confirmed_since_connect: AtomicBool::new(false),
+        })
     }
 
     /// Claims and publishes until `shutdown`; then drains in-flight batches until
@@ -312,6 +321,8 @@ impl Relay {
             let outcome = outcomes.next();
             let result = match outcome {
                 Some(Outcome::Confirmed) => {
+                    self.confirmed_since_connect
+                        .store(true, AtomicOrdering::Relaxed);
                     if stopped {
                         // Sent although an earlier row of its aggregate was not: the transport
                         // broke its promise. It is out: record it rather than send it twice.
@@ -559,9 +570,24 @@ impl<'a> Dispatch<'a> {
             relay.health.set_broker(true);
             return Ok(());
         }
-        if self.broker.lost() {
+        if let Some(up_for) = self.broker.lost() {
             relay.metrics.broker_down();
-            tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
+            let confirmed = relay
+                .confirmed_since_connect
+                .swap(false, AtomicOrdering::Relaxed);
+            if confirmed || up_for >= PROVEN_AFTER {
+                tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
+                self.broker_backoff = Backoff::reconnect();
+            } else {
+                // A connection that broke soon, before the broker confirmed anything on it
+                // (the broker closes it on what the relay sends, say): reconnecting at once
+                // would loop as fast as the broker accepts connections.
+                let delay = self.broker_backoff.next_delay();
+                tracing::warn!(publisher = %publisher.describe(), retry_in = ?delay, "lost the broker connection before it confirmed any message; reconnecting after a pause");
+                if !sleep_or_cancel(delay, self.shutdown).await {
+                    return Err(Exit::Stop);
+                }
+            }
         }
         relay.health.set_broker(false);
         let connected = tokio::select! {
@@ -572,9 +598,11 @@ impl<'a> Dispatch<'a> {
             Ok(()) => {
                 tracing::info!(publisher = %publisher.describe(), "connected to the broker");
                 self.broker.connected();
+                relay
+                    .confirmed_since_connect
+                    .store(false, AtomicOrdering::Relaxed);
                 telemetry::record_broker_connected();
                 relay.health.set_broker(true);
-                self.broker_backoff = Backoff::reconnect();
                 Ok(())
             }
             Err(e) => {
@@ -855,7 +883,11 @@ impl<'a> Dispatch<'a> {
         let delay = self.db_backoff.next_delay();
         self.relay.database.set(false);
         self.relay.store.note_error(e);
-        tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
+        if e.is_permission_denied() {
+            tracing::error!(error = %e, retry_in = ?delay, table = %self.relay.store.table(), "the database refused the relay's statement: its user lacks a privilege on the table; grant what docs/security.md (PostgreSQL) or docs/mysql.md (MySQL/MariaDB) lists for the relay; retrying");
+        } else {
+            tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
+        }
         sleep_or_cancel(delay, self.shutdown).await;
         Exit::Again
     }
@@ -1051,23 +1083,30 @@ impl Refill {
     }
 }
 
-/// Whether the broker was connected when last looked at: a drop from connected is a lost
-/// connection, logged and counted once however many rows (none, when idle) were in flight (a
-/// failed reconnect is counted on its own); a broker not reached yet has nothing to lose.
+/// How long a broker connection must have lasted for its loss to count as an outage (the
+/// next connect at once, the reconnect backoff starting over) when the broker confirmed
+/// nothing on it.
+const PROVEN_AFTER: Duration = Duration::from_secs(10);
+
+/// Since when the broker has been connected, if it was when last looked at: a drop from
+/// connected is a lost connection, logged and counted once however many rows (none, when
+/// idle) were in flight (a failed reconnect is counted on its own); a broker not reached yet
+/// has nothing to lose.
 #[derive(Debug, Default)]
 struct BrokerLink {
-    up: bool,
+    up_since: Option<Instant>,
 }
 
 impl BrokerLink {
-    /// The publisher reports no connection: whether that is a loss not yet counted.
-    fn lost(&mut self) -> bool {
-        std::mem::take(&mut self.up)
+    /// The publisher reports no connection: how long the lost one lasted, when it is a loss
+    /// not yet counted.
+    fn lost(&mut self) -> Option<Duration> {
+        self.up_since.take().map(|since| since.elapsed())
     }
 
     /// The publisher connected.
     fn connected(&mut self) {
-        self.up = true;
+        self.up_since = Some(Instant::now());
     }
 }
 
@@ -1366,15 +1405,16 @@ mod tests {
     #[test]
     fn a_lost_broker_connection_counts_once() {
         let mut broker = BrokerLink::default();
-        assert!(!broker.lost(), "never connected: nothing lost");
+        assert!(broker.lost().is_none(), "never connected: nothing lost");
         broker.connected();
-        assert!(broker.lost(), "the connection dropped");
+        let up_for = broker.lost().expect("the connection dropped");
+        assert!(up_for < PROVEN_AFTER, "it lasted {up_for:?}");
         assert!(
-            !broker.lost(),
+            broker.lost().is_none(),
             "reconnects failing after it are the same loss"
         );
         broker.connected();
-        assert!(broker.lost(), "a new connection lost again");
+        assert!(broker.lost().is_some(), "a new connection lost again");
     }
 
     #[test]

@@ -6,7 +6,8 @@
 //! aggregate; a long transaction on another table holding nothing back; the broker's and the
 //! database's connections cut by a proxy without an attempt spent; dead letters, `status`,
 //! the gauges and `dead-letters retry`; the backlog gauges while the broker is unreachable;
-//! the ready age as a claim sees it; expiry; the documented roles; one relay per instance id
+//! the ready age as a claim sees it; expiry; the documented roles (and `check` naming the
+//! grants a role lacks); one relay per instance id
 //! (a second refused, a lost lock waited out); and one relay serving a PostgreSQL and a
 //! MySQL outbox.
 //!
@@ -907,7 +908,8 @@ impl Roles {
 /// With the documented grants only: the application, which may only insert (not even read
 /// the table), writes rows with the contract's plain `INSERT`, the same text on both
 /// databases, in its own transaction; a relay running as the relay role (not the table's
-/// owner, `auto_migrate = false`) sends them, and `status` works as that role.
+/// owner, `auto_migrate = false`) sends them, `status` and `check` work as that role, and
+/// `check` refuses it once `UPDATE` and `DELETE` are revoked (and `run`'s claims say why).
 async fn the_documented_roles_are_enough_for_the_application_and_the_relay(db: Db) {
     let test = format!("{}_roles", db.tag());
     let (outbox, rabbit) = outbox_and_exchange(db, &test, "#").await;
@@ -943,6 +945,50 @@ async fn the_documented_roles_are_enough_for_the_application_and_the_relay(db: D
     let status = json_of(as_relay, &["status", "--json"]).await;
     assert_eq!(status["sent"], 3, "{status}");
     relay.stop().await;
+
+    // `check` as the relay role passes; without UPDATE and DELETE it fails and names them,
+    // where `run` could only retry its claims.
+    let check = async |url: String| {
+        let builder = outbox.operator().set("database.url", url);
+        builder.output(&["check"], WAIT).await
+    };
+    let out = check(roles.relay_url()).await;
+    assert!(out.status.success(), "{}\n{}", out.stdout, out.stderr);
+    let t = outbox.name();
+    let revoke = match db {
+        Db::Postgres => format!("REVOKE UPDATE, DELETE ON {t} FROM {}", roles.relay),
+        Db::Mysql => format!(
+            "REVOKE UPDATE, DELETE ON test.{t} FROM '{}'@'127.0.0.1'",
+            roles.relay
+        ),
+    };
+    outbox.exec(&revoke).await;
+    let out = check(roles.relay_url()).await;
+    assert!(!out.status.success(), "{}", out.stdout);
+    out.assert_stdout_has(&format!(
+        "the relay's user may not update or delete rows of {t}"
+    ));
+    // `run` as that role says the same of its claims, not that the database is down.
+    let insert = format!(
+        "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
+         VALUES ('priv', 'p-9', 'made', '{{}}')"
+    );
+    outbox.exec(&insert).await;
+    let denied = self::relay(
+        &outbox,
+        &rabbit,
+        &format!("{}-denied", test.replace('_', "-")),
+    )
+    .set("database.url", roles.relay_url())
+    .spawn();
+    let said = "its user lacks a privilege on the table";
+    denied.wait_for_log(said, 1, WAIT).await;
+    assert!(
+        !denied.stderr().contains("database unavailable"),
+        "{}",
+        denied.stderr()
+    );
+    denied.stop().await;
     roles.drop_roles(&outbox).await;
     rabbit.teardown().await;
     outbox.drop_table().await;

@@ -10,7 +10,8 @@
 //!    one of those published, nothing lost or reordered.
 //! 2. Outages the relay must ride out in the same process without spending an attempt: its
 //!    RabbitMQ (with publishes in flight; ordering none and aggregate) or PostgreSQL connections
-//!    cut by a proxy (one scenario, the service a parameter), RabbitMQ restarted for real
+//!    cut by a proxy (one scenario, the service a parameter), a RabbitMQ connection cut on
+//!    every publish (reopened after growing pauses, not in a loop), RabbitMQ restarted for real
 //!    (`rabbitmqctl stop_app`/`start_app`, a durable queue and a reconnecting consumer),
 //!    PostgreSQL restarted for real (`pg_ctlcluster … restart`), PostgreSQL black-holed by a
 //!    proxy (connections open, nothing answered), a database outage longer than the lease, a
@@ -574,6 +575,54 @@ async fn rabbitmq_connection_cut_spends_no_attempt_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_connection_cut_with_ordering_none_spends_no_attempt_and_loses_nothing() {
     connection_cut(Service::RabbitMq, "none").await;
+}
+
+/// A broker that drops the connection on what the relay sends, every time (the proxy cuts each
+/// connection once the relay sends more than its set-up): the relay pauses longer and longer
+/// between reconnects instead of looping as fast as the broker accepts them, and once the
+/// connection holds, the row goes out without having spent an attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_dropped_on_every_publish_is_reopened_with_backoff() {
+    let _shared = SERVICES.read().await;
+    let test = "f_flap";
+    let (table, rabbit) = table_and_exchange(test).await;
+    let proxy = Proxy::start(RABBIT_ADDR).await;
+    let relay = RelayBuilder::for_test(&table, &rabbit, test)
+        .set("publisher.rabbitmq.url", proxy.amqp_url())
+        .spawn();
+    relay
+        .wait_for_log("connected to the broker", 1, secs(30))
+        .await;
+    // Idle and connected: what it has sent is its set-up; anything more is cut.
+    tokio::time::sleep(secs(1)).await;
+    let setup = proxy.upstream_bytes_of_last_connection();
+    assert!(setup > 0, "the relay's connection sent nothing");
+    proxy.cut_connections_sending_more_than(setup);
+    let sessions_before = proxy.accepted();
+    let row = NewRow::new("flap", Some("a"), "e", json!({}));
+    let id = table.insert_one(row).await;
+    let watched = secs(6);
+    tokio::time::sleep(watched).await;
+    let sessions = proxy.accepted() - sessions_before;
+    assert!(
+        sessions >= 2,
+        "the publish was not cut and retried ({sessions} sessions)"
+    );
+    // Pauses of 100 ms doubling: about 6 sessions in 6 s; without them, hundreds. (A loaded
+    // machine only makes fewer.)
+    let why = format!("{sessions} sessions in {watched:?}: reconnects without a pause");
+    assert!(sessions <= 15, "{why}\n{}", relay.stderr());
+    proxy.heal();
+    rabbit.wait_for_ids(&[id], secs(60)).await;
+    let sent = format!("status = 'sent' AND id = '{id}'");
+    table.wait_count(&sent, 1, secs(10)).await;
+    let row = table.row(id).await;
+    assert_eq!(
+        status_attempts(&row),
+        ("sent", 1),
+        "no attempt spent by the cuts"
+    );
+    relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -148,6 +148,19 @@ impl StoreError {
         }
     }
 
+    /// Whether the server refused a statement because the relay's user lacks a privilege on
+    /// the table (PostgreSQL's SQLSTATE 42501; MySQL's 1142 and 1143, a command or column
+    /// denied): configuration, not an outage, though retrying works once it is granted.
+    pub fn is_permission_denied(&self) -> bool {
+        match self {
+            Self::Db(e) => {
+                e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
+            }
+            Self::Mysql(mysql_async::Error::Server(s)) => matches!(s.code, 1142 | 1143),
+            _ => false,
+        }
+    }
+
     /// Whether the server refused a write because it is read-only (SQLSTATE 25006): a
     /// primary turned read-only, or a standby (in recovery) that the session reached. The
     /// statement was rolled back; the session must be given up for one on the server that
@@ -488,6 +501,12 @@ impl Store {
     /// Checks the table's columns; its payload kind and (PostgreSQL) oid.
     pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
         either!(self, s => s.inspect().await)
+    }
+
+    /// Whether the relay's user may update and delete the table's rows (`check`): nothing is
+    /// changed.
+    pub async fn may_write(&self) -> Result<()> {
+        either!(self, s => s.may_write().await)
     }
 
     /// The DDL `migrate` applies to the table of `cfg` (`migrate --print`), for its database.

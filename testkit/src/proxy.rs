@@ -33,6 +33,10 @@ struct ProxyShared {
     // Cancelled by `cut()`: ends every connection opened before it.
     live: Mutex<CancellationToken>,
     accepted: AtomicUsize,
+    // Bytes the client sent on the connection accepted last.
+    last_upstream_bytes: AtomicUsize,
+    // A connection whose client sends more than this many bytes is cut (`usize::MAX`: none).
+    cut_beyond: AtomicUsize,
 }
 
 /// A TCP proxy on 127.0.0.1 in front of `upstream` that the test controls.
@@ -52,6 +56,8 @@ impl Proxy {
             mode: watch::channel(Mode::Forward).0,
             live: Mutex::new(CancellationToken::new()),
             accepted: AtomicUsize::new(0),
+            last_upstream_bytes: AtomicUsize::new(0),
+            cut_beyond: AtomicUsize::new(usize::MAX),
         });
         let s = Arc::clone(&shared);
         let accept = tokio::spawn(async move {
@@ -108,8 +114,20 @@ impl Proxy {
         self.shared.mode.send_replace(Mode::HoldAnswers);
     }
 
+    /// Cuts each connection, old and new, as soon as its client has sent more than `bytes`
+    /// in all (a server that drops the connection on what the client sends), until `heal()`.
+    pub fn cut_connections_sending_more_than(&self, bytes: usize) {
+        self.shared.cut_beyond.store(bytes, Ordering::SeqCst);
+    }
+
+    /// The bytes the client has sent so far on the connection that sent last.
+    pub fn upstream_bytes_of_last_connection(&self) -> usize {
+        self.shared.last_upstream_bytes.load(Ordering::SeqCst)
+    }
+
     /// Forwards again (new connections; a stalled connection resumes).
     pub fn heal(&self) {
+        self.shared.cut_beyond.store(usize::MAX, Ordering::SeqCst);
         self.shared.mode.send_replace(Mode::Forward);
     }
 
@@ -145,22 +163,26 @@ async fn forward(inbound: TcpStream, s: Arc<ProxyShared>) {
     let _ = outbound.set_nodelay(true);
     let (ri, wi) = inbound.into_split();
     let (ro, wo) = outbound.into_split();
+    s.last_upstream_bytes.store(0, Ordering::SeqCst);
     tokio::select! {
-        () = pump(ri, wo, s.mode.subscribe(), true) => {}
-        () = pump(ro, wi, s.mode.subscribe(), false) => {}
+        () = pump(ri, wo, s.mode.subscribe(), Some(&s)) => {}
+        () = pump(ro, wi, s.mode.subscribe(), None) => {}
         () = token.cancelled() => {}
     }
     // Dropping the halves closes both sockets.
 }
 
-/// Copies `from` to `to` while the mode lets bytes flow that way (`upstream`: towards the
-/// server).
+/// Copies `from` to `to` while the mode lets bytes flow that way (`counted` on the way towards
+/// the server: the client's bytes are counted, and the connection cut beyond
+/// [`Proxy::cut_connections_sending_more_than`]).
 async fn pump(
     mut from: OwnedReadHalf,
     mut to: OwnedWriteHalf,
     mut mode: watch::Receiver<Mode>,
-    upstream: bool,
+    counted: Option<&ProxyShared>,
 ) {
+    let upstream = counted.is_some();
+    let mut sent = 0usize;
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         if mode.wait_for(|m| m.flows(upstream)).await.is_err() {
@@ -173,6 +195,13 @@ async fn pump(
         // A stall that began during the read holds these bytes back too.
         if mode.wait_for(|m| m.flows(upstream)).await.is_err() {
             return;
+        }
+        if let Some(shared) = counted {
+            sent += n;
+            shared.last_upstream_bytes.store(sent, Ordering::SeqCst);
+            if sent > shared.cut_beyond.load(Ordering::SeqCst) {
+                return;
+            }
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;

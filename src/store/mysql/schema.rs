@@ -184,6 +184,23 @@ impl MysqlStore {
         })
     }
 
+    /// Whether the relay's user may update and delete the table's rows, as claims and
+    /// settles do: both run on no row, in a transaction rolled back (`check`).
+    pub async fn may_write(&self) -> Result<()> {
+        let t = self.table.qualified();
+        let mut conn = self.conn().await?;
+        let mut tx = conn
+            .start_transaction(mysql_async::TxOpts::default())
+            .await?;
+        // Privileges are checked when a statement starts, whatever rows it then touches.
+        tx.query_drop(format!("UPDATE {t} SET status = status WHERE 1 = 0"))
+            .await?;
+        tx.query_drop(format!("DELETE FROM {t} WHERE 1 = 0"))
+            .await?;
+        tx.rollback().await?;
+        Ok(())
+    }
+
     /// Checks the server's version and the table's columns; returns the payload kind (and 0:
     /// MySQL tables have no oid).
     pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {

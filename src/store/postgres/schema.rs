@@ -517,6 +517,21 @@ impl PgStore {
         })
     }
 
+    /// Whether the relay's user may update and delete the table's rows, as claims and
+    /// settles do: both run on no row, in a transaction rolled back (`check`).
+    pub async fn may_write(&self) -> Result<()> {
+        let t = self.table.qualified();
+        let mut client = self.client().await?;
+        let tx = client.transaction().await?;
+        // Privileges are checked when a statement starts, whatever rows it then touches.
+        tx.batch_execute(&format!(
+            "UPDATE {t} SET status = status WHERE false; DELETE FROM {t} WHERE false"
+        ))
+        .await?;
+        tx.rollback().await?;
+        Ok(())
+    }
+
     /// Checks that the table exists and returns its payload kind and oid.
     pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
         let client = self.client().await?;
