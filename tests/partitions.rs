@@ -3,7 +3,8 @@
 //! dead letters and rows in flight moved to DEFAULT, unchanged, under traffic) and keeping one
 //! with too many dead letters whole until they are retried or discarded, the in-place
 //! conversion of a plain table while a writer inserts and a relay runs, a conversion an
-//! interrupted `migrate` left half done, a table `migrate` refuses to partition, and schema
+//! interrupted `migrate` left half done, a table `migrate` refuses to partition, what
+//! `migrate --print` says of partitioning, and schema
 //! version 5's fillfactor on every partition (the relay's own, and those of a table
 //! partitioned at version 4).
 //!
@@ -138,6 +139,42 @@ async fn partitions_are_made_ahead_and_rows_outside_them_go_to_default_and_are_r
 /// Schema version 5 on a table partitioned at version 4 (whose partitions have the default
 /// fillfactor): `migrate` sets the fillfactor of each partition, since a partitioned table
 /// holds no storage settings of its own.
+/// `migrate --print` with an interval prints the versions' DDL and says that `migrate`
+/// partitions the table after them (the steps depend on the table as it stands), applying
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_print_says_that_migrate_partitions_the_table_and_applies_nothing() {
+    let name = format!("part_print_{}", common::hex8());
+    let print = async |interval: Option<&str>| {
+        let mut op = RelayBuilder::operator(&name);
+        if let Some(i) = interval {
+            op = op.set("database.partition_interval", i);
+        }
+        let out = op.output(&["migrate", "--print"], WAIT).await;
+        assert!(out.status.success(), "{}", out.stderr);
+        out.stdout
+    };
+    let plain = print(None).await;
+    let partitioned = print(Some("1h")).await;
+    let note = format!("`outbox-relay migrate` then partitions {name}");
+    assert!(!plain.contains(&note), "{plain}");
+    assert!(
+        partitioned.starts_with(&plain),
+        "the versions' DDL comes first"
+    );
+    assert!(partitioned.contains(&note), "{partitioned}");
+    assert!(
+        partitioned.contains("partition_interval = \"1h\""),
+        "{partitioned}"
+    );
+    let db = common::pg_connect().await;
+    let found = db
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&name])
+        .await
+        .unwrap();
+    assert!(!found.get::<_, bool>(0), "--print created the table");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_gives_each_partition_of_a_version_4_table_room_for_updates() {
     let table = TestTable::partitioned("part_room", "1m").await;

@@ -512,7 +512,13 @@ impl Store {
     /// The DDL `migrate` applies to the table of `cfg` (`migrate --print`), for its database.
     pub fn ddl_for(cfg: &DatabaseConfig) -> String {
         match cfg.kind {
-            DatabaseKind::Postgres => schema::full_ddl(&cfg.table),
+            DatabaseKind::Postgres => {
+                let mut ddl = schema::full_ddl(&cfg.table);
+                if let Some(interval) = cfg.partition_interval {
+                    ddl.push_str(&schema::partitioning_note(&cfg.table, interval));
+                }
+                ddl
+            }
             DatabaseKind::Mysql => mysql::schema::full_ddl(&cfg.table),
         }
     }

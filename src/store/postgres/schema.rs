@@ -61,6 +61,21 @@ pub fn full_ddl(table: &TableName) -> String {
     out
 }
 
+/// What `migrate --print` adds with `database.partition_interval` set: the partitioning
+/// `migrate` does after the versions is not printed, since its statements are made from the
+/// table as it stands (its indexes, grants and rows), so the output says so rather than pass
+/// for the whole of it.
+pub fn partitioning_note(table: &TableName, interval: std::time::Duration) -> String {
+    format!(
+        "-- database.partition_interval = \"{}\": `outbox-relay migrate` then partitions {table}\n\
+         -- by created_at (range partitions of that interval ahead of now, and a DEFAULT one),\n\
+         -- in steps made from the table as it stands (its indexes, grants and rows), which are\n\
+         -- not printed here. Run `outbox-relay migrate` to partition it (docs/operations.md,\n\
+         -- \"Partitioned tables\").\n",
+        humantime::format_duration(interval)
+    )
+}
+
 /// The table's schema as found in the database.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchemaState {
