@@ -1,6 +1,7 @@
 //! What only MySQL and MariaDB outboxes have (docs/mysql.md), end to end against the local
 //! MariaDB and RabbitMQ: the application's inserts never waiting on the relay's locks,
-//! `migrate`, `check` and bad configuration, the console reading a MySQL outbox, and TLS
+//! `migrate`, `check` and bad configuration (a table that is not an outbox table refused by
+//! both), the console reading a MySQL outbox, and TLS
 //! (`ssl-mode`) against a server without it. The relay's scenarios that are the same on both
 //! databases are written once in `both_databases.rs`.
 
@@ -169,6 +170,27 @@ async fn migrate_check_and_bad_configuration_on_mysql() {
         "{}",
         out.stdout
     );
+    // `migrate` says so too, rather than that it applied a version (its CREATE TABLE IF NOT
+    // EXISTS left the table as it was), and records none for it.
+    let out = RelayBuilder::bare("my-ops")
+        .set("database.url", MYSQL_URL)
+        .set("database.table", &foreign)
+        .output(&["migrate"], WAIT)
+        .await;
+    assert_eq!(out.status.code(), Some(1), "{}", out.stdout);
+    assert!(
+        out.stderr.contains("is not an outbox table"),
+        "{}",
+        out.stderr
+    );
+    let recorded: Option<i64> = conn
+        .exec_first(
+            "SELECT COUNT(*) FROM outbox_relay_schema_version WHERE table_name = ?",
+            (&foreign,),
+        )
+        .await
+        .unwrap();
+    assert_eq!(recorded, Some(0), "a version was recorded for {foreign}");
     conn.query_drop(format!("DROP TABLE {foreign}"))
         .await
         .unwrap();

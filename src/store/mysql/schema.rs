@@ -149,6 +149,9 @@ impl MysqlStore {
             for stmt in m.statements_for(&self.table) {
                 conn.query_drop(stmt).await?;
             }
+            // `CREATE TABLE IF NOT EXISTS` leaves a table of that name as it was: one that is
+            // not an outbox table is an error, and no version is recorded for it.
+            self.shape(conn).await?;
             conn.exec_drop(
                 "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES (?, ?) \
                  ON DUPLICATE KEY UPDATE version = VALUES(version), applied_at = NOW(6)",
@@ -206,6 +209,12 @@ impl MysqlStore {
     pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
         let mut conn = self.conn().await?;
         self.check_version(&mut conn).await?;
+        self.shape(&mut conn).await
+    }
+
+    /// Checks the table's columns (an error naming what is missing); returns the payload kind
+    /// (and 0: MySQL tables have no oid).
+    async fn shape(&self, conn: &mut mysql_async::Conn) -> Result<(PayloadKind, u32)> {
         let (schema, name) = self.schema_and_name();
         let t = self.table.qualified();
         let rows: Vec<Row> = conn
