@@ -385,7 +385,7 @@ impl Relay {
                     if self.settings.retry.exhausted(attempts) {
                         tracing::error!(id = %msg.id, seq = msg.seq, attempts, error = %error, "message dead-lettered after its last attempt");
                     } else {
-                        tracing::warn!(id = %msg.id, seq = msg.seq, attempts, error = %error, retry_in = ?delay, "message rejected by the broker; will retry");
+                        tracing::warn!(id = %msg.id, seq = msg.seq, attempts, error = %error, retry_in = ?delay, "message refused (the error says why: the broker's answer, or why it could not be sent); will retry");
                     }
                     failures.push(Failure {
                         id: msg.id,

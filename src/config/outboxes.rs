@@ -88,10 +88,24 @@ pub(super) fn validate(
         if kind == DatabaseKind::Mysql && inherited.database.partition_interval.is_some() {
             return Err(not_on_mysql());
         }
-        if let Some(first) = tables.insert((url.clone(), table.qualified()), i) {
+        // Compared with the schema spelled out: an unqualified name is the URL's database on
+        // MySQL and (the default search_path) `public` on PostgreSQL.
+        let default_schema = match kind {
+            DatabaseKind::Mysql => dbname.as_str(),
+            DatabaseKind::Postgres => "public",
+        };
+        let resolved = format!(
+            "{}.{}",
+            table.schema.as_deref().unwrap_or(default_schema),
+            table.name
+        );
+        if let Some(first) = tables.insert((url.clone(), resolved), i) {
             return Err(ConfigError::invalid(
                 key("table"),
-                format!("{table} in the same database is already served by outboxes[{first}]"),
+                format!(
+                    "{table} in the same database is already served by outboxes[{first}] \
+                     (an unqualified name is the same table as the one in {default_schema})"
+                ),
             ));
         }
         let ordering = match o.ordering {
@@ -353,6 +367,17 @@ mod tests {
                 "[[outboxes]]\ntable = \"a\"\n[[outboxes]]\nname = \"b\"\ntable = \"a\"\n"
                     .to_owned(),
                 "invalid value for outboxes[1].table: a in the same database is already served by outboxes[0]",
+            ),
+            (
+                "[[outboxes]]\ntable = \"a\"\n[[outboxes]]\nname = \"b\"\ntable = \"public.a\"\n"
+                    .to_owned(),
+                "invalid value for outboxes[1].table: public.a in the same database is already served by outboxes[0] (an unqualified name is the same table as the one in public)",
+            ),
+            (
+                "[database]\nurl = \"mysql://root@127.0.0.1:3306/test\"\n\
+                 [[outboxes]]\ntable = \"test.a\"\n[[outboxes]]\nname = \"b\"\ntable = \"a\"\n"
+                    .to_owned(),
+                "invalid value for outboxes[1].table: a in the same database is already served by outboxes[0] (an unqualified name is the same table as the one in test)",
             ),
             (
                 "[[outboxes]]\ntable = \"a;drop\"\n".to_owned(),
