@@ -208,7 +208,17 @@ async fn listen(
     wake: &Arc<Notify>,
 ) -> Option<Waiter> {
     let listener = ListenerPid::default();
-    let (url, channel) = (outbox.database.url.clone(), store.table().channel());
+    let configured = store.table().channel();
+    // Listen where the trigger notifies: a table migrated as `t` and configured as `public.t`
+    // would otherwise never wake the relay, which would fall back to polling unsaid.
+    let channel = match store.bounded(store.notify_channel()).await {
+        Ok(Some(made)) if made != configured => {
+            tracing::warn!(table = %store.table(), trigger_channel = %made, "the table's wake-up trigger notifies the channel named after the table as it was written when it was migrated, not as it is configured now; listening on the trigger's channel (write database.table as it was migrated, or run `outbox-relay migrate` again, to make them one)");
+            made
+        }
+        _ => configured,
+    };
+    let url = outbox.database.url.clone();
     let (wake, pid) = (Arc::clone(wake), Arc::clone(&listener));
     let stale = store.stale_sessions().clone();
     let timeout = store.query_timeout();

@@ -3,7 +3,8 @@
 //! application no NOTIFY (it lingers before it waits), nor does a busy one; a relay that only
 //! polls never makes a commit notify, a row that commits while the relay goes idle is not left
 //! for the poll, a relay that dies while waiting stops costing NOTIFYs, and a bulk load (COPY,
-//! INSERT … SELECT) runs the wake-up once per transaction, not once per row. (A version-1 table
+//! INSERT … SELECT) runs the wake-up once per transaction, not once per row, and a table
+//! configured with its schema (`public.t`) is woken on the channel it was migrated under (`t`). (A version-1 table
 //! upgraded in place to the wake-up trigger: tests/ops.rs.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
@@ -172,6 +173,29 @@ async fn an_idle_relay_is_woken_by_each_commit_and_a_lingering_or_busy_one_costs
         "{busy_notifies} NOTIFYs for {busy_commits} commits beside a busy relay"
     );
     table.wait_all_sent(Duration::from_secs(60)).await;
+    finish(relay, table, rabbit).await;
+}
+
+/// A table migrated as `t` and configured as `public.t`: its trigger notifies the channel `t`;
+/// the relay says so once and listens there, and is woken as promptly as with the name as
+/// migrated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_configured_with_its_schema_is_woken_on_the_channel_it_was_migrated_under() {
+    let (table, rabbit) = table_and_exchange("wake_qualified").await;
+    let relay = relay(&table, &rabbit, "wake-qualified", POLL)
+        .set("database.table", format!("public.{}", table.name))
+        .spawn();
+    wait_for_waiter(&table, "wake-qualified").await;
+    let said = "listening on the trigger's channel";
+    relay.wait_for_log(said, 1, WAIT).await;
+    let id = table.insert_one(row(1)).await;
+    let inserted = Instant::now();
+    let got = rabbit.wait_for_delivery(id, WAIT).await;
+    let waited = got.received_at.saturating_duration_since(inserted);
+    assert!(
+        waited < WELL_BEFORE_THE_POLL,
+        "the row waited {waited:?} (the poll is {POLL}): the relay was not woken"
+    );
     finish(relay, table, rabbit).await;
 }
 

@@ -532,6 +532,23 @@ impl PgStore {
         })
     }
 
+    /// The channel the table's wake-up trigger notifies: the table's name as it was written
+    /// when `migrate` made the trigger, which may be spelled otherwise than now (`t` against
+    /// `public.t`). `None` without such a trigger function.
+    pub async fn notify_channel(&self) -> Result<Option<String>> {
+        let function = self.table.prefixed("_wakeup()");
+        let row = self
+            .client()
+            .await?
+            .query_one(
+                "SELECT substring(pg_get_functiondef(p) from 'pg_notify\\(''([^'']*)''') \
+                 FROM (SELECT to_regprocedure($1) AS p) f",
+                &[&function],
+            )
+            .await?;
+        Ok(row.try_get(0)?)
+    }
+
     /// Whether the relay's user may update and delete the table's rows, as claims and
     /// settles do: both run on no row, in a transaction rolled back (`check`).
     pub async fn may_write(&self) -> Result<()> {
