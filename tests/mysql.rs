@@ -150,6 +150,17 @@ async fn migrate_check_and_bad_configuration_on_mysql() {
         "{}",
         partitioned.stderr
     );
+    // A name MySQL reserves fails at the server, with what to do.
+    let reserved = op()
+        .set("database.table", "order")
+        .output(&["migrate"], WAIT)
+        .await;
+    assert_eq!(reserved.status.code(), Some(1), "{}", reserved.stderr);
+    assert!(
+        reserved.stderr.contains("pick another name"),
+        "{}",
+        reserved.stderr
+    );
     // A table that is not an outbox is named column by column.
     let mut conn = mysql_conn().await;
     let foreign = format!("{}_foreign", table.name);

@@ -109,6 +109,130 @@ impl std::fmt::Display for TableName {
     }
 }
 
+/// PostgreSQL's reserved key words (`pg_get_keywords()`, categories R and T, of PostgreSQL 16):
+/// the relay writes table names unquoted, so none of these can name a table.
+const PG_RESERVED: &[&str] = &[
+    "all",
+    "analyse",
+    "analyze",
+    "and",
+    "any",
+    "array",
+    "as",
+    "asc",
+    "asymmetric",
+    "authorization",
+    "binary",
+    "both",
+    "case",
+    "cast",
+    "check",
+    "collate",
+    "collation",
+    "column",
+    "concurrently",
+    "constraint",
+    "create",
+    "cross",
+    "current_catalog",
+    "current_date",
+    "current_role",
+    "current_schema",
+    "current_time",
+    "current_timestamp",
+    "current_user",
+    "default",
+    "deferrable",
+    "desc",
+    "distinct",
+    "do",
+    "else",
+    "end",
+    "except",
+    "false",
+    "fetch",
+    "for",
+    "foreign",
+    "freeze",
+    "from",
+    "full",
+    "grant",
+    "group",
+    "having",
+    "ilike",
+    "in",
+    "initially",
+    "inner",
+    "intersect",
+    "into",
+    "is",
+    "isnull",
+    "join",
+    "lateral",
+    "leading",
+    "left",
+    "like",
+    "limit",
+    "localtime",
+    "localtimestamp",
+    "natural",
+    "not",
+    "notnull",
+    "null",
+    "offset",
+    "on",
+    "only",
+    "or",
+    "order",
+    "outer",
+    "overlaps",
+    "placing",
+    "primary",
+    "references",
+    "returning",
+    "right",
+    "select",
+    "session_user",
+    "similar",
+    "some",
+    "symmetric",
+    "system_user",
+    "table",
+    "tablesample",
+    "then",
+    "to",
+    "trailing",
+    "true",
+    "union",
+    "unique",
+    "user",
+    "using",
+    "variadic",
+    "verbose",
+    "when",
+    "where",
+    "window",
+    "with",
+];
+
+impl TableName {
+    /// Refuses a name PostgreSQL reserves (`check`, `order`, `user`): every statement would
+    /// fail on it. (MySQL's are found when `migrate` or `check` first reaches the server.)
+    pub fn check_reserved(&self, kind: DatabaseKind) -> Result<(), String> {
+        if kind != DatabaseKind::Postgres {
+            return Ok(());
+        }
+        for part in self.schema.iter().chain(std::iter::once(&self.name)) {
+            if PG_RESERVED.contains(&part.to_ascii_lowercase().as_str()) {
+                return Err(format!(
+                    "{part:?} is a reserved word in PostgreSQL, which the relay's unquoted SQL cannot use as a name: pick another"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Accepts bare SQL identifiers only: a letter or `_`, then letters, digits or `_`, at most 63 bytes.
 pub fn validate_identifier(ident: &str) -> Result<(), String> {
     let mut chars = ident.chars();
@@ -327,6 +451,7 @@ impl RawDatabase {
             ));
         }
         let table = TableName::parse(d.table.as_deref().unwrap_or(DEFAULT_TABLE))
+            .and_then(|t| t.check_reserved(kind).map(|()| t))
             .map_err(|r| ConfigError::invalid("database.table", r))?;
         let partition_interval = d.partition_interval.map(|i| i.0);
         if let Some(i) = partition_interval
@@ -457,6 +582,14 @@ mod tests {
         rejects(
             "[database]\nurl = \"postgres://h:x/db\"\n",
             "invalid value for database.url: postgres://h:x/db is not a PostgreSQL URL",
+        );
+        rejects(
+            "[database]\ntable = \"check\"\n",
+            "invalid value for database.table: \"check\" is a reserved word in PostgreSQL",
+        );
+        rejects(
+            "[database]\ntable = \"User.events\"\n",
+            "invalid value for database.table: \"User\" is a reserved word in PostgreSQL",
         );
         crate::config::tests::err_has(
             "[database]\nurl = \"mariadb://root@127.0.0.1:3306/test\"\n",

@@ -85,6 +85,9 @@ pub(super) fn validate(
         let url = o.url.unwrap_or_else(|| inherited.database.url.clone());
         let dbname = database_name(&key("url"), &url)?;
         let kind = DatabaseKind::of(&url);
+        table
+            .check_reserved(kind)
+            .map_err(|r| ConfigError::invalid(key("table"), r))?;
         if kind == DatabaseKind::Mysql && inherited.database.partition_interval.is_some() {
             return Err(not_on_mysql());
         }

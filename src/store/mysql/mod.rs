@@ -146,6 +146,11 @@ pub(super) fn hint(e: &mysql_async::Error) -> &'static str {
             ": this server takes TLS connections only: set ssl-mode=REQUIRED, VERIFY_CA or \
              VERIFY_IDENTITY in the URL"
         }
+        // A syntax error at a name: the relay writes the table's name unquoted.
+        mysql_async::Error::Server(s) if s.code == 1064 => {
+            ": if database.table is a word MySQL or MariaDB reserves (order, group, key, …), \
+             pick another name: the relay writes it unquoted"
+        }
         // MariaDB answers a plain-text connection it requires TLS of (require_secure_transport)
         // with "access denied" too.
         mysql_async::Error::Server(s) if s.code == 1045 => {
