@@ -211,6 +211,17 @@ async fn check_broker(config: &Config) -> bool {
     ok
 }
 
+/// The session of another relay with this relay's instance id that holds the table's instance
+/// lock, as `run` would find it at start (`None`: free). The lock is taken on a session of its
+/// own, let go when the session closes here.
+async fn instance_lock_holder(store: &Store) -> Result<Option<String>, StoreError> {
+    let session = store.bounded(store.lock_session()).await?;
+    Ok(match store.bounded(session.lock(store)).await? {
+        Err(Some(holder)) => Some(holder.to_string()),
+        Ok(()) | Err(None) => None,
+    })
+}
+
 /// One outbox's `database:` line: the same decision `run` makes at start, without changing
 /// anything. `Err` carries the line of a failure.
 async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, String> {
@@ -242,6 +253,15 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
             format!("database: reachable, but {e}")
         }
     })?;
+    if let Some(holder) = instance_lock_holder(&t.store)
+        .await
+        .map_err(|e| format!("database: reachable, but {e}"))?
+    {
+        return Err(format!(
+            "database: FAILED ({url}): another relay with relay.instance_id {:?} serves {table} (its session: {holder}): `run` would refuse to start; give every relay its own relay.instance_id (left unset it is the host name and pid), or stop the other relay first",
+            t.store.instance_id()
+        ));
+    }
     let layout = match t.store.as_postgres() {
         Some(pg) => pg.layout().await.ok().flatten(),
         None => None,

@@ -1060,8 +1060,8 @@ async fn take_instance_lock(conn: &mut DbConn, db: Db, instance: &str, table: &s
 
 /// A second relay with the `relay.instance_id` of a running one, for the same table, refuses
 /// to start: exit 1, its last line one sentence naming the id, the table, the database, the
-/// session that holds the lock and what to do. The first keeps relaying; once it stops, the id
-/// is free.
+/// session that holds the lock and what to do; `check` with that id says so too. The first
+/// keeps relaying; once it stops, the id is free.
 async fn a_second_relay_with_the_same_instance_id_refuses_to_start(db: Db) {
     let test = format!("{}_same_id", db.tag());
     let (outbox, rabbit) = outbox_and_exchange(db, &test, "#").await;
@@ -1089,6 +1089,15 @@ async fn a_second_relay_with_the_same_instance_id_refuses_to_start(db: Db) {
     let what_to_do = "give every relay its own relay.instance_id (left unset it is the host \
                       name and pid), or stop the other relay first";
     assert!(last.ends_with(what_to_do), "{last}");
+    // `check` with that id makes the same decision, and leaves the lock to the first relay.
+    let check = relay(&outbox, &rabbit, &instance)
+        .output(&["check"], WAIT)
+        .await;
+    assert_eq!(check.status.code(), Some(1), "{}", check.stdout);
+    check.assert_stdout_has("`run` would refuse to start");
+    check.assert_stdout_has(what_to_do);
+    let still = instance_lock_holder(&outbox, &instance).await;
+    assert_eq!(still, Some(holder), "check took the running relay's lock");
 
     let id = outbox.insert_ids(std::slice::from_ref(&row)).await;
     rabbit.wait_for_ids(&id, WAIT).await;
