@@ -71,13 +71,13 @@ impl TableName {
         if let Some(schema) = schema {
             validate_identifier(schema)?;
         }
-        validate_identifier(name)?;
         // Derived object names (`<name>_next_seq`, `<name>_aggregate_idx`) must fit in 63 bytes.
         if name.len() > 40 {
             return Err(format!(
                 "{name:?} is longer than 40 characters (names of its index and functions are derived from it)"
             ));
         }
+        validate_identifier(name)?;
         Ok(Self {
             schema: schema.map(str::to_owned),
             name: name.to_owned(),
@@ -299,6 +299,12 @@ pub fn mysql_opts(url: &str) -> Result<Opts, String> {
         match k.to_ascii_lowercase().replace('_', "-").as_str() {
             "ssl-mode" | "sslmode" => mode = SslMode::parse(&v)?,
             "ssl-ca" | "sslrootcert" => ca = Some(v.into_owned()),
+            // The pool is database.pool_size's: the driver's own bounds would clash with it.
+            "pool-min" | "pool-max" => {
+                return Err(format!(
+                    "{k} in the URL: the relay sizes its pool with database.pool_size; remove it"
+                ));
+            }
             key => {
                 socket_chosen |= key == "prefer-socket";
                 rest.push((k.into_owned(), v.into_owned()));
@@ -590,6 +596,16 @@ mod tests {
         rejects(
             "[database]\ntable = \"User.events\"\n",
             "invalid value for database.table: \"User\" is a reserved word in PostgreSQL",
+        );
+        crate::config::tests::err_has(
+            "[database]\nurl = \"mysql://root@127.0.0.1:3306/test?pool_max=2\"\n",
+            &["database.url", "pool_max in the URL", "database.pool_size"],
+            &[],
+        );
+        let long = "t".repeat(70);
+        rejects(
+            &format!("[database]\ntable = \"{long}\"\n"),
+            &format!("invalid value for database.table: \"{long}\" is longer than 40 characters"),
         );
         crate::config::tests::err_has(
             "[database]\nurl = \"mariadb://root@127.0.0.1:3306/test\"\n",
