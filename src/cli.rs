@@ -302,12 +302,30 @@ struct StatusJson {
     by_outbox: BTreeMap<String, StatusReport>,
 }
 
-/// `status [--json] [--outbox NAME]`.
+/// The status of `t`'s table, when it exists (else what `check` would say of it).
+async fn status_of(t: &Target<'_>) -> Result<StatusReport> {
+    t.store
+        .plan_schema(false)
+        .await
+        .with_context(|| t.context("read"))?;
+    t.store.status().await.with_context(|| t.context("read"))
+}
+
+/// `status [--json] [--outbox NAME]`: every outbox it can read; one it cannot (its table
+/// missing, its database down) is named on stderr and the command fails after printing the
+/// others.
 pub async fn status(config: &Config, json: bool, only: Option<&str>) -> Result<()> {
     let mut total = StatusReport::default();
     let mut by_outbox = Vec::new();
-    for t in existing_targets(config, only).await? {
-        let report = t.store.status().await.with_context(|| t.context("read"))?;
+    let mut unread = Vec::new();
+    for t in targets(config, only)? {
+        let report = match status_of(&t).await {
+            Ok(report) => report,
+            Err(e) => {
+                unread.push(format!("{e:#}"));
+                continue;
+            }
+        };
         total.overall.add(&report.overall);
         for (ty, c) in &report.by_aggregate_type {
             total
@@ -318,6 +336,25 @@ pub async fn status(config: &Config, json: bool, only: Option<&str>) -> Result<(
         }
         by_outbox.push((t.outbox.name.clone(), report));
     }
+    if by_outbox.is_empty() && !unread.is_empty() {
+        bail!("{}", unread.join("\n"));
+    }
+    print_status(json, total, by_outbox)?;
+    if !unread.is_empty() {
+        bail!(
+            "the figures above leave out what could not be read:\n{}",
+            unread.join("\n")
+        );
+    }
+    Ok(())
+}
+
+/// Prints `status`'s table (or its JSON) of the outboxes read.
+fn print_status(
+    json: bool,
+    total: StatusReport,
+    by_outbox: Vec<(String, StatusReport)>,
+) -> Result<()> {
     if json {
         let out = StatusJson {
             total,

@@ -1,6 +1,7 @@
 //! The operator commands with several outboxes (docs/operations.md), end to end against the local
 //! PostgreSQL: `status`, `dead-letters` and `migrate` act on every `[[outboxes]]` entry or on
-//! the one `--outbox NAME` selects, and an unknown name is a usage error.
+//! the one `--outbox NAME` selects, an unknown name is a usage error, and `status` prints the
+//! outboxes it can read when another's table is missing.
 //!
 //! Each test writes its own configuration file with two outboxes, `alpha` and `beta`, on
 //! tables of its own (`oxa_<hex>`, `oxb_<hex>`) in the test database (so they share a pool).
@@ -247,6 +248,31 @@ async fn status_and_dead_letters_cover_every_outbox_or_the_chosen_one() {
     assert_eq!(list[0]["outbox"], "beta");
     assert_eq!(list[0]["id"], fb2.to_string());
 
+    p.drop().await;
+}
+
+/// One outbox's table missing: `status` prints the other's figures, names the missing one on
+/// stderr with what to do, and fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_prints_the_outboxes_it_can_read_and_fails_naming_the_others() {
+    let p = Pair::new().await;
+    p.ok(&["migrate", "--outbox", "alpha"]).await;
+    row(&p.alpha, "order", "pending", 10.0).await;
+    let out = p.exits(&["status"], 1).await;
+    assert!(
+        out.stdout.contains("order"),
+        "alpha's figures: {}",
+        out.stdout
+    );
+    let missing = format!(
+        "table {} does not exist: run `outbox-relay migrate`",
+        p.beta.name
+    );
+    assert!(out.stderr.contains(&missing), "{}", out.stderr);
+    let out = p.exits(&["status", "--json"], 1).await;
+    let v: Value = serde_json::from_str(&out.stdout).unwrap();
+    assert_eq!(keys(&v["by_outbox"]), BTreeSet::from(["alpha"]), "{v}");
+    assert_eq!(v["pending"], 1, "{v}");
     p.drop().await;
 }
 
