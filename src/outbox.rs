@@ -309,6 +309,7 @@ async fn prepare(
             Err(e) if alone => return Err(e),
             Err(e) => {
                 tracing::error!(outbox = %outbox.name, error = %e, retry_in = ?SCHEMA_RETRY, "this outbox cannot start; the others run meanwhile");
+                database.cannot_start(e.to_string());
                 SCHEMA_RETRY
             }
         };

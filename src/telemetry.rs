@@ -376,16 +376,30 @@ pub struct PartitionGauges {
 /// What `/readyz` reports: the relay can reach every outbox's database and the broker.
 #[derive(Debug, Default)]
 pub struct Health {
-    // One entry per outbox: its name and whether its database answered last time.
-    databases: std::sync::Mutex<Vec<(String, bool)>>,
+    // One entry per outbox.
+    databases: std::sync::Mutex<Vec<OutboxDatabase>>,
     broker: AtomicBool,
+}
+
+/// One outbox's entry in [`Health`].
+#[derive(Debug)]
+struct OutboxDatabase {
+    name: String,
+    /// Its database answered last time.
+    up: bool,
+    /// Why the outbox cannot start although its database answers (its table missing, say).
+    problem: Option<String>,
 }
 
 impl Health {
     /// A database flag for the outbox `name` (down until it first answers).
     pub fn database_slot(self: &std::sync::Arc<Self>, name: &str) -> DatabaseHealth {
         let mut dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
-        dbs.push((name.to_owned(), false));
+        dbs.push(OutboxDatabase {
+            name: name.to_owned(),
+            up: false,
+            problem: None,
+        });
         DatabaseHealth {
             health: std::sync::Arc::clone(self),
             slot: dbs.len() - 1,
@@ -397,20 +411,23 @@ impl Health {
         self.broker.store(up, Ordering::Relaxed);
     }
 
-    /// The outboxes whose database did not answer at last contact (all of them before the
-    /// first outbox is registered is none).
+    /// The outboxes whose database did not answer at last contact, or that cannot start
+    /// (`<name>: <why>`); none before the first outbox is registered.
     pub fn databases_down(&self) -> Vec<String> {
         let dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
         dbs.iter()
-            .filter(|(_, up)| !up)
-            .map(|(n, _)| n.clone())
+            .filter(|d| !d.up)
+            .map(|d| match &d.problem {
+                Some(why) => format!("{}: {why}", d.name),
+                None => d.name.clone(),
+            })
             .collect()
     }
 
     /// Every outbox's database reachable at last contact (and at least one outbox).
     pub fn database(&self) -> bool {
         let dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
-        !dbs.is_empty() && dbs.iter().all(|(_, up)| *up)
+        !dbs.is_empty() && dbs.iter().all(|d| d.up)
     }
 
     /// Broker reachable at last contact.
@@ -427,14 +444,32 @@ pub struct DatabaseHealth {
 }
 
 impl DatabaseHealth {
-    /// Records the database's reachability; returns the previous value.
+    /// Records the database's reachability (an answer ends a [`Self::cannot_start`]);
+    /// returns the previous value.
     pub fn set(&self, up: bool) -> bool {
         let mut dbs = self
             .health
             .databases
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        std::mem::replace(&mut dbs[self.slot].1, up)
+        let d = &mut dbs[self.slot];
+        if up {
+            d.problem = None;
+        }
+        std::mem::replace(&mut d.up, up)
+    }
+
+    /// The database answers but the outbox cannot start, for `why` (its table missing, say):
+    /// not ready, and said so rather than "down".
+    pub fn cannot_start(&self, why: String) {
+        let mut dbs = self
+            .health
+            .databases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let d = &mut dbs[self.slot];
+        d.up = false;
+        d.problem = Some(why);
     }
 
     /// Reachable at last contact.
@@ -444,7 +479,17 @@ impl DatabaseHealth {
             .databases
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        dbs[self.slot].1
+        dbs[self.slot].up
+    }
+
+    /// Why the outbox cannot start, while it cannot ([`Self::cannot_start`]).
+    pub fn problem(&self) -> Option<String> {
+        let dbs = self
+            .health
+            .databases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        dbs[self.slot].problem.clone()
     }
 }
 

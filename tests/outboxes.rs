@@ -1,7 +1,7 @@
 //! One relay serving several outboxes (docs/configuration.md): each table is relayed with its own
 //! settings on every broker (RabbitMQ, Kafka, NATS JetStream, Redis Streams), one outbox's
-//! database being down or its table missing does not stall the others, and a burst in one does
-//! not starve another.
+//! database being down or its table missing does not stall the others (`/readyz` naming the
+//! missing table), and a burst in one does not starve another.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -29,13 +29,23 @@ fn entry(name: &str, table: &str, extra: &str) -> String {
 
 /// Starts `outbox-relay run` on a config file holding `publisher` and `outboxes`.
 fn spawn(label: &str, publisher: &str, outboxes: &[String]) -> (RelayProcess, TempDir) {
+    spawn_listening(label, publisher, outboxes, "")
+}
+
+/// [`spawn`] with the metrics and probes server on `listen` (`""`: none).
+fn spawn_listening(
+    label: &str,
+    publisher: &str,
+    outboxes: &[String],
+    listen: &str,
+) -> (RelayProcess, TempDir) {
     let dir = TempDir::new(label);
     let file = dir.write(
         "relay.toml",
         &format!(
             "[database]\nurl = \"{PG_URL}\"\nauto_migrate = false\n\
              [relay]\ninstance_id = \"{label}\"\npoll_interval = \"200ms\"\n\
-             [metrics]\nlisten = \"\"\n{publisher}\n{}",
+             [metrics]\nlisten = \"{listen}\"\n{publisher}\n{}",
             outboxes.concat()
         ),
     );
@@ -255,7 +265,8 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
     let proxied = format!("postgres://postgres@{}/test", proxy.addr());
     let rabbit = RabbitFixture::new("multi_db", "#", "barrier").await;
     let missing = format!("{}_missing", up.name);
-    let (mut relay, _dir) = spawn(
+    let port = common::free_port();
+    let (mut relay, _dir) = spawn_listening(
         "multi-db",
         &rabbit_publisher(&rabbit.exchange),
         &[
@@ -263,10 +274,26 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
             entry("behind", &behind.name, &format!("url = \"{proxied}\"")),
             entry("missing", &missing, ""),
         ],
+        &format!("127.0.0.1:{port}"),
     );
     relay
         .wait_for_log(&format!("table {missing} does not exist"), 1, WAIT)
         .await;
+    // Not ready, and /readyz says why rather than that the database is down.
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let why = format!("missing: table {missing} does not exist: run `outbox-relay migrate`");
+    let (code, body) =
+        common::wait_until(
+            WAIT,
+            "/readyz names the missing table",
+            async || match common::http_get(addr, "/readyz").await {
+                Ok((code, body)) if body.contains(&why) => Ok((code, body)),
+                Ok((_, body)) => Err(body),
+                Err(e) => Err(e),
+            },
+        )
+        .await;
+    assert_eq!(code, 503, "{body}");
     // Each table holds only the rows this test inserts: "every row is sent" is about them.
     let first = [
         up.insert_ids(&rows(5, "up")).await,

@@ -285,6 +285,8 @@ pub struct Card {
     pub database: String,
     /// Whether its database answered at last contact.
     pub database_up: bool,
+    /// Why the outbox cannot start although its database answers (its table missing, say).
+    pub database_problem: Option<String>,
     /// The backlog task's last figures and how old they are (seconds); `None` before the first.
     pub backlog: Option<(f64, Backlog)>,
     /// The console's own counts, or why they could not be read.
@@ -337,12 +339,11 @@ pub fn card_values(c: &Card) -> Vec<(&'static str, String)> {
         ),
         (
             "database",
-            if c.database_up {
-                "database connected"
-            } else {
-                "database unreachable"
-            }
-            .to_owned(),
+            match (&c.database_problem, c.database_up) {
+                (_, true) => "database connected".to_owned(),
+                (Some(why), false) => format!("cannot start: {why}"),
+                (None, false) => "database unreachable".to_owned(),
+            },
         ),
         ("as_of", as_of),
     ]

@@ -224,6 +224,7 @@ fn card_of(v: &View, counts: Result<crate::store::ConsoleCounts, String>) -> Car
         table: v.table.clone(),
         database: v.database.clone(),
         database_up: v.database_health.get(),
+        database_problem: v.database_health.problem(),
         backlog: v
             .metrics
             .last_backlog()
