@@ -150,6 +150,9 @@ pub async fn run_with(
         None => publish::build(&config),
     };
     console.set_publisher(publisher.describe());
+    // What the publisher says before any connect: a sink without a broker (stdout) is up from
+    // the start, whatever the databases do meanwhile.
+    health.set_broker(publisher.is_connected());
     tracing::info!(
         instance = %config.relay.instance_id,
         outboxes = config.outboxes.len(),

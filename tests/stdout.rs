@@ -1,5 +1,6 @@
 //! The broker-less sink (`publisher.kind = "stdout"`), end to end: the real binary against a
-//! real table, its standard output parsed line by line.
+//! real table, its standard output parsed line by line; and `/readyz`, whose broker is up from
+//! the start while the database is unreachable.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a panic is the failure report
 
@@ -110,4 +111,35 @@ async fn stdout_sink_sends_bytea_payloads_as_data_base64() {
     assert_eq!(events[0]["datacontenttype"], "application/octet-stream");
     assert!(events[0].get("data").is_none());
     table.drop_table().await;
+}
+
+/// With no broker to reach, `/readyz` reports the broker up from the start, even while the
+/// database is unreachable (only the database is down).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stdout_sink_is_ready_as_a_broker_while_the_database_is_down() {
+    let port = common::free_port();
+    let mut relay = RelayBuilder::bare("stdout-db-down")
+        .set("publisher.kind", "stdout")
+        // Nothing listens on port 1: the database stays unreachable.
+        .set("database.url", "postgres://postgres@127.0.0.1:1/test")
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .spawn();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    // The server may answer a moment before the publisher exists; then only the broker line
+    // can change (without a database, nothing else would make it up).
+    let (code, body) = common::wait_until(
+        Duration::from_secs(30),
+        "/readyz reports the broker up",
+        async || match common::http_get(addr, "/readyz").await? {
+            (code, body) if body.contains("broker: up") => Ok((code, body)),
+            (_, body) => Err(body),
+        },
+    )
+    .await;
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("database: down"), "{body}");
+    assert!(body.contains("broker: up"), "{body}");
+    relay.sigterm();
+    let status = relay.wait_exit(Duration::from_secs(20)).await;
+    assert!(status.success(), "exit {status}\n{}", relay.stderr());
 }
