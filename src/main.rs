@@ -190,6 +190,10 @@ fn usage_errors(config: &Config, command: &Command) -> anyhow::Result<Option<Str
     if let Command::Tail { queue, subject, .. } = command {
         cli::tail_source(config, queue.as_deref(), subject.as_deref())?;
     }
+    // Only the commands that serve the console (or vouch for `run`) need its token.
+    if matches!(command, Command::Run | Command::Check) {
+        config.console.ready_to_serve()?;
+    }
     let only = match command {
         Command::Migrate { outbox, .. }
         | Command::Status { outbox, .. }

@@ -4,7 +4,8 @@
 //! the broker is cut; dead letters are listed with their errors and payloads; retry and discard
 //! work with the token and are refused without it; a lookup shows a sent row's `sent_at`;
 //! payloads can be hidden and the console turned off; bad input gets a clear answer, never a 500;
-//! the pages fit 360 px and follow the dark scheme.
+//! the pages fit 360 px and follow the dark scheme; actions asked for without a token stop
+//! `run` and `check` but not the operator's commands.
 //!
 //! `screenshots` (ignored; `cargo test --test console screenshots -- --ignored`) writes the
 //! pictures in docs/images/.
@@ -1046,4 +1047,24 @@ async fn screenshots() {
     rabbit.teardown().await;
     orders.drop_table().await;
     billing.drop_table().await;
+}
+
+/// `allow_actions` without a token (the token given to the daemon's environment only):
+/// `run` and `check` refuse it (exit 2, naming the key), while the operator's commands, which
+/// serve no console, still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_without_a_token_stop_run_and_check_but_not_the_operators_commands() {
+    let table = TestTable::new("console_no_token").await;
+    let op = || RelayBuilder::operator(&table.name).set("console.allow_actions", "true");
+    let status = op().output(&["status"], WAIT).await;
+    assert!(status.status.success(), "{}", status.stderr);
+    let list = op().output(&["dead-letters", "list"], WAIT).await;
+    assert!(list.status.success(), "{}", list.stderr);
+    for command in ["check", "run"] {
+        let out = op().output(&[command], WAIT).await;
+        assert_eq!(out.status.code(), Some(2), "{command}: {}", out.stderr);
+        let said = "console.allow_actions: is true but console.token is not set";
+        assert!(out.stderr.contains(said), "{command}: {}", out.stderr);
+    }
+    table.drop_table().await;
 }

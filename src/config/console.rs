@@ -52,6 +52,26 @@ pub struct ConsoleConfig {
     pub actions_token: Option<Secret>,
     /// Show payloads and headers.
     pub show_payloads: bool,
+    /// `allow_actions` is set but no token is: an error for `run` and `check`
+    /// ([`ConsoleConfig::ready_to_serve`]), not for the commands that serve no console (the
+    /// token is often given to the daemon's environment only).
+    pub actions_without_token: bool,
+}
+
+impl ConsoleConfig {
+    /// The error of a console that asks for actions without a token, for the commands that
+    /// serve it (`run`) or vouch for it (`check`).
+    pub fn ready_to_serve(&self) -> Result<(), ConfigError> {
+        if self.actions_without_token {
+            return Err(ConfigError::invalid(
+                "console.allow_actions",
+                format!(
+                    "is true but console.token is not set: retry and discard need a token (set console.token, or {CONSOLE_TOKEN_ENV}), or set console.allow_actions = false"
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for ConsoleConfig {
@@ -70,6 +90,7 @@ impl Default for ConsoleConfig {
             enabled: true,
             actions_token: None,
             show_payloads: true,
+            actions_without_token: false,
         }
     }
 }
@@ -90,30 +111,22 @@ impl RawConsole {
                 ));
             }
         }
-        let actions_token = match (self.allow_actions, self.token) {
-            (true, None) => {
-                return Err(ConfigError::invalid(
-                    "console.allow_actions",
-                    format!(
-                        "is true but console.token is not set: retry and discard need a token (set console.token, or {CONSOLE_TOKEN_ENV}), or set console.allow_actions = false"
-                    ),
-                ));
-            }
-            (true, Some(token)) => Some(token),
-            // A token alone changes nothing: the console stays read-only.
-            (false, _) => None,
-        };
+        let actions_without_token = self.allow_actions && self.token.is_none();
+        // A token alone changes nothing: the console stays read-only (and so it is, if only
+        // as a fallback, with actions asked for and no token).
+        let actions_token = self.token.filter(|_| self.allow_actions);
         Ok(ConsoleConfig {
             enabled: self.enabled,
             actions_token,
             show_payloads: self.show_payloads,
+            actions_without_token,
         })
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{err_has, load_str, rejects};
+    use super::super::tests::{err_has, load_str};
     use super::*;
 
     const TOKEN: &str = "s3cret-console-token-0123";
@@ -127,9 +140,17 @@ mod tests {
 
     #[test]
     fn actions_need_a_token_from_the_file_or_the_environment() {
-        rejects(
-            "[console]\nallow_actions = true\n",
-            "invalid value for console.allow_actions: is true but console.token is not set",
+        // Loaded (the operator's commands serve no console), but not ready to serve it.
+        let c = load_str("[console]\nallow_actions = true\n", &[])
+            .unwrap()
+            .console;
+        assert_eq!(c.actions_token, None, "read-only without a token");
+        let e = c.ready_to_serve().unwrap_err().to_string();
+        assert!(
+            e.starts_with(
+                "invalid value for console.allow_actions: is true but console.token is not set"
+            ),
+            "{e}"
         );
         let c = load_str(
             &format!("[console]\nallow_actions = true\ntoken = \"{TOKEN}\"\n"),
@@ -138,6 +159,7 @@ mod tests {
         .unwrap()
         .console;
         assert_eq!(c.actions_token, Some(Secret(TOKEN.into())));
+        assert!(c.ready_to_serve().is_ok());
         // From the environment, read as is: digits stay text.
         let digits = "1".repeat(20);
         let c = load_str(
@@ -168,11 +190,6 @@ mod tests {
                 "console.token",
                 "is 0 characters without its surrounding blanks",
             ],
-            &[],
-        );
-        err_has(
-            "[console]\nallow_actions = true\n",
-            &["console.allow_actions", "console.token"],
             &[],
         );
         err_has("[console]\nenable = false\n", &["enable"], &[]);

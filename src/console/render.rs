@@ -70,12 +70,16 @@ pub fn capped(n: i64) -> String {
     }
 }
 
-/// `n` `things` with the singular when `n` is 1: `1 dead letter`, `3 dead letters`.
+/// `n` `things` with the singular when `n` is 1: `1 dead letter`, `3 dead letters`,
+/// `2 outboxes` (`-es` after `s`, `x`, `ch`, `sh`).
 pub fn plural(n: i64, thing: &str) -> String {
     if n == 1 {
         format!("1 {thing}")
     } else {
-        format!("{} {thing}s", count(n))
+        let es = ["s", "x", "ch", "sh"]
+            .iter()
+            .any(|end| thing.ends_with(end));
+        format!("{} {thing}{}", count(n), if es { "es" } else { "s" })
     }
 }
 
@@ -890,6 +894,7 @@ mod tests {
         assert_eq!(capped(COUNT_CAP), "100,000+");
         assert_eq!(plural(1, "dead letter"), "1 dead letter");
         assert_eq!(plural(1200, "byte"), "1,200 bytes");
+        assert_eq!(plural(2, "outbox"), "2 outboxes");
         assert_eq!(rate(0.0), "0/s");
         assert_eq!(rate(3.46), "3.5/s");
         assert_eq!(rate(1234.4), "1,234/s");
