@@ -666,6 +666,11 @@ pub fn tail_source(
             r.stream.as_str()
         );
     }
+    if let PublisherConfig::Http(_) = &config.publisher {
+        bail!(
+            "tail reads a RabbitMQ queue or NATS subjects; with publisher.kind = \"http\" watch the requests at the endpoint (docs/http.md shows a one-line endpoint that prints every request)"
+        );
+    }
     let PublisherConfig::RabbitMq(q) = &config.publisher else {
         bail!("tail reads a RabbitMQ queue or NATS subjects, but publisher.kind is {kind:?}");
     };

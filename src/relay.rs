@@ -583,7 +583,7 @@ impl<'a> Dispatch<'a> {
                 // (the broker closes it on what the relay sends, say): reconnecting at once
                 // would loop as fast as the broker accepts connections.
                 let delay = self.broker_backoff.next_delay();
-                tracing::warn!(publisher = %publisher.describe(), retry_in = ?delay, "lost the broker connection before it confirmed any message; reconnecting after a pause");
+                tracing::warn!(publisher = %publisher.describe(), retry_in = ?delay, "lost the broker connection before it confirmed any message; reconnecting after a pause of retry_in (or longer, when the sink asks for it: an HTTP Retry-After)");
                 if !sleep_or_cancel(delay, self.shutdown).await {
                     return Err(Exit::Stop);
                 }

@@ -106,6 +106,33 @@ async fn counting(
     .await
 }
 
+/// Userinfo in the URL (docs/http.md) is sent as Basic authentication and masked in logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn userinfo_in_the_url_is_sent_as_basic_authentication() {
+    let table = TestTable::new("http_basic").await;
+    let endpoint = Endpoint::start(|_| Reply::status(200)).await;
+    let url = endpoint
+        .url("/basic")
+        .replacen("http://", "http://hook-user:s3cret-pw@", 1);
+    let id = table
+        .insert_one(NewRow::new("order", Some("o-1"), "created", json!({})))
+        .await;
+    let relay = http_relay(&table, &url, "http-basic").spawn();
+    table.wait_all_sent(WAIT).await;
+    let got = by_id(&endpoint.messages());
+    let request = &got[&id.to_string()][0];
+    // base64("hook-user:s3cret-pw")
+    let basic = "Basic aG9vay11c2VyOnMzY3JldC1wdw==";
+    assert_eq!(request.header("authorization"), Some(basic));
+    let logs = relay.stderr();
+    assert!(
+        !logs.contains("s3cret-pw"),
+        "the password is logged:\n{logs}"
+    );
+    relay.stop().await;
+    table.drop_table().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn message_level_answers_spend_attempts_with_status_and_body_and_2xx_confirms() {
     let table = TestTable::new("http_statuses").await;

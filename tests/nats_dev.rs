@@ -243,7 +243,10 @@ async fn tail_usage_errors_are_exit_2() {
         let mut all = vec!["tail"];
         all.extend_from_slice(args);
         let all: Vec<String> = all.into_iter().map(str::to_owned).collect();
-        let builder = RelayBuilder::operator(&table.name).set("publisher.kind", kind);
+        let mut builder = RelayBuilder::operator(&table.name).set("publisher.kind", kind);
+        if kind == "http" {
+            builder = builder.set("publisher.http.url", "http://127.0.0.1:9/hook");
+        }
         async move {
             let refs: Vec<&str> = all.iter().map(String::as_str).collect();
             builder.output(&refs, Duration::from_secs(60)).await
@@ -267,6 +270,7 @@ async fn tail_usage_errors_are_exit_2() {
             "--subject goes with publisher.kind = \"nats\"",
         ),
         ("redis", &[][..], "redis-cli"),
+        ("http", &[][..], "watch the requests at the endpoint"),
         (
             "stdout",
             &[][..],

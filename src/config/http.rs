@@ -200,7 +200,11 @@ impl RawHttp {
         let mut headers = Vec::with_capacity(self.headers.len());
         for (name, value) in self.headers {
             let key = || format!("publisher.http.headers.{name}");
-            let parsed = HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+            // An environment variable cannot hold `-`: `RELAY_PUBLISHER__HTTP__HEADERS__X_API_KEY`
+            // is `x-api-key` (and `_` in a file's name is read the same way, so that both
+            // spell one header, and the reserved names are caught however written).
+            let name_sent = name.replace('_', "-");
+            let parsed = HeaderName::from_bytes(name_sent.as_bytes()).map_err(|_| {
                 ConfigError::invalid(
                     key(),
                     "is not a valid HTTP header name (letters, digits and !#$%&'*+-.^_`|~)",
@@ -268,7 +272,7 @@ fn validate_url(raw: &str) -> Result<(Template, String), ConfigError> {
     // Values are percent-encoded into the path and query; a placeholder in the scheme, host
     // or port would let a row choose the server.
     let origin = url.origin().ascii_serialization();
-    let prefix = template.literal_prefix();
+    let prefix = without_userinfo(template.literal_prefix());
     let authority_is_literal = prefix.len() >= origin.len()
         && prefix.as_bytes()[..origin.len()].eq_ignore_ascii_case(origin.as_bytes())
         || url.port().is_none() && url.port_or_known_default().is_some() && {
@@ -286,6 +290,21 @@ fn validate_url(raw: &str) -> Result<(Template, String), ConfigError> {
         ));
     }
     Ok((template, format!("{origin}/")))
+}
+
+/// `prefix` (the literal start of a URL template) without the userinfo of its authority
+/// (`user:pw@`), which the URL's origin leaves out too.
+fn without_userinfo(prefix: &str) -> std::borrow::Cow<'_, str> {
+    let Some(start) = prefix.find("://").map(|i| i + 3) else {
+        return prefix.into();
+    };
+    let end = prefix[start..]
+        .find(['/', '?'])
+        .map_or(prefix.len(), |i| start + i);
+    match prefix[start..end].rfind('@') {
+        Some(at) => format!("{}{}", &prefix[..start], &prefix[start + at + 1..]).into(),
+        None => prefix.into(),
+    }
 }
 
 #[cfg(test)]
@@ -339,6 +358,19 @@ mod tests {
         let c = load_str(
             &http("url = \"http://127.0.0.1/\""),
             &[("PUBLISHER__HTTP__HEADERS__X-API-KEY", "12345")],
+        )
+        .unwrap();
+        let PublisherConfig::Http(h) = c.publisher else {
+            panic!("http")
+        };
+        assert_eq!(
+            h.headers,
+            vec![("x-api-key".to_owned(), "12345".to_owned())]
+        );
+        // As a shell can spell it: `_` is sent as `-`.
+        let c = load_str(
+            &http("url = \"http://127.0.0.1/\""),
+            &[("PUBLISHER__HTTP__HEADERS__X_API_KEY", "12345")],
         )
         .unwrap();
         let PublisherConfig::Http(h) = c.publisher else {
@@ -409,6 +441,14 @@ mod tests {
             &["publisher.http.headers.Content-Type", "set by the relay"],
             &[],
         );
+        // From the environment, `_` stands for `-`: a reserved name is caught that way too.
+        err_has(
+            &http(&format!(
+                "{ok}headers = {{ CONTENT_TYPE = \"text/plain\" }}"
+            )),
+            &["publisher.http.headers.CONTENT_TYPE", "set by the relay"],
+            &[],
+        );
         err_has(
             &http(&format!("{ok}headers = {{ X-A = [\"hunter2\"] }}")),
             &["publisher.http.headers"],
@@ -423,6 +463,22 @@ mod tests {
             &http("url = \"ftp://user:hunter2@h/x\""),
             &["publisher.http.url"],
             &["hunter2"],
+        );
+    }
+
+    #[test]
+    fn userinfo_may_be_written_before_the_host_but_not_hold_a_placeholder() {
+        // The origin (the probe's URL) carries no credentials.
+        let h = load("url = \"https://user:pw@hooks.example.com/{event_type}\"");
+        assert_eq!(h.origin, "https://hooks.example.com/");
+        assert_eq!(
+            load("url = \"http://user@127.0.0.1:8080/x\"").origin,
+            "http://127.0.0.1:8080/"
+        );
+        err_has(
+            &http("url = \"https://{aggregate_id}:pw@hooks.example.com/\""),
+            &["placeholders may appear only in the path and query"],
+            &["pw@"],
         );
     }
 
