@@ -436,7 +436,7 @@ fn tiles(
     let value = |k: &str| escape(&value_raw(values, k));
     let flag = |k: &str| flags.iter().any(|(key, on)| *key == k && *on);
     for (k, label, hint) in [
-        ("ready", "Ready", "pending, publishable now"),
+        ("ready", "Ready", "pending, due now"),
         ("waiting", "Waiting", "pending, backing off"),
         ("processing", "Processing", "claimed, awaiting the broker"),
         ("sent", "Sent", "kept until retention"),
