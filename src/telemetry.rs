@@ -444,52 +444,44 @@ pub struct DatabaseHealth {
 }
 
 impl DatabaseHealth {
-    /// Records the database's reachability (an answer ends a [`Self::cannot_start`]);
-    /// returns the previous value.
-    pub fn set(&self, up: bool) -> bool {
+    /// Runs `f` on this outbox's entry, under the lock.
+    fn with<T>(&self, f: impl FnOnce(&mut OutboxDatabase) -> T) -> T {
         let mut dbs = self
             .health
             .databases
             .lock()
             .unwrap_or_else(|p| p.into_inner());
-        let d = &mut dbs[self.slot];
-        if up {
-            d.problem = None;
-        }
-        std::mem::replace(&mut d.up, up)
+        f(&mut dbs[self.slot])
+    }
+
+    /// Records the database's reachability (an answer ends a [`Self::cannot_start`]);
+    /// returns the previous value.
+    pub fn set(&self, up: bool) -> bool {
+        self.with(|d| {
+            if up {
+                d.problem = None;
+            }
+            std::mem::replace(&mut d.up, up)
+        })
     }
 
     /// The database answers but the outbox cannot start, for `why` (its table missing, say):
     /// not ready, and said so rather than "down".
     pub fn cannot_start(&self, why: String) {
-        let mut dbs = self
-            .health
-            .databases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let d = &mut dbs[self.slot];
-        d.up = false;
-        d.problem = Some(why);
+        self.with(|d| {
+            d.up = false;
+            d.problem = Some(why);
+        });
     }
 
     /// Reachable at last contact.
     pub fn get(&self) -> bool {
-        let dbs = self
-            .health
-            .databases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        dbs[self.slot].up
+        self.with(|d| d.up)
     }
 
     /// Why the outbox cannot start, while it cannot ([`Self::cannot_start`]).
     pub fn problem(&self) -> Option<String> {
-        let dbs = self
-            .health
-            .databases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        dbs[self.slot].problem.clone()
+        self.with(|d| d.problem.clone())
     }
 }
 

@@ -355,31 +355,21 @@ mod tests {
 
     #[test]
     fn header_values_from_the_environment_may_look_like_numbers() {
-        let c = load_str(
-            &http("url = \"http://127.0.0.1/\""),
-            &[("PUBLISHER__HTTP__HEADERS__X-API-KEY", "12345")],
-        )
-        .unwrap();
-        let PublisherConfig::Http(h) = c.publisher else {
-            panic!("http")
-        };
-        assert_eq!(
-            h.headers,
-            vec![("x-api-key".to_owned(), "12345".to_owned())]
-        );
-        // As a shell can spell it: `_` is sent as `-`.
-        let c = load_str(
-            &http("url = \"http://127.0.0.1/\""),
-            &[("PUBLISHER__HTTP__HEADERS__X_API_KEY", "12345")],
-        )
-        .unwrap();
-        let PublisherConfig::Http(h) = c.publisher else {
-            panic!("http")
-        };
-        assert_eq!(
-            h.headers,
-            vec![("x-api-key".to_owned(), "12345".to_owned())]
-        );
+        // As written with `-`, and as a shell can spell it: `_` is sent as `-`.
+        for var in [
+            "PUBLISHER__HTTP__HEADERS__X-API-KEY",
+            "PUBLISHER__HTTP__HEADERS__X_API_KEY",
+        ] {
+            let c = load_str(&http("url = \"http://127.0.0.1/\""), &[(var, "12345")]).unwrap();
+            let PublisherConfig::Http(h) = c.publisher else {
+                panic!("http")
+            };
+            assert_eq!(
+                h.headers,
+                vec![("x-api-key".to_owned(), "12345".to_owned())],
+                "{var}"
+            );
+        }
     }
 
     #[test]
