@@ -9,8 +9,9 @@ use base64::{Engine, engine::general_purpose::STANDARD};
 use hmac::{Hmac, Mac};
 use sha2::{Digest, Sha256};
 
-/// Whether `header` is a valid v1 signature under `keys` (key id → key). `attrs`, as received:
-/// id, source, type, subject ("" if none), routing key or topic, time, datacontenttype.
+/// Whether `header` is a valid v1 signature under `keys` (key id → key). `attrs`, as received
+/// (HTTP's `ce-*` headers percent-decoded first): id, source, type, subject ("" if none),
+/// routing key or topic, time, datacontenttype.
 pub fn verify(header: &str, keys: &HashMap<&str, &[u8]>, attrs: [&str; 7], body: &[u8]) -> bool {
     let mut parts = header.split(';');
     if parts.next() != Some("v1") {
