@@ -68,12 +68,18 @@ fn targets<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<Target<'a>>
 async fn existing_targets<'a>(config: &'a Config, only: Option<&str>) -> Result<Vec<Target<'a>>> {
     let targets = targets(config, only)?;
     for t in &targets {
-        t.store
-            .plan_schema(false)
-            .await
-            .with_context(|| t.context("read"))?;
+        table_exists(t).await?;
     }
     Ok(targets)
+}
+
+/// `t`'s table exists, or the error `check` would give (run `migrate`).
+async fn table_exists(t: &Target<'_>) -> Result<()> {
+    t.store
+        .plan_schema(false)
+        .await
+        .with_context(|| t.context("read"))?;
+    Ok(())
 }
 
 /// `migrate [--print] [--outbox NAME]`.
@@ -304,10 +310,7 @@ struct StatusJson {
 
 /// The status of `t`'s table, when it exists (else what `check` would say of it).
 async fn status_of(t: &Target<'_>) -> Result<StatusReport> {
-    t.store
-        .plan_schema(false)
-        .await
-        .with_context(|| t.context("read"))?;
+    table_exists(t).await?;
     t.store.status().await.with_context(|| t.context("read"))
 }
 

@@ -213,7 +213,7 @@ async fn listen(
     // would otherwise never wake the relay, which would fall back to polling unsaid.
     let channel = match store.bounded(store.notify_channel()).await {
         Ok(Some(made)) if made != configured => {
-            tracing::warn!(table = %store.table(), trigger_channel = %made, "the table's wake-up trigger notifies the channel named after the table as it was written when it was migrated, not as it is configured now; listening on the trigger's channel (write database.table as it was migrated, or run `outbox-relay migrate` again, to make them one)");
+            tracing::warn!(table = %store.table(), trigger_channel = %made, "the table's wake-up trigger notifies the channel named after the table as it was written when it was migrated, not as it is configured now; listening on the trigger's channel (write database.table as it was migrated to make them one)");
             made
         }
         _ => configured,

@@ -216,6 +216,13 @@ const PG_RESERVED: &[&str] = &[
 ];
 
 impl TableName {
+    /// [`TableName::parse`], then [`TableName::check_reserved`] for the database `kind`.
+    pub fn parse_for(raw: &str, kind: DatabaseKind) -> Result<Self, String> {
+        let table = Self::parse(raw)?;
+        table.check_reserved(kind)?;
+        Ok(table)
+    }
+
     /// Refuses a name PostgreSQL reserves (`check`, `order`, `user`): every statement would
     /// fail on it. (MySQL's are found when `migrate` or `check` first reaches the server.)
     pub fn check_reserved(&self, kind: DatabaseKind) -> Result<(), String> {
@@ -256,11 +263,16 @@ pub enum DatabaseKind {
     Mysql,
 }
 
+/// The scheme of `url` (`postgres`, `mysql`, …), if it has one (`None` for a key=value
+/// connection string).
+fn url_scheme(url: &str) -> Option<&str> {
+    url.trim_start().split_once("://").map(|(scheme, _)| scheme)
+}
+
 impl DatabaseKind {
     /// The kind a URL names: `mysql://` is MySQL/MariaDB, anything else PostgreSQL.
     pub fn of(url: &str) -> Self {
-        let scheme = url.trim_start().split("://").next().unwrap_or_default();
-        if url.contains("://") && scheme.eq_ignore_ascii_case("mysql") {
+        if url_scheme(url).is_some_and(|s| s.eq_ignore_ascii_case("mysql")) {
             Self::Mysql
         } else {
             Self::Postgres
@@ -376,12 +388,12 @@ pub(super) fn database_name(key: &str, url: &str) -> Result<String, ConfigError>
     match DatabaseKind::of(url) {
         DatabaseKind::Postgres => {
             let pg: tokio_postgres::Config = url.parse().map_err(|e| {
-                let scheme = url.trim_start().split("://").next().unwrap_or_default();
-                let hint = if url.contains("://")
-                    && !["postgres", "postgresql"]
+                let foreign = url_scheme(url).is_some_and(|scheme| {
+                    !["postgres", "postgresql"]
                         .iter()
                         .any(|s| scheme.eq_ignore_ascii_case(s))
-                {
+                });
+                let hint = if foreign {
                     " (the relay takes postgres:// or postgresql:// for PostgreSQL, mysql:// for MySQL and MariaDB)"
                 } else {
                     ""
@@ -456,8 +468,7 @@ impl RawDatabase {
                 format!("{} is out of range (2..=1000)", d.pool_size),
             ));
         }
-        let table = TableName::parse(d.table.as_deref().unwrap_or(DEFAULT_TABLE))
-            .and_then(|t| t.check_reserved(kind).map(|()| t))
+        let table = TableName::parse_for(d.table.as_deref().unwrap_or(DEFAULT_TABLE), kind)
             .map_err(|r| ConfigError::invalid("database.table", r))?;
         let partition_interval = d.partition_interval.map(|i| i.0);
         if let Some(i) = partition_interval

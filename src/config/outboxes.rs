@@ -78,16 +78,13 @@ pub(super) fn validate(
     let mut out = Vec::with_capacity(raw.len());
     for (i, o) in raw.into_iter().enumerate() {
         let key = |field: &str| format!("outboxes[{i}].{field}");
-        let table =
-            TableName::parse(&o.table).map_err(|r| ConfigError::invalid(key("table"), r))?;
+        let url = o.url.unwrap_or_else(|| inherited.database.url.clone());
+        let kind = DatabaseKind::of(&url);
+        let table = TableName::parse_for(&o.table, kind)
+            .map_err(|r| ConfigError::invalid(key("table"), r))?;
         let name = o.name.unwrap_or_else(|| o.table.clone());
         unique_name(&mut names, &name, i).map_err(|r| ConfigError::invalid(key("name"), r))?;
-        let url = o.url.unwrap_or_else(|| inherited.database.url.clone());
         let dbname = database_name(&key("url"), &url)?;
-        let kind = DatabaseKind::of(&url);
-        table
-            .check_reserved(kind)
-            .map_err(|r| ConfigError::invalid(key("table"), r))?;
         if kind == DatabaseKind::Mysql && inherited.database.partition_interval.is_some() {
             return Err(not_on_mysql());
         }
