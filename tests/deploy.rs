@@ -663,7 +663,6 @@ fn alert_rules_name_known_metrics_and_each_has_both_unit_test_cases() {
         names::FAILED,
         names::BLOCKED_AGGREGATES,
         names::PUBLISHED,
-        names::PENDING,
         names::BROKER_CONNECTED,
     ] {
         assert!(used.contains(needed), "no alert watches {needed}");
