@@ -152,6 +152,7 @@ pub async fn check(config: &Config) -> Result<()> {
         }
     }
     failed |= !check_broker(config).await;
+    check_tracing(config).await;
     if failed {
         bail!("check failed");
     }
@@ -215,6 +216,79 @@ async fn check_broker(config: &Config) -> bool {
         };
     publisher.close().await;
     ok
+}
+
+/// `check`'s `tracing:` line: off, or where spans go and whether the collector takes them. A
+/// collector that does not is a warning, not a failure: the relay publishes without it and
+/// counts the spans it drops.
+async fn check_tracing(config: &Config) {
+    use outbox_relay::config::OtlpProtocol;
+    let Some(t) = &config.tracing else {
+        println!("tracing: off");
+        return;
+    };
+    let protocol = match t.protocol {
+        OtlpProtocol::HttpProtobuf => "http/protobuf",
+        OtlpProtocol::Grpc => "grpc",
+    };
+    let what = format!(
+        "{protocol} to {}, service {}, sample ratio {}",
+        t.endpoint, t.service_name, t.sample_ratio
+    );
+    match collector_answer(t).await {
+        Ok(()) => println!("tracing: ok ({what})"),
+        Err(why) => println!(
+            "tracing: WARNING: the collector {why}; until it does the relay drops its spans \
+             (outbox_trace_spans_dropped_total) and publishes as usual ({what})"
+        ),
+    }
+}
+
+/// Whether the collector takes spans: over HTTP an empty export (an
+/// `ExportTraceServiceRequest` of no spans is zero bytes) must be answered 2xx, which also
+/// proves the path; over gRPC the endpoint must accept a connection. `Err` says what failed.
+async fn collector_answer(t: &outbox_relay::config::TracingConfig) -> Result<(), String> {
+    use outbox_relay::config::OtlpProtocol;
+    const WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+    match t.protocol {
+        OtlpProtocol::HttpProtobuf => {
+            let client = reqwest::Client::builder()
+                .timeout(WITHIN)
+                .build()
+                .map_err(|e| format!("cannot be asked: {e}"))?;
+            let reply = client
+                .post(&t.endpoint)
+                .header("content-type", "application/x-protobuf")
+                .body(Vec::new())
+                .send()
+                .await
+                .map_err(|e| {
+                    format!(
+                        "does not answer ({})",
+                        outbox_relay::error_chain(&e.without_url())
+                    )
+                })?;
+            let status = reply.status();
+            if status.is_success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "answers {status} to an empty export (is the URL the traces endpoint?)"
+                ))
+            }
+        }
+        OtlpProtocol::Grpc => {
+            let url = url::Url::parse(&t.endpoint).map_err(|e| format!("has no address: {e}"))?;
+            let addrs = url
+                .socket_addrs(|| Some(4317))
+                .map_err(|e| format!("has no address: {e}"))?;
+            match tokio::time::timeout(WITHIN, tokio::net::TcpStream::connect(&*addrs)).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(format!("does not accept a connection ({e})")),
+                Err(_) => Err(format!("does not accept a connection within {WITHIN:?}")),
+            }
+        }
+    }
 }
 
 /// The session of another relay with this relay's instance id that holds the table's instance

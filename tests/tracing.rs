@@ -511,6 +511,16 @@ async fn a_collector_down_during_a_drain_loses_no_row() {
         1,
         "one warning for the whole outage"
     );
+    assert_eq!(
+        relay.log_count("the collector does not accept connections"),
+        1,
+        "the warning says why in words"
+    );
+    assert_eq!(
+        relay.log_count("reqwest::Error"),
+        0,
+        "no client's debug dump"
+    );
 
     // Export works again.
     let after = table
@@ -528,4 +538,49 @@ async fn a_collector_down_during_a_drain_loses_no_row() {
         .wait_for_log("trace export works again", 1, WAIT)
         .await;
     common::finish(relay, table, rabbit).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_says_where_spans_go_and_warns_when_the_collector_does_not_take_them() {
+    let mut receiver = OtlpReceiver::start().await;
+    let (table, rabbit) = table_and_exchange("trace_check").await;
+    let endpoint = receiver.endpoint();
+    let builder = || {
+        RelayBuilder::for_test(&table, &rabbit, "trace_check")
+            .set("tracing.otlp_endpoint", endpoint.clone())
+            .set("tracing.service_name", "relay-under-test")
+    };
+    let out = builder().output(&["check"], WAIT).await;
+    assert!(out.status.success(), "{out:?}");
+    out.assert_stdout_has(&format!(
+        "tracing: ok (http/protobuf to {endpoint}/v1/traces, service relay-under-test"
+    ));
+
+    // The standard traces variable is the whole URL: a wrong path is answered 404.
+    let out = RelayBuilder::for_test(&table, &rabbit, "trace_check")
+        .env(
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+            format!("{endpoint}/not-traces"),
+        )
+        .output(&["check"], WAIT)
+        .await;
+    assert!(
+        out.status.success(),
+        "tracing is not a reason to fail: {out:?}"
+    );
+    out.assert_stdout_has("tracing: WARNING: the collector answers 404");
+
+    receiver.stop().await;
+    let out = builder().output(&["check"], WAIT).await;
+    assert!(
+        out.status.success(),
+        "tracing is not a reason to fail: {out:?}"
+    );
+    out.assert_stdout_has("tracing: WARNING: the collector does not answer");
+
+    let out = RelayBuilder::for_test(&table, &rabbit, "trace_check")
+        .output(&["check"], WAIT)
+        .await;
+    out.assert_stdout_has("tracing: off");
+    common::drop_both(table, rabbit).await;
 }

@@ -1,6 +1,8 @@
-//! `[tracing]`: where OpenTelemetry spans go (docs/tracing.md). Off unless `otlp_endpoint` or the
-//! standard `OTEL_EXPORTER_OTLP_ENDPOINT` is set; the relay's own keys win over the standard
-//! `OTEL_*` variables, which fill in what the file and `RELAY_TRACING__*` leave unset.
+//! `[tracing]`: where OpenTelemetry spans go (docs/tracing.md). Off unless `otlp_endpoint` or one
+//! of the standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` and `OTEL_EXPORTER_OTLP_ENDPOINT` is set;
+//! the relay's own keys win over the standard `OTEL_*` variables, which fill in what the file and
+//! `RELAY_TRACING__*` leave unset (the traces-only variable before the general one, as the
+//! OpenTelemetry SDKs read them).
 
 use serde::{Deserialize, Serialize};
 
@@ -8,10 +10,14 @@ use super::{ConfigError, choose};
 
 /// The standard variable naming the collector (the OTLP base URL).
 pub const OTEL_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+/// The standard variable naming where traces go: over HTTP the full URL, used as written.
+pub const OTEL_TRACES_ENDPOINT_ENV: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
 /// The standard variable naming the service.
 pub const OTEL_SERVICE_NAME_ENV: &str = "OTEL_SERVICE_NAME";
 /// The standard variable naming the OTLP protocol.
 pub const OTEL_PROTOCOL_ENV: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
+/// The standard variable naming the OTLP protocol for traces alone.
+pub const OTEL_TRACES_PROTOCOL_ENV: &str = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL";
 /// `service.name` when neither `tracing.service_name` nor `OTEL_SERVICE_NAME` is set.
 pub const DEFAULT_SERVICE_NAME: &str = "outbox-relay";
 
@@ -37,10 +43,14 @@ pub struct RawTracing {
 pub struct OtelEnv {
     /// `OTEL_EXPORTER_OTLP_ENDPOINT`
     pub endpoint: Option<String>,
+    /// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`
+    pub traces_endpoint: Option<String>,
     /// `OTEL_SERVICE_NAME`
     pub service_name: Option<String>,
     /// `OTEL_EXPORTER_OTLP_PROTOCOL`
     pub protocol: Option<String>,
+    /// `OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`
+    pub traces_protocol: Option<String>,
 }
 
 impl OtelEnv {
@@ -49,8 +59,10 @@ impl OtelEnv {
         let var = |name| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
         Self {
             endpoint: var(OTEL_ENDPOINT_ENV),
+            traces_endpoint: var(OTEL_TRACES_ENDPOINT_ENV),
             service_name: var(OTEL_SERVICE_NAME_ENV),
             protocol: var(OTEL_PROTOCOL_ENV),
+            traces_protocol: var(OTEL_TRACES_PROTOCOL_ENV),
         }
     }
 }
@@ -88,10 +100,11 @@ impl RawTracing {
                 format!("{sample_ratio} is not between 0.0 and 1.0"),
             ));
         }
-        let (protocol_key, protocol) = match (self.protocol, &env.protocol) {
-            (Some(p), _) => ("tracing.protocol", p),
-            (None, Some(p)) => (OTEL_PROTOCOL_ENV, p.clone()),
-            (None, None) => ("tracing.protocol", "http/protobuf".to_owned()),
+        let (protocol_key, protocol) = match (self.protocol, &env.traces_protocol, &env.protocol) {
+            (Some(p), _, _) => ("tracing.protocol", p),
+            (None, Some(p), _) => (OTEL_TRACES_PROTOCOL_ENV, p.clone()),
+            (None, None, Some(p)) => (OTEL_PROTOCOL_ENV, p.clone()),
+            (None, None, None) => ("tracing.protocol", "http/protobuf".to_owned()),
         };
         let protocol = choose(
             protocol_key,
@@ -112,12 +125,15 @@ impl RawTracing {
             (None, Some(s)) => s.clone(),
             (None, None) => DEFAULT_SERVICE_NAME.to_owned(),
         };
-        let (endpoint_key, endpoint) = match (self.otlp_endpoint, &env.endpoint) {
-            (Some(e), _) if !e.trim().is_empty() => ("tracing.otlp_endpoint", e),
-            (_, Some(e)) => (OTEL_ENDPOINT_ENV, e.clone()),
-            _ => return Ok(None),
-        };
-        let endpoint = endpoint_url(endpoint_key, endpoint.trim(), protocol)?;
+        // A base URL gets `/v1/traces` over HTTP; the traces-only variable is the whole URL.
+        let (endpoint_key, endpoint, base) =
+            match (self.otlp_endpoint, &env.traces_endpoint, &env.endpoint) {
+                (Some(e), _, _) if !e.trim().is_empty() => ("tracing.otlp_endpoint", e, true),
+                (_, Some(e), _) => (OTEL_TRACES_ENDPOINT_ENV, e.clone(), false),
+                (_, None, Some(e)) => (OTEL_ENDPOINT_ENV, e.clone(), true),
+                _ => return Ok(None),
+            };
+        let endpoint = endpoint_url(endpoint_key, endpoint.trim(), protocol, base)?;
         Ok(Some(TracingConfig {
             endpoint,
             protocol,
@@ -127,12 +143,13 @@ impl RawTracing {
     }
 }
 
-/// Checks the collector's base URL and derives where spans go: `<endpoint>/v1/traces` over
-/// HTTP, the endpoint itself over gRPC.
+/// Checks the collector's URL and derives where spans go: a base URL gets `/v1/traces` over
+/// HTTP (`base`); otherwise, and over gRPC, the endpoint itself.
 fn endpoint_url(
     key: &'static str,
     endpoint: &str,
     protocol: OtlpProtocol,
+    base: bool,
 ) -> Result<String, ConfigError> {
     let url = url::Url::parse(endpoint).map_err(|e| {
         ConfigError::invalid(
@@ -178,8 +195,10 @@ fn endpoint_url(
         ));
     }
     Ok(match protocol {
-        OtlpProtocol::HttpProtobuf => format!("{}/v1/traces", endpoint.trim_end_matches('/')),
-        OtlpProtocol::Grpc => endpoint.to_owned(),
+        OtlpProtocol::HttpProtobuf if base => {
+            format!("{}/v1/traces", endpoint.trim_end_matches('/'))
+        }
+        _ => endpoint.to_owned(),
     })
 }
 
@@ -238,7 +257,7 @@ mod tests {
         let env = OtelEnv {
             endpoint: Some("http://otel:4318".into()),
             service_name: Some("from-env".into()),
-            protocol: None,
+            ..OtelEnv::default()
         };
         let c = raw(None, None).validate(&env).unwrap().unwrap();
         assert_eq!(
@@ -261,13 +280,42 @@ mod tests {
         assert!(e.contains(OTEL_ENDPOINT_ENV), "{e}");
         let grpc = OtelEnv {
             protocol: Some("grpc".into()),
-            ..env
+            ..env.clone()
         };
         let c = raw(None, None).validate(&grpc).unwrap().unwrap();
         assert_eq!(
             (c.endpoint.as_str(), c.protocol),
             ("http://otel:4318", OtlpProtocol::Grpc)
         );
+    }
+
+    #[test]
+    fn the_traces_variables_come_before_the_general_ones() {
+        let env = OtelEnv {
+            endpoint: Some("http://otel:4318".into()),
+            traces_endpoint: Some("http://traces:4318/custom/path".into()),
+            protocol: Some("grpc".into()),
+            traces_protocol: Some("http/protobuf".into()),
+            ..OtelEnv::default()
+        };
+        // The traces URL is used as written: no /v1/traces after it.
+        let c = raw(None, None).validate(&env).unwrap().unwrap();
+        assert_eq!(
+            (c.endpoint.as_str(), c.protocol),
+            ("http://traces:4318/custom/path", OtlpProtocol::HttpProtobuf)
+        );
+        // The relay's own key still wins.
+        let c = raw(Some("http://mine:4318"), None)
+            .validate(&env)
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.endpoint, "http://mine:4318/v1/traces");
+        let bad = OtelEnv {
+            traces_endpoint: Some("collector:4318".into()),
+            ..env
+        };
+        let e = raw(None, None).validate(&bad).unwrap_err().to_string();
+        assert!(e.contains(OTEL_TRACES_ENDPOINT_ENV), "{e}");
     }
 
     #[test]

@@ -342,6 +342,19 @@ impl Probe {
     }
 }
 
+/// An export error as one readable line: the HTTP exporter wraps its client's error as a
+/// `Debug` dump (`reqwest::Error { kind: …, source: … }`), which says less than this does.
+fn export_failure(e: &dyn std::fmt::Display) -> String {
+    let text = e.to_string();
+    match text.find("reqwest::Error {") {
+        Some(at) => format!(
+            "{}the request to the collector failed (no answer in time, or the connection was cut)",
+            &text[..at]
+        ),
+        None => text,
+    }
+}
+
 impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
     async fn export(&self, batch: Vec<SpanData>) -> OTelSdkResult {
         let n = batch.len();
@@ -357,7 +370,12 @@ impl<E: SpanExporter> SpanExporter for CountingExporter<E> {
         self.failing.store(result.is_err(), Ordering::Release);
         match &result {
             Ok(()) => self.drops.exported(),
-            Err(e) => self.drops.dropped(n, "export_failed", e),
+            Err(_) if !self.probe.reachable() => self.drops.dropped(
+                n,
+                "export_failed",
+                &"the collector does not accept connections",
+            ),
+            Err(e) => self.drops.dropped(n, "export_failed", &export_failure(e)),
         }
         result
     }
