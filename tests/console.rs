@@ -576,10 +576,17 @@ async fn without_the_token_actions_are_refused_and_nothing_changes() {
             vec![],
             vec![("Authorization", "Bearer not-the-console-token")],
             vec![("Authorization", TOKEN)],
+            vec![("Authorization", "Basic b3BlcmF0b3I6c2VjcmV0")],
         ] {
             let (code, body) = http_post(local(port), &path, &headers).await.unwrap();
             assert_eq!(code, 403, "{path} with {headers:?}: {body}");
             assert!(body.contains("Refused"), "{body}");
+            let why = match headers.first() {
+                None => "no console token",
+                Some((_, v)) if v.starts_with("Bearer") => "wrong console token",
+                Some(_) => "not a Bearer token",
+            };
+            assert!(body.contains(why), "{path} with {headers:?}: {body}");
         }
     }
     b.goto(&url(port, &page)).await;
@@ -806,6 +813,12 @@ async fn bad_input_gets_a_clear_message_never_a_500() {
             400,
         ),
         ("/api/outboxes/nope/dead-letters".to_owned(), false, 404),
+        ("/api/no-such-endpoint".to_owned(), false, 404),
+        (
+            format!("/api/outboxes/{t}/dead-letters/x/retry/again"),
+            true,
+            404,
+        ),
         (
             format!("/api/outboxes/{t}/dead-letters/not-a-uuid/retry"),
             true,

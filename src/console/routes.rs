@@ -543,10 +543,21 @@ async fn message_json(State(c): State<Shared>, Path(raw): Path<String>) -> Respo
     }
 }
 
+/// 404 for any other path: JSON under `/api/` (a script reads it), a page elsewhere.
 async fn not_found(State(c): State<Shared>, uri: axum::http::Uri) -> Response {
+    let path = uri.path();
+    if path == "/api" || path.starts_with("/api/") {
+        return problem_json(&Problem::NotFound(Notice {
+            title: "No such endpoint".into(),
+            text: format!(
+                "The console has no endpoint at {path}: see docs/console.md for the JSON it serves."
+            ),
+            links: Vec::new(),
+        }));
+    }
     c.problem_page(&Problem::NotFound(Notice {
         title: "No such page".into(),
-        text: format!("The console has no page at {}.", uri.path()),
+        text: format!("The console has no page at {path}."),
         links: vec![("Overview".into(), "/".into())],
     }))
 }
@@ -588,13 +599,13 @@ impl Console {
                 "dead-letter actions are off: set console.allow_actions = true and console.token to enable them"
             }
             Some(token) => {
-                let given = headers
-                    .get(header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(bearer_token);
-                match given {
+                let sent = headers.get(header::AUTHORIZATION);
+                match sent.and_then(|v| v.to_str().ok()).and_then(bearer_token) {
                     Some(g) if same_secret(g.as_bytes(), token.0.trim().as_bytes()) => return None,
                     Some(_) => "wrong console token",
+                    None if sent.is_some() => {
+                        "the Authorization header is not a Bearer token (send Authorization: Bearer <console.token>)"
+                    }
                     None => "no console token (send Authorization: Bearer <console.token>)",
                 }
             }
