@@ -327,7 +327,8 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
     t.store.may_write().await.map_err(|e| {
         if e.is_permission_denied() {
             format!(
-                "database: reachable, but the relay's user may not update or delete rows of {table} ({e}): grant what docs/security.md (PostgreSQL) or docs/mysql.md (MySQL/MariaDB) lists for the relay"
+                "database: reachable, but the relay's user may not update or delete rows of {table} ({e}): grant what {} lists for the relay",
+                e.grants_doc()
             )
         } else {
             format!("database: reachable, but {e}")

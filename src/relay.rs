@@ -884,7 +884,7 @@ impl<'a> Dispatch<'a> {
         self.relay.database.set(false);
         self.relay.store.note_error(e);
         if e.is_permission_denied() {
-            tracing::error!(error = %e, retry_in = ?delay, table = %self.relay.store.table(), "the database refused the relay's statement: its user lacks a privilege on the table; grant what docs/security.md (PostgreSQL) or docs/mysql.md (MySQL/MariaDB) lists for the relay; retrying");
+            tracing::error!(error = %e, retry_in = ?delay, table = %self.relay.store.table(), "the database refused the relay's statement: its user lacks a privilege on the table; grant what {} lists for the relay; retrying", e.grants_doc());
         } else {
             tracing::warn!(error = %e, retry_in = ?delay, "database unavailable; retrying");
         }

@@ -968,6 +968,12 @@ async fn the_documented_roles_are_enough_for_the_application_and_the_relay(db: D
     out.assert_stdout_has(&format!(
         "the relay's user may not update or delete rows of {t}"
     ));
+    // Each database's grants are listed in its own document.
+    let grants_doc = match db {
+        Db::Postgres => "grant what docs/security.md lists for the relay",
+        Db::Mysql => "grant what docs/mysql.md lists for the relay",
+    };
+    out.assert_stdout_has(grants_doc);
     // `run` as that role says the same of its claims, not that the database is down.
     let insert = format!(
         "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload) \
@@ -983,6 +989,7 @@ async fn the_documented_roles_are_enough_for_the_application_and_the_relay(db: D
     .spawn();
     let said = "its user lacks a privilege on the table";
     denied.wait_for_log(said, 1, WAIT).await;
+    assert!(denied.stderr().contains(grants_doc), "{}", denied.stderr());
     assert!(
         !denied.stderr().contains("database unavailable"),
         "{}",

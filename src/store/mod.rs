@@ -161,6 +161,15 @@ impl StoreError {
         }
     }
 
+    /// The document that lists the grants the relay's user needs on this error's database
+    /// (what to read after [`StoreError::is_permission_denied`]).
+    pub fn grants_doc(&self) -> &'static str {
+        match self {
+            Self::Mysql(_) => "docs/mysql.md",
+            _ => "docs/security.md",
+        }
+    }
+
     /// Whether the server refused a write because it is read-only (SQLSTATE 25006): a
     /// primary turned read-only, or a standby (in recovery) that the session reached. The
     /// statement was rolled back; the session must be given up for one on the server that

@@ -61,7 +61,7 @@ pub async fn delete_past_retention(
                 if e.is_connection() {
                     tracing::debug!(error = %e, "retention cleanup skipped");
                 } else if e.is_permission_denied() {
-                    tracing::warn!(error = %e, "retention cleanup failed: the relay's database user may not delete the table's rows, so sent rows pile up; grant DELETE (docs/security.md, docs/mysql.md)");
+                    tracing::warn!(error = %e, "retention cleanup failed: the relay's database user may not delete the table's rows, so sent rows pile up; grant DELETE ({})", e.grants_doc());
                 } else {
                     tracing::warn!(error = %e, "retention cleanup failed");
                 }
