@@ -343,23 +343,7 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
             t.store.instance_id()
         ));
     }
-    let layout = match t.store.as_postgres() {
-        Some(pg) => pg.layout().await.ok().flatten(),
-        None => None,
-    };
-    let found = match layout {
-        Some(l) if l.partitioned => format!(
-            "table {table} found, partitioned by created_at: range partitions {}, and DEFAULT",
-            l.ranges().count()
-        ),
-        Some(_) if plan.partition => {
-            format!("table {table} found; it will be partitioned on start")
-        }
-        Some(_) if t.store.partition_interval().is_some() => format!(
-            "table {table} found, plain although database.partition_interval is set: run `outbox-relay migrate` to partition it"
-        ),
-        _ => format!("table {table} found"),
-    };
+    let found = found_table(t, plan.partition).await;
     Ok(if !plan.behind.is_empty() {
         format!(
             "database: ok ({url}, {found}; schema versions {:?} not applied: run `outbox-relay migrate`)",
@@ -373,6 +357,29 @@ async fn check_database(t: &Target<'_>, auto_migrate: bool) -> Result<String, St
             plan.apply
         )
     })
+}
+
+/// `check`'s words for a table that exists: plain or partitioned, and what `run` (or
+/// `migrate`) will do about it; `partition_on_start` when `run` will partition it.
+async fn found_table(t: &Target<'_>, partition_on_start: bool) -> String {
+    let table = &t.outbox.database.table;
+    let layout = match t.store.as_postgres() {
+        Some(pg) => pg.layout().await.ok().flatten(),
+        None => None,
+    };
+    match layout {
+        Some(l) if l.partitioned => format!(
+            "table {table} found, partitioned by created_at: range partitions {}, and DEFAULT",
+            l.ranges().count()
+        ),
+        Some(_) if partition_on_start => {
+            format!("table {table} found; it will be partitioned on start")
+        }
+        Some(_) if t.store.partition_interval().is_some() => format!(
+            "table {table} found, plain although database.partition_interval is set: run `outbox-relay migrate` to partition it"
+        ),
+        _ => format!("table {table} found"),
+    }
 }
 
 /// `status --json`: the totals in the contract's shape, plus the same per outbox.
