@@ -688,3 +688,61 @@ async fn broker_killed_and_restarted_mid_stream_spends_no_attempt() {
     second.kill().await;
     table.drop_table().await;
 }
+
+/// A missing exchange is the broker's state, not any row's fault: with `declare_exchange =
+/// false`, `check` names it and `run` does not claim; an exchange deleted under a running
+/// relay makes it hand the row back unspent and report the broker down (never a dead letter)
+/// until the exchange is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_exchange_dead_letters_nothing() {
+    let (table, rabbit) = table_and_exchange("missing_exchange").await;
+    let metrics = common::free_port();
+    let relay = || {
+        RelayBuilder::for_test(&table, &rabbit, "missing-exchange")
+            .set("publisher.rabbitmq.declare_exchange", "false")
+            .set("retry.base_delay", "100ms")
+            .set("retry.max_attempts", "2")
+    };
+    let running = relay()
+        .set("metrics.listen", format!("127.0.0.1:{metrics}"))
+        .spawn();
+    let first = table
+        .insert_one(NewRow::new("order", Some("x-1"), "created", json!({})))
+        .await;
+    rabbit.wait_for_delivery(first, LONG).await;
+
+    rabbit.delete_exchange().await;
+    let second = table
+        .insert_one(NewRow::new("order", Some("x-2"), "created", json!({})))
+        .await;
+    running
+        .wait_for_log("does not exist (the broker closed the channel", 1, LONG)
+        .await;
+    let ready = async || {
+        common::http_get(format!("127.0.0.1:{metrics}").parse().unwrap(), "/readyz")
+            .await
+            .map(|(_, body)| body)
+            .unwrap_or_default()
+    };
+    wait_until(LONG, "readyz says the broker is down", async || {
+        let body = ready().await;
+        body.contains("broker: down").then_some(()).ok_or(body)
+    })
+    .await;
+    let out = relay().output(&["check"], LONG).await;
+    assert!(!out.status.success(), "{}", out.stdout);
+    out.assert_stdout_has(&format!("exchange {:?} cannot be used", rabbit.exchange));
+    out.assert_stdout_has("set publisher.rabbitmq.declare_exchange = true");
+    let row = table.row(second).await;
+    assert_eq!(
+        (row.status.as_str(), row.attempts),
+        ("pending", 0),
+        "handed back unspent: {row:?}"
+    );
+
+    rabbit.restore_exchange("#").await;
+    rabbit.wait_for_delivery(second, LONG).await;
+    table.wait_all_sent(LONG).await;
+    assert_eq!(table.count_where("status = 'failed'").await, 0);
+    finish(running, table, rabbit).await;
+}

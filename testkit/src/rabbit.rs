@@ -270,6 +270,34 @@ impl RabbitFixture {
             });
     }
 
+    /// Deletes the exchange (its bindings go with it), as an operator might by mistake.
+    pub async fn delete_exchange(&self) {
+        self.channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("delete {}: {e}", self.exchange));
+    }
+
+    /// Declares the exchange again (durable topic) and binds the queue to it with `binding`.
+    pub async fn restore_exchange(&self, binding: &str) {
+        self.channel
+            .exchange_declare(
+                self.exchange.as_str().into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..ExchangeDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("declare {}: {e}", self.exchange));
+        self.bind(binding).await;
+    }
+
     /// Messages received so far (barriers excluded).
     pub fn count(&self) -> usize {
         self.received.lock().unwrap().len()

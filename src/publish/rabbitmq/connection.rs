@@ -87,9 +87,21 @@ pub(super) async fn open(cfg: &RabbitMqConfig) -> Result<(Connection, Channel), 
     Ok((connection, channel))
 }
 
-/// Declares the exchange (`declare_exchange`, not the default one) and the development queue
-/// (`declare_queue`) on `channel`.
-pub(super) async fn declare(channel: &Channel, cfg: &RabbitMqConfig) -> Result<(), ConnectError> {
+/// What RabbitMQ says when it closes a channel for publishing to an exchange it lacks.
+const NO_EXCHANGE: &str = "NOT_FOUND - no exchange";
+
+/// Makes sure the exchange is there: declared (`declare_exchange`, not the default one) on
+/// `channel`, or else looked up with a passive declare on a channel of its own (a missing
+/// exchange closes that channel, which is why it is not `channel`). Then the development
+/// queue (`declare_queue`).
+pub(super) async fn declare(
+    connection: &Connection,
+    channel: &Channel,
+    cfg: &RabbitMqConfig,
+) -> Result<(), ConnectError> {
+    if !cfg.declare_exchange && !cfg.exchange.is_empty() {
+        exchange_exists(connection, cfg).await?;
+    }
     if cfg.declare_exchange && !cfg.exchange.is_empty() {
         channel
             .exchange_declare(
@@ -112,6 +124,36 @@ pub(super) async fn declare(channel: &Channel, cfg: &RabbitMqConfig) -> Result<(
     if let Some(queue) = &cfg.declare_queue {
         declare_dev_queue(channel, queue, &cfg.exchange, &cfg.queue_binding).await?;
     }
+    Ok(())
+}
+
+/// A passive declare of the exchange, on a channel opened for it and closed after.
+async fn exchange_exists(
+    connection: &Connection,
+    cfg: &RabbitMqConfig,
+) -> Result<(), ConnectError> {
+    let fail = |e: lapin::Error| {
+        ConnectError(format!(
+            "exchange {:?} cannot be used: {e}; declare it on the broker, or set publisher.rabbitmq.declare_exchange = true",
+            cfg.exchange
+        ))
+    };
+    let channel = connection.create_channel().await.map_err(fail)?;
+    channel
+        .exchange_declare(
+            ShortString::from(cfg.exchange.clone()),
+            exchange_kind(cfg.exchange_type),
+            ExchangeDeclareOptions {
+                passive: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map_err(fail)?;
+    let _ = channel
+        .close(200, ShortString::from("exchange found"))
+        .await;
     Ok(())
 }
 
@@ -208,8 +250,18 @@ impl RabbitMqPublisher {
     /// (hand back, reconnect); if only the channel was closed by the broker, this message
     /// caused it (e.g. larger than the broker accepts), so it is message-level. Only for a
     /// channel that carried nothing but this message.
+    ///
+    /// A missing exchange is no message's fault (every message goes to the one exchange): the
+    /// connection is given up as if lost, so that the next one declares the exchange again
+    /// (`declare_exchange`) or, without it, stays down saying the exchange is missing.
     pub(super) fn channel_failure(&self, live: &Live, reason: &str) -> Outcome {
-        if live.connection.status().connected() {
+        if reason.contains(NO_EXCHANGE) {
+            self.slot.mark_down(live.generation);
+            Outcome::Unavailable(format!(
+                "exchange {:?} does not exist (the broker closed the channel: {reason}); reconnecting",
+                self.cfg.exchange
+            ))
+        } else if live.connection.status().connected() {
             Outcome::Rejected(format!("the broker closed the channel: {reason}"))
         } else {
             self.slot.mark_down(live.generation);

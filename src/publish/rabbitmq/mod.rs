@@ -179,7 +179,7 @@ impl Publisher for RabbitMqPublisher {
     async fn connect(&self) -> Result<(), ConnectError> {
         let open = |generation| async move {
             let (connection, channel) = connection::open(&self.cfg).await?;
-            connection::declare(&channel, &self.cfg).await?;
+            connection::declare(&connection, &channel, &self.cfg).await?;
             Ok::<_, ConnectError>(Live::new(generation, connection, channel))
         };
         self.slot
