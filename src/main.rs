@@ -134,9 +134,12 @@ impl Which {
     }
 }
 
+/// Logs to stderr; `RUST_LOG` when set, else info. lapin is off by default: every error it
+/// meets reaches the relay as an error value, logged with what the relay does about it,
+/// while lapin's own lines ("aborting recovery") would say otherwise.
 fn init_tracing(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("info,lapin=error,rdkafka=warn,tokio_postgres=warn")
+        tracing_subscriber::EnvFilter::new("info,lapin=off,rdkafka=warn,tokio_postgres=warn")
     });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -196,6 +199,7 @@ fn usage_errors(config: &Config, command: &Command) -> anyhow::Result<Option<Str
     // Only the commands that serve the console (or vouch for `run`) need its token.
     if matches!(command, Command::Run | Command::Check) {
         config.console.ready_to_serve()?;
+        outbox_relay::publish::check_settings(config)?;
     }
     let only = match command {
         Command::Migrate { outbox, .. }

@@ -261,10 +261,14 @@ fn describe_figment_error(e: figment::Error) -> String {
             let origin = if from_env && !e.path.is_empty() {
                 // The variable itself, as figment read it (keys are matched in any case).
                 let var = format!("RELAY_{}", e.path.join("__").to_uppercase());
-                format!(
-                    " (from the environment variable {var}: every RELAY_* variable is read as a \
-                     configuration key, RELAY_<SECTION>__<KEY>; rename or unset it)"
-                )
+                if matches!(e.kind, figment::error::Kind::UnknownField(..)) {
+                    format!(
+                        " (from the environment variable {var}: every RELAY_* variable is read as a \
+                         configuration key, RELAY_<SECTION>__<KEY>; rename or unset it)"
+                    )
+                } else {
+                    format!(" (from the environment variable {var})")
+                }
             } else {
                 e.metadata
                     .as_ref()
@@ -515,6 +519,7 @@ pub(super) mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("RELAY_RELAY__BATCH_SIZE"), "{e}");
+        assert!(!e.contains("rename or unset"), "a real key: {e}");
     }
 
     #[test]

@@ -23,24 +23,47 @@ use crate::config::{Config, Ordering, PublisherConfig};
 use crate::message::OutboxMessage;
 use crate::publish::envelope::EnvelopeConfig;
 
+/// How the one Kafka producer that serves every outbox runs: pipelined (ordered) if any outbox
+/// is ordered.
+fn kafka_ordering(config: &Config) -> Ordering {
+    if config
+        .outboxes
+        .iter()
+        .any(|o| o.ordering == Ordering::Aggregate)
+    {
+        Ordering::Aggregate
+    } else {
+        Ordering::None
+    }
+}
+
+/// Settings the sink's client refuses although the configuration parsed, found before
+/// connecting (`run` and `check` exit 2 on them): librdkafka's verdict on
+/// `publisher.kafka.properties` (a property it does not know, a value or combination it
+/// refuses), which no reconnect could change.
+pub fn check_settings(config: &Config) -> Result<(), crate::config::ConfigError> {
+    match &config.publisher {
+        PublisherConfig::Kafka(c) => kafka::KafkaPublisher::check_properties(
+            c,
+            kafka_ordering(config) == Ordering::Aggregate,
+        )
+        .map_err(|reason| crate::config::ConfigError::Invalid {
+            key: "publisher.kafka.properties".into(),
+            reason,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Builds the configured publisher (not yet connected). One publisher serves every outbox:
 /// each publish names its outbox's envelope.
 pub fn build(config: &Config) -> Arc<dyn Publisher> {
     match &config.publisher {
         PublisherConfig::RabbitMq(c) => Arc::new(rabbitmq::RabbitMqPublisher::new(c.clone())),
-        PublisherConfig::Kafka(c) => {
-            // One producer serves every outbox: pipelined (ordered) if any outbox is.
-            let ordering = if config
-                .outboxes
-                .iter()
-                .any(|o| o.ordering == Ordering::Aggregate)
-            {
-                Ordering::Aggregate
-            } else {
-                Ordering::None
-            };
-            Arc::new(kafka::KafkaPublisher::for_ordering(c.clone(), ordering))
-        }
+        PublisherConfig::Kafka(c) => Arc::new(kafka::KafkaPublisher::for_ordering(
+            c.clone(),
+            kafka_ordering(config),
+        )),
         PublisherConfig::Stdout => Arc::new(stdout::StdoutPublisher::new()),
         PublisherConfig::Nats(c) => {
             let audit = nats_window_audit(config, c);

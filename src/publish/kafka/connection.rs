@@ -57,7 +57,11 @@ impl ClientContext for Context {
             L::Emerg | L::Alert | L::Critical | L::Error if fac != "FAIL" => {
                 tracing::error!(target: "rdkafka", facility = fac, "{message}")
             }
-            L::Warning => tracing::warn!(target: "rdkafka", facility = fac, "{message}"),
+            // The relay sets the gapless guarantee itself: librdkafka's note that it is
+            // experimental is not the operator's to act on.
+            L::Warning if !is_own_setting_note(fac, message) => {
+                tracing::warn!(target: "rdkafka", facility = fac, "{message}")
+            }
             _ => tracing::debug!(target: "rdkafka", facility = fac, "{message}"),
         }
     }
@@ -147,6 +151,41 @@ pub(super) fn is_secret(key: &str) -> bool {
         || k.contains("jaas")
 }
 
+/// librdkafka's configuration warning about a setting the relay makes itself.
+fn is_own_setting_note(facility: &str, message: &str) -> bool {
+    facility == "CONFWARN" && message.contains("enable.gapless.guarantee")
+}
+
+/// A client context that logs nothing above debug: for the client that
+/// [`KafkaPublisher::check_properties`] creates only to hear librdkafka's verdict.
+struct Quiet;
+
+impl ClientContext for Quiet {
+    fn log(&self, _: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        tracing::debug!(target: "rdkafka", facility = fac, "{message}");
+    }
+}
+
+impl rdkafka::producer::ProducerContext for Quiet {
+    type DeliveryOpaque = ();
+
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, (): ()) {}
+}
+
+/// `text` with the value of every secret property in `properties` shown as `***`:
+/// librdkafka quotes a property's name and value in its configuration errors.
+pub(super) fn without_secrets(
+    text: &str,
+    properties: &std::collections::BTreeMap<String, String>,
+) -> String {
+    properties
+        .iter()
+        .filter(|(k, v)| is_secret(k) && !v.is_empty())
+        .fold(text.to_owned(), |text, (_, v)| {
+            text.replace(v.as_str(), "***")
+        })
+}
+
 impl KafkaPublisher {
     /// The librdkafka configuration: our required settings, then the user's properties, then
     /// (with `ordered`) what pipelined runs need.
@@ -181,6 +220,16 @@ impl KafkaPublisher {
         c
     }
 
+    /// Whether librdkafka takes `cfg` as the relay applies it (`ordered`: as the pipelined
+    /// producer): `Err` is its complaint, secret values shown as `***`. Creating the client
+    /// connects nothing until it is used; it is dropped at once.
+    pub fn check_properties(cfg: &KafkaConfig, ordered: bool) -> Result<(), String> {
+        Self::client_config(cfg, ordered)
+            .create_with_context::<_, rdkafka::producer::BaseProducer<Quiet>>(Quiet)
+            .map(drop)
+            .map_err(|e| without_secrets(&e.to_string(), &cfg.properties))
+    }
+
     /// A new producer of `generation` (it replaces the one in use, if any).
     pub(super) fn create_producer(&self, generation: u64) -> Result<Current, ConnectError> {
         let ctx = Context {
@@ -191,7 +240,12 @@ impl KafkaPublisher {
         };
         let producer: FutureProducer<Context> = Self::client_config(&self.cfg, self.ordered)
             .create_with_context(ctx)
-            .map_err(|e| ConnectError(format!("cannot create the Kafka producer: {e}")))?;
+            .map_err(|e| {
+                ConnectError(format!(
+                    "cannot create the Kafka producer: {}",
+                    without_secrets(&e.to_string(), &self.cfg.properties)
+                ))
+            })?;
         Ok(Current {
             producer,
             generation,
@@ -220,9 +274,12 @@ impl KafkaPublisher {
             generation: 0,
             current: Arc::new(AtomicU64::new(0)),
         };
-        let p: FutureProducer<Context> = config
-            .create_with_context(ctx)
-            .map_err(|e| format!("cannot create the Kafka solo producer: {e}"))?;
+        let p: FutureProducer<Context> = config.create_with_context(ctx).map_err(|e| {
+            format!(
+                "cannot create the Kafka solo producer: {}",
+                without_secrets(&e.to_string(), &self.cfg.properties)
+            )
+        })?;
         *solo = Some(p.clone());
         Ok(p)
     }
@@ -274,5 +331,17 @@ mod tests {
         assert!(is_secret("sasl.oauthbearer.client.secret"));
         assert!(is_secret("ssl.key.pem"));
         assert!(!is_secret("compression.type"));
+        let properties = [
+            ("sasl.jaas.config".to_owned(), "JAASSECRET".to_owned()),
+            ("linger.ms".to_owned(), "5".to_owned()),
+        ]
+        .into();
+        assert_eq!(
+            without_secrets(
+                "Java JAAS configuration is not supported: sasl.jaas.config JAASSECRET (linger.ms 5)",
+                &properties
+            ),
+            "Java JAAS configuration is not supported: sasl.jaas.config *** (linger.ms 5)"
+        );
     }
 }

@@ -64,8 +64,13 @@ use crate::message::OutboxMessage;
 pub const ORDERED_LINGER_MS: &str = "1";
 
 /// librdkafka properties an ordered producer sets itself (module docs), whatever
-/// `publisher.kafka.properties` says: the message timeout and its alias.
-const ORDERED_OVERRIDES: &[&str] = &["message.timeout.ms", "delivery.timeout.ms"];
+/// `publisher.kafka.properties` says: the message timeout and its alias, and the gapless
+/// guarantee.
+const ORDERED_OVERRIDES: &[&str] = &[
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+    "enable.gapless.guarantee",
+];
 
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
