@@ -618,6 +618,23 @@ async fn dead_letters_are_counted_shown_and_retried_in_order(db: Db) {
     )
     .await;
 
+    // All or nothing: with an id that is no dead letter (unknown, or the pending row behind
+    // it) beside it, neither command changes anything and both name that id.
+    for verb in ["retry", "discard"] {
+        for other in [Uuid::new_v4(), behind] {
+            let (dead, other) = (dead.to_string(), other.to_string());
+            let args = ["dead-letters", verb, "--id", &dead, "--id", &other];
+            let out = outbox.operator().output(&args, WAIT).await;
+            assert_eq!(out.status.code(), Some(1), "{verb}: {out:?}");
+            assert!(
+                out.stderr.contains("nothing was changed") && out.stderr.contains(&other),
+                "{verb}: {}",
+                out.stderr
+            );
+        }
+    }
+    assert_eq!(outbox.row(dead).await.status, "failed");
+
     // Routable now: the dead letter is retried, then the row behind it goes out.
     rabbit.bind("nowhere.#").await;
     let retry = outbox

@@ -9,7 +9,9 @@ use uuid::Uuid;
 use super::claim::column;
 use super::{MysqlStore, Result, id_list, parse_id, utc};
 use crate::config::{Ordering, TableName};
-use crate::store::{Backlog, DeadLetter, HEAD_REACH, Selection, StatusCounts, StatusReport};
+use crate::store::{
+    Backlog, DeadLetter, HEAD_REACH, Selection, StatusCounts, StatusReport, StoreError,
+};
 
 /// The open statuses: rows that hold back the later rows of their aggregate.
 const OPEN: &str = "('pending', 'processing', 'failed')";
@@ -218,7 +220,8 @@ impl MysqlStore {
     }
 
     /// Runs `action` (`{t}` standing for the table) on the selected dead letters in one
-    /// transaction; the ids it applied to.
+    /// transaction; the ids it applied to. When any given id is not a dead letter, nothing
+    /// is changed ([`StoreError::NotDeadLetters`] names them).
     async fn apply_dead(&self, action: &str, sel: &Selection) -> Result<Vec<Uuid>> {
         let t = &self.q.operator.t;
         let which = match sel {
@@ -237,6 +240,17 @@ impl MysqlStore {
             .iter()
             .map(|id| parse_id(id))
             .collect::<Result<Vec<_>>>()?;
+        if let Selection::Ids(given) = sel {
+            let missing: Vec<Uuid> = given
+                .iter()
+                .filter(|id| !ids.contains(id))
+                .copied()
+                .collect();
+            if !missing.is_empty() {
+                tx.rollback().await?;
+                return Err(StoreError::NotDeadLetters(missing));
+            }
+        }
         if !ids.is_empty() {
             tx.query_drop(format!(
                 "{} WHERE status = 'failed' AND id IN ({})",
