@@ -156,6 +156,9 @@ pub async fn run_with(
     // What the publisher says before any connect: a sink without a broker (stdout) is up from
     // the start, whatever the databases do meanwhile.
     health.set_broker(publisher.is_connected());
+    if publisher.is_connected() {
+        telemetry::record_broker_connected();
+    }
     tracing::info!(
         instance = %config.relay.instance_id,
         outboxes = config.outboxes.len(),

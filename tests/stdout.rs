@@ -114,7 +114,8 @@ async fn stdout_sink_sends_bytea_payloads_as_data_base64() {
 }
 
 /// With no broker to reach, `/readyz` reports the broker up from the start, even while the
-/// database is unreachable (only the database is down).
+/// database is unreachable (only the database is down), and so does `outbox_broker_connected`
+/// (which `OutboxBrokerDown` watches).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stdout_sink_is_ready_as_a_broker_while_the_database_is_down() {
     let port = common::free_port();
@@ -139,6 +140,15 @@ async fn stdout_sink_is_ready_as_a_broker_while_the_database_is_down() {
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("database: down"), "{body}");
     assert!(body.contains("broker: up"), "{body}");
+    let connected = common::wait_for_sample(
+        port,
+        Duration::from_secs(30),
+        "outbox_broker_connected",
+        &[],
+        |v| v == 1.0,
+    )
+    .await;
+    assert_eq!(connected, 1.0);
     relay.sigterm();
     let status = relay.wait_exit(Duration::from_secs(20)).await;
     assert!(status.success(), "exit {status}\n{}", relay.stderr());
