@@ -51,6 +51,7 @@ on_both_databases!(
     rows_waiting_for_an_unreachable_broker_show_in_the_backlog_gauges,
     the_ready_age_counts_only_rows_a_claim_would_take_now,
     a_row_past_its_deadline_is_expired_unpublished_and_frees_its_aggregate,
+    a_row_left_processing_without_a_lock_time_is_reclaimed_in_order,
     the_documented_roles_are_enough_for_the_application_and_the_relay,
     a_second_relay_with_the_same_instance_id_refuses_to_start,
     a_relay_that_lost_its_instance_lock_stops_claiming_until_it_takes_it_again,
@@ -779,6 +780,38 @@ async fn the_ready_age_counts_only_rows_a_claim_would_take_now(db: Db) {
     let ordered = backlog(Ordering::Aggregate).await;
     assert!((ordered.oldest_ready_age - 20.0).abs() < 5.0, "{ordered:?}");
     outbox.drop_table().await;
+}
+
+/// A row written `processing` by hand, without `locked_at` (no relay leaves one so), counts
+/// as a lease run out: it is reclaimed, published, and the row of its aggregate behind it
+/// follows in order instead of waiting for ever.
+async fn a_row_left_processing_without_a_lock_time_is_reclaimed_in_order(db: Db) {
+    let test = format!("{}_no_lock_time", db.tag());
+    let (outbox, rabbit) = outbox_and_exchange(db, &test, "#").await;
+    insert_state(&outbox, "orphan", "processing", 60.0, -60.0).await;
+    let behind = outbox
+        .insert_one(NewRow::order(Some("orphan"), "behind"))
+        .await;
+    let relay = relay(&outbox, &rabbit, &test.replace('_', "-"))
+        .set("relay.lease_timeout", "1s")
+        .spawn();
+    outbox.wait_all_sent(WAIT).await;
+    let rows = outbox.rows().await;
+    let orphan = rows
+        .iter()
+        .find(|r| r.id != behind)
+        .expect("the orphan row");
+    assert_eq!(
+        (orphan.status.as_str(), orphan.attempts),
+        ("sent", 1),
+        "{orphan:?}"
+    );
+    rabbit.wait_for_ids(&[orphan.id, behind], WAIT).await;
+    assert_eq!(
+        rabbit.arrival_order(&[orphan.id, behind]),
+        [orphan.id, behind]
+    );
+    finish(relay, outbox, rabbit).await;
 }
 
 // ---- expiry -----------------------------------------------------------------------------------

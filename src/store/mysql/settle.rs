@@ -55,7 +55,8 @@ impl SettleSql {
             ),
             expired_leases: format!(
                 "SELECT seq, attempts FROM {t} WHERE status = 'processing' \
-                 AND locked_at < NOW(6) - INTERVAL ? MICROSECOND FOR UPDATE SKIP LOCKED"
+                 AND (locked_at IS NULL OR locked_at < NOW(6) - INTERVAL ? MICROSECOND) \
+                 FOR UPDATE SKIP LOCKED"
             ),
             t,
         }

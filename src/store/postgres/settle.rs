@@ -139,14 +139,16 @@ fn heartbeat(t: &str) -> String {
 
 /// Rows whose lease ran out (their relay stopped): back to `pending` as suspects
 /// ([`SUSPECT`], claimed one at a time), or `failed` when out of attempts; the claim already
-/// spent their attempt. `$1` lease (ms), `$2` max attempts.
+/// spent their attempt. A `processing` row without `locked_at` (written so by hand: no relay
+/// leaves one) counts as expired. `$1` lease (ms), `$2` max attempts.
 fn reclaim(t: &str) -> String {
     format!(
         "UPDATE {t} SET \
            status = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
            last_error = '{SUSPECT} relay ' || coalesce(locked_by, '?') || ' stopped while holding the row', \
            available_at = now(), locked_by = NULL, locked_at = NULL \
-         WHERE status = 'processing' AND locked_at < now() - $1::bigint * interval '1 millisecond' \
+         WHERE status = 'processing' \
+           AND (locked_at IS NULL OR locked_at < now() - $1::bigint * interval '1 millisecond') \
          RETURNING id, status"
     )
 }
