@@ -407,7 +407,7 @@ pub async fn status(config: &Config, json: bool, only: Option<&str>) -> Result<(
         let report = match status_of(&t).await {
             Ok(report) => report,
             Err(e) => {
-                unread.push(format!("{e:#}"));
+                unread.push(outbox_relay::error_chain(e.as_ref()));
                 continue;
             }
         };

@@ -303,9 +303,16 @@ async fn run_outboxes(
 /// generic message, so a store error spells its causes out; the binary prints its last error
 /// this way).
 pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
+    let mut root = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
+        root = s.to_string();
+        source = s.source();
+    }
+    let mut out = e.to_string();
+    let mut source = e.source();
+    // Once the innermost cause is said, the causes left only say it again in other words.
+    while let Some(s) = source.filter(|_| !out.contains(&root)) {
         let text = s.to_string();
         if !out.contains(&text) {
             out.push_str(": ");
@@ -313,7 +320,19 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         }
         source = s.source();
     }
-    out
+    without_repeats(&out)
+}
+
+/// `text` with a `: `-separated part that repeats the one before it left out (drivers wrap
+/// an error in one of the same words: "Input/output error: Input/output error: …").
+fn without_repeats(text: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for part in text.split(": ") {
+        if parts.last() != Some(&part) {
+            parts.push(part);
+        }
+    }
+    parts.join(": ")
 }
 
 #[cfg(test)]
@@ -330,6 +349,23 @@ mod tests {
         );
         let e = anyhow::anyhow!("bad row").context("relay stopped");
         assert_eq!(super::error_chain(e.as_ref()), "relay stopped: bad row");
+        // A pool's error wrapping the driver's, each spelling out the same root in other
+        // words, and a driver that wraps an error in one of the same words: the root once.
+        let root = std::io::Error::other("Connection refused (os error 111)");
+        let e = anyhow::Error::new(root)
+            .context("error connecting to server: error connecting to server: Connection refused (os error 111)")
+            .context("cannot get a database connection: error connecting to server: Connection refused (os error 111)")
+            .context("cannot read t");
+        assert_eq!(
+            super::error_chain(e.as_ref()),
+            "cannot read t: cannot get a database connection: error connecting to server: Connection refused (os error 111)"
+        );
+        let e = anyhow::anyhow!("Input/output error: Input/output error: Connection refused")
+            .context("cannot read t");
+        assert_eq!(
+            super::error_chain(e.as_ref()),
+            "cannot read t: Input/output error: Connection refused"
+        );
     }
 
     /// The `.rs` files under `dir` (relative to the crate root), with their text.

@@ -411,6 +411,13 @@ impl Health {
         self.broker.store(up, Ordering::Relaxed);
     }
 
+    /// Whether some outbox's database did not answer at last contact (rather than answering
+    /// while its outbox cannot start).
+    pub fn database_unreachable(&self) -> bool {
+        let dbs = self.databases.lock().unwrap_or_else(|p| p.into_inner());
+        dbs.iter().any(|d| !d.up && d.problem.is_none())
+    }
+
     /// The outboxes whose database did not answer at last contact, or that cannot start
     /// (`<name>: <why>`); none before the first outbox is registered.
     pub fn databases_down(&self) -> Vec<String> {
@@ -539,8 +546,11 @@ async fn ready_handler(State(s): State<ServerState>) -> (StatusCode, String) {
             "up".to_owned()
         } else if down.is_empty() {
             "down".to_owned()
-        } else {
+        } else if s.health.database_unreachable() {
             format!("down ({})", down.join(", "))
+        } else {
+            // Every database answers; some outbox cannot start (its table missing, say).
+            format!("up, not ready ({})", down.join(", "))
         },
         if broker { "up" } else { "down" }
     );

@@ -294,6 +294,10 @@ async fn one_outboxs_database_down_or_table_missing_does_not_stall_the_others() 
         )
         .await;
     assert_eq!(code, 503, "{body}");
+    assert!(
+        body.starts_with(&format!("database: up, not ready ({why}")),
+        "every database answers: {body}"
+    );
     // Each table holds only the rows this test inserts: "every row is sent" is about them.
     let first = [
         up.insert_ids(&rows(5, "up")).await,
