@@ -183,8 +183,9 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
 
 /// Without `auto_migrate`, `check` names the schema versions a table lacks by the version
 /// `migrate` recorded (here version 5, on a table an earlier release migrated) and says to
-/// run `migrate`, and `run` warns the same; of a table whose DDL was applied by hand nothing
-/// is recorded, and neither says anything of versions.
+/// run `migrate`, and `run` warns the same; once the record is gone (as for DDL applied by
+/// hand) the table's catalog shows it at the newest version, and neither says anything of
+/// versions.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
     let (name, db) = (format!("it_mig_{}", hex8()), pg_connect().await);
@@ -264,9 +265,10 @@ async fn run_refuses_a_table_without_expires_at_and_migrate_fixes_it() {
     // Refused at once, not retried as if the database were down.
     assert!(!out.stderr.contains("retrying"), "{}", out.stderr);
 
-    // Doing as told: `migrate` applies every file (they are idempotent), and `run` starts.
+    // Doing as told: `migrate` applies what the table lacks (its catalog shows version 1),
+    // and `run` starts.
     let applied = migrate_table(&table.name).await;
-    assert_eq!(applied.first(), Some(&1), "{applied:?}");
+    assert_eq!(applied.first(), Some(&2), "{applied:?}");
     let relay = RelayBuilder::operator(&table.name)
         .set("metrics.listen", "")
         .set("publisher.kind", "stdout")
@@ -274,5 +276,45 @@ async fn run_refuses_a_table_without_expires_at_and_migrate_fixes_it() {
     relay.wait_for_log("relaying outbox", 1, WAIT).await;
     table.wait_all_sent(WAIT).await;
     relay.stop().await;
+    table.drop_table().await;
+}
+
+/// What exists decides, not the record: a table re-created from the version-1 file while the
+/// version table still says 5 gets versions 2 to 5 again (`check` says to run `migrate`
+/// first, which then does); a table at the newest version with no record under the spelling in use
+/// (`public.<name>`) gets nothing, so version 1's plain index build never runs on a table
+/// full of rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_goes_by_what_the_table_has_not_by_the_record() {
+    let newest = MIGRATIONS.last().map(|m| m.version).unwrap();
+    let table = version_1_table(false).await;
+    let stale = "INSERT INTO outbox_relay_schema_version (table_name, version) VALUES ($1, $2)";
+    table
+        .db
+        .execute(stale, &[&table.name, &newest])
+        .await
+        .unwrap();
+    let out = run_cli(&table, &["check"]).await;
+    assert!(
+        out.stdout.contains(
+            "predates schema version 2 (no expires_at column): run `outbox-relay migrate`"
+        ),
+        "{out:?}"
+    );
+    assert_eq!(migrate_table(&table.name).await, [2, 3, 4, 5]);
+    assert_eq!(index_valid(&table, "_open_idx").await, Some(true));
+    assert_eq!(index_valid(&table, "_aggregate_idx").await, None);
+
+    let qualified = format!("public.{}", table.name);
+    let out = RelayBuilder::operator(&qualified)
+        .output(&["migrate"], WAIT)
+        .await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(out.stdout.contains("is up to date"), "{out:?}");
+    assert_eq!(
+        index_valid(&table, "_aggregate_idx").await,
+        None,
+        "version 1 was not applied again"
+    );
     table.drop_table().await;
 }

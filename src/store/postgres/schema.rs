@@ -83,8 +83,8 @@ pub struct SchemaState {
     pub table_exists: bool,
     /// Versions `migrate` would apply, in order (every one when the table does not exist).
     pub pending: Vec<i32>,
-    /// `migrate` recorded a version for the table (not so for DDL applied by hand, whose
-    /// version nothing records).
+    /// The table's version is known: read from its catalog (PostgreSQL) or recorded by
+    /// `migrate` (not so on MySQL for DDL applied by hand).
     pub recorded: bool,
 }
 
@@ -144,8 +144,8 @@ struct Current {
     version: i32,
 }
 
-/// The version the table is at: the recorded one, or 0 when the table does not exist (so
-/// that a dropped table is created again) or nothing was recorded.
+/// The version the table is at: 0 when it does not exist (so that a dropped table is created
+/// again), else what its catalog shows, or the recorded version when that is lower.
 async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
     client: &C,
     table: &TableName,
@@ -159,21 +159,70 @@ async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
         )
         .await?;
     let (table_exists, recorded): (bool, bool) = (row.get(0), row.get(1));
-    let version = if table_exists && recorded {
+    if !table_exists {
+        return Ok(Current {
+            table_exists,
+            version: 0,
+        });
+    }
+    let recorded = if recorded {
         client
             .query_opt(
                 "SELECT version FROM outbox_relay_schema_version WHERE table_name = $1",
                 &[&key],
             )
             .await?
-            .map_or(0, |r| r.get(0))
+            .map(|r| r.try_get::<_, i32>(0))
+            .transpose()?
     } else {
-        0
+        None
     };
+    let found = found_version(client, table).await?;
+    // What exists decides: a record names the version `migrate` finished (lower than what
+    // the catalog shows after an interrupted run, whose version is applied again), but a
+    // table re-created from older DDL, or recorded under another spelling of its name (or
+    // none), is at the version its catalog shows.
     Ok(Current {
         table_exists,
-        version,
+        version: recorded.map_or(found, |r| r.min(found)),
     })
+}
+
+/// The newest schema version whose marks the table's catalog shows, each version's on top of
+/// the one before: 2 its `expires_at` column, 3 its waiters table, 4 a wake-up trigger with a
+/// `WHEN` condition, 5 `fillfactor = 50` on the table (or, partitioned, on a partition).
+async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
+    client: &C,
+    table: &TableName,
+) -> Result<i32> {
+    let row = client
+        .query_one(
+            "SELECT \
+               EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                         AND attname = 'expires_at' AND NOT attisdropped), \
+               to_regclass($2) IS NOT NULL, \
+               EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) \
+                         AND tgname = $3 AND tgqual IS NOT NULL), \
+               EXISTS (SELECT 1 FROM pg_class c \
+                        WHERE (c.oid = to_regclass($1) \
+                               OR c.oid IN (SELECT inhrelid FROM pg_inherits \
+                                             WHERE inhparent = to_regclass($1))) \
+                          AND c.reloptions @> ARRAY['fillfactor=50'])",
+            &[
+                &table.qualified(),
+                &table.prefixed("_waiters"),
+                &format!("{}_wakeup", table.name),
+            ],
+        )
+        .await?;
+    let mut version = 1;
+    for mark in 0..4 {
+        if !row.try_get::<_, bool>(mark)? {
+            break;
+        }
+        version += 1;
+    }
+    Ok(version)
 }
 
 /// The oldest transactions of the database that hold a snapshot (what a concurrent index
@@ -617,8 +666,8 @@ pub struct SchemaPlan {
     /// Schema versions start-up applies (empty without `auto_migrate`).
     pub apply: Vec<i32>,
     /// Schema versions the table lacks, by the version `migrate` recorded, that start-up
-    /// leaves to `migrate` (without `auto_migrate`): `check` and `run` say so. Empty for a
-    /// table whose DDL was applied by hand (nothing recorded).
+    /// leaves to `migrate` (without `auto_migrate`): `check` and `run` say so. Empty when the
+    /// table's version is not known (MySQL DDL applied by hand).
     pub behind: Vec<i32>,
     /// Start-up partitions the plain table (`auto_migrate` and `partition_interval` set).
     pub partition: bool,
