@@ -5,7 +5,7 @@ use chrono::SecondsFormat;
 use serde_json::Value;
 
 use crate::config::{Config, OutboxConfig};
-use crate::message::{OutboxMessage, PayloadKind, TRACEPARENT};
+use crate::message::{OutboxMessage, PayloadKind, TRACEPARENT, TRACESTATE};
 use crate::template::{Fields, Template};
 
 /// One outbox's settings for its messages on the wire: what the envelope needs besides the
@@ -86,13 +86,30 @@ pub fn cloud_event_attributes<'a>(
 
 /// The row's `headers` as `(name, value)` strings: strings as they are, other values as their
 /// JSON text, `null` omitted; with the message's `traceparent` (tracing on) in place of the
-/// row's, under any spelling. A `headers` value that is not an object yields no headers and a
-/// note saying so (never an error); JSON `null` counts as no headers.
+/// row's, under any spelling, and the row's `tracestate` under its W3C name (the one the
+/// context was read with: spelled exactly, else the last other spelling). A `headers` value
+/// that is not an object yields no headers and a note saying so (never an error); JSON `null`
+/// counts as no headers.
 pub fn row_headers(msg: &OutboxMessage) -> (Vec<(String, String)>, Option<String>) {
     let (mut headers, note) = parse_row_headers(&msg.headers);
     if let Some(traceparent) = &msg.traceparent {
         headers.retain(|(name, _)| !name.eq_ignore_ascii_case(TRACEPARENT));
         headers.push((TRACEPARENT.to_owned(), traceparent.clone()));
+        let states = || {
+            headers
+                .iter()
+                .enumerate()
+                .filter(|(_, (name, _))| name.eq_ignore_ascii_case(TRACESTATE))
+        };
+        let chosen = states()
+            .find(|(_, (name, _))| name == TRACESTATE)
+            .or_else(|| states().next_back())
+            .map(|(at, _)| at);
+        if let Some(chosen) = chosen {
+            let (_, state) = headers.swap_remove(chosen);
+            headers.retain(|(name, _)| !name.eq_ignore_ascii_case(TRACESTATE));
+            headers.push((TRACESTATE.to_owned(), state));
+        }
     }
     (headers, note)
 }
@@ -320,6 +337,33 @@ pub(crate) mod tests {
         assert!(is_attribute_header("cloudEvents:subject", "cloudEvents:"));
         assert!(!is_attribute_header("cloudEvents:", "cloudEvents:"));
         assert!(!is_attribute_header("ce", "ce_"));
+    }
+
+    #[test]
+    fn the_rows_tracestate_goes_under_its_w3c_name_with_tracing_on() {
+        let mut msg = message(r#"{"TRACESTATE":"v=1","a":"b"}"#);
+        msg.traceparent = Some("00-ours".into());
+        let (mut headers, _) = row_headers(&msg);
+        headers.sort();
+        let want = [
+            ("a", "b"),
+            ("traceparent", "00-ours"),
+            ("tracestate", "v=1"),
+        ];
+        assert_eq!(headers, want.map(|(k, v)| (k.to_owned(), v.to_owned())));
+        // The exact spelling wins, as when the context was read; the others go.
+        let mut msg = message(r#"{"TraceState":"x=1","tracestate":"v=2"}"#);
+        msg.traceparent = Some("00-ours".into());
+        let (mut headers, _) = row_headers(&msg);
+        headers.sort();
+        let want = [("traceparent", "00-ours"), ("tracestate", "v=2")];
+        assert_eq!(headers, want.map(|(k, v)| (k.to_owned(), v.to_owned())));
+        // Tracing off: the row's headers as written.
+        let msg = message(r#"{"TRACESTATE":"v=1"}"#);
+        assert_eq!(
+            row_headers(&msg).0,
+            [("TRACESTATE".to_owned(), "v=1".to_owned())]
+        );
     }
 
     #[test]
