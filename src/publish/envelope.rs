@@ -57,7 +57,7 @@ pub fn signature(msg: &OutboxMessage, cfg: &EnvelopeConfig, route: &str) -> Opti
         id: &id,
         source: &cfg.source,
         event_type: &msg.event_type,
-        subject: msg.aggregate_id.as_deref(),
+        subject: subject(msg),
         route,
         time: &time,
         content_type: cfg.payload_kind.content_type(),
@@ -78,10 +78,16 @@ pub fn cloud_event_attributes<'a>(
         ("time", time(msg)),
         ("aggregatetype", msg.aggregate_type.clone()),
     ];
-    if let Some(subject) = &msg.aggregate_id {
-        attrs.push(("subject", subject.clone()));
+    if let Some(subject) = subject(msg) {
+        attrs.push(("subject", subject.to_owned()));
     }
     attrs
+}
+
+/// The CloudEvents `subject`: the aggregate id, none when it is NULL or empty (CloudEvents:
+/// a `subject` that is present is not empty).
+pub fn subject(msg: &OutboxMessage) -> Option<&str> {
+    msg.aggregate_id.as_deref().filter(|s| !s.is_empty())
 }
 
 /// The row's `headers` as `(name, value)` strings: strings as they are, other values as their
@@ -417,13 +423,16 @@ pub(crate) mod tests {
         assert_eq!(get("subject"), Some("42"));
         assert_eq!(get("aggregatetype"), Some("order"));
         assert_eq!(get("time"), Some("2026-01-02T03:04:05.000000Z"));
-        let mut m = m;
-        m.aggregate_id = None;
-        assert!(
-            cloud_event_attributes(&m, &cfg)
-                .iter()
-                .all(|(k, _)| *k != "subject")
-        );
+        // No subject for a NULL or an empty aggregate id (a present subject is not empty).
+        for none in [None, Some(String::new())] {
+            let mut m = m.clone();
+            m.aggregate_id = none;
+            assert!(
+                cloud_event_attributes(&m, &cfg)
+                    .iter()
+                    .all(|(k, _)| *k != "subject")
+            );
+        }
     }
 
     #[test]

@@ -117,8 +117,8 @@ pub fn fields(
     out.push(("source", env.source.clone().into_bytes()));
     out.push(("specversion", b"1.0".to_vec()));
     out.push(("type", msg.event_type.clone().into_bytes()));
-    if let Some(subject) = &msg.aggregate_id {
-        out.push(("subject", subject.clone().into_bytes()));
+    if let Some(subject) = envelope::subject(msg) {
+        out.push(("subject", subject.as_bytes().to_vec()));
     }
     out.push(("time", envelope::time(msg).into_bytes()));
     out.push((
