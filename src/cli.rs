@@ -756,6 +756,13 @@ pub fn tail_source(
             "tail reads a RabbitMQ queue or NATS subjects; with publisher.kind = \"http\" watch the requests at the endpoint (docs/http.md shows a one-line endpoint that prints every request)"
         );
     }
+    if let PublisherConfig::Kafka(k) = &config.publisher {
+        bail!(
+            "tail reads a RabbitMQ queue or NATS subjects; with publisher.kind = \"kafka\" watch the topic with a Kafka consumer, e.g. `kcat -C -b {} -t <topic> -f '%k %h: %s\\n'` (topics from {:?}; see docs/configuration.md#kafka)",
+            outbox_relay::redact::redact_url(&k.brokers),
+            k.topic.as_str()
+        );
+    }
     let PublisherConfig::RabbitMq(q) = &config.publisher else {
         bail!("tail reads a RabbitMQ queue or NATS subjects, but publisher.kind is {kind:?}");
     };

@@ -272,6 +272,11 @@ async fn tail_usage_errors_are_exit_2() {
         ("redis", &[][..], "redis-cli"),
         ("http", &[][..], "watch the requests at the endpoint"),
         (
+            "kafka",
+            &[][..],
+            "watch the topic with a Kafka consumer, e.g. `kcat -C",
+        ),
+        (
             "stdout",
             &[][..],
             "tail reads a RabbitMQ queue or NATS subjects",

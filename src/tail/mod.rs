@@ -79,29 +79,69 @@ pub struct Shown<'a> {
 }
 
 /// One message as `tail` prints it: where it came from, its id and type, every header and
-/// the body (as text when it is UTF-8).
+/// the body (as text when it is UTF-8). Control characters are printed escaped (`\u{1b}`), so
+/// that what a row carries can neither break the layout nor reach the terminal as a command;
+/// the body keeps its line breaks and tabs.
 pub fn describe(n: u64, m: &Shown<'_>) -> String {
-    let text = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".to_owned());
+    let text = |v: &Option<String>| printable(v.as_deref().unwrap_or("-"), "");
     let mut out = format!(
         "message {n}: {}\n  id: {}\n  type: {}\n  content_type: {}\n",
-        m.origin,
+        printable(&m.origin, ""),
         text(&m.id),
         text(&m.kind),
         text(&m.content_type),
     );
     for (k, v) in &m.headers {
-        out.push_str(&format!("  header {k}: {v}\n"));
+        out.push_str(&format!(
+            "  header {}: {}\n",
+            printable(k, ""),
+            printable(v, "")
+        ));
     }
     match std::str::from_utf8(m.body) {
-        Ok(s) => out.push_str(&format!("  body: {s}")),
+        Ok(s) => out.push_str(&format!("  body: {}", printable(s, "\n\t"))),
         Err(_) => out.push_str(&format!("  body: ({} bytes, not UTF-8)", m.body.len())),
     }
     out
 }
 
+/// `text` with its control characters escaped, but those in `keep`.
+fn printable(text: &str, keep: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && !keep.contains(c) {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn control_characters_are_printed_escaped() {
+        let m = Shown {
+            origin: "queue \"q\"".into(),
+            id: Some("id\u{1b}[2J".into()),
+            headers: vec![("ctl".into(), "a\u{1}b\nline2".into())],
+            body: b"{\"a\":\n\t1}\x1b[31m",
+            ..Shown::default()
+        };
+        let shown = describe(1, &m);
+        assert!(shown.contains("  id: id\\u{1b}[2J\n"), "{shown}");
+        assert!(
+            shown.contains("  header ctl: a\\u{1}b\\nline2\n"),
+            "{shown}"
+        );
+        assert!(
+            shown.ends_with("  body: {\"a\":\n\t1}\\u{1b}[31m"),
+            "{shown}"
+        );
+    }
 
     #[test]
     fn describe_shows_origin_id_type_headers_and_body() {
