@@ -161,6 +161,24 @@ async fn migrate_check_and_bad_configuration_on_mysql() {
         "{}",
         reserved.stderr
     );
+    // `check` makes start-up's decision: with auto_migrate, a table start-up could not
+    // create (a reserved name, a database that does not exist) fails, naming why.
+    for (name, says) in [
+        ("order", "pick another name for database.table"),
+        (
+            "no_such_db.my_ops",
+            "database no_such_db (of database.table no_such_db.my_ops) does not exist",
+        ),
+    ] {
+        let out = op()
+            .set("database.table", name)
+            .set("database.auto_migrate", "true")
+            .set("publisher.kind", "stdout")
+            .output(&["check"], WAIT)
+            .await;
+        assert_eq!(out.status.code(), Some(1), "{name}: {out:?}");
+        assert!(out.stdout.contains(says), "{name}: {}", out.stdout);
+    }
     // A table that is not an outbox is named column by column.
     let mut conn = mysql_conn().await;
     let foreign = format!("{}_foreign", table.name);

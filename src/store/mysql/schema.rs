@@ -263,9 +263,56 @@ impl MysqlStore {
 
     /// Decides what start-up does about the schema; an error when `run` could not start.
     pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
-        self.schema_state()
+        let plan = self
+            .schema_state()
             .await?
-            .plan(&self.table, auto_migrate, false)
+            .plan(&self.table, auto_migrate, false)?;
+        if !plan.table_exists {
+            self.can_create().await?;
+        }
+        Ok(plan)
+    }
+
+    /// Whether start-up could create the table: its database exists, and the server parses
+    /// the `CREATE TABLE` that names it (prepared, never run: a name MySQL reserves fails
+    /// here rather than at start).
+    async fn can_create(&self) -> Result<()> {
+        let mut conn = self.conn().await?;
+        let database: Option<String> = conn
+            .exec_first(
+                "SELECT SCHEMA_NAME FROM information_schema.SCHEMATA \
+                  WHERE SCHEMA_NAME = COALESCE(?, DATABASE())",
+                (self.table.schema.clone(),),
+            )
+            .await?;
+        if database.is_none() {
+            return Err(StoreError::Schema(match &self.table.schema {
+                Some(db) => format!(
+                    "database {db} (of database.table {}) does not exist: create it, or name one that does",
+                    self.table
+                ),
+                None => "the URL names no database that exists: name one in database.url \
+                         (mysql://…/<database>) or in database.table (<database>.<table>)"
+                    .to_owned(),
+            }));
+        }
+        let create = MIGRATIONS[0]
+            .statements_for(&self.table)
+            .into_iter()
+            .find(|s| s.trim_start().starts_with("CREATE TABLE"));
+        if let Some(create) = create {
+            let statement = conn.prep(create).await.map_err(|e| match e {
+                mysql_async::Error::Server(s) if s.code == 1064 => StoreError::Schema(format!(
+                    "table {} cannot be created: the server does not take its name unquoted \
+                     (a word MySQL or MariaDB reserves: order, group, key, …); pick another \
+                     name for database.table",
+                    self.table
+                )),
+                e => e.into(),
+            })?;
+            conn.close(statement).await?;
+        }
+        Ok(())
     }
 }
 
