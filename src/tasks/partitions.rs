@@ -219,10 +219,11 @@ impl PartitionWork {
             *by_reason.entry(*why).or_default() += 1;
         }
         let left = || layout.ranges().filter(|p| !dropped.contains(&p.name));
-        // The oldest range partition left: a kept one, or the first not yet due.
-        let oldest = left()
-            .find_map(|p| p.upper)
-            .map_or(0.0, |u| (layout.now - u).num_milliseconds() as f64 / 1000.0);
+        // The oldest range partition left: a kept one, or the first not yet due; 0 while its
+        // range has not ended (the plain table a conversion attached ends ahead of now).
+        let oldest = left().find_map(|p| p.upper).map_or(0.0, |u| {
+            ((layout.now - u).num_milliseconds() as f64 / 1000.0).max(0.0)
+        });
         self.metrics.partitions(&PartitionGauges {
             partitions: left().count() + created,
             default_rows,
