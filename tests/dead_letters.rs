@@ -313,6 +313,9 @@ async fn a_record_failing_mid_run_stops_its_aggregate_and_the_rest_follows_in_or
         assert_eq!(dead.attempts, 2, "{dead:?}");
         let err = dead.last_error.as_deref().unwrap_or_default();
         assert!(err.contains("MessageSizeTooLarge"), "{dead:?}");
+        // The broker's words name neither the topic nor the size: the relay adds both.
+        let record = format!("(topic {topic:?}, value of 20000");
+        assert!(err.contains(&record), "{record} in {err}");
     };
 
     // No row after the bad one has been delivered so far (ahead of `it`).

@@ -72,6 +72,18 @@ const ORDERED_OVERRIDES: &[&str] = &[
     "enable.gapless.guarantee",
 ];
 
+/// A refusal with the record's topic and value size after the broker's (or librdkafka's)
+/// words, which name neither (`UnknownTopic`, `MessageSizeTooLarge`).
+fn naming_the_record(outcome: Outcome, msg: &OutboxMessage, topic: &str) -> Outcome {
+    match outcome {
+        Outcome::Rejected(why) => Outcome::Rejected(format!(
+            "{why} (topic {topic:.100?}, value of {} bytes)",
+            msg.payload.len()
+        )),
+        other => other,
+    }
+}
+
 /// Publishes to Kafka topics rendered from a template.
 pub struct KafkaPublisher {
     cfg: KafkaConfig,
@@ -188,7 +200,9 @@ impl KafkaPublisher {
                     record = r;
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-                Err((err, _)) => return Err(self.failed(&err, generation)),
+                Err((err, _)) => {
+                    return Err(naming_the_record(self.failed(&err, generation), msg, topic));
+                }
             }
         }
     }
@@ -262,9 +276,9 @@ impl KafkaPublisher {
         reported: Reported,
     ) -> Outcome {
         if !reported.batch_wide {
-            return reported.outcome;
+            return naming_the_record(reported.outcome, msg, topic);
         }
-        match self.publish_alone(msg, topic, env).await {
+        let alone = match self.publish_alone(msg, topic, env).await {
             Outcome::Unavailable(why) => {
                 tracing::debug!(id = %msg.id, reason = %why, "the record alone got no answer; handing it back");
                 Outcome::Unavailable(why)
@@ -275,7 +289,8 @@ impl KafkaPublisher {
                 }
                 alone
             }
-        }
+        };
+        naming_the_record(alone, msg, topic)
     }
 
     /// Publishes `msg` on the solo producer, alone in its batch, and waits for the report.
@@ -357,7 +372,7 @@ impl KafkaPublisher {
             let outcome = if outcomes.iter().all(|o| *o == Outcome::Confirmed) {
                 self.judged_alone(msg, topic, env, reported).await
             } else {
-                reported.outcome
+                naming_the_record(reported.outcome, msg, topic)
             };
             let replaced = matches!(outcome, Outcome::Unavailable(_));
             outcomes.push(outcome);
