@@ -143,6 +143,10 @@ pub async fn check(config: &Config) -> Result<()> {
         } else {
             String::new()
         };
+        if let Some(route) = &t.outbox.route {
+            // The broker line shows the publisher's template; this outbox has its own.
+            println!("{prefix}route: {:?} (this outbox's own)", route.as_str());
+        }
         match check_database(&t, config.database.auto_migrate).await {
             Ok(line) => println!("{prefix}{line}"),
             Err(line) => {

@@ -98,6 +98,7 @@ impl Outbox {
             table = %outbox.database.table,
             payload = ?payload_kind,
             ordering = ?outbox.ordering,
+            route = outbox.route.as_ref().map_or("as the publisher's", |r| r.as_str()),
             "relaying outbox"
         );
         let Services { waiter, held, wake } =

@@ -211,7 +211,7 @@ async fn each_outbox_with_its_own_route_and_source(broker: Broker) {
         ),
     };
     let billing_extra = format!("source = \"/billing\"\n{billing_route}\nordering = \"none\"");
-    let (relay, _dir) = spawn(
+    let (relay, dir) = spawn(
         &format!("multi-{broker:?}"),
         &publisher,
         &[
@@ -219,6 +219,16 @@ async fn each_outbox_with_its_own_route_and_source(broker: Broker) {
             entry("billing", &billing.name, &billing_extra),
         ],
     );
+    // `check` shows billing's own route (the broker line shows the publisher's).
+    let config = dir.path().join("relay.toml");
+    let check = RelayBuilder::bare("multi-check")
+        .set("relay.instance_id", "multi-check")
+        .output(&["--config", config.to_str().unwrap(), "check"], WAIT)
+        .await;
+    let own = billing_route.split_once(" = ").map(|(_, r)| r.to_owned());
+    let own = format!("billing: route: {} (this outbox's own)", own.unwrap());
+    assert!(check.stdout.contains(&own), "{own} in {check:?}");
+    assert!(!check.stdout.contains("orders: route:"), "{check:?}");
     let a = orders.insert_ids(&rows(30, "order")).await;
     let b = billing.insert_ids(&rows(30, "invoice")).await;
     orders.wait_all_sent(WAIT).await;
