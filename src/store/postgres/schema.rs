@@ -410,7 +410,7 @@ impl PgStore {
                         table = %self.table,
                         version = at.version,
                         attempt,
-                        "migrate: a lock {} needs was not granted within {LOCK_TIMEOUT}, {holders}; retrying",
+                        "migrate: a lock needed by {} was not granted within {LOCK_TIMEOUT}, {holders}; retrying",
                         step.summary()
                     );
                     attempt += 1;

@@ -38,14 +38,21 @@ pub struct Step {
 }
 
 impl Step {
-    /// The start of its first statement, for logs and errors.
+    /// The start of its first statement, and how many follow it in the step (any of them
+    /// may be the one that waited), for logs and errors.
     pub fn summary(&self) -> String {
         let words: Vec<&str> = self.sql.split_whitespace().take(9).collect();
         let mut text = words.join(" ");
         if let Some(pos) = text.find(['(', ';']) {
             text.truncate(pos);
         }
-        text.trim_end().to_owned()
+        let mut text = format!("`{}`", text.trim_end());
+        match self.sql.trim_end().matches(';').count().saturating_sub(1) {
+            0 => {}
+            1 => text.push_str(" and the statement after it"),
+            n => text.push_str(&format!(" and the {n} statements after it")),
+        }
+        text
     }
 }
 
@@ -210,7 +217,11 @@ mod tests {
         assert_eq!(steps[2].builds_index.as_deref(), Some("t_open_idx"));
         assert_eq!(
             steps[2].summary(),
-            "CREATE INDEX CONCURRENTLY IF NOT EXISTS t_open_idx ON s.t"
+            "`CREATE INDEX CONCURRENTLY IF NOT EXISTS t_open_idx ON s.t`"
+        );
+        assert_eq!(
+            steps[0].summary(),
+            "`ALTER TABLE s.t ADD COLUMN IF NOT EXISTS e` and the statement after it"
         );
         assert_eq!(
             steps[3].sql,
