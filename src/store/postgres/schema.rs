@@ -189,8 +189,11 @@ async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
 }
 
 /// The newest schema version whose marks the table's catalog shows, each version's on top of
-/// the one before: 2 its `expires_at` column, 3 its waiters table, 4 a wake-up trigger with a
-/// `WHEN` condition, 5 `fillfactor = 50` on the table (or, partitioned, on a partition).
+/// the one before. Each mark is the last thing its version makes, so a version that was
+/// interrupted is not counted (and is applied again): 2 its last index, `<table>_expired_idx`,
+/// built and valid; 3 the waiters table; 4 a wake-up trigger with a `WHEN` condition; 5 a
+/// `fillfactor` set on the table (or, partitioned, on a partition): version 5 sets 50, and
+/// one an operator chose since counts as well. (Versions 3 to 5 run in one transaction each.)
 async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
     client: &C,
     table: &TableName,
@@ -198,8 +201,8 @@ async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
     let row = client
         .query_one(
             "SELECT \
-               EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass($1) \
-                         AND attname = 'expires_at' AND NOT attisdropped), \
+               EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($4) \
+                         AND indrelid = to_regclass($1) AND indisvalid), \
                to_regclass($2) IS NOT NULL, \
                EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) \
                          AND tgname = $3 AND tgqual IS NOT NULL), \
@@ -207,11 +210,13 @@ async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
                         WHERE (c.oid = to_regclass($1) \
                                OR c.oid IN (SELECT inhrelid FROM pg_inherits \
                                              WHERE inhparent = to_regclass($1))) \
-                          AND c.reloptions @> ARRAY['fillfactor=50'])",
+                          AND EXISTS (SELECT 1 FROM unnest(c.reloptions) o \
+                                       WHERE o LIKE 'fillfactor=%'))",
             &[
                 &table.qualified(),
                 &table.prefixed("_waiters"),
                 &format!("{}_wakeup", table.name),
+                &table.prefixed("_expired_idx"),
             ],
         )
         .await?;
@@ -396,7 +401,7 @@ impl PgStore {
                         step = at.index + 1,
                         steps = at.count,
                         ms = started.elapsed().as_millis() as u64,
-                        "migrate: applied {}",
+                        "migrate: applied the step that begins {}",
                         step.summary()
                     );
                     return Ok(());
@@ -410,7 +415,7 @@ impl PgStore {
                         table = %self.table,
                         version = at.version,
                         attempt,
-                        "migrate: a lock needed by {} was not granted within {LOCK_TIMEOUT}, {holders}; retrying",
+                        "migrate: a lock the step that begins {} needs was not granted within {LOCK_TIMEOUT}, {holders}; retrying",
                         step.summary()
                     );
                     attempt += 1;
@@ -427,7 +432,7 @@ impl PgStore {
         let t = &self.table;
         if at.version < 0 {
             return format!(
-                "could not partition {t} ({}): a lock it needs was not granted within \
+                "could not partition {t} (the step that begins {}): a lock it needs was not granted within \
                  {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; the steps before it are applied \
                  and stay so (each is idempotent): end or wait for that transaction and run \
                  `outbox-relay migrate` again",
@@ -451,7 +456,7 @@ impl PgStore {
             )
         };
         format!(
-            "could not apply schema version {} to {t} (step {} of {}: {}): a lock it needs was \
+            "could not apply schema version {} to {t} (step {} of {}, which begins {}): a lock it needs was \
              not granted within {LOCK_TIMEOUT} ({LOCK_TRIES} tries), {holders}; {applied}: end \
              or wait for that transaction and run `outbox-relay migrate` again",
             at.version,
