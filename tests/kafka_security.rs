@@ -266,7 +266,7 @@ async fn a_secured_broker_refusing_the_relay_spends_no_attempt_and_says_what_to_
 async fn properties_librdkafka_refuses_exit_2_and_never_show_a_secret() {
     let table = TestTable::new("k_bad_props").await;
     let dir = TempDir::new("k-bad-props");
-    let cases: [(&str, Props, &str); 3] = [
+    let cases: [(&str, Props, &str); 4] = [
         (
             "unknown",
             [("no.such.prop", "1".to_owned())].into(),
@@ -275,7 +275,13 @@ async fn properties_librdkafka_refuses_exit_2_and_never_show_a_secret() {
         (
             "jaas",
             [("sasl.jaas.config", PASSWORD.to_owned())].into(),
-            "sasl.jaas.config ***",
+            "Java JAAS configuration is not supported",
+        ),
+        (
+            // A secret under a misspelled name: refused by name, its value never shown.
+            "misspelled",
+            [("sasl.pasword", PASSWORD.to_owned())].into(),
+            "(property \"sasl.pasword\"; its value is not shown)",
         ),
         (
             "not-idempotent",

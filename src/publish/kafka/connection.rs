@@ -172,6 +172,22 @@ impl rdkafka::producer::ProducerContext for Quiet {
     fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, (): ()) {}
 }
 
+/// librdkafka's complaint about the configuration, for errors and logs. A property it refuses
+/// is named without its value (rdkafka's own text quotes the value, a secret under a misspelled
+/// name as well); elsewhere the values of secret properties are shown as `***`.
+pub(super) fn config_error(
+    e: &KafkaError,
+    properties: &std::collections::BTreeMap<String, String>,
+) -> String {
+    match e {
+        KafkaError::ClientConfig(_, desc, key, _) => format!(
+            "Client config error: {} (property {key:?}; its value is not shown)",
+            without_secrets(desc, properties)
+        ),
+        other => without_secrets(&other.to_string(), properties),
+    }
+}
+
 /// `text` with the value of every secret property in `properties` shown as `***`:
 /// librdkafka quotes a property's name and value in its configuration errors.
 pub(super) fn without_secrets(
@@ -221,13 +237,20 @@ impl KafkaPublisher {
     }
 
     /// Whether librdkafka takes `cfg` as the relay applies it (`ordered`: as the pipelined
-    /// producer): `Err` is its complaint, secret values shown as `***`. Creating the client
-    /// connects nothing until it is used; it is dropped at once.
+    /// producer, the properties it sets itself left out as `for_ordering` leaves them out):
+    /// `Err` is its complaint ([`config_error`]). The client is dropped at once (it may have
+    /// begun to reach the brokers for its producer id meanwhile; nothing is sent).
     pub fn check_properties(cfg: &KafkaConfig, ordered: bool) -> Result<(), String> {
-        Self::client_config(cfg, ordered)
+        let mut cfg = cfg.clone();
+        if ordered {
+            for key in super::ORDERED_OVERRIDES {
+                cfg.properties.remove(*key);
+            }
+        }
+        Self::client_config(&cfg, ordered)
             .create_with_context::<_, rdkafka::producer::BaseProducer<Quiet>>(Quiet)
             .map(drop)
-            .map_err(|e| without_secrets(&e.to_string(), &cfg.properties))
+            .map_err(|e| config_error(&e, &cfg.properties))
     }
 
     /// A new producer of `generation` (it replaces the one in use, if any).
@@ -243,7 +266,7 @@ impl KafkaPublisher {
             .map_err(|e| {
                 ConnectError(format!(
                     "cannot create the Kafka producer: {}",
-                    without_secrets(&e.to_string(), &self.cfg.properties)
+                    config_error(&e, &self.cfg.properties)
                 ))
             })?;
         Ok(Current {
@@ -277,7 +300,7 @@ impl KafkaPublisher {
         let p: FutureProducer<Context> = config.create_with_context(ctx).map_err(|e| {
             format!(
                 "cannot create the Kafka solo producer: {}",
-                without_secrets(&e.to_string(), &self.cfg.properties)
+                config_error(&e, &self.cfg.properties)
             )
         })?;
         *solo = Some(p.clone());
