@@ -312,7 +312,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     // Once the innermost cause is said, the causes left only say it again in other words.
-    while let Some(s) = source.filter(|_| !out.contains(&root)) {
+    while let Some(s) = source.filter(|_| root.is_empty() || !out.contains(&root)) {
         let text = s.to_string();
         if !out.contains(&text) {
             out.push_str(": ");

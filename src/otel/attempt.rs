@@ -216,7 +216,9 @@ enum RowHeaders<'a> {
 }
 
 /// The `traceparent` and `tracestate` entries of a headers object. Names match ASCII
-/// case-insensitively, as W3C header names do; an exact spelling wins over another one.
+/// case-insensitively, as W3C header names do; an exact spelling wins over another one, and of
+/// several other spellings the one that sorts last (as the message's headers list them, so
+/// that the `tracestate` sent is the one read here).
 #[derive(Default)]
 struct W3c<'a> {
     traceparent: Entry<'a>,
@@ -230,15 +232,19 @@ struct Entry<'a> {
     value: Option<Option<Cow<'a, str>>>,
     /// The name was spelled exactly (lower case).
     exact: bool,
+    /// The spelling of the name kept.
+    spelling: Option<Cow<'a, str>>,
 }
 
 impl<'a> Entry<'a> {
-    /// Keeps `value`, found under a spelling that is exact or not, unless an exact one was
-    /// kept before.
-    fn offer(&mut self, value: Option<Cow<'a, str>>, exact: bool) {
-        if exact || !self.exact {
+    /// Keeps `value`, found under `name` (spelled exactly or not), unless an exact spelling
+    /// was kept before, or another spelling that sorts after `name`.
+    fn offer(&mut self, value: Option<Cow<'a, str>>, name: Cow<'a, str>, exact: bool) {
+        let later = || self.spelling.as_deref().is_none_or(|kept| *name >= *kept);
+        if exact || (!self.exact && later()) {
             self.value = Some(value);
             self.exact = exact;
+            self.spelling = Some(name);
         }
     }
 }
@@ -317,7 +323,7 @@ impl<'de> Visitor<'de> for W3cVisitor {
             };
             let exact = name == TRACEPARENT || name == TRACESTATE;
             let StringOrNot(value) = map.next_value()?;
-            slot.offer(value, exact);
+            slot.offer(value, name, exact);
         }
         Ok(w3c)
     }

@@ -357,6 +357,14 @@ pub(crate) mod tests {
             ("tracestate", "v=1"),
         ];
         assert_eq!(headers, want.map(|(k, v)| (k.to_owned(), v.to_owned())));
+        // Of two other spellings the one that sorts last, as the context was read.
+        let mut msg = message(r#"{"TRACESTATE":"b=2","TraceState":"a=1"}"#);
+        msg.traceparent = Some("00-ours".into());
+        let (headers, _) = row_headers(&msg);
+        assert!(
+            headers.contains(&("tracestate".to_owned(), "a=1".to_owned())),
+            "{headers:?}"
+        );
         // The exact spelling wins, as when the context was read; the others go.
         let mut msg = message(r#"{"TraceState":"x=1","tracestate":"v=2"}"#);
         msg.traceparent = Some("00-ours".into());
