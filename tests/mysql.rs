@@ -318,3 +318,62 @@ async fn ssl_mode_required_against_a_server_without_tls_fails_naming_tls() {
         }
     }
 }
+
+/// A relay stopped in the middle of a claim (SIGSTOP, as a paused VM or a host cut off) holds
+/// the row locks of its open transaction, which holds every other relay back. The server drops
+/// its silent session after the relay's idle limit (a minute), rolling the claim back, and
+/// another relay drains the table; with the server's default limit that took 8 hours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_frozen_in_a_claim_holds_the_others_back_for_a_minute_at_most() {
+    let table = MysqlTable::new("my_frozen").await;
+    let rows = NewRow::numbered(10_000, "order", Some(("k", 100)), "order.changed");
+    table.insert(&rows).await;
+    let relay = |label: &str| {
+        RelayBuilder::for_mysql(&table, label)
+            .set("publisher.kind", "stdout")
+            .set("relay.ordering", "aggregate")
+            .set("relay.batch_size", "50")
+            .set("relay.max_in_flight", "100")
+            .set("relay.lease_timeout", "10s")
+            .set("relay.poll_interval", "100ms")
+            .quiet()
+    };
+    let mut frozen = relay("my-frozen-a").spawn();
+    // Stop it until it is caught holding a claim's locks: a locking read of the first pending
+    // row that does not wait is refused then.
+    let mut probe = mysql_conn().await;
+    let first_pending = format!(
+        "SELECT seq FROM {} WHERE status = 'pending' ORDER BY seq LIMIT 1 FOR UPDATE NOWAIT",
+        table.name
+    );
+    common::wait_until(WAIT, "the relay is stopped inside a claim", async || {
+        frozen.signal("STOP");
+        let locked = probe
+            .query_first::<i64, _>(first_pending.as_str())
+            .await
+            .is_err();
+        if locked {
+            return Ok(());
+        }
+        frozen.signal("CONT");
+        tokio::time::sleep(Duration::from_millis(15)).await;
+        Err("between claims".to_owned())
+    })
+    .await;
+    assert!(table.count_where("status = 'pending'").await > 0);
+
+    let other = relay("my-frozen-b").spawn();
+    common::wait_until(
+        Duration::from_secs(300),
+        "the other relay sends every row",
+        async || match table.count_where("status <> 'sent'").await {
+            0 => Ok(()),
+            n => Err(format!("{n} rows not sent")),
+        },
+    )
+    .await;
+    frozen.signal("CONT");
+    frozen.sigkill();
+    other.stop().await;
+    table.drop_table().await;
+}

@@ -407,6 +407,20 @@ impl RelayProcess {
         }
     }
 
+    /// Sends the signal `name` (`"STOP"`, `"CONT"`, …) with `kill`.
+    pub fn signal(&self, name: &str) {
+        let status = std::process::Command::new("kill")
+            .args([&format!("-{name}"), &self.pid.to_string()])
+            .stdin(Stdio::null())
+            .status()
+            .expect("run kill");
+        assert!(
+            status.success(),
+            "kill -{name} {} failed: {status}",
+            self.pid
+        );
+    }
+
     /// Sends SIGKILL.
     pub fn sigkill(&mut self) {
         self.child.start_kill().expect("SIGKILL");

@@ -18,13 +18,21 @@ use crate::redact::redact_url;
 ///   an application's `INSERT` (an insert-intention lock on a gap) never waits for the relay;
 /// - time zone UTC: `TIMESTAMP` columns read as UTC;
 /// - short lock waits: the relay's statements skip or probe locked rows (`SKIP LOCKED`,
-///   `NOWAIT`); a wait longer than this is a conflict to retry, not a queue to join.
+///   `NOWAIT`); a wait longer than this is a conflict to retry, not a queue to join;
+/// - a short idle limit ([`IDLE_SESSION_SECS`]): a relay stopped in the middle of a claim (a
+///   paused VM, SIGSTOP, a host cut off) holds the rows its open transaction locked, which
+///   holds every other relay back; the server drops the silent session after that long and
+///   rolls the claim back (its default is 8 hours).
 pub const SESSION_SETTINGS: &[&str] = &[
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED",
     "SET time_zone = '+00:00'",
     "SET SESSION innodb_lock_wait_timeout = 5",
     "SET SESSION lock_wait_timeout = 5",
+    "SET SESSION wait_timeout = 60",
 ];
+
+/// The sessions' idle limit on the server, in seconds (`SET SESSION wait_timeout` above).
+pub const IDLE_SESSION_SECS: usize = 60;
 
 /// The connection options of `url` ([`crate::config::mysql_opts`]).
 fn opts(url: &str) -> Result<Opts> {
@@ -46,6 +54,9 @@ impl MysqlStore {
         let opts = OptsBuilder::from_opts(base)
             .pool_opts(pool_opts)
             .init(SESSION_SETTINGS.to_vec())
+            // The pool takes a session idle for half the server's limit as gone, so it never
+            // hands out one the server is about to drop.
+            .wait_timeout(Some(IDLE_SESSION_SECS / 2))
             .tcp_keepalive(Some(Duration::from_secs(10)))
             .stmt_cache_size(64);
         let opts: Opts = opts.into();
