@@ -414,7 +414,20 @@ async fn kill_9_three_times_during_a_20k_drain_leaves_no_duplicate_in_the_stream
     };
     let mut relay = spawn("nats-kill-0");
     for k in 1..=3u64 {
-        stream.wait_count(k * 4_000, WAIT).await;
+        // Killed while it holds rows (a fast drain can otherwise be between claims).
+        let held = format!(
+            "status = 'processing' AND locked_by = 'nats-kill-{}'",
+            k - 1
+        );
+        wait_until(WAIT, "the relay publishes and holds rows", async || {
+            let (count, holding) = (stream.count().await, table.count_where(&held).await);
+            if count >= k * 4_000 && holding > 0 {
+                Ok(())
+            } else {
+                Err(format!("{count} in the stream, {holding} held"))
+            }
+        })
+        .await;
         relay.sigkill();
         let status = relay.wait_exit(Duration::from_secs(10)).await;
         assert!(!status.success(), "killed relay {k} exited {status}");
