@@ -226,18 +226,16 @@ async fn check_broker(config: &Config) -> bool {
 /// collector that does not is a warning, not a failure: the relay publishes without it and
 /// counts the spans it drops.
 async fn check_tracing(config: &Config) {
-    use outbox_relay::config::OtlpProtocol;
     let Some(t) = &config.tracing else {
         println!("tracing: off");
         return;
     };
-    let protocol = match t.protocol {
-        OtlpProtocol::HttpProtobuf => "http/protobuf",
-        OtlpProtocol::Grpc => "grpc",
-    };
     let what = format!(
-        "{protocol} to {}, service {}, sample ratio {}",
-        t.endpoint, t.service_name, t.sample_ratio
+        "{} to {}, service {}, sample ratio {}",
+        t.protocol.as_str(),
+        t.endpoint,
+        t.service_name,
+        t.sample_ratio
     );
     match collector_answer(t).await {
         Ok(()) => println!("tracing: ok ({what})"),
@@ -666,15 +664,9 @@ pub async fn dead_letters_apply(
                     plan.push((t, Selection::Ids(here)));
                 }
             }
-            let missing: Vec<uuid::Uuid> = ids
-                .iter()
-                .filter(|id| !found.contains(id))
-                .copied()
-                .collect();
-            if !missing.is_empty() {
-                return Err(anyhow::Error::from(StoreError::NotDeadLetters(missing)))
-                    .with_context(context);
-            }
+            StoreError::unless_all_dead(ids, &found)
+                .map_err(anyhow::Error::from)
+                .with_context(context)?;
         }
     }
     let mut changed = 0;

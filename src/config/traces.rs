@@ -76,6 +76,20 @@ pub enum OtlpProtocol {
     Grpc,
 }
 
+impl OtlpProtocol {
+    /// Both, with the names `tracing.protocol` takes.
+    const NAMED: [(&'static str, Self); 2] =
+        [("http/protobuf", Self::HttpProtobuf), ("grpc", Self::Grpc)];
+
+    /// Its name, as `tracing.protocol` writes it.
+    pub fn as_str(self) -> &'static str {
+        Self::NAMED
+            .iter()
+            .find(|(_, p)| *p == self)
+            .map_or("", |(name, _)| name)
+    }
+}
+
 /// The validated `[tracing]`, present only when tracing is on.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TracingConfig {
@@ -106,14 +120,7 @@ impl RawTracing {
             (None, None, Some(p)) => (OTEL_PROTOCOL_ENV, p.clone()),
             (None, None, None) => ("tracing.protocol", "http/protobuf".to_owned()),
         };
-        let protocol = choose(
-            protocol_key,
-            protocol.trim(),
-            &[
-                ("http/protobuf", OtlpProtocol::HttpProtobuf),
-                ("grpc", OtlpProtocol::Grpc),
-            ],
-        )?;
+        let protocol = choose(protocol_key, protocol.trim(), &OtlpProtocol::NAMED)?;
         let service_name = match (self.service_name, &env.service_name) {
             (Some(s), _) if s.trim().is_empty() => {
                 return Err(ConfigError::invalid(

@@ -148,6 +148,22 @@ impl StoreError {
         }
     }
 
+    /// `Ok` when every id of `given` is among the dead letters `found`; else
+    /// [`StoreError::NotDeadLetters`] naming the others (the dead-letter commands act on all
+    /// the ids given or on none).
+    pub fn unless_all_dead(given: &[Uuid], found: &[Uuid]) -> Result<(), StoreError> {
+        let missing: Vec<Uuid> = given
+            .iter()
+            .filter(|id| !found.contains(id))
+            .copied()
+            .collect();
+        if missing.is_empty() {
+            Ok(())
+        } else {
+            Err(Self::NotDeadLetters(missing))
+        }
+    }
+
     /// Whether the server refused a statement because the relay's user lacks a privilege on
     /// the table (PostgreSQL's SQLSTATE 42501; MySQL's 1142 and 1143, a command or column
     /// denied): configuration, not an outage, though retrying works once it is granted.

@@ -383,8 +383,13 @@ impl RelayProcess {
     }
 
     fn try_sigterm(&self) -> std::io::Result<ExitStatus> {
+        self.try_signal("TERM")
+    }
+
+    /// `kill -<name>` of the process.
+    fn try_signal(&self, name: &str) -> std::io::Result<ExitStatus> {
         std::process::Command::new("kill")
-            .args(["-TERM", &self.pid.to_string()])
+            .args([&format!("-{name}"), &self.pid.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -409,11 +414,7 @@ impl RelayProcess {
 
     /// Sends the signal `name` (`"STOP"`, `"CONT"`, …) with `kill`.
     pub fn signal(&self, name: &str) {
-        let status = std::process::Command::new("kill")
-            .args([&format!("-{name}"), &self.pid.to_string()])
-            .stdin(Stdio::null())
-            .status()
-            .expect("run kill");
+        let status = self.try_signal(name).expect("run kill");
         assert!(
             status.success(),
             "kill -{name} {} failed: {status}",

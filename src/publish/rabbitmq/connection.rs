@@ -99,27 +99,21 @@ pub(super) async fn declare(
     channel: &Channel,
     cfg: &RabbitMqConfig,
 ) -> Result<(), ConnectError> {
-    if !cfg.declare_exchange && !cfg.exchange.is_empty() {
+    if cfg.exchange.is_empty() {
+        // The default exchange: always there, never declared.
+    } else if cfg.declare_exchange {
+        let durable = ExchangeDeclareOptions {
+            durable: true,
+            ..ExchangeDeclareOptions::default()
+        };
+        declare_exchange(channel, cfg, durable).await.map_err(|e| {
+            ConnectError(format!(
+                "cannot declare exchange {:?} ({}): {e}; if it exists with other settings, set publisher.rabbitmq.declare_exchange = false",
+                cfg.exchange, cfg.exchange_type.as_str()
+            ))
+        })?;
+    } else {
         exchange_exists(connection, cfg).await?;
-    }
-    if cfg.declare_exchange && !cfg.exchange.is_empty() {
-        channel
-            .exchange_declare(
-                ShortString::from(cfg.exchange.clone()),
-                exchange_kind(cfg.exchange_type),
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|e| {
-                ConnectError(format!(
-                    "cannot declare exchange {:?} ({}): {e}; if it exists with other settings, set publisher.rabbitmq.declare_exchange = false",
-                    cfg.exchange, cfg.exchange_type.as_str()
-                ))
-            })?;
     }
     if let Some(queue) = &cfg.declare_queue {
         declare_dev_queue(channel, queue, &cfg.exchange, &cfg.queue_binding).await?;
@@ -139,22 +133,33 @@ async fn exchange_exists(
         ))
     };
     let channel = connection.create_channel().await.map_err(fail)?;
-    channel
-        .exchange_declare(
-            ShortString::from(cfg.exchange.clone()),
-            exchange_kind(cfg.exchange_type),
-            ExchangeDeclareOptions {
-                passive: true,
-                ..ExchangeDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
+    let passive = ExchangeDeclareOptions {
+        passive: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    declare_exchange(&channel, cfg, passive)
         .await
         .map_err(fail)?;
     let _ = channel
         .close(200, ShortString::from("exchange found"))
         .await;
     Ok(())
+}
+
+/// Declares the configured exchange (its name and type) on `channel` with `options`.
+async fn declare_exchange(
+    channel: &Channel,
+    cfg: &RabbitMqConfig,
+    options: ExchangeDeclareOptions,
+) -> lapin::Result<()> {
+    channel
+        .exchange_declare(
+            ShortString::from(cfg.exchange.clone()),
+            exchange_kind(cfg.exchange_type),
+            options,
+            FieldTable::default(),
+        )
+        .await
 }
 
 /// Declares `queue` with `options` and no arguments.

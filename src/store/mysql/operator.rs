@@ -240,16 +240,11 @@ impl MysqlStore {
             .iter()
             .map(|id| parse_id(id))
             .collect::<Result<Vec<_>>>()?;
-        if let Selection::Ids(given) = sel {
-            let missing: Vec<Uuid> = given
-                .iter()
-                .filter(|id| !ids.contains(id))
-                .copied()
-                .collect();
-            if !missing.is_empty() {
-                tx.rollback().await?;
-                return Err(StoreError::NotDeadLetters(missing));
-            }
+        if let Selection::Ids(given) = sel
+            && let Err(e) = StoreError::unless_all_dead(given, &ids)
+        {
+            tx.rollback().await?;
+            return Err(e);
         }
         if !ids.is_empty() {
             tx.query_drop(format!(

@@ -282,14 +282,9 @@ impl PgStore {
             .iter()
             .map(|r| r.try_get(0))
             .collect::<Result<Vec<Uuid>, _>>()?;
-        let missing: Vec<Uuid> = ids
-            .iter()
-            .filter(|id| !changed.contains(id))
-            .copied()
-            .collect();
-        if !missing.is_empty() {
+        if let Err(e) = StoreError::unless_all_dead(&ids, &changed) {
             tx.rollback().await?;
-            return Err(StoreError::NotDeadLetters(missing));
+            return Err(e);
         }
         tx.commit().await?;
         Ok(changed)
