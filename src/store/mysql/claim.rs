@@ -165,6 +165,19 @@ impl ClaimSql {
     /// the open rows of that aggregate before that seq, locked without waiting (an error when
     /// one is locked: an uncommitted insert, or a row another relay is claiming now).
     fn probe(&self, heads: &[(&str, &str, i64)]) -> String {
+        format!("{} FOR UPDATE NOWAIT", self.open_rows_of(heads))
+    }
+
+    /// The open rows of `heads` as [`ClaimSql::probe`] reads them, without locking: the rows
+    /// this transaction can see. An aggregate the probe found locked but with no row here
+    /// (other than candidates) is held back by a row it cannot see: an insert not committed.
+    fn seen(&self, heads: &[(&str, &str, i64)]) -> String {
+        self.open_rows_of(heads)
+    }
+
+    /// `SELECT` of the open rows of each `(aggregate_type, aggregate_id, seq)` of `heads`
+    /// before that seq, through the aggregate index.
+    fn open_rows_of(&self, heads: &[(&str, &str, i64)]) -> String {
         let each = heads
             .iter()
             .map(|(ty, id, seq)| {
@@ -180,8 +193,7 @@ impl ClaimSql {
         // must read the ranges of the candidates' aggregates and nothing else.
         format!(
             "SELECT e.seq, e.aggregate_type, e.aggregate_id FROM {} e FORCE INDEX ({}) \
-             WHERE e.status IN ('pending', 'processing', 'failed') AND ({each}) \
-             FOR UPDATE NOWAIT",
+             WHERE e.status IN ('pending', 'processing', 'failed') AND ({each})",
             self.t, self.aggregate_idx
         )
     }
@@ -204,6 +216,7 @@ impl ClaimSql {
                 "claim.probe",
                 self.probe(&[("order", "42", 8), ("invoice", "7", 9)]),
             ),
+            ("claim.seen", self.seen(&[("order", "42", 8)])),
             (
                 "claim.mark_claimed",
                 self.mark_claimed(seqs, &literal("relay-1")),
@@ -345,8 +358,9 @@ fn candidate_of(r: Row) -> Result<Candidate> {
 /// Each aggregate that holds candidates back, and the seq from which it does.
 type HeldBack = HashMap<(String, String), i64>;
 
-/// How an ordered claim's guard decided, for the benchmark's tally.
-#[derive(Debug, Default, Clone, Copy)]
+/// How an ordered claim's guard decided: for the benchmark's tally, and the aggregates a
+/// lock held back for the relay's hold-back gauge.
+#[derive(Debug, Default, Clone)]
 pub struct Guarded {
     /// Candidates read (ready rows in the scan windows).
     pub candidates: usize,
@@ -358,6 +372,10 @@ pub struct Guarded {
     pub probes: usize,
     /// Probes that met a locked row.
     pub locked: usize,
+    /// The aggregates held back by a locked row before a candidate that this transaction
+    /// cannot see: an insert not committed yet, what a long transaction holds back. (Rows
+    /// another relay has locked are in view, and not counted.)
+    pub locked_aggregates: HashSet<(String, String)>,
 }
 
 /// Open rows as the gate's open read and the probe return them: seq, aggregate type, id.
@@ -587,6 +605,7 @@ impl ClaimSql {
         // Probe all aggregates at once; where that meets a locked row, halve the set until
         // each locked aggregate stands alone (and is held back from its first candidate).
         let mut work = vec![heads.as_slice()];
+        let mut locked = Vec::new();
         while let Some(part) = work.pop() {
             if part.is_empty() {
                 continue;
@@ -596,10 +615,11 @@ impl ClaimSql {
                 Ok(rows) => hold_back(&mut held, mine, open_rows(rows)?),
                 Err(e) if is_locked(&e) => {
                     guarded.locked += 1;
-                    if let [(ty, id, _)] = part {
+                    if let [head @ (ty, id, _)] = part {
                         let key = ((*ty).to_owned(), (*id).to_owned());
                         let first = span.get(&key).map_or(i64::MIN, |s| s.0);
                         held.insert(key, first);
+                        locked.push(*head);
                     } else {
                         let (a, b) = part.split_at(part.len() / 2);
                         work.push(a);
@@ -609,7 +629,39 @@ impl ClaimSql {
                 Err(e) => return Err(e.into()),
             }
         }
+        self.held_by_unseen(tx, &locked, mine, guarded).await?;
         Ok(held)
+    }
+
+    /// Of the aggregates the probe found `locked`, records in `guarded` those held back by a
+    /// row this transaction cannot see (an insert not committed yet): each one's open rows
+    /// before its last candidate, read without locking, are all candidates. An aggregate with
+    /// another row in view is held by a row someone else is claiming, settling or changing
+    /// (other replicas lock the same oldest rows claim after claim): an ordinary hold, not one
+    /// to report.
+    async fn held_by_unseen(
+        &self,
+        tx: &mut Transaction<'_>,
+        locked: &[(&str, &str, i64)],
+        mine: &HashSet<i64>,
+        guarded: &mut Guarded,
+    ) -> Result<()> {
+        if locked.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<Row> = tx.query(self.seen(locked)).await?;
+        let in_view: HashSet<(String, String)> = open_rows(rows)?
+            .into_iter()
+            .filter(|(seq, ..)| !mine.contains(seq))
+            .map(|(_, ty, id)| (ty, id))
+            .collect();
+        for (ty, id, _) in locked {
+            let key = ((*ty).to_owned(), (*id).to_owned());
+            if !in_view.contains(&key) {
+                guarded.locked_aggregates.insert(key);
+            }
+        }
+        Ok(())
     }
 }
 
@@ -630,7 +682,7 @@ impl MysqlStore {
             sweep => self.sweep(&mut tx, sweep, limit).await?,
         };
         let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
-        let rows = match ordering {
+        let (rows, locked_aggregates) = match ordering {
             Ordering::None => {
                 let rows: Vec<Row> = tx.exec(&self.q.claim.ready_rows, (limit_i,)).await?;
                 let mut rows = rows
@@ -645,7 +697,7 @@ impl MysqlStore {
                 for r in &mut rows {
                     r.attempts += 1;
                 }
-                rows
+                (rows, Vec::new())
             }
             Ordering::Aggregate => self.claim_ordered(&mut tx, limit).await?,
         };
@@ -656,15 +708,17 @@ impl MysqlStore {
             expired,
             uneven: false,
             answer_lost: false,
+            locked_aggregates,
         })
     }
 
-    /// The ordered claim inside `tx` (see [`ClaimSql::take_ordered`]).
+    /// The ordered claim inside `tx` (see [`ClaimSql::take_ordered`]): the rows, and the
+    /// aggregates a lock held back ([`Guarded::locked_aggregates`]).
     async fn claim_ordered(
         &self,
         tx: &mut Transaction<'_>,
         limit: usize,
-    ) -> Result<Vec<OutboxMessage>> {
+    ) -> Result<(Vec<OutboxMessage>, Vec<(String, String)>)> {
         let by = literal(&self.instance_id);
         let (rows, g) = self.q.claim.take_ordered(tx, limit, &by).await?;
         tracing::debug!(
@@ -676,7 +730,7 @@ impl MysqlStore {
             probes_locked = g.locked,
             "ordered claim"
         );
-        Ok(rows)
+        Ok((rows, g.locked_aggregates.into_iter().collect()))
     }
 
     /// The expiry sweep inside `tx`: rows past their deadline among the first pending ones

@@ -98,6 +98,10 @@ pub struct Claim {
     /// A part of a split claim failed while other parts claimed rows: the failed part may
     /// have committed before its answer was lost (see [`PgStore::hand_back_unheld`]).
     pub answer_lost: bool,
+    /// MySQL's ordered claim: the aggregates (type, id) whose rows it held back because an
+    /// earlier row of theirs, one it cannot see, was locked: an insert not committed yet.
+    /// Always empty on PostgreSQL, whose guard is the watermark.
+    pub locked_aggregates: Vec<(String, String)>,
 }
 
 /// The fewest candidates an ordered claim looks at beyond its batch (see [`scan_window`]).
@@ -407,6 +411,7 @@ fn claim_of(
         more,
         uneven: more && short,
         answer_lost,
+        locked_aggregates: Vec::new(),
     })
 }
 
