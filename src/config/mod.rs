@@ -42,7 +42,7 @@ pub use nats::{NatsConfig, RawNats};
 pub use outboxes::{OutboxConfig, RawOutbox};
 pub use publisher::{
     CloudEventsPrefix, ExchangeType, KafkaConfig, PublisherConfig, PublisherKind, RabbitMqConfig,
-    RawKafka, RawPublisher, RawRabbitMq, RawRedis, RedisConfig,
+    RawKafka, RawPublisher, RawRabbitMq, RawRedis, RedisConfig, valid_kafka_topic,
 };
 pub use relay::{Ordering, RawRelay, RelayConfig, default_instance_id};
 pub use retry::RawRetry;

@@ -225,6 +225,9 @@ fn route(
     }
     let template =
         Template::parse(&value).map_err(|e| ConfigError::invalid(key(field), e.to_string()))?;
+    if field == "topic" {
+        super::publisher::check_kafka_topic(&key(field), &template)?;
+    }
     if field == "subject" {
         let sample = template.render(&crate::template::Fields {
             aggregate_type: "a",
@@ -307,6 +310,22 @@ mod tests {
         let e = err("[[outboxes]]\ntable = \"a\"\nsubject = \"s\"\n");
         assert!(
             e.contains("applies only with publisher.kind = \"nats\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_kafka_outboxs_topic_is_a_legal_name() {
+        let kafka = "[publisher]\nkind = \"kafka\"\n[[outboxes]]\ntable = \"a\"\n";
+        let c = load_str(&format!("{kafka}topic = \"billing.{{event_type}}\"\n"), &[]).unwrap();
+        assert_eq!(
+            c.outboxes[0].route.as_ref().unwrap().as_str(),
+            "billing.{event_type}"
+        );
+        let e = err(&format!("{kafka}topic = \"billing events\"\n"));
+        assert!(
+            e.starts_with("invalid value for outboxes[0].topic:")
+                && e.contains("not a valid Kafka topic name"),
             "{e}"
         );
     }

@@ -232,6 +232,37 @@ pub struct KafkaConfig {
     pub properties: BTreeMap<String, String>,
 }
 
+/// Whether `topic` is a legal Kafka topic name: 1-249 of `[a-zA-Z0-9._-]`, not `.` or `..`.
+pub fn valid_kafka_topic(topic: &str) -> bool {
+    !topic.is_empty()
+        && topic.len() <= 249
+        && topic != "."
+        && topic != ".."
+        && topic
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// A Kafka topic template (under `key`) whose literal text makes every topic it renders
+/// illegal, refused with the reason; checked on a sample rendering, as a NATS subject is.
+pub(super) fn check_kafka_topic(key: &str, template: &Template) -> Result<(), ConfigError> {
+    let sample = template.render(&crate::template::Fields {
+        aggregate_type: "a",
+        event_type: "e",
+        aggregate_id: Some("i"),
+    });
+    if valid_kafka_topic(&sample) {
+        return Ok(());
+    }
+    Err(ConfigError::invalid(
+        key.to_owned(),
+        format!(
+            "{:?} is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-], placeholders aside)",
+            template.as_str()
+        ),
+    ))
+}
+
 /// The validated Redis Streams settings.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
@@ -338,6 +369,7 @@ impl RawPublisher {
                 positive("publisher.kafka.message_timeout", k.message_timeout)?;
                 let topic = Template::parse(&k.topic)
                     .map_err(|e| ConfigError::invalid("publisher.kafka.topic", e.to_string()))?;
+                check_kafka_topic("publisher.kafka.topic", &topic)?;
                 PublisherConfig::Kafka(KafkaConfig {
                     brokers: k.brokers,
                     topic,
@@ -615,6 +647,28 @@ mod tests {
             &["invalid value for publisher.kafka.topic", "nope"],
             &[],
         );
+        rejects(
+            &format!("{kafka}topic = \"orders events\"\n"),
+            "invalid value for publisher.kafka.topic: \"orders events\" is not a valid Kafka topic name (1-249 of [a-zA-Z0-9._-], placeholders aside)",
+        );
+        err_has(
+            &format!("{kafka}topic = \"billing/{{event_type}}\"\n"),
+            &["publisher.kafka.topic", "not a valid Kafka topic name"],
+            &[],
+        );
+        // A placeholder may render anything; its literals are legal.
+        assert!(load_str(&format!("{kafka}topic = \"billing.{{event_type}}\"\n"), &[]).is_ok());
+    }
+
+    #[test]
+    fn kafka_topic_names() {
+        assert!(valid_kafka_topic("orders"));
+        assert!(valid_kafka_topic("a.b-c_D9"));
+        for bad in ["", ".", "..", "has space", "slash/topic"] {
+            assert!(!valid_kafka_topic(bad), "{bad:?}");
+        }
+        assert!(valid_kafka_topic(&"x".repeat(249)));
+        assert!(!valid_kafka_topic(&"x".repeat(250)));
     }
 
     /// A Redis publisher with the section's defaults.

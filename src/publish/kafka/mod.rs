@@ -39,8 +39,8 @@ mod classify;
 mod connection;
 mod wire;
 
+pub use crate::config::valid_kafka_topic as valid_topic;
 pub use classify::classify_error;
-pub use wire::valid_topic;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -44,30 +44,3 @@ fn record_headers(msg: &OutboxMessage, env: &EnvelopeConfig, topic: &str) -> Own
     }
     out
 }
-
-/// Whether `topic` is a legal Kafka topic name.
-pub fn valid_topic(topic: &str) -> bool {
-    !topic.is_empty()
-        && topic.len() <= 249
-        && topic != "."
-        && topic != ".."
-        && topic
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn topic_names() {
-        assert!(valid_topic("orders"));
-        assert!(valid_topic("a.b-c_D9"));
-        assert!(!valid_topic(""));
-        assert!(!valid_topic("."));
-        assert!(!valid_topic("has space"));
-        assert!(!valid_topic("slash/topic"));
-        assert!(!valid_topic(&"x".repeat(250)));
-    }
-}
