@@ -136,6 +136,62 @@ async fn partitions_are_made_ahead_and_rows_outside_them_go_to_default_and_are_r
     finish(relay, table, rabbit).await;
 }
 
+/// A session holding a lock on the table keeps the relay from making the partitions ahead:
+/// the warning names that session (pid, lock, application) as `migrate` does, and the relay
+/// makes them once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_that_keeps_partitions_from_being_made_ahead_is_named() {
+    let table = TestTable::partitioned("part_locked", "1m").await;
+    let first = table.partitions().await;
+    let holder = common::pg_connect().await;
+    holder
+        .batch_execute(&format!(
+            "SET application_name = 'part-lock-holder'; BEGIN; \
+             LOCK TABLE {} IN SHARE UPDATE EXCLUSIVE MODE",
+            table.name
+        ))
+        .await
+        .unwrap();
+    let relay = RelayBuilder::for_table(&table, "part-locked")
+        .set("publisher.kind", "stdout")
+        .set("database.partition_interval", "1m")
+        .set("cleanup.interval", "1s")
+        .quiet()
+        .spawn();
+    let warning = "could not create the partitions ahead";
+    relay
+        .wait_for_log(warning, 1, Duration::from_secs(150))
+        .await;
+    let line = relay
+        .stderr()
+        .lines()
+        .find(|l| l.contains(warning))
+        .unwrap()
+        .to_owned();
+    for want in [
+        "held by pid",
+        "ShareUpdateExclusiveLock",
+        "application \"part-lock-holder\"",
+    ] {
+        assert!(line.contains(want), "{want:?} not in {line}");
+    }
+    holder.batch_execute("COMMIT").await.unwrap();
+    wait_until(
+        Duration::from_secs(150),
+        "a partition made ahead",
+        async || {
+            let now = table.partitions().await;
+            match now.iter().any(|p| !first.contains(p)) {
+                true => Ok(()),
+                false => Err(format!("{now:?}")),
+            }
+        },
+    )
+    .await;
+    relay.stop().await;
+    table.drop_table().await;
+}
+
 /// Schema version 5 on a table partitioned at version 4 (whose partitions have the default
 /// fillfactor): `migrate` sets the fillfactor of each partition, since a partitioned table
 /// holds no storage settings of its own.

@@ -375,12 +375,28 @@ impl PgStore {
 
     /// Runs `sql` in one transaction under [`LOCK_TIMEOUT`] if this session gets the
     /// partition work's advisory lock; `false` when another session has it.
+    ///
+    /// A lock not granted in time is a [`StoreError::Locked`] naming the sessions that hold
+    /// the table, as `migrate` names them.
     async fn partition_work(&self, sql: &str) -> Result<bool> {
         let mut client = self.client().await?;
         let Some(tx) = self.begin_partition_work(&mut client).await? else {
             return Ok(false);
         };
-        tx.batch_execute(sql).await?;
+        match tx.batch_execute(sql).await {
+            Ok(()) => {}
+            Err(e) if e.code() == Some(&SqlState::LOCK_NOT_AVAILABLE) => {
+                tx.rollback().await?;
+                let holders = self
+                    .lock_holders(&client, super::steps::StepKind::Transaction)
+                    .await?;
+                return Err(StoreError::Locked(format!(
+                    "a lock on table {} was not granted within {LOCK_TIMEOUT}, {holders}; the next round tries again",
+                    self.table
+                )));
+            }
+            Err(e) => return Err(e.into()),
+        }
         tx.commit().await?;
         Ok(true)
     }
