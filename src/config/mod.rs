@@ -25,8 +25,9 @@ mod traces;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
+use figment::value::{Dict, Value};
+use figment::{Figment, Metadata, Profile, Provider};
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 pub use cleanup::{CleanupConfig, RawCleanup};
@@ -236,10 +237,7 @@ impl Config {
             .iter()
             .any(|n| k.as_str().eq_ignore_ascii_case(n))
         });
-        let mut raw: RawConfig = figment
-            .merge(env)
-            .extract()
-            .map_err(|e| ConfigError::Load(describe_figment_error(e)))?;
+        let mut raw = extract_with_env(&figment, EnvText::new(env))?;
         if let Ok(key) = std::env::var(SIGNING_KEY_ENV) {
             raw.signing.key = Some(Secret(key));
         }
@@ -247,6 +245,123 @@ impl Config {
             raw.console.token = Some(Secret(token));
         }
         raw.validate_with(&OtelEnv::from_process())
+    }
+}
+
+/// The `RELAY_*` variables as a figment provider that keeps each value's text as written, so
+/// that a string key (`relay.instance_id`, a header value) set to `00123` or `1.50` is that
+/// text. Figment's own provider parses every value (`00123` becomes the number 123); here a
+/// value is read that way only for the keys in `parsed`: those that turned out to take a
+/// number or a boolean ([`extract_with_env`]). A value written as an array or a table
+/// (`[a, b]`, `{k = v}`) is parsed as before.
+#[derive(Clone)]
+struct EnvText {
+    env: Env,
+    // Dotted keys, as the provider names them (lower case), read as figment parses them.
+    parsed: std::collections::HashSet<String>,
+}
+
+impl EnvText {
+    fn new(env: Env) -> Self {
+        Self {
+            env,
+            parsed: std::collections::HashSet::new(),
+        }
+    }
+
+    /// The value of the variable for `key` as figment parses it, when that is a number, a
+    /// boolean or a character rather than the text itself.
+    fn parses_otherwise(&self, key: &str) -> bool {
+        self.env.iter().any(|(k, raw)| {
+            k.as_str() == key
+                && matches!(
+                    parse_env_value(&raw),
+                    Value::Num(..) | Value::Bool(..) | Value::Char(..)
+                )
+        })
+    }
+}
+
+/// `raw` as figment's environment provider reads it (numbers, booleans, arrays, tables, or
+/// else the text).
+fn parse_env_value(raw: &str) -> Value {
+    match raw.parse::<Value>() {
+        Ok(value) => value,
+        Err(never) => match never {},
+    }
+}
+
+impl Provider for EnvText {
+    fn metadata(&self) -> Metadata {
+        self.env.metadata()
+    }
+
+    fn data(&self) -> Result<figment::value::Map<Profile, Dict>, figment::Error> {
+        let mut dict = Dict::new();
+        for (key, raw) in self.env.iter() {
+            let parsed = parse_env_value(&raw);
+            let value = if self.parsed.contains(key.as_str())
+                || matches!(parsed, Value::Dict(..) | Value::Array(..))
+            {
+                parsed
+            } else {
+                Value::from(raw)
+            };
+            if let Value::Dict(_, nested) = figment::util::nest(key.as_str(), value) {
+                merge_dict(&mut dict, nested);
+            }
+        }
+        Ok(self.env.profile.collect(dict))
+    }
+}
+
+/// `from` merged into `into`, tables key by key, a later value replacing an earlier one.
+fn merge_dict(into: &mut Dict, from: Dict) {
+    for (key, value) in from {
+        match (into.get_mut(&key), value) {
+            (Some(Value::Dict(_, existing)), Value::Dict(_, nested)) => {
+                merge_dict(existing, nested);
+            }
+            (_, value) => {
+                into.insert(key, value);
+            }
+        }
+    }
+}
+
+/// `figment` (defaults and file) with `env` merged over it, as [`RawConfig`], or the error
+/// naming the key (and variable) at fault. An environment
+/// value is text first; where a key takes a number or a boolean and the text did not fit
+/// ("expected u64, found string"), it is read again as figment parses it (`500`, `true`),
+/// one key at a time. A string key thus keeps the text as written, a numeric key parses it
+/// as before, and a value that is neither is rejected as before.
+fn extract_with_env(figment: &Figment, mut env: EnvText) -> Result<RawConfig, ConfigError> {
+    loop {
+        let error = match figment.clone().merge(env.clone()).extract::<RawConfig>() {
+            Ok(raw) => return Ok(raw),
+            Err(error) => error,
+        };
+        let retry = error.clone().into_iter().find_map(|e| {
+            let from_env = e
+                .metadata
+                .as_ref()
+                .is_some_and(|m| m.source.is_none() && m.name.contains("environment variable"));
+            let key = e.path.join(".");
+            (from_env
+                && matches!(
+                    e.kind,
+                    figment::error::Kind::InvalidType(figment::error::Actual::Str(_), _)
+                )
+                && !env.parsed.contains(&key)
+                && env.parses_otherwise(&key))
+            .then_some(key)
+        });
+        match retry {
+            Some(key) => {
+                env.parsed.insert(key);
+            }
+            None => return Err(ConfigError::Load(describe_figment_error(error))),
+        }
     }
 }
 
@@ -504,6 +619,80 @@ pub(super) mod tests {
             panic!("rabbitmq")
         };
         assert_eq!(q.exchange, "from-env");
+    }
+
+    #[test]
+    fn environment_text_stays_text_for_string_keys_while_numeric_keys_parse() {
+        let c = load_str(
+            "",
+            &[
+                ("RELAY__INSTANCE_ID", "1"),
+                ("RELAY__SOURCE", "0042"),
+                ("RELAY__BATCH_SIZE", "200"),
+                ("RELAY__NOTIFY", "false"),
+                ("RETRY__JITTER", "0.1"),
+                ("RETRY__MAX_ATTEMPTS", "007"),
+                ("SIGNING__KEY_ID", "02026"),
+                (
+                    "SIGNING__KEY",
+                    "base64:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=",
+                ),
+                ("PUBLISHER__RABBITMQ__EXCHANGE", "1.50"),
+                ("PUBLISHER__RABBITMQ__DECLARE_EXCHANGE", "true"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.instance_id, "1");
+        assert_eq!(c.relay.source, "0042");
+        assert_eq!(c.relay.batch_size, 200);
+        assert!(!c.relay.notify);
+        assert_eq!(c.retry.jitter, 0.1);
+        assert_eq!(c.retry.max_attempts, 7);
+        assert_eq!(c.signing.map(|s| s.key_id).as_deref(), Some("02026"));
+        let PublisherConfig::RabbitMq(q) = c.publisher else {
+            panic!("rabbitmq")
+        };
+        assert_eq!(q.exchange, "1.50");
+        assert!(q.declare_exchange);
+
+        let c = load_str(
+            "[publisher]\nkind = \"nats\"\n",
+            &[
+                ("PUBLISHER__NATS__SUBJECT", "123"),
+                ("PUBLISHER__NATS__DECLARE_STREAM", "2026"),
+            ],
+        )
+        .unwrap();
+        let PublisherConfig::Nats(n) = c.publisher else {
+            panic!("nats")
+        };
+        assert_eq!(n.subject.as_str(), "123");
+        assert_eq!(n.declare_stream.as_deref(), Some("2026"));
+
+        let c = load_str(
+            "[publisher]\nkind = \"redis\"\n",
+            &[("PUBLISHER__REDIS__STREAM", "00123")],
+        )
+        .unwrap();
+        let PublisherConfig::Redis(r) = c.publisher else {
+            panic!("redis")
+        };
+        assert_eq!(r.stream.as_str(), "00123");
+    }
+
+    #[test]
+    fn a_value_that_fits_no_type_is_still_rejected_naming_its_variable() {
+        for (var, value) in [
+            ("RELAY__BATCH_SIZE", "1.5"),
+            ("RELAY__NOTIFY", "maybe"),
+            ("RELAY__POLL_INTERVAL", "5"),
+        ] {
+            let e = load_str("", &[(var, value)]).unwrap_err().to_string();
+            assert!(e.contains(&format!("RELAY_{var}")), "{var}: {e}");
+        }
+        // A file's value keeps its type: a quoted number is no number there.
+        let e = err("[relay]\nbatch_size = \"200\"\n");
+        assert!(e.contains("relay.batch_size"), "{e}");
     }
 
     #[test]
