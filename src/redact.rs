@@ -5,12 +5,29 @@
 /// `user:pass@` userinfo masked as a precaution.
 pub fn redact_url(raw: &str) -> String {
     if raw.contains("://") {
-        return redact_userinfo(raw);
+        return redact_userinfo(raw, Userinfo::User);
     }
     redact_keyword_password(raw)
 }
 
-fn redact_userinfo(raw: &str) -> String {
+/// As [`redact_url`], for URLs whose userinfo is a credential even without a password (an
+/// HTTP endpoint's `https://APIKEY@host/`): a userinfo without `:` is masked whole, as `***@`;
+/// `user:pass@` still shows its user, as `user:***@`.
+pub fn redact_url_tokens(raw: &str) -> String {
+    if raw.contains("://") {
+        return redact_userinfo(raw, Userinfo::Token);
+    }
+    redact_keyword_password(raw)
+}
+
+/// What a userinfo without `:` is: a user name (shown) or a token (masked).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Userinfo {
+    User,
+    Token,
+}
+
+fn redact_userinfo(raw: &str, bare: Userinfo) -> String {
     // Works on comma-separated broker lists too: each `user:pass@` is masked.
     let mut out = String::with_capacity(raw.len());
     let mut rest = raw;
@@ -27,6 +44,7 @@ fn redact_userinfo(raw: &str) -> String {
                         out.push_str(&userinfo[..colon]);
                         out.push_str(":***");
                     }
+                    None if bare == Userinfo::Token => out.push_str("***"),
                     None => out.push_str(userinfo),
                 }
                 out.push_str(&authority[at..]);
@@ -69,7 +87,7 @@ fn redact_keyword_password(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{redact_url, redact_url_tokens};
 
     #[test]
     fn masks_url_password() {
@@ -105,6 +123,27 @@ mod tests {
         assert_eq!(
             redact_url("host=db user=app password=hunter2 dbname=x"),
             "host=db user=app password=*** dbname=x"
+        );
+    }
+
+    #[test]
+    fn token_variant_masks_a_bare_userinfo_and_keeps_the_rest() {
+        assert_eq!(
+            redact_url_tokens("http://APIKEYSECRET@127.0.0.1:19201/hook"),
+            "http://***@127.0.0.1:19201/hook"
+        );
+        assert_eq!(
+            redact_url_tokens("https://user:s3cret@h.example.com/x?password=p"),
+            "https://user:***@h.example.com/x?password=***"
+        );
+        assert_eq!(
+            redact_url_tokens("https://h.example.com/a@b"),
+            "https://h.example.com/a@b"
+        );
+        // The plain variant still shows a user name without a password.
+        assert_eq!(
+            redact_url("http://APIKEYSECRET@127.0.0.1/hook"),
+            "http://APIKEYSECRET@127.0.0.1/hook"
         );
     }
 }

@@ -106,7 +106,9 @@ async fn counting(
     .await
 }
 
-/// Userinfo in the URL (docs/http.md) is sent as Basic authentication and masked in logs.
+/// Userinfo in the URL (docs/http.md) is sent as Basic authentication and masked in logs; a
+/// row's `Authorization` never replaces it (left out with one warning), and `outbox-signature`
+/// signs the URL as sent, without the userinfo.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn userinfo_in_the_url_is_sent_as_basic_authentication() {
     let table = TestTable::new("http_basic").await;
@@ -114,20 +116,102 @@ async fn userinfo_in_the_url_is_sent_as_basic_authentication() {
     let url = endpoint
         .url("/basic")
         .replacen("http://", "http://hook-user:s3cret-pw@", 1);
-    let id = table
-        .insert_one(NewRow::new("order", Some("o-1"), "created", json!({})))
-        .await;
-    let relay = http_relay(&table, &url, "http-basic").spawn();
+    let mut rows = Vec::new();
+    for (i, name) in ["Authorization", "authorization", "AUTHORIZATION"]
+        .iter()
+        .enumerate()
+    {
+        rows.push(
+            NewRow::new("order", Some(&format!("o-{i}")), "created", json!({}))
+                .headers(json!({ *name: "Bearer row-chosen", "x-tenant": "t1" })),
+        );
+    }
+    let ids = table.insert_ids(&rows).await;
+    let relay = http_relay(&table, &url, "http-basic")
+        .set("signing.key_id", "k1")
+        .set("signing.key", SECRET)
+        .spawn();
     table.wait_all_sent(WAIT).await;
     let got = by_id(&endpoint.messages());
-    let request = &got[&id.to_string()][0];
-    // base64("hook-user:s3cret-pw")
-    let basic = "Basic aG9vay11c2VyOnMzY3JldC1wdw==";
-    assert_eq!(request.header("authorization"), Some(basic));
+    let key = STANDARD.decode(&SECRET[6..]).unwrap();
+    let keys: HashMap<&str, &[u8]> = HashMap::from([("k1", key.as_slice())]);
+    let sent_url = endpoint.url("/basic");
+    assert!(!sent_url.contains('@'));
+    for id in &ids {
+        let id = id.to_string();
+        let request = &got[&id][0];
+        // base64("hook-user:s3cret-pw")
+        let basic = "Basic aG9vay11c2VyOnMzY3JldC1wdw==";
+        assert_eq!(request.header_all("authorization"), [basic]);
+        assert_eq!(request.header("x-tenant"), Some("t1"));
+        // The routing line is the URL without the userinfo: the receiver needs no password.
+        let attrs = [
+            id.as_str(),
+            request.header("ce-source").unwrap(),
+            request.header("ce-type").unwrap(),
+            request.header("ce-subject").unwrap(),
+            sent_url.as_str(),
+            request.header("ce-time").unwrap(),
+            "application/json",
+        ];
+        let sig = request.header("outbox-signature").unwrap();
+        assert!(
+            verify::verify(sig, &keys, attrs, &request.body),
+            "{sig} over {attrs:?}"
+        );
+    }
     let logs = relay.stderr();
     assert!(
         !logs.contains("s3cret-pw"),
         "the password is logged:\n{logs}"
+    );
+    for name in ["Authorization", "authorization", "AUTHORIZATION"] {
+        let warned = logs
+            .lines()
+            .filter(|l| {
+                l.contains("row header left out")
+                    && l.split_whitespace().any(|w| w == format!("header={name}"))
+            })
+            .count();
+        assert_eq!(warned, 1, "{name}: {}", relay.tail(30));
+    }
+    relay.stop().await;
+    table.drop_table().await;
+}
+
+/// A bare token as the URL's userinfo (`http://TOKEN@host/`) is sent as Basic authentication
+/// (the token as the user, an empty password) and shown as `***@` by `check`, the logs and
+/// the start line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_in_the_url_is_sent_as_basic_authentication_and_never_shown() {
+    let table = TestTable::new("http_token").await;
+    let endpoint = Endpoint::start(|_| Reply::status(200)).await;
+    let url = endpoint
+        .url("/hook")
+        .replacen("http://", "http://APIKEYSECRET@", 1);
+    let masked = endpoint.url("/hook").replacen("http://", "http://***@", 1);
+    let out = http_relay(&table, &url, "http-token-check")
+        .output(&["check"], WAIT)
+        .await;
+    assert!(out.status.success(), "{out:?}");
+    out.assert_stdout_has(&format!("broker: ok (http POST {masked}"));
+    assert!(!format!("{out:?}").contains("APIKEYSECRET"), "{out:?}");
+    let id = table
+        .insert_one(NewRow::new("order", Some("o-1"), "created", json!({})))
+        .await;
+    let relay = http_relay(&table, &url, "http-token").spawn();
+    table.wait_all_sent(WAIT).await;
+    let got = by_id(&endpoint.messages());
+    // base64("APIKEYSECRET:")
+    assert_eq!(
+        got[&id.to_string()][0].header("authorization"),
+        Some("Basic QVBJS0VZU0VDUkVUOg==")
+    );
+    let logs = relay.stderr();
+    assert!(logs.contains(&masked), "{}", relay.tail(30));
+    assert!(
+        !logs.contains("APIKEYSECRET"),
+        "the token is logged:\n{logs}"
     );
     relay.stop().await;
     table.drop_table().await;

@@ -9,11 +9,12 @@ use reqwest::header::{HeaderName, HeaderValue};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use super::{ConfigError, HumanDuration, choose, positive};
-use crate::redact::redact_url;
+use crate::redact::redact_url_tokens;
 use crate::template::{Fields, Template};
 
-/// A static header value as written: text, or a number or boolean the environment provider
-/// parsed from `RELAY_PUBLISHER__HTTP__HEADERS__<NAME>` (kept as its text). `Debug` hides it.
+/// A static header value as written: text (from the file, or from
+/// `RELAY_PUBLISHER__HTTP__HEADERS__<NAME>` exactly as set), or a number or boolean written
+/// unquoted in the file (sent as its text). `Debug` hides it.
 #[derive(Clone, Serialize, PartialEq, Eq)]
 #[serde(transparent)]
 pub struct HeaderText(pub String);
@@ -131,7 +132,7 @@ impl std::fmt::Debug for HttpConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let names: Vec<&str> = self.headers.iter().map(|(n, _)| n.as_str()).collect();
         f.debug_struct("HttpConfig")
-            .field("url", &redact_url(self.url.as_str()))
+            .field("url", &redact_url_tokens(self.url.as_str()))
             .field("method", &self.method)
             .field("mode", &self.mode)
             .field("headers", &format_args!("{names:?} (values redacted)"))
@@ -238,7 +239,7 @@ impl RawHttp {
 /// The URL template and its origin, or the rejection naming `publisher.http.url`.
 fn validate_url(raw: &str) -> Result<(Template, String), ConfigError> {
     const KEY: &str = "publisher.http.url";
-    let shown = redact_url(raw);
+    let shown = redact_url_tokens(raw);
     if raw.trim().is_empty() {
         return Err(ConfigError::invalid(
             KEY,
@@ -355,20 +356,23 @@ mod tests {
 
     #[test]
     fn header_values_from_the_environment_may_look_like_numbers() {
-        // As written with `-`, and as a shell can spell it: `_` is sent as `-`.
+        // As written with `-`, and as a shell can spell it: `_` is sent as `-`. The text is
+        // kept as written: no leading zero or trailing zero is lost.
         for var in [
             "PUBLISHER__HTTP__HEADERS__X-API-KEY",
             "PUBLISHER__HTTP__HEADERS__X_API_KEY",
         ] {
-            let c = load_str(&http("url = \"http://127.0.0.1/\""), &[(var, "12345")]).unwrap();
-            let PublisherConfig::Http(h) = c.publisher else {
-                panic!("http")
-            };
-            assert_eq!(
-                h.headers,
-                vec![("x-api-key".to_owned(), "12345".to_owned())],
-                "{var}"
-            );
+            for value in ["12345", "00123", "1.50", "true", "-0", "1e3"] {
+                let c = load_str(&http("url = \"http://127.0.0.1/\""), &[(var, value)]).unwrap();
+                let PublisherConfig::Http(h) = c.publisher else {
+                    panic!("http")
+                };
+                assert_eq!(
+                    h.headers,
+                    vec![("x-api-key".to_owned(), value.to_owned())],
+                    "{var}"
+                );
+            }
         }
     }
 

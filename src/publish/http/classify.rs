@@ -8,7 +8,7 @@ use reqwest::{Response, StatusCode};
 
 use super::{HttpPublisher, MAX_RETRY_AFTER};
 use crate::publish::Outcome;
-use crate::redact::redact_url;
+use crate::redact::redact_url_tokens;
 
 /// How much of a 2xx answer's body is read (so the connection can be reused); past this the
 /// rest is not read and the connection is closed.
@@ -69,7 +69,7 @@ impl HttpPublisher {
                     .headers()
                     .get(reqwest::header::LOCATION)
                     .and_then(|l| l.to_str().ok())
-                    .map(|l| format!(" (Location: {}; redirects are not followed)", redact_url(l)))
+                    .map(|l| format!(" (Location: {}; redirects are not followed)", redact_url_tokens(l)))
                     .unwrap_or_default();
                 let body = body_start(response).await;
                 self.answered();

@@ -8,7 +8,7 @@ use reqwest::Client;
 use super::{HttpPublisher, StatusClass, classify_status, retry_after};
 use crate::config::HttpConfig;
 use crate::publish::ConnectError;
-use crate::redact::redact_url;
+use crate::redact::redact_url_tokens;
 
 /// The client: rustls with the system trust store, no redirects, the configured timeout.
 pub(super) fn build_client(cfg: &HttpConfig) -> Result<Client, String> {
@@ -50,12 +50,12 @@ impl HttpPublisher {
             }
             source = s.source();
         }
-        redact_url(&parts.join(": "))
+        redact_url_tokens(&parts.join(": "))
     }
 
     /// `HEAD` to the URL's origin: `Ok` when the endpoint answers at all.
     pub(super) async fn probe(&self, client: &Client) -> Result<(), ConnectError> {
-        let origin = redact_url(&self.cfg.origin);
+        let origin = redact_url_tokens(&self.cfg.origin);
         match client.head(&self.cfg.origin).send().await {
             Ok(response) => {
                 let status = response.status();

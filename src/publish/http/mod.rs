@@ -38,7 +38,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use base64::Engine as _;
+use reqwest::header::{AUTHORIZATION, HeaderMap, HeaderName, HeaderValue};
 use reqwest::{Client, Url};
 use tokio::time::Instant;
 
@@ -48,7 +49,7 @@ use super::{ConnectError, Outcome, Publisher};
 use crate::backoff::Backoff;
 use crate::config::{HttpConfig, HttpMode};
 use crate::message::OutboxMessage;
-use crate::redact::redact_url;
+use crate::redact::redact_url_tokens;
 use crate::template::Fields;
 
 /// The longest `Retry-After` honoured: a larger one (or a date further ahead) waits this long.
@@ -62,6 +63,7 @@ pub struct HttpPublisher {
     method: reqwest::Method,
     // The URL parsed once, when the template has no placeholder.
     fixed_url: Option<Url>,
+    // `publisher.http.headers`, and the URL's userinfo as `Authorization` unless one is set.
     static_headers: HeaderMap,
     // False while paused after a connection-level failure, and before the first connect.
     connected: AtomicBool,
@@ -99,11 +101,20 @@ impl HttpPublisher {
             crate::config::HttpMethod::Put => reqwest::Method::PUT,
             crate::config::HttpMethod::Patch => reqwest::Method::PATCH,
         };
+        // Userinfo never travels in the URL: it becomes the `Authorization` header, one of the
+        // static headers (a configured `Authorization` replaces it), so that a row's
+        // `Authorization` is left out as for any static header's name.
+        if let Some(basic) = basic_authorization(&cfg)
+            && !static_headers.contains_key(AUTHORIZATION)
+        {
+            static_headers.insert(AUTHORIZATION, basic);
+        }
         let fixed_url = cfg
             .url
             .is_literal()
             .then(|| Url::parse(&cfg.url.render(&Fields::default())).ok())
-            .flatten();
+            .flatten()
+            .map(without_userinfo);
         Self {
             cfg,
             client,
@@ -154,6 +165,62 @@ impl HttpPublisher {
     }
 }
 
+/// The `Authorization: Basic …` header of the URL's userinfo (`user:password@`, or `token@`
+/// with an empty password), percent-decoded; `None` without userinfo. The userinfo is literal
+/// text (validation keeps placeholders out of the authority), so a sample rendering has it.
+fn basic_authorization(cfg: &HttpConfig) -> Option<HeaderValue> {
+    let url = Url::parse(&cfg.url.render(&Fields {
+        aggregate_type: "a",
+        event_type: "e",
+        aggregate_id: Some("i"),
+    }))
+    .ok()?;
+    if url.username().is_empty() && url.password().is_none() {
+        return None;
+    }
+    let mut credentials = percent_decode(url.username());
+    credentials.push(b':');
+    credentials.extend(percent_decode(url.password().unwrap_or_default()));
+    let encoded = base64::engine::general_purpose::STANDARD.encode(credentials);
+    let mut value = HeaderValue::from_str(&format!("Basic {encoded}")).ok()?;
+    value.set_sensitive(true);
+    Some(value)
+}
+
+/// `url` without its userinfo: what goes on the request line (and `Host`), and the routing
+/// line `outbox-signature` signs.
+fn without_userinfo(mut url: Url) -> Url {
+    // Only fails for URLs without a host, which validation rejects; the URL is kept as is then.
+    let _ = url.set_username("");
+    let _ = url.set_password(None);
+    url
+}
+
+/// The bytes `%XX` escapes stand for; anything else is kept as written.
+fn percent_decode(text: &str) -> Vec<u8> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let escaped = (bytes[i] == b'%')
+            .then(|| bytes.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escaped {
+            Some(b) => {
+                out.push(b);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
 #[async_trait]
 impl Publisher for HttpPublisher {
     fn kind(&self) -> &'static str {
@@ -176,7 +243,7 @@ impl Publisher for HttpPublisher {
         format!(
             "http {} {} (CloudEvents {mode} mode)",
             self.cfg.method.as_str(),
-            redact_url(self.cfg.url.as_str())
+            redact_url_tokens(self.cfg.url.as_str())
         )
     }
 
@@ -291,5 +358,23 @@ mod tests {
         ));
         assert_eq!(p.kind(), "http");
         assert!(p.describe().contains("POST http://127.0.0.1:9/x"));
+    }
+
+    #[test]
+    fn describe_masks_a_token_and_a_password_in_the_url() {
+        let token = publisher("http://APIKEYSECRET@127.0.0.1:9/x", HttpMode::Binary, &[]);
+        assert!(
+            token.describe().contains("POST http://***@127.0.0.1:9/x"),
+            "{}",
+            token.describe()
+        );
+        let password = publisher("http://user:pw@127.0.0.1:9/x", HttpMode::Binary, &[]);
+        assert!(
+            password
+                .describe()
+                .contains("http://user:***@127.0.0.1:9/x")
+        );
+        let shown = format!("{:?}", token.cfg);
+        assert!(!shown.contains("APIKEYSECRET"), "{shown}");
     }
 }

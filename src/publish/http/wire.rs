@@ -23,7 +23,8 @@ pub const STRUCTURED_CONTENT_TYPE: &str = "application/cloudevents+json";
 
 impl HttpPublisher {
     /// The URL of `msg`: the template with the row's values percent-encoded, the path replaced
-    /// by the row's `destination` when it has one.
+    /// by the row's `destination` when it has one, without the userinfo (sent as the
+    /// `Authorization` header instead).
     pub fn url_for(&self, msg: &OutboxMessage) -> Result<Url, String> {
         let mut url = match &self.fixed_url {
             Some(url) => url.clone(),
@@ -36,7 +37,9 @@ impl HttpPublisher {
                     },
                     percent_encode,
                 );
-                Url::parse(&rendered).map_err(|e| format!("the rendered URL is not valid: {e}"))?
+                Url::parse(&rendered)
+                    .map(super::without_userinfo)
+                    .map_err(|e| format!("the rendered URL is not valid: {e}"))?
             }
         };
         if let Some(path) = msg.destination.as_deref().filter(|d| !d.is_empty()) {
@@ -127,7 +130,7 @@ impl HttpPublisher {
 
     /// Whether a row header named `name` is left out because the relay or HTTP sets it (but
     /// for the trace context, which the relay sends as the row or the tracer gives it), or a
-    /// static header has that name.
+    /// static header has that name (`Authorization` too when the URL holds userinfo).
     fn is_reserved(&self, name: &str) -> bool {
         let reserved = RESERVED_HEADERS
             .iter()
@@ -404,6 +407,59 @@ mod tests {
             p.destination_name(&m, &env(false)),
             "hooks.example.com/in/order"
         );
+    }
+
+    #[test]
+    fn userinfo_is_sent_as_basic_authorization_which_a_rows_authorization_never_replaces() {
+        // A bare token is a user name with an empty password; `%40` is decoded.
+        for (url, basic) in [
+            (
+                "http://us%40r:s3cret@127.0.0.1:9/x",
+                "Basic dXNAcjpzM2NyZXQ=",
+            ),
+            (
+                "http://APIKEYSECRET@127.0.0.1:9/{event_type}",
+                "Basic QVBJS0VZU0VDUkVUOg==",
+            ),
+        ] {
+            let p = publisher(url, HttpMode::Binary, &[]);
+            let m = message(r#"{"AUTHORIZATION":"Bearer row-chosen","x-keep":"k"}"#);
+            let url = p.url_for(&m).unwrap();
+            assert!(!url.as_str().contains('@'), "{url}");
+            let (h, _) = p.request_parts(&m, &env(true), &url).unwrap();
+            let all: Vec<&str> = h
+                .get_all("authorization")
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect();
+            assert_eq!(all, [basic]);
+            assert_eq!(h["x-keep"], "k");
+            assert!(p.warned.lock().unwrap().contains("AUTHORIZATION"));
+            // The routing line signed is the URL as sent: no userinfo.
+            assert_eq!(
+                h[crate::signing::HEADER].to_str().unwrap(),
+                crate::publish::envelope::signature(&m, &env(true), url.as_str()).unwrap()
+            );
+            assert!(!format!("{h:?}").contains(basic));
+        }
+    }
+
+    #[test]
+    fn a_static_authorization_replaces_the_userinfo_and_wins_over_the_rows() {
+        let p = publisher(
+            "http://user:pw@127.0.0.1:9/x",
+            HttpMode::Binary,
+            &[("authorization", "Bearer static")],
+        );
+        let m = message(r#"{"Authorization":"Bearer row-chosen"}"#);
+        let url = p.url_for(&m).unwrap();
+        let (h, _) = p.request_parts(&m, &env(false), &url).unwrap();
+        let all: Vec<&str> = h
+            .get_all("authorization")
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(all, ["Bearer static"]);
     }
 
     #[test]
