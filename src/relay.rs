@@ -828,6 +828,7 @@ impl<'a> Dispatch<'a> {
             Ok(claim) => {
                 self.lost_claims.answer_lost(claim.answer_lost);
                 self.held_by_locks(&claim.locked_aggregates, now);
+                relay.metrics.dead_lettered(claim.unreadable as u64);
                 record_expired(&relay.metrics, &claim.expired);
                 if claim.uneven {
                     self.split.uneven(now);

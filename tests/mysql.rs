@@ -435,3 +435,80 @@ async fn a_row_locked_in_view_is_contention_not_a_hold_back() {
     rabbit.teardown().await;
     table.drop_table().await;
 }
+
+/// Rows an application wrote that the relay cannot take as they are never stop the others:
+/// a zero `created_at` (a server without `NO_ZERO_DATE` stores it) reads as the epoch and goes
+/// out; NULL `headers` (a table that lets them be) are no headers; a NULL `event_type` (a
+/// table that lets it be) is no message any transport could carry: it becomes a dead letter at
+/// once, naming the column, while the rows around it go out and the database never counts as
+/// down. `dead-letters list` shows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_the_relay_cannot_take_as_they_are_never_stop_the_others() {
+    let (table, rabbit) = table_and_exchange("my_odd_rows").await;
+    let t = &table.name;
+    table
+        .execute(&format!(
+            "ALTER TABLE {t} MODIFY headers JSON NULL, MODIFY event_type VARCHAR(255) NULL"
+        ))
+        .await;
+    let mut conn = table.conn().await;
+    conn.query_drop("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'")
+        .await
+        .unwrap();
+    let ids: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    // (aggregate, event_type, extra column, its value)
+    let rows = [
+        ("Z", "'zero.date'", "created_at", "'0000-00-00 00:00:00'"),
+        ("N", "'null.headers'", "headers", "NULL"),
+        ("E", "NULL", "headers", "'{}'"),
+        ("F", "'fine'", "headers", "'{}'"),
+    ];
+    for (id, (agg, event, column, value)) in ids.iter().zip(rows) {
+        let sql = format!(
+            "INSERT INTO {t} (id, aggregate_type, aggregate_id, event_type, payload, {column}) \
+             VALUES ('{id}', 'order', '{agg}', {event}, '{{}}', {value})"
+        );
+        conn.query_drop(sql.as_str())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let port = common::free_port();
+    let relay = relay(&table, &rabbit, "my-odd-rows")
+        .set("metrics.listen", format!("127.0.0.1:{port}"))
+        .spawn();
+    rabbit.wait_for_ids(&[ids[0], ids[1], ids[3]], WAIT).await;
+    let dead = ids[2];
+    let state = format!("SELECT status, attempts, last_error FROM {t} WHERE id = '{dead}'");
+    let mut probe = table.conn().await;
+    let (attempts, error) =
+        common::wait_until(WAIT, "the unreadable row is a dead letter", async || {
+            let (status, attempts, error): (String, i32, Option<String>) =
+                probe.query_first(state.as_str()).await.unwrap().unwrap();
+            match status.as_str() {
+                "failed" => Ok((attempts, error.unwrap_or_default())),
+                other => Err(other.to_owned()),
+            }
+        })
+        .await;
+    assert!(
+        error.starts_with("the relay cannot read this row: column event_type"),
+        "{error}"
+    );
+    assert_eq!(attempts, 0, "no attempt was spent on it");
+    assert_eq!(relay.log_count("database unavailable"), 0);
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let ready = common::http_get(addr, "/readyz").await.unwrap();
+    assert_eq!(ready.0, 200, "{ready:?}");
+    let listed = RelayBuilder::for_mysql(&table, "my-odd-rows-op")
+        .output(&["dead-letters", "list", "--json"], WAIT)
+        .await;
+    assert!(listed.status.success(), "{}", listed.stderr);
+    assert!(
+        listed.stdout.contains(&dead.to_string()),
+        "{}",
+        listed.stdout
+    );
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}

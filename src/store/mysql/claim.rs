@@ -140,6 +140,32 @@ impl ClaimSql {
         )
     }
 
+    /// Makes each `(seq, why)` of `unreadable` (rows this claim read and locked, but cannot
+    /// read) a dead letter at once, `last_error` saying why: no attempt could ever publish
+    /// it, and it must not stop the rows around it. A dead letter holds back the rest of its
+    /// aggregate, as any does. Returns how many.
+    async fn dead_letter(
+        &self,
+        tx: &mut Transaction<'_>,
+        unreadable: &[(i64, String)],
+    ) -> Result<usize> {
+        for (seq, why) in unreadable {
+            tracing::warn!(seq, error = %why, "a row the relay cannot read is dead-lettered; fix or delete it, then `outbox-relay dead-letters retry`");
+            tx.query_drop(self.unreadable(*seq, why)).await?;
+        }
+        Ok(unreadable.len())
+    }
+
+    /// The statement [`ClaimSql::dead_letter`] runs for one row.
+    fn unreadable(&self, seq: i64, why: &str) -> String {
+        let error = literal(&format!("the relay cannot read this row: {why}"));
+        format!(
+            "UPDATE {} SET status = 'failed', locked_by = NULL, locked_at = NULL, \
+             last_error = {error} WHERE seq = {seq}",
+            self.t
+        )
+    }
+
     /// The next window of an ordered claim: up to `scan` ready rows after `after`,
     /// leaving out the aggregates `skip` (held back in the windows before), locked.
     fn rows_after(&self, after: i64, skip: &[(String, String)], scan: i64) -> String {
@@ -217,6 +243,10 @@ impl ClaimSql {
                 self.probe(&[("order", "42", 8), ("invoice", "7", 9)]),
             ),
             ("claim.seen", self.seen(&[("order", "42", 8)])),
+            (
+                "claim.unreadable",
+                self.unreadable(7, "column headers is NULL"),
+            ),
             (
                 "claim.mark_claimed",
                 self.mark_claimed(seqs, &literal("relay-1")),
@@ -318,7 +348,39 @@ pub(super) fn column<T: FromValue>(row: &mut Row, i: usize, name: &str) -> Resul
     }
 }
 
-/// A row in [`COLUMNS`] order.
+/// Column `i` of `row` as a point in time (UTC), or `None` for NULL. MySQL's zero date
+/// (`0000-00-00`, which a server without `NO_ZERO_DATE` stores as written) is no date: it reads
+/// as the Unix epoch, the earliest time there is, as the server's comparisons order it.
+pub(super) fn time_column(
+    row: &mut Row,
+    i: usize,
+    name: &str,
+) -> Result<Option<chrono::DateTime<chrono::Utc>>> {
+    match column::<mysql_async::Value>(row, i, name)? {
+        mysql_async::Value::NULL => Ok(None),
+        mysql_async::Value::Date(_, 0, ..) | mysql_async::Value::Date(_, _, 0, ..) => {
+            Ok(Some(chrono::DateTime::UNIX_EPOCH))
+        }
+        value => chrono::NaiveDateTime::from_value_opt(value)
+            .map(|t| Some(utc(t)))
+            .map_err(|e| {
+                StoreError::Schema(format!(
+                    "column {name} holds a value the relay cannot read: {e}"
+                ))
+            }),
+    }
+}
+
+/// Column `i` of `row` as a point in time that may not be NULL (see [`time_column`]).
+pub(super) fn required_time(
+    row: &mut Row,
+    i: usize,
+    name: &str,
+) -> Result<chrono::DateTime<chrono::Utc>> {
+    time_column(row, i, name)?.ok_or_else(|| StoreError::Schema(format!("column {name} is NULL")))
+}
+
+/// A row in [`COLUMNS`] order. NULL `headers` (a table that lets them be) are no headers.
 fn message_of(mut r: Row) -> Result<OutboxMessage> {
     let id: String = column(&mut r, 1, "id")?;
     Ok(OutboxMessage {
@@ -328,13 +390,36 @@ fn message_of(mut r: Row) -> Result<OutboxMessage> {
         aggregate_id: column(&mut r, 3, "aggregate_id")?,
         event_type: column(&mut r, 4, "event_type")?,
         payload: column(&mut r, 5, "payload")?,
-        headers: column(&mut r, 6, "headers")?,
+        headers: column::<Option<Vec<u8>>>(&mut r, 6, "headers")?.unwrap_or_else(|| b"{}".to_vec()),
         destination: column(&mut r, 7, "destination")?,
         attempts: column(&mut r, 8, "attempts")?,
-        created_at: utc(column(&mut r, 9, "created_at")?),
-        expires_at: column::<Option<chrono::NaiveDateTime>>(&mut r, 10, "expires_at")?.map(utc),
+        created_at: required_time(&mut r, 9, "created_at")?,
+        expires_at: time_column(&mut r, 10, "expires_at")?,
         traceparent: None,
     })
+}
+
+/// Rows a claim read but cannot take: each one's `seq`, and why.
+type Unreadable = Vec<(i64, String)>;
+
+/// The rows of a claim's read (in [`COLUMNS`] order) the relay can read, and for each one it
+/// cannot (a value no transport could carry, or a NULL where it needs a value) its `seq` and
+/// why. Only an unreadable `seq` fails the whole read.
+fn readable(rows: Vec<Row>) -> Result<(Vec<OutboxMessage>, Unreadable)> {
+    let mut ok = Vec::with_capacity(rows.len());
+    let mut bad = Vec::new();
+    for r in rows {
+        // Read, not taken: `message_of` takes it again.
+        let seq: i64 = match r.get_opt::<i64, usize>(0) {
+            Some(Ok(seq)) => seq,
+            _ => return Err(StoreError::Schema("column seq is unreadable".into())),
+        };
+        match message_of(r) {
+            Ok(m) => ok.push(m),
+            Err(e) => bad.push((seq, e.to_string())),
+        }
+    }
+    Ok((ok, bad))
 }
 
 /// An ordered claim's candidate: the row, and its aggregate as a key.
@@ -343,16 +428,15 @@ struct Candidate {
     row: OutboxMessage,
 }
 
-/// A ready row (in [`COLUMNS`] order) as a candidate.
-fn candidate_of(r: Row) -> Result<Candidate> {
-    let row = message_of(r)?;
-    Ok(Candidate {
+/// A ready row as a candidate.
+fn candidate_of(row: OutboxMessage) -> Candidate {
+    Candidate {
         aggregate: row
             .aggregate_id
             .as_ref()
             .map(|id| (row.aggregate_type.clone(), id.clone())),
         row,
-    })
+    }
 }
 
 /// Each aggregate that holds candidates back, and the seq from which it does.
@@ -372,6 +456,8 @@ pub struct Guarded {
     pub probes: usize,
     /// Probes that met a locked row.
     pub locked: usize,
+    /// Rows read that the relay cannot read, made dead letters ([`ClaimSql::dead_letter`]).
+    pub unreadable: usize,
     /// The aggregates held back by a locked row before a candidate that this transaction
     /// cannot see: an insert not committed yet, what a long transaction holds back. (Rows
     /// another relay has locked are in view, and not counted.)
@@ -478,9 +564,9 @@ impl ClaimSql {
                 Some(last) => tx.query(self.rows_after(last.row.seq, &skip, scan)).await?,
             };
             let full = i64::try_from(window.len()).unwrap_or(i64::MAX) >= scan;
-            for r in window {
-                candidates.push(candidate_of(r)?);
-            }
+            let (window, unreadable) = readable(window)?;
+            guarded.unreadable += self.dead_letter(tx, &unreadable).await?;
+            candidates.extend(window.into_iter().map(candidate_of));
             guarded.windows += 1;
             let held = self.guard(tx, &candidates, &mut guarded).await?;
             let taken = free_of(&candidates, &held, limit);
@@ -682,13 +768,11 @@ impl MysqlStore {
             sweep => self.sweep(&mut tx, sweep, limit).await?,
         };
         let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
-        let (rows, locked_aggregates) = match ordering {
+        let (rows, locked_aggregates, unreadable) = match ordering {
             Ordering::None => {
                 let rows: Vec<Row> = tx.exec(&self.q.claim.ready_rows, (limit_i,)).await?;
-                let mut rows = rows
-                    .into_iter()
-                    .map(message_of)
-                    .collect::<Result<Vec<_>>>()?;
+                let (mut rows, unreadable) = readable(rows)?;
+                let unreadable = self.q.claim.dead_letter(&mut tx, &unreadable).await?;
                 let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
                 if !seqs.is_empty() {
                     let by = literal(&self.instance_id);
@@ -697,18 +781,19 @@ impl MysqlStore {
                 for r in &mut rows {
                     r.attempts += 1;
                 }
-                (rows, Vec::new())
+                (rows, Vec::new(), unreadable)
             }
             Ordering::Aggregate => self.claim_ordered(&mut tx, limit).await?,
         };
         tx.commit().await?;
         Ok(Claim {
-            more: rows.len() >= limit,
+            more: rows.len() + unreadable >= limit,
             rows,
             expired,
             uneven: false,
             answer_lost: false,
             locked_aggregates,
+            unreadable,
         })
     }
 
@@ -718,7 +803,7 @@ impl MysqlStore {
         &self,
         tx: &mut Transaction<'_>,
         limit: usize,
-    ) -> Result<(Vec<OutboxMessage>, Vec<(String, String)>)> {
+    ) -> Result<(Vec<OutboxMessage>, Vec<(String, String)>, usize)> {
         let by = literal(&self.instance_id);
         let (rows, g) = self.q.claim.take_ordered(tx, limit, &by).await?;
         tracing::debug!(
@@ -730,7 +815,11 @@ impl MysqlStore {
             probes_locked = g.locked,
             "ordered claim"
         );
-        Ok((rows, g.locked_aggregates.into_iter().collect()))
+        Ok((
+            rows,
+            g.locked_aggregates.into_iter().collect(),
+            g.unreadable,
+        ))
     }
 
     /// The expiry sweep inside `tx`: rows past their deadline among the first pending ones

@@ -5,9 +5,9 @@ use mysql_async::Row;
 use mysql_async::prelude::Queryable;
 use uuid::Uuid;
 
-use super::claim::column;
+use super::claim::{column, required_time, time_column};
 use super::operator::dead_letter;
-use super::{MysqlStore, Result, parse_id, utc};
+use super::{MysqlStore, Result, parse_id};
 use crate::store::{
     COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
 };
@@ -104,7 +104,6 @@ impl MysqlStore {
         let Some(mut r) = row else {
             return Ok(None);
         };
-        let at = |v: Option<chrono::NaiveDateTime>| v.map(utc);
         let id: String = column(&mut r, 0, "id")?;
         Ok(Some(MessageRow {
             id: parse_id(&id)?,
@@ -112,16 +111,16 @@ impl MysqlStore {
             status: column(&mut r, 2, "status")?,
             aggregate_type: column(&mut r, 3, "aggregate_type")?,
             aggregate_id: column(&mut r, 4, "aggregate_id")?,
-            event_type: column(&mut r, 5, "event_type")?,
+            event_type: column::<Option<String>>(&mut r, 5, "event_type")?.unwrap_or_default(),
             destination: column(&mut r, 6, "destination")?,
             attempts: column(&mut r, 7, "attempts")?,
             last_error: column(&mut r, 8, "last_error")?,
-            created_at: utc(column(&mut r, 9, "created_at")?),
-            available_at: utc(column(&mut r, 10, "available_at")?),
-            locked_at: at(column(&mut r, 11, "locked_at")?),
+            created_at: required_time(&mut r, 9, "created_at")?,
+            available_at: required_time(&mut r, 10, "available_at")?,
+            locked_at: time_column(&mut r, 11, "locked_at")?,
             locked_by: column(&mut r, 12, "locked_by")?,
-            sent_at: at(column(&mut r, 13, "sent_at")?),
-            expires_at: at(column(&mut r, 14, "expires_at")?),
+            sent_at: time_column(&mut r, 13, "sent_at")?,
+            expires_at: time_column(&mut r, 14, "expires_at")?,
             payload: column(&mut r, 15, "payload")?,
             headers: column(&mut r, 16, "headers")?,
         }))

@@ -6,8 +6,8 @@ use mysql_async::prelude::Queryable;
 use mysql_async::{Row, TxOpts};
 use uuid::Uuid;
 
-use super::claim::column;
-use super::{MysqlStore, Result, id_list, parse_id, utc};
+use super::claim::{column, required_time};
+use super::{MysqlStore, Result, id_list, parse_id};
 use crate::config::{Ordering, TableName};
 use crate::store::{
     Backlog, DeadLetter, HEAD_REACH, Selection, StatusCounts, StatusReport, StoreError,
@@ -157,11 +157,13 @@ pub(super) fn dead_letter(r: &mut Row) -> Result<DeadLetter> {
         seq: column(r, 1, "seq")?,
         aggregate_type: column(r, 2, "aggregate_type")?,
         aggregate_id: column(r, 3, "aggregate_id")?,
-        event_type: column(r, 4, "event_type")?,
+        // NULL in a table that lets it be (the row is then a dead letter the relay could not
+        // read): listed with an empty type, so the operator can find and fix it.
+        event_type: column::<Option<String>>(r, 4, "event_type")?.unwrap_or_default(),
         attempts: column(r, 5, "attempts")?,
         last_error: column(r, 6, "last_error")?,
-        created_at: utc(column(r, 7, "created_at")?),
-        available_at: utc(column(r, 8, "available_at")?),
+        created_at: required_time(r, 7, "created_at")?,
+        available_at: required_time(r, 8, "available_at")?,
     })
 }
 

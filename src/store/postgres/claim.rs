@@ -102,6 +102,10 @@ pub struct Claim {
     /// earlier row of theirs, one it cannot see, was locked: an insert not committed yet.
     /// Always empty on PostgreSQL, whose guard is the watermark.
     pub locked_aggregates: Vec<(String, String)>,
+    /// MySQL: rows the claim read but could not (a value no transport could carry), made
+    /// dead letters at once. Always 0 on PostgreSQL, whose column types the schema check
+    /// holds to.
+    pub unreadable: usize,
 }
 
 /// The fewest candidates an ordered claim looks at beyond its batch (see [`scan_window`]).
@@ -412,6 +416,7 @@ fn claim_of(
         uneven: more && short,
         answer_lost,
         locked_aggregates: Vec::new(),
+        unreadable: 0,
     })
 }
 
