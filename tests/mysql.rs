@@ -512,3 +512,46 @@ async fn rows_the_relay_cannot_take_as_they_are_never_stop_the_others() {
     rabbit.teardown().await;
     table.drop_table().await;
 }
+
+/// A server that accepts connections but never answers: `check`, `status` and `dead-letters
+/// list` each give up after `database.query_timeout`, saying so (exit 1), instead of hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_against_a_server_that_never_answers_give_up_after_the_query_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let silent = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = listener.accept().await {
+            held.push(socket);
+        }
+    });
+    let table = MysqlTable::new("my_silent").await;
+    for args in [
+        &["check"][..],
+        &["status"][..],
+        &["dead-letters", "list"][..],
+    ] {
+        let out = RelayBuilder::for_mysql(&table, "my-silent")
+            .set(
+                "database.url",
+                format!("mysql://root@127.0.0.1:{port}/test"),
+            )
+            .set("database.query_timeout", "2s")
+            .output(args, WAIT)
+            .await;
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{args:?}: {}{}",
+            out.stdout,
+            out.stderr
+        );
+        let said = format!("{}{}", out.stdout, out.stderr);
+        assert!(
+            said.contains("did not answer within 2s"),
+            "{args:?}: {said}"
+        );
+    }
+    silent.abort();
+    table.drop_table().await;
+}

@@ -329,7 +329,12 @@ pub fn mysql_opts(url: &str) -> Result<Opts, String> {
         parsed.query_pairs_mut().clear().extend_pairs(rest);
     }
     let base = Opts::from_url(parsed.as_str()).map_err(|e| e.to_string())?;
-    let builder = OptsBuilder::from_opts(base).ssl_opts(mode.ssl_opts(ca)?);
+    let mut builder = OptsBuilder::from_opts(base).ssl_opts(mode.ssl_opts(ca)?);
+    // The driver takes the host as written, brackets and all, and looks `[::1]` up as a name:
+    // an IPv6 literal is given without them.
+    if let Some(url::Host::Ipv6(ip)) = parsed.host() {
+        builder = builder.ip_or_hostname(ip.to_string());
+    }
     Ok(if socket_chosen {
         builder
     } else {
@@ -516,6 +521,15 @@ pub(super) fn not_on_mysql() -> ConfigError {
 mod tests {
     use super::super::tests::{err, err_has, rejects};
     use super::*;
+
+    #[test]
+    fn an_ipv6_host_is_an_address_not_a_name() {
+        let o = mysql_opts("mysql://root@[::1]:3307/test").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(o.ip_or_hostname(), "::1");
+        assert_eq!(o.tcp_port(), 3307);
+        let o = mysql_opts("mysql://root@localhost:3307/test").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(o.ip_or_hostname(), "localhost");
+    }
 
     #[test]
     fn ssl_options_are_read_and_taken_out_of_the_url() {

@@ -85,9 +85,14 @@ impl MysqlStore {
         within(limit, call).await
     }
 
-    /// A pooled connection.
+    /// A pooled connection, within `database.query_timeout`: a server that accepts
+    /// connections but never answers is a [`StoreError::Timeout`] for every caller (`check`,
+    /// `status`, `migrate` and the dead-letter commands too), never a hang.
     pub async fn conn(&self) -> Result<mysql_async::Conn> {
-        Ok(self.pool.get_conn().await?)
+        within(self.query_timeout, async {
+            Ok(self.pool.get_conn().await?)
+        })
+        .await
     }
 
     /// Round trip to the database.
