@@ -377,6 +377,16 @@ fn describe_figment_error(e: figment::Error) -> String {
                 // The variable itself, as figment read it (keys are matched in any case).
                 let var = format!("RELAY_{}", e.path.join("__").to_uppercase());
                 if matches!(e.kind, figment::error::Kind::UnknownField(..)) {
+                    // The unknown key may be a section (`RELAY_PUBLISHR__KIND`): name the
+                    // variable that is set, not the key's path.
+                    let nested = format!("{var}__");
+                    let var = std::env::vars()
+                        .map(|(name, _)| name)
+                        .find(|name| {
+                            let upper = name.to_uppercase();
+                            upper == var || upper.starts_with(&nested)
+                        })
+                        .unwrap_or(var);
                     format!(
                         " (from the environment variable {var}: every RELAY_* variable is read as a \
                          configuration key, RELAY_<SECTION>__<KEY>; rename or unset it)"
@@ -693,6 +703,17 @@ pub(super) mod tests {
         // A file's value keeps its type: a quoted number is no number there.
         let e = err("[relay]\nbatch_size = \"200\"\n");
         assert!(e.contains("relay.batch_size"), "{e}");
+    }
+
+    #[test]
+    fn a_misspelled_section_names_the_variable_that_is_set() {
+        let e = load_str("", &[("PUBLISHR__KIND", "nats")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("environment variable RELAY_PUBLISHR__KIND:"),
+            "{e}"
+        );
     }
 
     #[test]

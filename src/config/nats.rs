@@ -261,9 +261,12 @@ fn percent_decode(s: &str) -> Option<String> {
     String::from_utf8(out).ok()
 }
 
-/// `raw` with its secret masked: the password of `user:password@`, or the whole userinfo when
-/// it is a token (`token@`).
+/// `raw` with its secrets masked: the password of `user:password@`, or the whole userinfo when
+/// it is a token (`token@`), in each URL of a comma-separated list.
 pub fn redact(raw: &str) -> String {
+    if raw.contains(',') {
+        return raw.split(',').map(redact).collect::<Vec<_>>().join(",");
+    }
     let Some(scheme_end) = raw.find("://") else {
         return crate::redact::redact_url(raw);
     };
@@ -336,6 +339,13 @@ mod tests {
         assert_eq!(redact("nats://u:pw@h:1"), "nats://u:***@h:1");
         assert_eq!(redact("nats://tok@h:1"), "nats://***@h:1");
         assert_eq!(redact("nats://h:1"), "nats://h:1");
+        assert_eq!(
+            redact("nats://u:pw1@h:1,nats://v:pw2@h:2,nats://tok@h:3"),
+            "nats://u:***@h:1,nats://v:***@h:2,nats://***@h:3"
+        );
+        let e = ServerUrl::parse("nats://u:SECRETX@127.0.0.1:4222,nats://v:SECRETY@127.0.0.1:4223")
+            .unwrap_err();
+        assert!(!e.contains("SECRET"), "{e}");
     }
 
     #[test]
