@@ -33,7 +33,7 @@ use crate::tasks::instance::LockHeld;
 use crate::tasks::lease::Held;
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
-use crate::watermark::{LockHolds, Watermark};
+use crate::watermark::Watermark;
 use crate::window::{Lane, Permit};
 
 /// How often to look for rows reclaimed from a dead relay when there were none last time: a
@@ -470,8 +470,6 @@ struct Dispatch<'a> {
     batches: &'a TaskTracker,
     waiter: &'a mut Option<Waiter>,
     watermark: Watermark,
-    // MySQL's guard: the aggregates its claims find held back by an uncommitted insert.
-    lock_holds: LockHolds,
     blocking_warning: BlockingWarning,
     broker_backoff: Backoff,
     db_backoff: Backoff,
@@ -516,7 +514,6 @@ impl<'a> Dispatch<'a> {
             batches,
             waiter,
             watermark: Watermark::new(),
-            lock_holds: LockHolds::default(),
             blocking_warning: BlockingWarning::default(),
             broker_backoff: Backoff::reconnect(),
             db_backoff: Backoff::reconnect(),
@@ -697,7 +694,8 @@ impl<'a> Dispatch<'a> {
         self.observations.observed(now);
         let mark = self.watermark.observe(last, &writers.writers, now);
         let lag = self.watermark.lag(now);
-        if self.show_hold(now) == lag && self.blocking_warning.due(lag, now) {
+        self.relay.metrics.watermark_lag(lag);
+        if self.blocking_warning.due(lag, now) {
             tracing::warn!(
                 held_for = ?lag,
                 oldest_writer_age_seconds = writers.oldest_writer_age.unwrap_or_default(),
@@ -706,32 +704,6 @@ impl<'a> Dispatch<'a> {
             );
         }
         Ok((mark, permit))
-    }
-
-    /// Sets `outbox_watermark_lag_seconds` to how long the ordering guard has been holding
-    /// rows back (the watermark's wait on PostgreSQL, the longest lock met on MySQL; the other
-    /// is zero), and returns it.
-    fn show_hold(&self, now: Instant) -> Duration {
-        let lag = self.watermark.lag(now).max(self.lock_holds.lag(now));
-        self.relay.metrics.watermark_lag(lag);
-        lag
-    }
-
-    /// Records the aggregates a MySQL claim at `now` found held back by an insert not
-    /// committed yet, shows how long, and warns (as [`BlockingWarning`] allows) once that has
-    /// lasted.
-    fn held_by_locks(&mut self, locked: &[(String, String)], now: Instant) {
-        self.lock_holds.observe(locked, now);
-        let locks = self.lock_holds.lag(now);
-        if self.show_hold(now) == locks && self.blocking_warning.due(locks, now) {
-            let (aggregates, aggregate_type) = self.lock_holds.held();
-            tracing::warn!(
-                held_for = ?locks,
-                aggregates,
-                aggregate_type = aggregate_type.unwrap_or_default(),
-                "ordered publishing of some aggregates is held back by a lock on an earlier row of each: a transaction that inserted that row has not committed yet; their later rows wait until it commits or rolls back (information_schema.innodb_trx shows it)"
-            );
-        }
     }
 
     /// A row reclaimed from a relay that died goes out alone: if it is what killed that relay,
@@ -827,7 +799,6 @@ impl<'a> Dispatch<'a> {
         let (rows, expired, more) = match claimed {
             Ok(claim) => {
                 self.lost_claims.answer_lost(claim.answer_lost);
-                self.held_by_locks(&claim.locked_aggregates, now);
                 relay.metrics.dead_lettered(claim.unreadable as u64);
                 record_expired(&relay.metrics, &claim.expired);
                 if claim.uneven {

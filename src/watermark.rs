@@ -8,14 +8,9 @@
 //! cannot be overtaken by a late commit. The guard waits only for writers of the outbox table,
 //! not for the whole cluster's oldest transaction.
 //!
-//! MySQL's guard is a lock instead (docs/mysql.md): a claim holds an aggregate back while an
-//! earlier row of it is locked by another transaction. [`LockHolds`] keeps how long each
-//! aggregate has been held back by a row the claim cannot see (an insert not committed yet),
-//! so both guards' stalls show in one gauge.
-//!
-//! This module is the bookkeeping only (pure, unit-tested); the store runs the queries.
+//! This module is the bookkeeping only (pure, unit-tested); the store runs the two queries.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone)]
@@ -90,71 +85,9 @@ impl Watermark {
     }
 }
 
-/// MySQL's ordering guard: since when each aggregate has been held back by an uncommitted
-/// insert of an earlier row, claim after claim. An aggregate a claim did not find so held is
-/// forgotten, and counts from zero the next time.
-#[derive(Debug, Default)]
-pub struct LockHolds {
-    since: HashMap<(String, String), Instant>,
-}
-
-impl LockHolds {
-    /// Records the aggregates (type, id) the claim at `now` found held back by a lock.
-    pub fn observe(&mut self, locked: &[(String, String)], now: Instant) {
-        let mut since = HashMap::with_capacity(locked.len());
-        for key in locked {
-            let first = self.since.get(key).copied().unwrap_or(now);
-            since.insert(key.clone(), first);
-        }
-        self.since = since;
-    }
-
-    /// How long the longest-held aggregate has been held back (zero when none is).
-    pub fn lag(&self, now: Instant) -> Duration {
-        self.since
-            .values()
-            .map(|t| now.saturating_duration_since(*t))
-            .max()
-            .unwrap_or(Duration::ZERO)
-    }
-
-    /// How many aggregates are held back, and the type of the longest-held one (for the
-    /// warning; the id stays out of logs as it stays out of metrics).
-    pub fn held(&self) -> (usize, Option<&str>) {
-        let oldest = self
-            .since
-            .iter()
-            .min_by_key(|(_, t)| **t)
-            .map(|((ty, _), _)| ty.as_str());
-        (self.since.len(), oldest)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn key(id: &str) -> (String, String) {
-        ("order".to_owned(), id.to_owned())
-    }
-
-    #[test]
-    fn a_lock_held_claim_after_claim_counts_from_the_first_claim() {
-        let mut h = LockHolds::default();
-        let t = Instant::now();
-        assert_eq!(h.lag(t), Duration::ZERO);
-        h.observe(&[key("a")], t);
-        h.observe(&[key("a"), key("b")], t + Duration::from_secs(3));
-        assert_eq!(h.lag(t + Duration::from_secs(4)), Duration::from_secs(4));
-        assert_eq!(h.held(), (2, Some("order")));
-        // `a` was free at one claim: it counts from zero when it is held again.
-        h.observe(&[key("b")], t + Duration::from_secs(5));
-        h.observe(&[key("a"), key("b")], t + Duration::from_secs(6));
-        assert_eq!(h.lag(t + Duration::from_secs(7)), Duration::from_secs(4));
-        h.observe(&[], t + Duration::from_secs(8));
-        assert_eq!(h.lag(t + Duration::from_secs(9)), Duration::ZERO);
-        assert_eq!(h.held(), (0, None));
-    }
 
     fn w(xs: &[&str]) -> Vec<String> {
         xs.iter().map(|s| (*s).to_owned()).collect()

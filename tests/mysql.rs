@@ -378,64 +378,6 @@ async fn a_relay_frozen_in_a_claim_holds_the_others_back_for_a_minute_at_most() 
     table.drop_table().await;
 }
 
-/// A committed row that another session has locked (as another replica's claim locks the
-/// oldest rows, claim after claim) holds its aggregate back, in order, but that is ordinary
-/// contention, not a transaction holding ordered publishing back: the row is in view. The
-/// hold-back gauge stays 0 and the relay does not warn while other aggregates flow; once the
-/// lock is gone both rows go out in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_locked_in_view_is_contention_not_a_hold_back() {
-    let (table, rabbit) = table_and_exchange("my_in_view").await;
-    let x = |n: i64| NewRow::new("order", Some("X"), "changed", json!({ "n": n }));
-    let ids: Vec<Uuid> = table
-        .insert(&[x(1), x(2)])
-        .await
-        .iter()
-        .map(|r| r.id)
-        .collect();
-    let mut locker = mysql_conn().await;
-    let mut tx = locker.start_transaction(TxOpts::default()).await.unwrap();
-    let locked = format!(
-        "SELECT seq FROM {} WHERE id = '{}' FOR UPDATE",
-        table.name, ids[0]
-    );
-    tx.query_drop(locked.as_str()).await.unwrap();
-
-    let port = common::free_port();
-    let relay = relay(&table, &rabbit, "my-in-view")
-        .set("metrics.listen", format!("127.0.0.1:{port}"))
-        .spawn();
-    // Rows of another aggregate flow past it for longer than the warning waits (5 s).
-    let started = Instant::now();
-    let lag = [("outbox", table.name.as_str())];
-    let mut highest = 0.0_f64;
-    while started.elapsed() < Duration::from_secs(8) {
-        let y = NewRow::new("order", Some("Y"), "changed", json!({}));
-        let y: Vec<Uuid> = table.insert(&[y]).await.iter().map(|r| r.id).collect();
-        rabbit.wait_for_ids(&y, WAIT).await;
-        if let Ok(text) = common::scrape(port).await {
-            let v = common::sample(&text, "outbox_watermark_lag_seconds", &lag);
-            highest = highest.max(v.unwrap_or(0.0));
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    assert_eq!(
-        table
-            .count_where("status = 'sent' AND aggregate_id = 'X'")
-            .await,
-        0
-    );
-    assert_eq!(highest, 0.0, "a row locked in view counted as a hold-back");
-    assert_eq!(relay.log_count("ordered publishing"), 0, "the relay warned");
-
-    tx.commit().await.unwrap();
-    rabbit.wait_for_ids(&ids, WAIT).await;
-    assert_eq!(rabbit.arrival_order(&ids), ids, "X's rows in order");
-    relay.stop().await;
-    rabbit.teardown().await;
-    table.drop_table().await;
-}
-
 /// Rows an application wrote that the relay cannot take as they are never stop the others:
 /// a zero `created_at` (a server without `NO_ZERO_DATE` stores it) reads as the epoch and goes
 /// out; NULL `headers` (a table that lets them be) are no headers; a NULL `event_type` (a

@@ -191,19 +191,6 @@ impl ClaimSql {
     /// the open rows of that aggregate before that seq, locked without waiting (an error when
     /// one is locked: an uncommitted insert, or a row another relay is claiming now).
     fn probe(&self, heads: &[(&str, &str, i64)]) -> String {
-        format!("{} FOR UPDATE NOWAIT", self.open_rows_of(heads))
-    }
-
-    /// The open rows of `heads` as [`ClaimSql::probe`] reads them, without locking: the rows
-    /// this transaction can see. An aggregate the probe found locked but with no row here
-    /// (other than candidates) is held back by a row it cannot see: an insert not committed.
-    fn seen(&self, heads: &[(&str, &str, i64)]) -> String {
-        self.open_rows_of(heads)
-    }
-
-    /// `SELECT` of the open rows of each `(aggregate_type, aggregate_id, seq)` of `heads`
-    /// before that seq, through the aggregate index.
-    fn open_rows_of(&self, heads: &[(&str, &str, i64)]) -> String {
         let each = heads
             .iter()
             .map(|(ty, id, seq)| {
@@ -219,7 +206,8 @@ impl ClaimSql {
         // must read the ranges of the candidates' aggregates and nothing else.
         format!(
             "SELECT e.seq, e.aggregate_type, e.aggregate_id FROM {} e FORCE INDEX ({}) \
-             WHERE e.status IN ('pending', 'processing', 'failed') AND ({each})",
+             WHERE e.status IN ('pending', 'processing', 'failed') AND ({each}) \
+             FOR UPDATE NOWAIT",
             self.t, self.aggregate_idx
         )
     }
@@ -242,7 +230,6 @@ impl ClaimSql {
                 "claim.probe",
                 self.probe(&[("order", "42", 8), ("invoice", "7", 9)]),
             ),
-            ("claim.seen", self.seen(&[("order", "42", 8)])),
             (
                 "claim.unreadable",
                 self.unreadable(7, "column headers is NULL"),
@@ -442,9 +429,8 @@ fn candidate_of(row: OutboxMessage) -> Candidate {
 /// Each aggregate that holds candidates back, and the seq from which it does.
 type HeldBack = HashMap<(String, String), i64>;
 
-/// How an ordered claim's guard decided: for the benchmark's tally, and the aggregates a
-/// lock held back for the relay's hold-back gauge.
-#[derive(Debug, Default, Clone)]
+/// How an ordered claim's guard decided, for the benchmark's tally.
+#[derive(Debug, Default, Clone, Copy)]
 pub struct Guarded {
     /// Candidates read (ready rows in the scan windows).
     pub candidates: usize,
@@ -458,10 +444,6 @@ pub struct Guarded {
     pub locked: usize,
     /// Rows read that the relay cannot read, made dead letters ([`ClaimSql::dead_letter`]).
     pub unreadable: usize,
-    /// The aggregates held back by a locked row before a candidate that this transaction
-    /// cannot see: an insert not committed yet, what a long transaction holds back. (Rows
-    /// another relay has locked are in view, and not counted.)
-    pub locked_aggregates: HashSet<(String, String)>,
 }
 
 /// Open rows as the gate's open read and the probe return them: seq, aggregate type, id.
@@ -691,7 +673,6 @@ impl ClaimSql {
         // Probe all aggregates at once; where that meets a locked row, halve the set until
         // each locked aggregate stands alone (and is held back from its first candidate).
         let mut work = vec![heads.as_slice()];
-        let mut locked = Vec::new();
         while let Some(part) = work.pop() {
             if part.is_empty() {
                 continue;
@@ -701,11 +682,10 @@ impl ClaimSql {
                 Ok(rows) => hold_back(&mut held, mine, open_rows(rows)?),
                 Err(e) if is_locked(&e) => {
                     guarded.locked += 1;
-                    if let [head @ (ty, id, _)] = part {
+                    if let [(ty, id, _)] = part {
                         let key = ((*ty).to_owned(), (*id).to_owned());
                         let first = span.get(&key).map_or(i64::MIN, |s| s.0);
                         held.insert(key, first);
-                        locked.push(*head);
                     } else {
                         let (a, b) = part.split_at(part.len() / 2);
                         work.push(a);
@@ -715,39 +695,7 @@ impl ClaimSql {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.held_by_unseen(tx, &locked, mine, guarded).await?;
         Ok(held)
-    }
-
-    /// Of the aggregates the probe found `locked`, records in `guarded` those held back by a
-    /// row this transaction cannot see (an insert not committed yet): each one's open rows
-    /// before its last candidate, read without locking, are all candidates. An aggregate with
-    /// another row in view is held by a row someone else is claiming, settling or changing
-    /// (other replicas lock the same oldest rows claim after claim): an ordinary hold, not one
-    /// to report.
-    async fn held_by_unseen(
-        &self,
-        tx: &mut Transaction<'_>,
-        locked: &[(&str, &str, i64)],
-        mine: &HashSet<i64>,
-        guarded: &mut Guarded,
-    ) -> Result<()> {
-        if locked.is_empty() {
-            return Ok(());
-        }
-        let rows: Vec<Row> = tx.query(self.seen(locked)).await?;
-        let in_view: HashSet<(String, String)> = open_rows(rows)?
-            .into_iter()
-            .filter(|(seq, ..)| !mine.contains(seq))
-            .map(|(_, ty, id)| (ty, id))
-            .collect();
-        for (ty, id, _) in locked {
-            let key = ((*ty).to_owned(), (*id).to_owned());
-            if !in_view.contains(&key) {
-                guarded.locked_aggregates.insert(key);
-            }
-        }
-        Ok(())
     }
 }
 
@@ -768,7 +716,7 @@ impl MysqlStore {
             sweep => self.sweep(&mut tx, sweep, limit).await?,
         };
         let limit_i = i64::try_from(limit).unwrap_or(i64::MAX);
-        let (rows, locked_aggregates, unreadable) = match ordering {
+        let (rows, unreadable) = match ordering {
             Ordering::None => {
                 let rows: Vec<Row> = tx.exec(&self.q.claim.ready_rows, (limit_i,)).await?;
                 let (mut rows, unreadable) = readable(rows)?;
@@ -781,7 +729,7 @@ impl MysqlStore {
                 for r in &mut rows {
                     r.attempts += 1;
                 }
-                (rows, Vec::new(), unreadable)
+                (rows, unreadable)
             }
             Ordering::Aggregate => self.claim_ordered(&mut tx, limit).await?,
         };
@@ -792,18 +740,17 @@ impl MysqlStore {
             expired,
             uneven: false,
             answer_lost: false,
-            locked_aggregates,
             unreadable,
         })
     }
 
-    /// The ordered claim inside `tx` (see [`ClaimSql::take_ordered`]): the rows, and the
-    /// aggregates a lock held back ([`Guarded::locked_aggregates`]).
+    /// The ordered claim inside `tx` (see [`ClaimSql::take_ordered`]): the rows, and how many
+    /// it made dead letters because it could not read them.
     async fn claim_ordered(
         &self,
         tx: &mut Transaction<'_>,
         limit: usize,
-    ) -> Result<(Vec<OutboxMessage>, Vec<(String, String)>, usize)> {
+    ) -> Result<(Vec<OutboxMessage>, usize)> {
         let by = literal(&self.instance_id);
         let (rows, g) = self.q.claim.take_ordered(tx, limit, &by).await?;
         tracing::debug!(
@@ -815,11 +762,7 @@ impl MysqlStore {
             probes_locked = g.locked,
             "ordered claim"
         );
-        Ok((
-            rows,
-            g.locked_aggregates.into_iter().collect(),
-            g.unreadable,
-        ))
+        Ok((rows, g.unreadable))
     }
 
     /// The expiry sweep inside `tx`: rows past their deadline among the first pending ones

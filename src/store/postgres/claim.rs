@@ -98,10 +98,6 @@ pub struct Claim {
     /// A part of a split claim failed while other parts claimed rows: the failed part may
     /// have committed before its answer was lost (see [`PgStore::hand_back_unheld`]).
     pub answer_lost: bool,
-    /// MySQL's ordered claim: the aggregates (type, id) whose rows it held back because an
-    /// earlier row of theirs, one it cannot see, was locked: an insert not committed yet.
-    /// Always empty on PostgreSQL, whose guard is the watermark.
-    pub locked_aggregates: Vec<(String, String)>,
     /// MySQL: rows the claim read but could not (a value no transport could carry), made
     /// dead letters at once. Always 0 on PostgreSQL, whose column types the schema check
     /// holds to.
@@ -415,7 +411,6 @@ fn claim_of(
         more,
         uneven: more && short,
         answer_lost,
-        locked_aggregates: Vec::new(),
         unreadable: 0,
     })
 }
