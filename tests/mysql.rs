@@ -497,3 +497,51 @@ async fn commands_against_a_server_that_never_answers_give_up_after_the_query_ti
     silent.abort();
     table.drop_table().await;
 }
+
+/// Zero dates read the same whichever way the claim reads them: a row in an ordered claim's
+/// second window (read by a statement sent as text, not prepared) and a row reclaimed from a
+/// dead relay (claimed alone, also as text) go out, as one in the first window does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_dates_read_alike_in_every_claim() {
+    let (table, rabbit) = table_and_exchange("my_zero_dates").await;
+    let t = &table.name;
+    // A first window (101 candidates at batch size 1) all behind a dead letter.
+    table
+        .insert(&NewRow::numbered(102, "order", Some(("A", 1)), "held"))
+        .await;
+    table
+        .execute(&format!(
+            "UPDATE {t} SET status = 'failed', last_error = 'x' ORDER BY seq LIMIT 1"
+        ))
+        .await;
+    let mut conn = table.conn().await;
+    conn.query_drop("SET SESSION sql_mode = 'STRICT_TRANS_TABLES'")
+        .await
+        .unwrap();
+    let (late, suspect) = (Uuid::new_v4(), Uuid::new_v4());
+    for (id, agg, error) in [
+        (late, "Z", "NULL"),
+        (
+            suspect,
+            "S",
+            "'lease expired: relay gone stopped while holding the row'",
+        ),
+    ] {
+        let sql = format!(
+            "INSERT INTO {t} (id, aggregate_type, aggregate_id, event_type, payload, created_at, \
+             last_error) VALUES ('{id}', 'order', '{agg}', 'e', '{{}}', '0000-00-00 00:00:00', {error})"
+        );
+        conn.query_drop(sql.as_str())
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let relay = relay(&table, &rabbit, "my-zero-dates")
+        .set("relay.batch_size", "1")
+        .spawn();
+    rabbit.wait_for_ids(&[late, suspect], WAIT).await;
+    assert_eq!(relay.log_count("database unavailable"), 0);
+    assert_eq!(relay.log_count("cannot read"), 0);
+    relay.stop().await;
+    rabbit.teardown().await;
+    table.drop_table().await;
+}
