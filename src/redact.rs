@@ -27,6 +27,22 @@ enum Userinfo {
     Token,
 }
 
+/// Where the next URL of a comma-separated list begins in `s`: the first `,` followed by a
+/// scheme (`nats://`). A comma followed by anything else belongs to the URL before it (a
+/// password may hold one).
+pub fn next_url_in_list(s: &str) -> Option<usize> {
+    s.match_indices(',').map(|(i, _)| i).find(|&i| {
+        let after = &s[i + 1..];
+        after.find("://").is_some_and(|end| {
+            let scheme = &after[..end];
+            scheme.starts_with(|c: char| c.is_ascii_alphabetic())
+                && scheme
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "+-.".contains(c))
+        })
+    })
+}
+
 fn redact_userinfo(raw: &str, bare: Userinfo) -> String {
     // Works on comma-separated broker lists too: each `user:pass@` is masked.
     let mut out = String::with_capacity(raw.len());
@@ -34,7 +50,8 @@ fn redact_userinfo(raw: &str, bare: Userinfo) -> String {
     while let Some(scheme_end) = rest.find("://") {
         let (head, tail) = rest.split_at(scheme_end + 3);
         out.push_str(head);
-        let authority_end = tail.find(['/', '?', '#', ',']).unwrap_or(tail.len());
+        let path = tail.find(['/', '?', '#']).unwrap_or(tail.len());
+        let authority_end = next_url_in_list(tail).map_or(path, |next| next.min(path));
         let authority = &tail[..authority_end];
         match authority.rfind('@') {
             Some(at) => {
@@ -115,6 +132,19 @@ mod tests {
         assert_eq!(
             redact_url("postgres://u:p@ss@h/db?password=x&sslmode=require"),
             "postgres://u:***@h/db?password=***&sslmode=require"
+        );
+    }
+
+    #[test]
+    fn a_comma_in_a_password_is_no_list_and_every_url_of_a_list_is_masked() {
+        assert_eq!(
+            redact_url("amqp://u:pa,ss@h:5672/%2f"),
+            "amqp://u:***@h:5672/%2f"
+        );
+        assert_eq!(redact_url_tokens("https://to,ken@h/x"), "https://***@h/x");
+        assert_eq!(
+            redact_url("nats://a:p1@h1:4222,nats://b:p2@h2:4222"),
+            "nats://a:***@h1:4222,nats://b:***@h2:4222"
         );
     }
 

@@ -264,8 +264,8 @@ fn percent_decode(s: &str) -> Option<String> {
 /// `raw` with its secrets masked: the password of `user:password@`, or the whole userinfo when
 /// it is a token (`token@`), in each URL of a comma-separated list.
 pub fn redact(raw: &str) -> String {
-    if raw.contains(',') {
-        return raw.split(',').map(redact).collect::<Vec<_>>().join(",");
+    if let Some(next) = crate::redact::next_url_in_list(raw) {
+        return format!("{},{}", redact(&raw[..next]), redact(&raw[next + 1..]));
     }
     let Some(scheme_end) = raw.find("://") else {
         return crate::redact::redact_url(raw);
@@ -346,6 +346,9 @@ mod tests {
         let e = ServerUrl::parse("nats://u:SECRETX@127.0.0.1:4222,nats://v:SECRETY@127.0.0.1:4223")
             .unwrap_err();
         assert!(!e.contains("SECRET"), "{e}");
+        // A comma inside a password is no list.
+        assert_eq!(redact("nats://u:pa,ss@h:1"), "nats://u:***@h:1");
+        assert_eq!(redact("nats://to,ken@h:1"), "nats://***@h:1");
     }
 
     #[test]
