@@ -300,12 +300,15 @@ impl Provider for EnvText {
         let mut dict = Dict::new();
         for (key, raw) in self.env.iter() {
             let parsed = parse_env_value(&raw);
+            // As figment reads it: the text trimmed, and a quoted string (`"007"`) unquoted.
+            let text = raw.trim();
             let value = if self.parsed.contains(key.as_str())
                 || matches!(parsed, Value::Dict(..) | Value::Array(..))
+                || (text.starts_with('"') && matches!(parsed, Value::String(..)))
             {
                 parsed
             } else {
-                Value::from(raw)
+                Value::from(text.to_owned())
             };
             if let Value::Dict(_, nested) = figment::util::nest(key.as_str(), value) {
                 merge_dict(&mut dict, nested);
@@ -380,8 +383,8 @@ fn describe_figment_error(e: figment::Error) -> String {
                     // The unknown key may be a section (`RELAY_PUBLISHR__KIND`): name the
                     // variable that is set, not the key's path.
                     let nested = format!("{var}__");
-                    let var = std::env::vars()
-                        .map(|(name, _)| name)
+                    let var = std::env::vars_os()
+                        .filter_map(|(name, _)| name.into_string().ok())
                         .find(|name| {
                             let upper = name.to_uppercase();
                             upper == var || upper.starts_with(&nested)
@@ -688,6 +691,21 @@ pub(super) mod tests {
             panic!("redis")
         };
         assert_eq!(r.stream.as_str(), "00123");
+    }
+
+    #[test]
+    fn environment_text_is_trimmed_and_unquoted_as_before() {
+        // A value read from a file with its newline, and one quoted to keep it text.
+        let c = load_str(
+            "",
+            &[
+                ("RELAY__INSTANCE_ID", "relay-7\n"),
+                ("RELAY__SOURCE", "\"007\""),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.relay.instance_id, "relay-7");
+        assert_eq!(c.relay.source, "007");
     }
 
     #[test]
