@@ -107,7 +107,7 @@ impl PartitionWork {
             }
             Err(e) => {
                 // An overlapping partition made by hand, for one: named by PostgreSQL.
-                tracing::warn!(table = %self.store.table(), error = %e, "could not create the partitions ahead (rows outside every partition go to DEFAULT meanwhile)");
+                tracing::warn!(table = %self.store.table(), error = %e, "could not create the partitions ahead (rows outside every partition go to DEFAULT meanwhile); the next round tries again");
                 0
             }
         }

@@ -391,7 +391,7 @@ impl PgStore {
                     .lock_holders(&client, super::steps::StepKind::Transaction)
                     .await?;
                 return Err(StoreError::Locked(format!(
-                    "a lock on table {} was not granted within {LOCK_TIMEOUT}, {holders}; the next round tries again",
+                    "a lock on table {} was not granted within {LOCK_TIMEOUT}, {holders}",
                     self.table
                 )));
             }
