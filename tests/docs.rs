@@ -95,6 +95,45 @@ fn every_configuration_key_is_documented_and_every_documented_key_exists() {
     );
 }
 
+/// The keys the shipped `relay.toml` names, set or commented out (`# key = …` under a
+/// `[section]` or `# [section]` line), as dotted paths.
+fn shipped_keys(toml: &str) -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let mut section = String::new();
+    for line in toml.lines() {
+        let line = line.trim().trim_start_matches('#').trim();
+        if let Some(name) = line.strip_prefix('[').and_then(|l| l.split_once(']')) {
+            section = name.0.to_owned();
+        } else if let Some((key, _)) = line.split_once('=') {
+            let key = key.trim();
+            if !section.is_empty()
+                && !key.is_empty()
+                && key.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+            {
+                keys.insert(format!("{section}.{key}"));
+            }
+        }
+    }
+    keys
+}
+
+/// The README says the shipped `relay.toml` lists every key with its default: each key is
+/// there (an optional one commented out), and nothing else.
+#[test]
+fn the_shipped_relay_toml_lists_every_key() {
+    let accepted: BTreeSet<String> = config_keys()
+        .into_iter()
+        .filter(|k| !k.starts_with("outboxes[]"))
+        .collect();
+    let shipped = shipped_keys(&repo_file("relay.toml"));
+    assert_both_ways(
+        &accepted,
+        &shipped,
+        "keys relay.toml does not list",
+        "relay.toml lists keys the relay does not accept",
+    );
+}
+
 #[test]
 fn every_configuration_key_row_names_its_environment_variable() {
     let doc = repo_file("docs/configuration.md");
