@@ -368,6 +368,26 @@ fn extract_with_env(figment: &Figment, mut env: EnvText) -> Result<RawConfig, Co
     }
 }
 
+/// The bytes `%XX` escapes in `s` stand for (a URL's userinfo); anything else as written.
+pub fn percent_decoded(s: &str) -> Vec<u8> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%'
+            && let Some(hex) = s.get(i + 1..i + 3)
+            && let Ok(b) = u8::from_str_radix(hex, 16)
+        {
+            out.push(b);
+            i += 3;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    out
+}
+
 fn describe_figment_error(e: figment::Error) -> String {
     e.into_iter()
         .map(|e| {

@@ -243,47 +243,14 @@ impl ServerUrl {
 }
 
 fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && let Some(hex) = s.get(i + 1..i + 3)
-            && let Ok(b) = u8::from_str_radix(hex, 16)
-        {
-            out.push(b);
-            i += 3;
-            continue;
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8(out).ok()
+    String::from_utf8(super::percent_decoded(s)).ok()
 }
 
 /// `raw` with its secrets masked: the password of `user:password@`, or the whole userinfo when
-/// it is a token (`token@`), in each URL of a comma-separated list.
+/// it is a token (`token@`), in each URL of a comma-separated list
+/// ([`crate::redact::redact_url_tokens`]).
 pub fn redact(raw: &str) -> String {
-    if let Some(next) = crate::redact::next_url_in_list(raw) {
-        return format!("{},{}", redact(&raw[..next]), redact(&raw[next + 1..]));
-    }
-    let Some(scheme_end) = raw.find("://") else {
-        return crate::redact::redact_url(raw);
-    };
-    let (head, tail) = raw.split_at(scheme_end + 3);
-    let authority_end = tail.find(['/', '?', '#']).unwrap_or(tail.len());
-    let (authority, rest) = tail.split_at(authority_end);
-    match authority.rfind('@') {
-        Some(at) => {
-            let (userinfo, host) = authority.split_at(at);
-            let masked = match userinfo.split_once(':') {
-                Some((user, _)) => format!("{user}:***"),
-                None => "***".to_owned(),
-            };
-            format!("{head}{masked}{host}{rest}")
-        }
-        None => raw.to_owned(),
-    }
+    crate::redact::redact_url_tokens(raw)
 }
 
 #[cfg(test)]

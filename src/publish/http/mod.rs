@@ -178,9 +178,11 @@ fn basic_authorization(cfg: &HttpConfig) -> Option<HeaderValue> {
     if url.username().is_empty() && url.password().is_none() {
         return None;
     }
-    let mut credentials = percent_decode(url.username());
+    let mut credentials = crate::config::percent_decoded(url.username());
     credentials.push(b':');
-    credentials.extend(percent_decode(url.password().unwrap_or_default()));
+    credentials.extend(crate::config::percent_decoded(
+        url.password().unwrap_or_default(),
+    ));
     let encoded = base64::engine::general_purpose::STANDARD.encode(credentials);
     let mut value = HeaderValue::from_str(&format!("Basic {encoded}")).ok()?;
     value.set_sensitive(true);
@@ -194,31 +196,6 @@ fn without_userinfo(mut url: Url) -> Url {
     let _ = url.set_username("");
     let _ = url.set_password(None);
     url
-}
-
-/// The bytes `%XX` escapes stand for; anything else is kept as written.
-fn percent_decode(text: &str) -> Vec<u8> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let escaped = (bytes[i] == b'%')
-            .then(|| bytes.get(i + 1..i + 3))
-            .flatten()
-            .and_then(|hex| std::str::from_utf8(hex).ok())
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-        match escaped {
-            Some(b) => {
-                out.push(b);
-                i += 3;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    out
 }
 
 #[async_trait]
