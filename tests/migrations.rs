@@ -165,14 +165,17 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
         out.stderr
     );
     assert!(
-        out.stdout.contains("applied schema versions [2, 3, 4, 5]"),
+        out.stdout
+            .contains("applied schema versions [2, 3, 4, 5, 6]"),
         "{}",
         out.stdout
     );
-    for suffix in ["_open_idx", "_expiry_idx", "_expired_idx"] {
+    for suffix in ["_waiting_idx", "_expiry_idx", "_expired_idx"] {
         assert_eq!(index_valid(&table, suffix).await, Some(true), "{suffix}");
     }
-    assert_eq!(index_valid(&table, "_aggregate_idx").await, None);
+    for gone in ["_aggregate_idx", "_open_idx"] {
+        assert_eq!(index_valid(&table, gone).await, None, "{gone}");
+    }
     assert_eq!(
         recorded_version(&table).await,
         MIGRATIONS.last().map(|m| m.version)
@@ -182,7 +185,7 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
 }
 
 /// Without `auto_migrate`, `check` names the schema versions a table lacks by the version
-/// `migrate` recorded (here version 5, on a table an earlier release migrated) and says to
+/// `migrate` recorded (here version 6, on a table an earlier release migrated) and says to
 /// run `migrate`, and `run` warns the same; once the record is gone (as for DDL applied by
 /// hand) the table's catalog shows it at the newest version, and neither says anything of
 /// versions.
@@ -191,8 +194,8 @@ async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
     let (name, db) = (format!("it_mig_{}", hex8()), pg_connect().await);
     let table = TestTable { name, db };
     migrate_table(&table.name).await;
-    let at_4 = "UPDATE outbox_relay_schema_version SET version = 4 WHERE table_name = $1";
-    assert_eq!(table.db.execute(at_4, &[&table.name]).await.unwrap(), 1);
+    let at_5 = "UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = $1";
+    assert_eq!(table.db.execute(at_5, &[&table.name]).await.unwrap(), 1);
     let check = async || {
         let out = RelayBuilder::operator(&table.name)
             .set("database.auto_migrate", "false")
@@ -203,7 +206,7 @@ async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
         assert!(out.status.success(), "{out:?}");
         out.stdout
     };
-    let behind = "schema versions [5] not applied: run `outbox-relay migrate`";
+    let behind = "schema versions [6] not applied: run `outbox-relay migrate`";
     let said = check().await;
     assert!(said.contains(behind), "{said}");
     let relay = RelayBuilder::operator(&table.name)
@@ -216,7 +219,7 @@ async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
         .wait_for_log("schema versions not applied to the table", 1, WAIT)
         .await;
     assert!(
-        relay.stderr().contains("versions=[5]"),
+        relay.stderr().contains("versions=[6]"),
         "{}",
         relay.stderr()
     );
@@ -245,7 +248,8 @@ async fn two_migrates_at_once_both_finish() {
             recorded_version(table).await,
             MIGRATIONS.last().map(|m| m.version)
         );
-        assert_eq!(index_valid(table, "_open_idx").await, Some(true));
+        assert_eq!(index_valid(table, "_waiting_idx").await, Some(true));
+        assert_eq!(index_valid(table, "_open_idx").await, None);
     }
     a.drop_table().await;
     b.drop_table().await;
@@ -280,7 +284,7 @@ async fn run_refuses_a_table_without_expires_at_and_migrate_fixes_it() {
 }
 
 /// What exists decides, not the record: a table re-created from the version-1 file while the
-/// version table still says 5 gets versions 2 to 5 again (`check` says to run `migrate`
+/// version table still says 6 gets versions 2 to 6 again (`check` says to run `migrate`
 /// first, which then does); a table at the newest version with no record under the spelling in use
 /// (`public.<name>`) gets nothing, so version 1's plain index build never runs on a table
 /// full of rows.
@@ -301,8 +305,9 @@ async fn migrate_goes_by_what_the_table_has_not_by_the_record() {
         ),
         "{out:?}"
     );
-    assert_eq!(migrate_table(&table.name).await, [2, 3, 4, 5]);
-    assert_eq!(index_valid(&table, "_open_idx").await, Some(true));
+    assert_eq!(migrate_table(&table.name).await, [2, 3, 4, 5, 6]);
+    assert_eq!(index_valid(&table, "_waiting_idx").await, Some(true));
+    assert_eq!(index_valid(&table, "_open_idx").await, None);
     assert_eq!(index_valid(&table, "_aggregate_idx").await, None);
 
     let qualified = format!("public.{}", table.name);
@@ -348,7 +353,12 @@ async fn an_interrupted_version_2_is_finished_without_a_record() {
     assert_eq!(index_valid(&table, "_open_idx").await, None);
     let applied = migrate_table(&table.name).await;
     assert_eq!(applied.first(), Some(&2), "{applied:?}");
-    assert_eq!(index_valid(&table, "_open_idx").await, Some(true));
+    assert_eq!(
+        index_valid(&table, "_open_idx").await,
+        None,
+        "version 6 dropped it"
+    );
+    assert_eq!(index_valid(&table, "_waiting_idx").await, Some(true));
     assert_eq!(index_valid(&table, "_expired_idx").await, Some(true));
     assert_eq!(index_valid(&table, "_aggregate_idx").await, None);
     table.drop_table().await;

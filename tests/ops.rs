@@ -771,11 +771,14 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
     assert!(check[0].contains("'expired'"), "{check:?}");
     let indexes = texts("SELECT indexname::text FROM pg_indexes WHERE tablename = $1").await;
     let has_index = |suffix: &str| indexes.iter().any(|i| i.ends_with(suffix));
-    for want in ["open_idx", "expiry_idx", "expired_idx"] {
+    for want in ["waiting_idx", "expiry_idx", "expired_idx"] {
         assert!(has_index(want), "{want} in {indexes:?}");
     }
-    // Version 1's aggregate index is gone (version 2 replaced it with open_idx).
-    assert!(!has_index("_aggregate_idx"), "{indexes:?}");
+    // Version 1's aggregate index is gone (version 2 replaced it with open_idx, version 6
+    // that with waiting_idx).
+    for gone in ["_aggregate_idx", "_open_idx"] {
+        assert!(!has_index(gone), "{gone} in {indexes:?}");
+    }
     let triggers = texts(
         "SELECT tgname || ' deferrable ' || tgdeferrable FROM pg_trigger \
          WHERE tgrelid = $1::text::regclass AND NOT tgisinternal",

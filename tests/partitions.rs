@@ -4,9 +4,10 @@
 //! with too many dead letters whole until they are retried or discarded, the in-place
 //! conversion of a plain table while a writer inserts and a relay runs, a conversion an
 //! interrupted `migrate` left half done, a table `migrate` refuses to partition, what
-//! `migrate --print` says of partitioning, and schema
+//! `migrate --print` says of partitioning, schema
 //! version 5's fillfactor on every partition (the relay's own, and those of a table
-//! partitioned at version 4).
+//! partitioned at version 4), and schema version 6's waiting index built partition by
+//! partition on a table partitioned at version 5.
 //!
 //! The real binary against the local PostgreSQL and RabbitMQ, one-minute partitions, a table
 //! and exchange per test.
@@ -205,9 +206,6 @@ async fn a_lock_that_keeps_partitions_from_being_made_ahead_is_named() {
     table.drop_table().await;
 }
 
-/// Schema version 5 on a table partitioned at version 4 (whose partitions have the default
-/// fillfactor): `migrate` sets the fillfactor of each partition, since a partitioned table
-/// holds no storage settings of its own.
 /// `migrate --print` with an interval prints the versions' DDL and says that `migrate`
 /// partitions the table after them (the steps depend on the table as it stands), applying
 /// nothing.
@@ -244,6 +242,9 @@ async fn migrate_print_says_that_migrate_partitions_the_table_and_applies_nothin
     assert!(!found.get::<_, bool>(0), "--print created the table");
 }
 
+/// Schema version 5 on a table partitioned at version 4 (whose partitions have the default
+/// fillfactor): `migrate` sets the fillfactor of each partition, since a partitioned table
+/// holds no storage settings of its own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_gives_each_partition_of_a_version_4_table_room_for_updates() {
     let table = TestTable::partitioned("part_room", "1m").await;
@@ -264,12 +265,87 @@ async fn migrate_gives_each_partition_of_a_version_4_table_room_for_updates() {
     let out = migrate_partitioned(&table.name, "1m").await;
     assert!(out.status.success(), "{out:?}");
     assert!(
-        out.stdout.contains("applied schema versions [5]"),
+        out.stdout.contains("applied schema versions [5, 6]"),
         "{}",
         out.stdout
     );
     assert_eq!(partitions_without_room(&table).await, Vec::<String>::new());
     table.drop_table().await;
+}
+
+/// The partitions of `table` with no index attached to the partitioned index `index`.
+async fn partitions_without_index(table: &TestTable, index: &str) -> Vec<String> {
+    let sql = "SELECT t.relid::text FROM pg_partition_tree($1::text::regclass) t \
+               WHERE t.isleaf AND NOT EXISTS (SELECT 1 FROM pg_index x \
+                 JOIN pg_inherits a ON a.inhrelid = x.indexrelid \
+                 WHERE x.indrelid = t.relid AND a.inhparent = to_regclass($2)) \
+               ORDER BY 1";
+    let rows = table.db.query(sql, &[&table.name, &index]).await.unwrap();
+    rows.iter().map(|r| r.get(0)).collect()
+}
+
+/// Schema version 6 on a table partitioned at version 5 (the open index on every partition):
+/// PostgreSQL builds no index concurrently on a partitioned table, so `migrate` builds the
+/// waiting index partition by partition and attaches each, then drops the open index; rows
+/// in every status stay as they were, and the relay drains the pending ones in order, in the
+/// DEFAULT partition too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_partition() {
+    let table = TestTable::partitioned("part_wait", "1m").await;
+    let rabbit = RabbitFixture::new("part_wait", "#", "it.barrier").await;
+    let (t, waiting) = (&table.name, format!("{}_waiting_idx", table.name));
+    let version_5 = format!(
+        "DROP INDEX {waiting}; \
+         CREATE INDEX {t}_open_idx ON {t} (aggregate_type, aggregate_id, seq) \
+           WHERE status NOT IN ('sent', 'expired'); \
+         UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = '{t}'"
+    );
+    table.db.batch_execute(&version_5).await.unwrap();
+    let leaves = table.partitions().await;
+    assert!(leaves.len() >= 3, "{leaves:?}");
+    assert_eq!(partitions_without_index(&table, &waiting).await, leaves);
+    let mut pending = table
+        .insert_ids(&NewRow::numbered(30, "part", Some(("w-", 3)), "placed"))
+        .await;
+    pending.push(insert_at(&table, "w-0", "-1 day", "pending").await);
+    let dead = insert_at(&table, "d-0", "0 s", "failed").await;
+    let blocked = insert_at(&table, "d-0", "0 s", "pending").await;
+
+    let out = migrate_partitioned(t, "1m").await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        out.stdout.contains("applied schema versions [6]"),
+        "{}",
+        out.stdout
+    );
+    let valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
+    let row = table.db.query_opt(valid, &[&waiting]).await.unwrap();
+    assert_eq!(row.map(|r| r.get::<_, bool>(0)), Some(true));
+    assert_eq!(
+        partitions_without_index(&table, &waiting).await,
+        Vec::<String>::new()
+    );
+    let open = format!("{t}_open_idx");
+    let row = table.db.query_opt(valid, &[&open]).await.unwrap();
+    assert!(row.is_none(), "the open index is dropped");
+    let again = migrate_partitioned(t, "1m").await;
+    assert!(again.stdout.contains("is up to date"), "{again:?}");
+
+    let relay = relay(&table, &rabbit, "part-wait").spawn();
+    let sent = i64::try_from(pending.len()).unwrap();
+    table.wait_count("status = 'sent'", sent, WAIT).await;
+    rabbit.barrier().await;
+    let expected: Vec<_> = table.rows_by_id(&pending).await.into_values().collect();
+    rabbit
+        .analyse(&expected)
+        .assert_exactly_once("version 6 on a partitioned table");
+    assert_eq!(table.row(dead).await.status, "failed");
+    assert_eq!(
+        table.row(blocked).await.status,
+        "pending",
+        "a dead letter still holds back its aggregate"
+    );
+    finish(relay, table, rabbit).await;
 }
 
 /// `n_tup_del` of `relation` as the statistics have it (`None` once it is gone).

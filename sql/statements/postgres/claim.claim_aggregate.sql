@@ -3,7 +3,7 @@ WITH busy AS MATERIALIZED (
   FROM outbox_messages b
   WHERE b.status = 'processing'
   AND b.aggregate_id IS NOT NULL
-  LIMIT 10000), cand AS (
+  LIMIT 100000), cand AS (
   SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq
   FROM outbox_messages c
   LEFT JOIN LATERAL (
@@ -16,7 +16,7 @@ WITH busy AS MATERIALIZED (
     FROM outbox_messages h
     WHERE h.aggregate_type = c.aggregate_type
     AND h.aggregate_id = c.aggregate_id
-    AND h.status NOT IN ('sent', 'expired')
+    AND h.status IN ('pending', 'failed')
     ORDER BY h.seq
     LIMIT 1) h ON true
   WHERE c.status = 'pending'
@@ -30,7 +30,17 @@ WITH busy AS MATERIALIZED (
     OR (c.seq <= $3
       AND (c.aggregate_type, c.aggregate_id) NOT IN (
         SELECT *
-        FROM busy)))
+        FROM busy)
+      AND ((
+          SELECT count(*)
+          FROM busy) < 100000
+        OR NOT EXISTS (
+          SELECT 1
+          FROM outbox_messages p
+          WHERE p.status = 'processing'
+          AND p.aggregate_type = c.aggregate_type
+          AND p.aggregate_id = c.aggregate_id
+          AND p.seq < c.seq))))
   AND (c.aggregate_id IS NULL
     OR h.head_seq IS NOT NULL)
   ORDER BY c.seq
@@ -44,7 +54,7 @@ WITH busy AS MATERIALIZED (
     FROM outbox_messages e
     WHERE e.aggregate_type = r.aggregate_type
     AND e.aggregate_id = r.aggregate_id
-    AND e.status NOT IN ('sent', 'expired')
+    AND e.status IN ('pending', 'failed')
     AND e.seq > r.prev_seq
     AND e.seq < r.seq) END AS free
   FROM ranked r), chained AS (

@@ -13,5 +13,12 @@ SELECT EXISTS (
         FROM outbox_messages e
         WHERE e.aggregate_type = c.aggregate_type
         AND e.aggregate_id = c.aggregate_id
-        AND e.status NOT IN ('sent', 'expired')
-        AND e.seq < c.seq))))
+        AND e.status IN ('pending', 'failed')
+        AND e.seq < c.seq)
+      AND NOT EXISTS (
+        SELECT 1
+        FROM outbox_messages p
+        WHERE p.status = 'processing'
+        AND p.aggregate_type = c.aggregate_type
+        AND p.aggregate_id = c.aggregate_id
+        AND p.seq < c.seq))))

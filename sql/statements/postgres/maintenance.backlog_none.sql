@@ -23,8 +23,15 @@ SELECT p.ready, p.waiting, (
       FROM outbox_messages e
       WHERE e.aggregate_type = f.aggregate_type
       AND e.aggregate_id = f.aggregate_id
-      AND e.status NOT IN ('sent', 'expired')
-      AND e.seq < f.seq)) b), (
+      AND e.status IN ('pending', 'failed')
+      AND e.seq < f.seq)
+    AND NOT EXISTS (
+      SELECT 1
+      FROM outbox_messages p
+      WHERE p.status = 'processing'
+      AND p.aggregate_type = f.aggregate_type
+      AND p.aggregate_id = f.aggregate_id
+      AND p.seq < f.seq)) b), (
   SELECT coalesce(extract(epoch
       FROM now() - min(greatest(c.created_at, c.available_at))), 0)::float8
   FROM outbox_messages c

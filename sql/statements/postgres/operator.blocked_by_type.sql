@@ -7,6 +7,13 @@ AND NOT EXISTS (
   FROM outbox_messages e
   WHERE e.aggregate_type = f.aggregate_type
   AND e.aggregate_id = f.aggregate_id
-  AND e.status NOT IN ('sent', 'expired')
+  AND e.status IN ('pending', 'failed')
   AND e.seq < f.seq)
+AND NOT EXISTS (
+  SELECT 1
+  FROM outbox_messages p
+  WHERE p.status = 'processing'
+  AND p.aggregate_type = f.aggregate_type
+  AND p.aggregate_id = f.aggregate_id
+  AND p.seq < f.seq)
 GROUP BY aggregate_type

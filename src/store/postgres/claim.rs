@@ -11,7 +11,9 @@ use std::time::Duration;
 use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
-use super::predicates::{SUSPECT, no_open_row_before, not_due, not_suspect, open};
+use super::predicates::{
+    SUSPECT, no_open_row_before, no_row_in_flight_before, not_due, not_suspect, waiting,
+};
 use super::{PgStore, Result};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
@@ -257,6 +259,9 @@ fn claim_suspect(t: &str) -> String {
     )
 }
 
+/// The most aggregates in flight the aggregate claim looks up by hash (see [`claim_aggregate`]).
+const BUSY_CAP: u32 = 100_000;
+
 /// The claim with `ordering = "aggregate"`. `$1` batch size, `$2` instance id, `$3`
 /// watermark (the highest `seq` that is final), `$4` scan window ([`scan_window`]), `$5`
 /// parts, `$6` this part.
@@ -267,19 +272,24 @@ fn claim_suspect(t: &str) -> String {
 /// LOCKED), which leaves a gap and so blocks every row after them.
 ///
 /// How, step by step:
-/// - `busy`: aggregates with a row in flight (from the small processing index, capped so that
-///   it stays hashable) are skipped before any probe: in a steady drain most blocked rows are
-///   behind an in-flight head, and a hash lookup costs a fraction of an index probe.
+/// - `busy`: aggregates with a row in flight (from the small processing index) are skipped
+///   before any probe: in a steady drain most blocked rows are behind an in-flight head, and
+///   a hash lookup costs a fraction of an index probe. The set is capped at [`BUSY_CAP`] so
+///   that the planner keeps it hashed; past the cap (more aggregates in flight than any
+///   deployment we know holds) each candidate also probes the rows in flight, slower but
+///   exact: the waiting index the head probe reads holds no row in flight.
 /// - `cand`: up to the scan window of ready rows at or below the watermark, in this part
 ///   (the aggregates that hash to it, rows without one by `seq`: no two parts contend for an
-///   aggregate), whose aggregate's head (first open row) is ready. The head probe is a lateral
+///   aggregate), whose aggregate is not busy and whose head (first waiting row, see
+///   [`waiting`]) is ready. The head probe is a lateral
 ///   join, one index probe per candidate (the generic plan does not memoize it: about a third
 ///   of the statement's time); the conditions on the candidate alone stand apart from the one
 ///   on the head so the scan is filtered before the join. A blocked
 ///   aggregate (head in flight elsewhere, backing off, dead, a suspect, past its deadline)
 ///   thus cannot fill the window and starve the others.
-/// - `checked`, `chained`: a candidate is free when it is the head, or when no open row lies
-///   between it and the previous candidate of its aggregate (a probe bounded on both sides);
+/// - `checked`, `chained`: a candidate is free when it is the head, or when no waiting row
+///   lies between it and the previous candidate of its aggregate (a probe bounded on both
+///   sides; `cand` let no aggregate with a row in flight through);
 ///   it is claimable when it and every earlier candidate of its aggregate are free.
 /// - `picked`: the batch is filled run by run (aggregates in the order of their oldest
 ///   candidate, each run in `seq` order; a prefix of a run is still a run), so a backlog
@@ -289,12 +299,13 @@ fn claim_aggregate(t: &str) -> String {
     let part_c = part_key("c");
     let (not_suspect_c, not_due_c) = (not_suspect("c"), not_due("c"));
     let (not_suspect_h, not_due_h) = (not_suspect("h"), not_due("h"));
-    let (open_e, open_h) = (open("e"), open("h"));
+    let (waiting_e, waiting_h) = (waiting("e"), waiting("h"));
+    let in_flight_c = no_row_in_flight_before(t, "c");
     format!(
         "WITH busy AS MATERIALIZED ( \
            SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
            WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
-           LIMIT 10000), \
+           LIMIT {BUSY_CAP}), \
          cand AS ( \
            SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq FROM {t} c \
            LEFT JOIN LATERAL ( \
@@ -302,12 +313,13 @@ fn claim_aggregate(t: &str) -> String {
                  AND {not_suspect_h} AND {not_due_h} THEN h.seq END AS head_seq \
              FROM {t} h \
              WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
-               AND {open_h} ORDER BY h.seq LIMIT 1) h ON true \
+               AND {waiting_h} ORDER BY h.seq LIMIT 1) h ON true \
            WHERE c.status = 'pending' AND c.available_at <= now() AND {not_suspect_c} \
              AND {not_due_c} \
              AND {part_c} % $5 = $6 \
              AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
-               AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy))) \
+               AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) \
+               AND ((SELECT count(*) FROM busy) < {BUSY_CAP} OR {in_flight_c}))) \
              AND (c.aggregate_id IS NULL OR h.head_seq IS NOT NULL) \
            ORDER BY c.seq LIMIT $4 \
            FOR UPDATE OF c SKIP LOCKED), \
@@ -321,7 +333,7 @@ fn claim_aggregate(t: &str) -> String {
                   ELSE NOT EXISTS ( \
                     SELECT 1 FROM {t} e \
                     WHERE e.aggregate_type = r.aggregate_type AND e.aggregate_id = r.aggregate_id \
-                      AND {open_e} AND e.seq > r.prev_seq AND e.seq < r.seq) END AS free \
+                      AND {waiting_e} AND e.seq > r.prev_seq AND e.seq < r.seq) END AS free \
            FROM ranked r), \
          chained AS ( \
            SELECT id, seq, bool_and(free) OVER w AS ok, \

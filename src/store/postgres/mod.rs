@@ -35,6 +35,7 @@ mod maintenance;
 pub mod migrations;
 mod observe;
 mod operator;
+mod partitioned_index;
 pub mod partitions;
 mod predicates;
 pub mod schema;

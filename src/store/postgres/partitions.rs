@@ -466,14 +466,16 @@ impl PgStore {
         columns: &str,
     ) -> std::result::Result<Retired, tokio_postgres::Error> {
         let t = self.table.qualified();
-        // Every read of the partition below goes through its partial index of unfinished rows
-        // (version 2's `<table>_open_idx`), never a sequential scan of its sent rows, whatever
-        // its statistics say: from the DETACH on, the application's inserts wait for this
+        // Every read of the partition below goes through the partial indexes of unfinished
+        // rows (one arm of the OR per status: the pending, failed and processing indexes of
+        // every schema version), never a sequential scan of its sent rows, whatever its
+        // statistics say: from the DETACH on, the application's inserts wait for this
         // transaction.
         tx.batch_execute("SET LOCAL enable_seqscan = off").await?;
+        let unfinished_rows = "(status = 'pending' OR status = 'failed' OR status = 'processing')";
         let unfinished = format!(
             "SELECT status, count(*) FROM (SELECT status FROM {p} \
-               WHERE status NOT IN ('sent', 'expired') LIMIT {}) u GROUP BY status",
+               WHERE {unfinished_rows} LIMIT {}) u GROUP BY status",
             MOVE_AT_MOST + 1
         );
         let before = Leftovers::from_rows(&tx.query(&unfinished, &[]).await?)?;
@@ -498,7 +500,7 @@ impl PgStore {
             .await?;
             tx.batch_execute(&format!(
                 "INSERT INTO {t} ({columns}) OVERRIDING SYSTEM VALUE \
-                   SELECT {columns} FROM {p} WHERE status NOT IN ('sent', 'expired')"
+                   SELECT {columns} FROM {p} WHERE {unfinished_rows}"
             ))
             .await?;
         }

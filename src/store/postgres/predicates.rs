@@ -15,11 +15,13 @@ fn qualifier(alias: &str) -> String {
     }
 }
 
-/// A row that still holds back the later rows of its aggregate: anything but `sent` and
-/// `expired`. Spelled as the predicate of the `<table>_open_idx` partial index.
-pub(super) fn open(alias: &str) -> String {
+/// A row waiting to go out or dead: `pending` or `failed`. Spelled as the predicate of the
+/// `<table>_waiting_idx` partial index (schema version 6). With the `processing` rows (the
+/// small `<table>_processing_idx`) these are the open rows, the ones that hold back the later
+/// rows of their aggregate; `sent` and `expired` rows hold back nothing.
+pub(super) fn waiting(alias: &str) -> String {
     let a = qualifier(alias);
-    format!("{a}status NOT IN ('sent', 'expired')")
+    format!("{a}status IN ('pending', 'failed')")
 }
 
 /// Not a row reclaimed from a dead relay ([`SUSPECT`]): ordinary claims never take those.
@@ -35,13 +37,26 @@ pub(super) fn not_due(alias: &str) -> String {
     format!("({a}expires_at IS NULL OR {a}expires_at > now())")
 }
 
-/// No open row ([`open`]) of the same aggregate comes before the row `alias` of table `t`:
-/// it is the head of its aggregate. Uses the alias `e` inside.
+/// No open row of the same aggregate comes before the row `alias` of table `t`: it is the
+/// head of its aggregate. Two probes, one per index: a [`waiting`] row (alias `e` inside) and
+/// a row in flight (alias `p`).
 pub(super) fn no_open_row_before(t: &str, alias: &str) -> String {
-    let open = open("e");
+    let waiting = waiting("e");
     format!(
         "NOT EXISTS (SELECT 1 FROM {t} e WHERE e.aggregate_type = {alias}.aggregate_type \
-         AND e.aggregate_id = {alias}.aggregate_id AND {open} AND e.seq < {alias}.seq)"
+         AND e.aggregate_id = {alias}.aggregate_id AND {waiting} AND e.seq < {alias}.seq) \
+         AND {}",
+        no_row_in_flight_before(t, alias)
+    )
+}
+
+/// No row of the same aggregate as the row `alias` of table `t` is in flight (`processing`)
+/// before it. Uses the alias `p` inside.
+pub(super) fn no_row_in_flight_before(t: &str, alias: &str) -> String {
+    format!(
+        "NOT EXISTS (SELECT 1 FROM {t} p WHERE p.status = 'processing' \
+         AND p.aggregate_type = {alias}.aggregate_type \
+         AND p.aggregate_id = {alias}.aggregate_id AND p.seq < {alias}.seq)"
     )
 }
 
@@ -51,8 +66,8 @@ mod tests {
 
     #[test]
     fn predicates_are_qualified_by_the_alias_or_not_at_all() {
-        assert_eq!(open("e"), "e.status NOT IN ('sent', 'expired')");
-        assert_eq!(open(""), "status NOT IN ('sent', 'expired')");
+        assert_eq!(waiting("e"), "e.status IN ('pending', 'failed')");
+        assert_eq!(waiting(""), "status IN ('pending', 'failed')");
         assert_eq!(
             not_suspect("c"),
             "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')"
@@ -65,8 +80,13 @@ mod tests {
         );
         assert!(head.contains("e.aggregate_id = f.aggregate_id"), "{head}");
         assert!(
-            head.contains("e.status NOT IN ('sent', 'expired') AND e.seq < f.seq)"),
+            head.contains("e.status IN ('pending', 'failed') AND e.seq < f.seq)"),
             "{head}"
         );
+        assert!(
+            head.contains("p.status = 'processing' AND p.aggregate_type = f.aggregate_type"),
+            "{head}"
+        );
+        assert!(head.ends_with("AND p.seq < f.seq)"), "{head}");
     }
 }

@@ -93,12 +93,7 @@ pub struct SchemaState {
 /// own. `fresh`: the table does not exist yet.
 fn version_steps(m: &Migration, table: &TableName, versions: &str, fresh: bool) -> Vec<Step> {
     let mut steps = m.steps(table, fresh);
-    let record = format!(
-        "INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
-         ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now();",
-        quote_literal(&table.qualified()),
-        m.version
-    );
+    let record = record_version(m, table, versions);
     match steps.last_mut() {
         Some(last) if last.kind == StepKind::Transaction => last.sql.push_str(&record),
         _ => steps.push(Step {
@@ -108,6 +103,25 @@ fn version_steps(m: &Migration, table: &TableName, versions: &str, fresh: bool) 
         }),
     }
     steps
+}
+
+/// The statement that records `m` as applied to `table` in `versions`.
+fn record_version(m: &Migration, table: &TableName, versions: &str) -> String {
+    format!(
+        "INSERT INTO {versions} (table_name, version) VALUES ({}, {}) \
+         ON CONFLICT (table_name) DO UPDATE SET version = EXCLUDED.version, applied_at = now();",
+        quote_literal(&table.qualified()),
+        m.version
+    )
+}
+
+/// [`record_version`] as a step of its own.
+fn record_step(m: &Migration, table: &TableName, versions: &str) -> Step {
+    Step {
+        kind: StepKind::Transaction,
+        sql: record_version(m, table, versions),
+        builds_index: None,
+    }
 }
 
 impl SchemaState {
@@ -193,7 +207,8 @@ async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
 /// interrupted is not counted (and is applied again): 2 its last index, `<table>_expired_idx`,
 /// built and valid; 3 the waiters table; 4 a wake-up trigger with a `WHEN` condition; 5 a
 /// `fillfactor` set on the table (or, partitioned, on a partition): version 5 sets 50, and
-/// one an operator chose since counts as well. (Versions 3 to 5 run in one transaction each.)
+/// one an operator chose since counts as well; 6 `<table>_waiting_idx` built and valid and
+/// version 2's `<table>_open_idx` gone. (Versions 3 to 5 run in one transaction each.)
 async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
     client: &C,
     table: &TableName,
@@ -211,23 +226,44 @@ async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
                                OR c.oid IN (SELECT inhrelid FROM pg_inherits \
                                              WHERE inhparent = to_regclass($1))) \
                           AND EXISTS (SELECT 1 FROM unnest(c.reloptions) o \
-                                       WHERE o LIKE 'fillfactor=%'))",
+                                       WHERE o LIKE 'fillfactor=%')), \
+               EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($5) \
+                         AND indrelid = to_regclass($1) AND indisvalid) \
+                 AND to_regclass($6) IS NULL",
             &[
                 &table.qualified(),
                 &table.prefixed("_waiters"),
                 &format!("{}_wakeup", table.name),
                 &table.prefixed("_expired_idx"),
+                &table.prefixed("_waiting_idx"),
+                &table.prefixed("_open_idx"),
             ],
         )
         .await?;
     let mut version = 1;
-    for mark in 0..4 {
+    for mark in 0..5 {
         if !row.try_get::<_, bool>(mark)? {
             break;
         }
         version += 1;
     }
     Ok(version)
+}
+
+impl PgStore {
+    /// The table is partitioned.
+    async fn is_partitioned<C: deadpool_postgres::GenericClient + Sync>(
+        &self,
+        client: &C,
+    ) -> Result<bool> {
+        Ok(client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_class WHERE oid = to_regclass($1) AND relkind = 'p')",
+                &[&self.table.qualified()],
+            )
+            .await?
+            .try_get(0)?)
+    }
 }
 
 /// The oldest transactions of the database that hold a snapshot (what a concurrent index
@@ -248,6 +284,15 @@ pub(super) struct StepAt {
 }
 
 impl StepAt {
+    /// Step `index` (from 0) of `count` of version `version`.
+    pub(super) const fn of(version: i32, index: usize, count: usize) -> StepAt {
+        StepAt {
+            version,
+            index,
+            count,
+        }
+    }
+
     const SETUP: StepAt = StepAt {
         version: 0,
         index: 0,
@@ -355,16 +400,20 @@ impl PgStore {
             .await?
             .try_get(0)?;
         let current = current_version(&*client, &self.table).await?;
+        let partitioned = current.table_exists && self.is_partitioned(&*client).await?;
         let mut applied = Vec::new();
         for m in MIGRATIONS.iter().filter(|m| m.version > current.version) {
-            let steps = version_steps(m, &self.table, &versions, !current.table_exists);
+            let steps = match (partitioned, &m.on_partitions) {
+                (true, Some(swap)) => {
+                    self.swap_partitioned_index(client, &schema, m.version, swap)
+                        .await?;
+                    vec![record_step(m, &self.table, &versions)]
+                }
+                _ => version_steps(m, &self.table, &versions, !current.table_exists),
+            };
             let count = steps.len();
             for (index, step) in steps.iter().enumerate() {
-                let at = StepAt {
-                    version: m.version,
-                    index,
-                    count,
-                };
+                let at = StepAt::of(m.version, index, count);
                 self.run_step(client, Some(&schema), at, step).await?;
             }
             applied.push(m.version);
@@ -705,6 +754,7 @@ mod tests {
             include_str!("../../../sql/0003_wakeup_and_storage.sql"),
             include_str!("../../../sql/0004_bulk_wakeup.sql"),
             include_str!("../../../sql/0005_room_for_updates.sql"),
+            include_str!("../../../sql/0006_waiting_index.sql"),
         ];
         assert_eq!(MIGRATIONS.len(), files.len());
         for (m, text) in MIGRATIONS.iter().zip(files) {
