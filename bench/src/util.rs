@@ -225,6 +225,19 @@ pub async fn full_pages(pg: &Client, table: &str) -> Result<()> {
         .with_context(|| format!("cannot reset the fillfactor of {table}"))
 }
 
+/// Replaces plain `table`'s waiting index (schema version 6) with version 2's open index, as
+/// version 5 left it, for an A/B against version 6 (the relay's statements read either).
+pub async fn open_index(pg: &Client, table: &str) -> Result<()> {
+    let swap = format!(
+        "DROP INDEX {table}_waiting_idx; \
+         CREATE INDEX {table}_open_idx ON {table} (aggregate_type, aggregate_id, seq) \
+           WHERE status NOT IN ('sent', 'expired')"
+    );
+    pg.batch_execute(&swap)
+        .await
+        .with_context(|| format!("cannot give {table} the open index"))
+}
+
 /// Average size in bytes of the payload as the relay sends it (jsonb's text form).
 pub async fn avg_payload_bytes(pg: &Client, table: &str) -> Result<f64> {
     let row = pg

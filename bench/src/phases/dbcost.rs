@@ -22,7 +22,9 @@
 //!
 //! The cases: the relay's defaults (ordering `aggregate`, retention 24h); the same on a table
 //! whose fillfactor is reset to 100 (the full pages of schema version 4, before version 5 left
-//! room on each page for the relay's updates); ordering `none` with
+//! room on each page for the relay's updates); the defaults and ordering `none` with
+//! retention `0s` on a table whose waiting index is replaced by schema version 5's open index
+//! (version 6 keeps the rows in flight out of it); ordering `none` with
 //! `cleanup.retention = "0s"` (rows deleted on confirm); the defaults on a table partitioned
 //! by `database.partition_interval = "1h"` (created by `outbox-relay migrate`). Each drain is
 //! also reported against the insert into the same table (`…_wal_vs_insert`).
@@ -42,8 +44,8 @@ use super::retention::{PARTITION_ENV, migrate};
 use super::steady::{mib, sample_health};
 use crate::Ctx;
 use crate::util::{
-    CpuSample, CpuUsage, Relay, aggregate_id, full_pages, payload, pg_connect, verify_sent,
-    wait_drained,
+    CpuSample, CpuUsage, Relay, aggregate_id, full_pages, open_index, payload, pg_connect,
+    verify_sent, wait_drained,
 };
 
 /// The phase's name in the report.
@@ -63,19 +65,31 @@ struct Case {
     env: &'static [(&'static str, &'static str)],
     /// `database.partition_interval` of the table and the relay.
     partition_interval: Option<&'static str>,
-    /// The table's fillfactor reset to PostgreSQL's default (100) after `migrate`: pages as
-    /// schema version 4 left them, for an A/B against version 5's room for updates.
-    full_pages: bool,
+    /// The table as an earlier schema version left it, for an A/B against the current one.
+    earlier: Earlier,
 }
 
-static CASES: [Case; 4] = [
+/// Which earlier schema version a case's table is made to look like after `migrate`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Earlier {
+    /// None: the current schema.
+    No,
+    /// The fillfactor reset to PostgreSQL's default (100): pages as schema version 4 left
+    /// them, against version 5's room for updates.
+    FullPages,
+    /// Version 2's open index (every row neither sent nor expired, rows in flight included)
+    /// in place of version 6's waiting index.
+    OpenIndex,
+}
+
+static CASES: [Case; 6] = [
     Case {
         key: "default",
         short: "df",
         label: "relay, defaults (ordering aggregate, retention 24h)",
         env: &[],
         partition_interval: None,
-        full_pages: false,
+        earlier: Earlier::No,
     },
     Case {
         key: "default_full_pages",
@@ -83,7 +97,26 @@ static CASES: [Case; 4] = [
         label: "relay, defaults, fillfactor 100 (schema version 4's full pages)",
         env: &[],
         partition_interval: None,
-        full_pages: true,
+        earlier: Earlier::FullPages,
+    },
+    Case {
+        key: "default_open_index",
+        short: "oi",
+        label: "relay, defaults, schema version 5's open index",
+        env: &[],
+        partition_interval: None,
+        earlier: Earlier::OpenIndex,
+    },
+    Case {
+        key: "none_0s_open_index",
+        short: "o0",
+        label: "relay, ordering none, retention 0s, schema version 5's open index",
+        env: &[
+            ("RELAY_RELAY__ORDERING", "none"),
+            ("RELAY_CLEANUP__RETENTION", "0s"),
+        ],
+        partition_interval: None,
+        earlier: Earlier::OpenIndex,
     },
     Case {
         key: "none_0s",
@@ -94,7 +127,7 @@ static CASES: [Case; 4] = [
             ("RELAY_CLEANUP__RETENTION", "0s"),
         ],
         partition_interval: None,
-        full_pages: false,
+        earlier: Earlier::No,
     },
     Case {
         key: "partitioned",
@@ -102,7 +135,7 @@ static CASES: [Case; 4] = [
         label: "relay, defaults, partitioned 1h",
         env: &[],
         partition_interval: Some("1h"),
-        full_pages: false,
+        earlier: Earlier::No,
     },
 ];
 
@@ -183,8 +216,10 @@ pub async fn dbcost(ctx: &mut Ctx) -> Result<()> {
 async fn case_run(ctx: &mut Ctx, case: &'static Case) -> Result<CaseResult> {
     let table = format!("bench_dbcost_{}_{}", case.short, ctx.run_id);
     migrate(ctx, &table, case.partition_interval).await?;
-    if case.full_pages {
-        full_pages(&ctx.pg, &table).await?;
+    match case.earlier {
+        Earlier::No => {}
+        Earlier::FullPages => full_pages(&ctx.pg, &table).await?,
+        Earlier::OpenIndex => open_index(&ctx.pg, &table).await?,
     }
     let sentinel = ctx.sentinel().await;
     if let Err(e) = ctx.pg.batch_execute("CHECKPOINT").await {

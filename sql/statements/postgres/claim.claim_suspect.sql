@@ -7,21 +7,21 @@ WITH cand AS (
   AND (c.expires_at IS NULL
     OR c.expires_at > now())
   AND (c.aggregate_id IS NULL
-    OR (c.seq <= $2
-      AND NOT EXISTS (
-        SELECT 1
-        FROM outbox_messages e
-        WHERE e.aggregate_type = c.aggregate_type
-        AND e.aggregate_id = c.aggregate_id
-        AND e.status IN ('pending', 'failed')
-        AND e.seq < c.seq)
-      AND NOT EXISTS (
-        SELECT 1
-        FROM outbox_messages p
-        WHERE p.status = 'processing'
-        AND p.aggregate_type = c.aggregate_type
-        AND p.aggregate_id = c.aggregate_id
-        AND p.seq < c.seq)))
+    OR c.seq <= $2)
+  AND NOT EXISTS (
+    SELECT 1
+    FROM outbox_messages e
+    WHERE e.aggregate_type = c.aggregate_type
+    AND e.aggregate_id = c.aggregate_id
+    AND e.status IN ('pending', 'failed')
+    AND e.seq < c.seq)
+  AND NOT EXISTS (
+    SELECT 1
+    FROM outbox_messages p
+    WHERE p.status = 'processing'
+    AND p.aggregate_type = c.aggregate_type
+    AND p.aggregate_id = c.aggregate_id
+    AND p.seq < c.seq)
   ORDER BY c.seq
   LIMIT 1
   FOR UPDATE OF c SKIP LOCKED)

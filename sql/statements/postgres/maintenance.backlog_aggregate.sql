@@ -44,21 +44,20 @@ SELECT p.ready, p.waiting, (
   AND c.available_at <= now()
   AND (c.expires_at IS NULL
     OR c.expires_at > now())
-  AND (c.aggregate_id IS NULL
-    OR NOT EXISTS (
-      SELECT 1
-      FROM outbox_messages e
-      WHERE e.aggregate_type = c.aggregate_type
-      AND e.aggregate_id = c.aggregate_id
-      AND e.status IN ('pending', 'failed')
-      AND e.seq < c.seq)
-    AND NOT EXISTS (
-      SELECT 1
-      FROM outbox_messages p
-      WHERE p.status = 'processing'
-      AND p.aggregate_type = c.aggregate_type
-      AND p.aggregate_id = c.aggregate_id
-      AND p.seq < c.seq)) ), p.waiting_age
+  AND NOT EXISTS (
+    SELECT 1
+    FROM outbox_messages e
+    WHERE e.aggregate_type = c.aggregate_type
+    AND e.aggregate_id = c.aggregate_id
+    AND e.status IN ('pending', 'failed')
+    AND e.seq < c.seq)
+  AND NOT EXISTS (
+    SELECT 1
+    FROM outbox_messages p
+    WHERE p.status = 'processing'
+    AND p.aggregate_type = c.aggregate_type
+    AND p.aggregate_id = c.aggregate_id
+    AND p.seq < c.seq) ), p.waiting_age
 FROM (
   SELECT count(*) FILTER (
     WHERE available_at <= now()) AS ready, count(*) FILTER (

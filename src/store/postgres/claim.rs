@@ -226,13 +226,14 @@ fn claim_none(t: &str) -> String {
 
 /// A ready row reclaimed from a dead relay (a suspect of the crash) that is the head of its
 /// aggregate (or has none) and, with an aggregate, at or below the watermark `watermark` (a
-/// parameter such as `$1`).
+/// parameter such as `$1`). The head check holds for a row without an aggregate (it matches no
+/// row): it stands alone, outside any `OR`, so that the planner can make its probes joins.
 fn suspect_where(t: &str, watermark: &str) -> String {
     let (not_due, head) = (not_due("c"), no_open_row_before(t, "c"));
     format!(
         "c.status = 'pending' AND c.available_at <= now() AND c.last_error LIKE '{SUSPECT}%' \
          AND {not_due} \
-         AND (c.aggregate_id IS NULL OR (c.seq <= {watermark} AND {head}))"
+         AND (c.aggregate_id IS NULL OR c.seq <= {watermark}) AND {head}"
     )
 }
 

@@ -72,10 +72,9 @@ fn backlog(t: &str, ready: ReadyAge) -> String {
                 "(SELECT seq, status, aggregate_type, aggregate_id, created_at, available_at, \
                    expires_at FROM {t} WHERE status = 'pending' ORDER BY seq LIMIT {HEAD_REACH})"
             ),
-            format!(
-                "AND (c.aggregate_id IS NULL OR {}) ",
-                no_open_row_before(t, "c")
-            ),
+            // True of a row without an aggregate; outside any `OR`, so the planner can make
+            // its probes joins.
+            format!("AND {} ", no_open_row_before(t, "c")),
         ),
     };
     let failed_head = no_open_row_before(t, "f");

@@ -38,8 +38,10 @@ pub(super) fn not_due(alias: &str) -> String {
 }
 
 /// No open row of the same aggregate comes before the row `alias` of table `t`: it is the
-/// head of its aggregate. Two probes, one per index: a [`waiting`] row (alias `e` inside) and
-/// a row in flight (alias `p`).
+/// head of its aggregate (true of a row without an aggregate). Two probes, one per index: a
+/// [`waiting`] row (alias `e` inside) and a row in flight (alias `p`). Kept out of an `OR`, so
+/// that the planner can turn them into joins (the rows in flight hashed once) rather than
+/// probe the processing index, which is not keyed by aggregate, once per row.
 pub(super) fn no_open_row_before(t: &str, alias: &str) -> String {
     let waiting = waiting("e");
     format!(
