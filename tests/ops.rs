@@ -735,16 +735,19 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
         }
         Upgrade::Migrate => {
             assert_migrates(&table.name, 2).await;
-            // The file itself is idempotent, as users may apply it from their own migrations.
+            // The files themselves are idempotent, as users may apply them from their own
+            // migrations: every one after the first, again, in order.
             let t = TableName::parse(&table.name).unwrap();
-            // Statement by statement, as `psql -f` applies it: its index statements run
+            // Statement by statement, as `psql -f` applies them: their index statements run
             // CONCURRENTLY, which a transaction block refuses.
-            for statement in MIGRATIONS[1].statements_for(&t) {
-                table
-                    .db
-                    .batch_execute(&statement)
-                    .await
-                    .expect("0002 applied twice");
+            for m in &MIGRATIONS[1..] {
+                for statement in m.statements_for(&t) {
+                    table
+                        .db
+                        .batch_execute(&statement)
+                        .await
+                        .unwrap_or_else(|e| panic!("{} applied twice: {e}", m.name));
+                }
             }
             // The rows are untouched.
             let s = table.status_counts().await;
