@@ -13,8 +13,9 @@
 -- Built concurrently (inserts go on), then the old index dropped concurrently. PostgreSQL
 -- builds no index concurrently on a partitioned table: there `outbox-relay migrate` makes it
 -- on the table alone (`CREATE INDEX … ON ONLY`), builds it concurrently on each partition and
--- attaches each, then drops the old index under a moment's lock. Upgrade the relays before
--- the table: an older relay's ordered claim reads the open index.
+-- attaches each, then drops the old index under a moment's lock (this file fails there;
+-- docs/operations.md shows the statements by hand). Upgrade every relay before the table: an
+-- older relay's ordered claim reads the open index.
 CREATE INDEX CONCURRENTLY IF NOT EXISTS outbox_messages_waiting_idx
     ON outbox_messages (aggregate_type, aggregate_id, seq) WHERE status IN ('pending', 'failed');
 DROP INDEX CONCURRENTLY IF EXISTS outbox_messages_open_idx;

@@ -78,7 +78,7 @@ async fn backoff_parks_only_its_aggregate() {
 }
 
 /// More aggregates in flight than the ordered claim looks up by hash (200,000 held by another
-/// relay, twice its cap, so which of them the hash holds is the planner's choice): a row whose
+/// relay, several times its cap, so which of them the hash holds is the planner's choice): a row whose
 /// aggregate has an earlier row in flight still waits for it (the claim's head probe reads
 /// the waiting rows only, so past the cap each candidate probes the rows in flight), while a
 /// free aggregate goes out; once the earlier rows are settled the later ones follow. With the

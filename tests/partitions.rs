@@ -7,7 +7,7 @@
 //! `migrate --print` says of partitioning, schema
 //! version 5's fillfactor on every partition (the relay's own, and those of a table
 //! partitioned at version 4), and schema version 6's waiting index built partition by
-//! partition on a table partitioned at version 5.
+//! partition on a table partitioned at version 5 (and finished when a run was cut short).
 //!
 //! The real binary against the local PostgreSQL and RabbitMQ, one-minute partitions, a table
 //! and exchange per test.
@@ -286,9 +286,9 @@ async fn partitions_without_index(table: &TestTable, index: &str) -> Vec<String>
 
 /// Schema version 6 on a table partitioned at version 5 (the open index on every partition):
 /// PostgreSQL builds no index concurrently on a partitioned table, so `migrate` builds the
-/// waiting index partition by partition and attaches each, then drops the open index; rows
-/// in every status stay as they were, and the relay drains the pending ones in order, in the
-/// DEFAULT partition too.
+/// waiting index partition by partition and attaches each, then drops the open index; a
+/// dead letter stays one and still holds back its aggregate, and the relay drains the pending
+/// rows in order, in the DEFAULT partition too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_partition() {
     let table = TestTable::partitioned("part_wait", "1m").await;
@@ -346,6 +346,57 @@ async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_part
         "a dead letter still holds back its aggregate"
     );
     finish(relay, table, rabbit).await;
+}
+
+/// A version-6 swap cut short on a partitioned table: the table's waiting index made `ON
+/// ONLY` and every partition's attached but one, which is then dropped (retention, an
+/// operator). The table's index stays INVALID with no partition left to attach; `migrate`
+/// has PostgreSQL check it again and finishes the version.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_finishes_a_partitioned_swap_whose_last_partition_without_the_index_is_gone() {
+    let table = TestTable::partitioned("part_swap", "1m").await;
+    let (t, waiting) = (&table.name, format!("{}_waiting_idx", table.name));
+    let def = "(aggregate_type, aggregate_id, seq) WHERE status IN ('pending', 'failed')";
+    let mut cut_short = format!(
+        "DROP INDEX {waiting}; \
+         CREATE INDEX {t}_open_idx ON {t} (aggregate_type, aggregate_id, seq) \
+           WHERE status NOT IN ('sent', 'expired'); \
+         UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = '{t}'; \
+         CREATE INDEX {waiting} ON ONLY {t} {def};"
+    );
+    let leaves = table.partitions().await;
+    let gone = leaves.iter().rfind(|p| !p.ends_with("_default")).unwrap();
+    for leaf in leaves.iter().filter(|p| *p != gone) {
+        cut_short.push_str(&format!(
+            "CREATE INDEX {leaf}_w ON {leaf} {def}; \
+             ALTER INDEX {waiting} ATTACH PARTITION {leaf}_w;"
+        ));
+    }
+    cut_short.push_str(&format!("DROP TABLE {gone};"));
+    table.db.batch_execute(&cut_short).await.unwrap();
+    let valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
+    let is_valid = async || {
+        let row = table.db.query_opt(valid, &[&waiting]).await.unwrap();
+        row.map(|r| r.get::<_, bool>(0))
+    };
+    assert_eq!(is_valid().await, Some(false), "cut short");
+    assert_eq!(
+        partitions_without_index(&table, &waiting).await,
+        Vec::<String>::new()
+    );
+
+    let out = migrate_partitioned(t, "1m").await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        out.stdout.contains("applied schema versions [6]"),
+        "{}",
+        out.stdout
+    );
+    assert_eq!(is_valid().await, Some(true));
+    let open = format!("{t}_open_idx");
+    let row = table.db.query_opt(valid, &[&open]).await.unwrap();
+    assert!(row.is_none(), "the open index is dropped");
+    table.drop_table().await;
 }
 
 /// `n_tup_del` of `relation` as the statistics have it (`None` once it is gone).

@@ -3,7 +3,7 @@ WITH busy AS MATERIALIZED (
   FROM outbox_messages b
   WHERE b.status = 'processing'
   AND b.aggregate_id IS NOT NULL
-  LIMIT 100000), cand AS (
+  LIMIT 30000), cand AS (
   SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq
   FROM outbox_messages c
   LEFT JOIN LATERAL (
@@ -33,7 +33,7 @@ WITH busy AS MATERIALIZED (
         FROM busy)
       AND ((
           SELECT count(*)
-          FROM busy) < 100000
+          FROM busy) < 30000
         OR NOT EXISTS (
           SELECT 1
           FROM outbox_messages p

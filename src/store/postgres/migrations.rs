@@ -471,8 +471,9 @@ const V6: &[Statement] = &[
 -- Built concurrently (inserts go on), then the old index dropped concurrently. PostgreSQL
 -- builds no index concurrently on a partitioned table: there `outbox-relay migrate` makes it
 -- on the table alone (`CREATE INDEX … ON ONLY`), builds it concurrently on each partition and
--- attaches each, then drops the old index under a moment's lock. Upgrade the relays before
--- the table: an older relay's ordered claim reads the open index.
+-- attaches each, then drops the old index under a moment's lock (this file fails there;
+-- docs/operations.md shows the statements by hand). Upgrade every relay before the table: an
+-- older relay's ordered claim reads the open index.
 "#,
         r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_waiting_idx
     ON {{table}} (aggregate_type, aggregate_id, seq) WHERE status IN ('pending', 'failed')"#,

@@ -19,14 +19,30 @@ const NAME_MAX: usize = 63;
 const ROUNDS: usize = 5;
 
 /// The partitions of table `$1` that have no index attached to the partitioned index `$2`:
-/// their name, schema-qualified name and oid.
-const WITHOUT_INDEX: &str = "SELECT c.relname::text, format('%I.%I', n.nspname, c.relname), c.oid::bigint \
+/// their name, schema-qualified name, oid and schema (quoted).
+const WITHOUT_INDEX: &str = "SELECT c.relname::text, format('%I.%I', n.nspname, c.relname), c.oid::bigint, \
+             format('%I', n.nspname) \
        FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid \
        JOIN pg_namespace n ON n.oid = c.relnamespace \
       WHERE i.inhparent = to_regclass($1) \
         AND NOT EXISTS (SELECT 1 FROM pg_index x JOIN pg_inherits a ON a.inhrelid = x.indexrelid \
                          WHERE x.indrelid = c.oid AND a.inhparent = to_regclass($2)) \
       ORDER BY c.relname";
+
+/// One index attached to the partitioned index `$1`, schema-qualified.
+const ATTACHED: &str = "SELECT format('%I.%I', n.nspname, c.relname) \
+       FROM pg_inherits a JOIN pg_class c ON c.oid = a.inhrelid \
+       JOIN pg_namespace n ON n.oid = c.relnamespace \
+      WHERE a.inhparent = to_regclass($1) LIMIT 1";
+
+/// Whether the index `$1` is valid.
+const VALID: &str =
+    "SELECT coalesce((SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)), false)";
+
+/// `name` as a quoted identifier.
+fn quoted(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
 
 /// The name of a partition's own index `suffix` (`_waiting_idx`): after the partition, or,
 /// when that would be longer than PostgreSQL keeps, after as much of it as fits and its oid.
@@ -97,14 +113,7 @@ impl PgStore {
                 break;
             }
         }
-        let valid: bool = client
-            .query_one(
-                "SELECT coalesce((SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)), false)",
-                &[&names.qualified],
-            )
-            .await?
-            .try_get(0)?;
-        if !valid {
+        if !self.revalidated(client, schema, version, &names).await? {
             return Err(StoreError::Schema(format!(
                 "index {} of {t} is not valid after {ROUNDS} rounds of attaching the \
                  partitions' indexes (partitions kept appearing, or one of them is partitioned \
@@ -119,6 +128,38 @@ impl PgStore {
         let drop = step(StepKind::Transaction, drop, None);
         self.run_step(client, Some(schema), StepAt::of(version, 2, 3), &drop)
             .await
+    }
+
+    /// Whether the table's index is valid, once more made so when every partition has its
+    /// index attached but the table's stayed INVALID (the last partition that lacked one was
+    /// detached or dropped meanwhile): attaching an attached index again has PostgreSQL
+    /// check the table's.
+    async fn revalidated(
+        &self,
+        client: &mut deadpool_postgres::Object,
+        schema: &str,
+        version: i32,
+        names: &Names,
+    ) -> Result<bool> {
+        if client
+            .query_one(VALID, &[&names.qualified])
+            .await?
+            .try_get(0)?
+        {
+            return Ok(true);
+        }
+        let Some(row) = client.query_opt(ATTACHED, &[&names.qualified]).await? else {
+            return Ok(false);
+        };
+        let child: String = row.try_get(0)?;
+        let attach = format!("ALTER INDEX {} ATTACH PARTITION {child};", names.qualified);
+        let attach = step(StepKind::Transaction, attach, None);
+        self.run_step(client, Some(schema), StepAt::of(version, 1, 3), &attach)
+            .await?;
+        Ok(client
+            .query_one(VALID, &[&names.qualified])
+            .await?
+            .try_get(0)?)
     }
 
     /// Builds and attaches the index of each partition that has none attached to the table's;
@@ -138,14 +179,20 @@ impl PgStore {
             let name: String = row.try_get(0)?;
             let partition: String = row.try_get(1)?;
             let own = partition_index_name(&name, row.try_get(2)?, &names.suffix);
+            let own_schema: String = row.try_get(3)?;
             let at = StepAt::of(version, at + 1, count + 2);
             let build = format!(
-                "CREATE INDEX CONCURRENTLY IF NOT EXISTS {own} ON {partition} {};",
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {partition} {};",
+                quoted(&own),
                 swap.definition
             );
             let build = step(StepKind::Concurrent, build, Some(own.clone()));
             self.run_step(client, Some(schema), at, &build).await?;
-            let attach = format!("ALTER INDEX {} ATTACH PARTITION {own};", names.qualified);
+            let attach = format!(
+                "ALTER INDEX {} ATTACH PARTITION {own_schema}.{};",
+                names.qualified,
+                quoted(&own)
+            );
             let attach = step(StepKind::Transaction, attach, None);
             self.run_step(client, Some(schema), at, &attach).await?;
         }

@@ -403,14 +403,17 @@ impl PgStore {
         let partitioned = current.table_exists && self.is_partitioned(&*client).await?;
         let mut applied = Vec::new();
         for m in MIGRATIONS.iter().filter(|m| m.version > current.version) {
-            let steps = match (partitioned, &m.on_partitions) {
-                (true, Some(swap)) => {
-                    self.swap_partitioned_index(client, &schema, m.version, swap)
-                        .await?;
-                    vec![record_step(m, &self.table, &versions)]
-                }
-                _ => version_steps(m, &self.table, &versions, !current.table_exists),
-            };
+            if let (true, Some(swap)) = (partitioned, &m.on_partitions) {
+                self.swap_partitioned_index(client, &schema, m.version, swap)
+                    .await?;
+                // The last of its steps: the ones before it stay applied if it fails.
+                let record = record_step(m, &self.table, &versions);
+                let at = StepAt::of(m.version, 3, 4);
+                self.run_step(client, Some(&schema), at, &record).await?;
+                applied.push(m.version);
+                continue;
+            }
+            let steps = version_steps(m, &self.table, &versions, !current.table_exists);
             let count = steps.len();
             for (index, step) in steps.iter().enumerate() {
                 let at = StepAt::of(m.version, index, count);
