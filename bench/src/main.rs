@@ -67,7 +67,9 @@ use outbox_relay::store::Store;
 use serde_json::{Map, Value, json};
 use tokio_postgres::Client;
 
-use crate::util::{Rabbit, drop_table, full_pages, pg_connect, postmaster_start, scratch_dir};
+use crate::util::{
+    Rabbit, drop_table, full_pages, open_index, pg_connect, postmaster_start, scratch_dir,
+};
 
 /// Throughput, latency and claim-cost benchmark of outbox-relay against its ceilings.
 #[derive(Debug, Clone, Parser)]
@@ -142,6 +144,12 @@ struct Args {
     /// migrates (`dbcost` has a full-pages case of its own).
     #[arg(long)]
     full_pages: bool,
+    /// Replace the waiting index of every PostgreSQL table the bench creates with the
+    /// library's migration by schema version 5's open index: an A/B against schema version 6
+    /// with one binary. Not the tables of `retention` and `dbcost` (`dbcost` has open-index
+    /// cases of its own).
+    #[arg(long)]
+    open_index: bool,
     /// Give up a drain after this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -402,6 +410,9 @@ impl Ctx {
             .with_context(|| format!("cannot migrate {table}{at}"))?;
         if self.args.full_pages && !mysql {
             full_pages(&self.pg, &table).await?;
+        }
+        if self.args.open_index && !mysql {
+            open_index(&self.pg, &table).await?;
         }
         Ok(table)
     }
@@ -819,7 +830,7 @@ async fn run(ctx: &mut Ctx) {
         .filter(|p| selected(*p))
         .collect();
     ctx.progress(format!(
-        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}{}",
+        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}{}{}",
         ctx.run_id,
         ctx.rows,
         ctx.naive_rows,
@@ -833,6 +844,11 @@ async fn run(ctx: &mut Ctx) {
         },
         if ctx.args.full_pages {
             ", full pages (PostgreSQL tables at fillfactor 100)"
+        } else {
+            ""
+        },
+        if ctx.args.open_index {
+            ", schema version 5's open index"
         } else {
             ""
         }
@@ -1142,6 +1158,7 @@ fn finish(ctx: &mut Ctx) {
     out.insert("naive_rows".into(), json!(ctx.naive_rows));
     out.insert("quick".into(), json!(ctx.args.quick));
     out.insert("full_pages".into(), json!(ctx.args.full_pages));
+    out.insert("open_index".into(), json!(ctx.args.open_index));
     out.insert("latency_rate_per_s".into(), json!(ctx.lat_rate));
     out.insert("latency_seconds".into(), json!(ctx.lat_secs));
     for (k, v) in &report.json {
