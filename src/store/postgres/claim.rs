@@ -279,9 +279,10 @@ const BUSY_CAP: u32 = 30_000;
 /// - `busy`: aggregates with a row in flight (from the small processing index) are skipped
 ///   before any probe: in a steady drain most blocked rows are behind an in-flight head, and
 ///   a hash lookup costs a fraction of an index probe. The set is capped at [`BUSY_CAP`] so
-///   that the planner keeps it hashed; past the cap (more aggregates in flight than any
-///   deployment we know holds) each candidate also probes the rows in flight, slower but
-///   exact: the waiting index the head probe reads holds no row in flight.
+///   that the planner keeps it hashed; past the cap (20 replicas at the default
+///   `max_in_flight`, each aggregate with a row in flight) each candidate also probes the rows
+///   in flight, slower but exact: the waiting index the head probe reads holds no row in
+///   flight.
 /// - `cand`: up to the scan window of ready rows at or below the watermark, in this part
 ///   (the aggregates that hash to it, rows without one by `seq`: no two parts contend for an
 ///   aggregate), whose aggregate is not busy and whose head (first waiting row, see

@@ -465,7 +465,7 @@ const V6: &[Statement] = &[
 -- into a processing one, added one to the open index besides the primary key's and the
 -- processing index's. The waiting index holds the pending and failed rows only, which the
 -- claim leaves; the relay finds an aggregate's rows in flight through the small processing
--- index. About 70 bytes of WAL less per message (docs/performance.md, "Database cost per
+-- index. About 80 bytes of WAL less per message (docs/performance.md, "Database cost per
 -- message").
 --
 -- Built concurrently (inserts go on), then the old index dropped concurrently. PostgreSQL
