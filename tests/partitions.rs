@@ -284,6 +284,44 @@ async fn partitions_without_index(table: &TestTable, index: &str) -> Vec<String>
     rows.iter().map(|r| r.get(0)).collect()
 }
 
+/// The SQL that takes partitioned `table` (made at the newest version) back to version 5: its
+/// waiting index dropped, the open index on every partition, version 5 recorded.
+fn back_to_version_5(table: &TestTable) -> String {
+    let t = &table.name;
+    format!(
+        "DROP INDEX {t}_waiting_idx; \
+         CREATE INDEX {t}_open_idx ON {t} (aggregate_type, aggregate_id, seq) \
+           WHERE status NOT IN ('sent', 'expired'); \
+         UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = '{t}';"
+    )
+}
+
+/// Whether index `name` is valid (`None`: there is none).
+async fn index_valid(table: &TestTable, name: &str) -> Option<bool> {
+    let sql = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
+    let row = table.db.query_opt(sql, &[&name]).await.unwrap();
+    row.map(|r| r.get(0))
+}
+
+/// `migrate` of partitioned `table` applies version 6 alone, leaving the waiting index valid
+/// and the open index gone.
+async fn assert_migrates_to_version_6(table: &TestTable) {
+    let out = migrate_partitioned(&table.name, "1m").await;
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        out.stdout.contains("applied schema versions [6]"),
+        "{}",
+        out.stdout
+    );
+    let t = &table.name;
+    assert_eq!(
+        index_valid(table, &format!("{t}_waiting_idx")).await,
+        Some(true)
+    );
+    let open = index_valid(table, &format!("{t}_open_idx")).await;
+    assert_eq!(open, None, "the open index is dropped");
+}
+
 /// Schema version 6 on a table partitioned at version 5 (the open index on every partition):
 /// PostgreSQL builds no index concurrently on a partitioned table, so `migrate` builds the
 /// waiting index partition by partition and attaches each, then drops the open index; a
@@ -294,13 +332,11 @@ async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_part
     let table = TestTable::partitioned("part_wait", "1m").await;
     let rabbit = RabbitFixture::new("part_wait", "#", "it.barrier").await;
     let (t, waiting) = (&table.name, format!("{}_waiting_idx", table.name));
-    let version_5 = format!(
-        "DROP INDEX {waiting}; \
-         CREATE INDEX {t}_open_idx ON {t} (aggregate_type, aggregate_id, seq) \
-           WHERE status NOT IN ('sent', 'expired'); \
-         UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = '{t}'"
-    );
-    table.db.batch_execute(&version_5).await.unwrap();
+    table
+        .db
+        .batch_execute(&back_to_version_5(&table))
+        .await
+        .unwrap();
     let leaves = table.partitions().await;
     assert!(leaves.len() >= 3, "{leaves:?}");
     assert_eq!(partitions_without_index(&table, &waiting).await, leaves);
@@ -311,23 +347,11 @@ async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_part
     let dead = insert_at(&table, "d-0", "0 s", "failed").await;
     let blocked = insert_at(&table, "d-0", "0 s", "pending").await;
 
-    let out = migrate_partitioned(t, "1m").await;
-    assert!(out.status.success(), "{out:?}");
-    assert!(
-        out.stdout.contains("applied schema versions [6]"),
-        "{}",
-        out.stdout
-    );
-    let valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
-    let row = table.db.query_opt(valid, &[&waiting]).await.unwrap();
-    assert_eq!(row.map(|r| r.get::<_, bool>(0)), Some(true));
+    assert_migrates_to_version_6(&table).await;
     assert_eq!(
         partitions_without_index(&table, &waiting).await,
         Vec::<String>::new()
     );
-    let open = format!("{t}_open_idx");
-    let row = table.db.query_opt(valid, &[&open]).await.unwrap();
-    assert!(row.is_none(), "the open index is dropped");
     let again = migrate_partitioned(t, "1m").await;
     assert!(again.stdout.contains("is up to date"), "{again:?}");
 
@@ -357,13 +381,8 @@ async fn migrate_finishes_a_partitioned_swap_whose_last_partition_without_the_in
     let table = TestTable::partitioned("part_swap", "1m").await;
     let (t, waiting) = (&table.name, format!("{}_waiting_idx", table.name));
     let def = "(aggregate_type, aggregate_id, seq) WHERE status IN ('pending', 'failed')";
-    let mut cut_short = format!(
-        "DROP INDEX {waiting}; \
-         CREATE INDEX {t}_open_idx ON {t} (aggregate_type, aggregate_id, seq) \
-           WHERE status NOT IN ('sent', 'expired'); \
-         UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = '{t}'; \
-         CREATE INDEX {waiting} ON ONLY {t} {def};"
-    );
+    let mut cut_short = back_to_version_5(&table);
+    cut_short.push_str(&format!("CREATE INDEX {waiting} ON ONLY {t} {def};"));
     let leaves = table.partitions().await;
     let gone = leaves.iter().rfind(|p| !p.ends_with("_default")).unwrap();
     for leaf in leaves.iter().filter(|p| *p != gone) {
@@ -374,28 +393,17 @@ async fn migrate_finishes_a_partitioned_swap_whose_last_partition_without_the_in
     }
     cut_short.push_str(&format!("DROP TABLE {gone};"));
     table.db.batch_execute(&cut_short).await.unwrap();
-    let valid = "SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)";
-    let is_valid = async || {
-        let row = table.db.query_opt(valid, &[&waiting]).await.unwrap();
-        row.map(|r| r.get::<_, bool>(0))
-    };
-    assert_eq!(is_valid().await, Some(false), "cut short");
+    assert_eq!(
+        index_valid(&table, &waiting).await,
+        Some(false),
+        "cut short"
+    );
     assert_eq!(
         partitions_without_index(&table, &waiting).await,
         Vec::<String>::new()
     );
 
-    let out = migrate_partitioned(t, "1m").await;
-    assert!(out.status.success(), "{out:?}");
-    assert!(
-        out.stdout.contains("applied schema versions [6]"),
-        "{}",
-        out.stdout
-    );
-    assert_eq!(is_valid().await, Some(true));
-    let open = format!("{t}_open_idx");
-    let row = table.db.query_opt(valid, &[&open]).await.unwrap();
-    assert!(row.is_none(), "the open index is dropped");
+    assert_migrates_to_version_6(&table).await;
     table.drop_table().await;
 }
 

@@ -90,7 +90,7 @@ impl PgStore {
         let names = Names {
             qualified: match &self.table.schema {
                 Some(s) => format!("{s}.{index}"),
-                None => format!("\"{}\".{index}", schema.replace('"', "\"\"")),
+                None => format!("{}.{index}", quoted(schema)),
             },
             suffix: index
                 .strip_prefix(self.table.name.as_str())
