@@ -166,11 +166,16 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
     );
     assert!(
         out.stdout
-            .contains("applied schema versions [2, 3, 4, 5, 6]"),
+            .contains("applied schema versions [2, 3, 4, 5, 6, 7]"),
         "{}",
         out.stdout
     );
-    for suffix in ["_waiting_idx", "_expiry_idx", "_expired_idx"] {
+    for suffix in [
+        "_waiting_idx",
+        "_expiry_idx",
+        "_expired_idx",
+        "_blocker_idx",
+    ] {
         assert_eq!(index_valid(&table, suffix).await, Some(true), "{suffix}");
     }
     for gone in ["_aggregate_idx", "_open_idx"] {
@@ -185,7 +190,7 @@ async fn migrate_interrupted_in_a_concurrent_index_build_drops_the_invalid_index
 }
 
 /// Without `auto_migrate`, `check` names the schema versions a table lacks by the version
-/// `migrate` recorded (here version 6, on a table an earlier release migrated) and says to
+/// `migrate` recorded (here version 7, on a table an earlier release migrated) and says to
 /// run `migrate`, and `run` warns the same; once the record is gone (as for DDL applied by
 /// hand) the table's catalog shows it at the newest version, and neither says anything of
 /// versions.
@@ -194,8 +199,8 @@ async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
     let (name, db) = (format!("it_mig_{}", hex8()), pg_connect().await);
     let table = TestTable { name, db };
     migrate_table(&table.name).await;
-    let at_5 = "UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = $1";
-    assert_eq!(table.db.execute(at_5, &[&table.name]).await.unwrap(), 1);
+    let at_6 = "UPDATE outbox_relay_schema_version SET version = 6 WHERE table_name = $1";
+    assert_eq!(table.db.execute(at_6, &[&table.name]).await.unwrap(), 1);
     let check = async || {
         let out = RelayBuilder::operator(&table.name)
             .set("database.auto_migrate", "false")
@@ -206,7 +211,7 @@ async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
         assert!(out.status.success(), "{out:?}");
         out.stdout
     };
-    let behind = "schema versions [6] not applied: run `outbox-relay migrate`";
+    let behind = "schema versions [7] not applied: run `outbox-relay migrate`";
     let said = check().await;
     assert!(said.contains(behind), "{said}");
     let relay = RelayBuilder::operator(&table.name)
@@ -219,7 +224,7 @@ async fn check_and_run_name_the_schema_versions_a_migrated_table_lacks() {
         .wait_for_log("schema versions not applied to the table", 1, WAIT)
         .await;
     assert!(
-        relay.stderr().contains("versions=[6]"),
+        relay.stderr().contains("versions=[7]"),
         "{}",
         relay.stderr()
     );
@@ -284,7 +289,7 @@ async fn run_refuses_a_table_without_expires_at_and_migrate_fixes_it() {
 }
 
 /// What exists decides, not the record: a table re-created from the version-1 file while the
-/// version table still says 6 gets versions 2 to 6 again (`check` says to run `migrate`
+/// version table still says 7 gets versions 2 to 7 again (`check` says to run `migrate`
 /// first, which then does); a table at the newest version with no record under the spelling in use
 /// (`public.<name>`) gets nothing, so version 1's plain index build never runs on a table
 /// full of rows.
@@ -305,7 +310,7 @@ async fn migrate_goes_by_what_the_table_has_not_by_the_record() {
         ),
         "{out:?}"
     );
-    assert_eq!(migrate_table(&table.name).await, [2, 3, 4, 5, 6]);
+    assert_eq!(migrate_table(&table.name).await, [2, 3, 4, 5, 6, 7]);
     assert_eq!(index_valid(&table, "_waiting_idx").await, Some(true));
     assert_eq!(index_valid(&table, "_open_idx").await, None);
     assert_eq!(index_valid(&table, "_aggregate_idx").await, None);

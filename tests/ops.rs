@@ -774,7 +774,7 @@ async fn upgrade_a_version_1_table(how: Upgrade) {
     assert!(check[0].contains("'expired'"), "{check:?}");
     let indexes = texts("SELECT indexname::text FROM pg_indexes WHERE tablename = $1").await;
     let has_index = |suffix: &str| indexes.iter().any(|i| i.ends_with(suffix));
-    for want in ["waiting_idx", "expiry_idx", "expired_idx"] {
+    for want in ["waiting_idx", "expiry_idx", "expired_idx", "blocker_idx"] {
         assert!(has_index(want), "{want} in {indexes:?}");
     }
     // Version 1's aggregate index is gone (version 2 replaced it with open_idx, version 6

@@ -265,7 +265,7 @@ async fn migrate_gives_each_partition_of_a_version_4_table_room_for_updates() {
     let out = migrate_partitioned(&table.name, "1m").await;
     assert!(out.status.success(), "{out:?}");
     assert!(
-        out.stdout.contains("applied schema versions [5, 6]"),
+        out.stdout.contains("applied schema versions [5, 6, 7]"),
         "{}",
         out.stdout
     );
@@ -285,11 +285,12 @@ async fn partitions_without_index(table: &TestTable, index: &str) -> Vec<String>
 }
 
 /// The SQL that takes partitioned `table` (made at the newest version) back to version 5: its
-/// waiting index dropped, the open index on every partition, version 5 recorded.
+/// waiting and blocker indexes dropped, the open index on every partition, version 5
+/// recorded.
 fn back_to_version_5(table: &TestTable) -> String {
     let t = &table.name;
     format!(
-        "DROP INDEX {t}_waiting_idx; \
+        "DROP INDEX {t}_waiting_idx; DROP INDEX {t}_blocker_idx; \
          CREATE INDEX {t}_open_idx ON {t} (aggregate_type, aggregate_id, seq) \
            WHERE status NOT IN ('sent', 'expired'); \
          UPDATE outbox_relay_schema_version SET version = 5 WHERE table_name = '{t}';"
@@ -303,30 +304,31 @@ async fn index_valid(table: &TestTable, name: &str) -> Option<bool> {
     row.map(|r| r.get(0))
 }
 
-/// `migrate` of partitioned `table` applies version 6 alone, leaving the waiting index valid
-/// and the open index gone.
-async fn assert_migrates_to_version_6(table: &TestTable) {
+/// `migrate` of partitioned `table` at version 5 applies versions 6 and 7, leaving the
+/// waiting and blocker indexes valid and the open index gone.
+async fn assert_migrates_from_version_5(table: &TestTable) {
     let out = migrate_partitioned(&table.name, "1m").await;
     assert!(out.status.success(), "{out:?}");
     assert!(
-        out.stdout.contains("applied schema versions [6]"),
+        out.stdout.contains("applied schema versions [6, 7]"),
         "{}",
         out.stdout
     );
     let t = &table.name;
-    assert_eq!(
-        index_valid(table, &format!("{t}_waiting_idx")).await,
-        Some(true)
-    );
+    for built in ["waiting_idx", "blocker_idx"] {
+        let valid = index_valid(table, &format!("{t}_{built}")).await;
+        assert_eq!(valid, Some(true), "{built}");
+    }
     let open = index_valid(table, &format!("{t}_open_idx")).await;
     assert_eq!(open, None, "the open index is dropped");
 }
 
-/// Schema version 6 on a table partitioned at version 5 (the open index on every partition):
-/// PostgreSQL builds no index concurrently on a partitioned table, so `migrate` builds the
-/// waiting index partition by partition and attaches each, then drops the open index; a
-/// dead letter stays one and still holds back its aggregate, and the relay drains the pending
-/// rows in order, in the DEFAULT partition too.
+/// Schema versions 6 and 7 on a table partitioned at version 5 (the open index on every
+/// partition): PostgreSQL builds no index concurrently on a partitioned table, so `migrate`
+/// builds the waiting and blocker indexes partition by partition and attaches each, then
+/// drops the open index; a dead letter stays one and still holds back its aggregate, and the
+/// relay (its ordered claim now reading the blocker index) drains the pending rows in order,
+/// in the DEFAULT partition too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_partition() {
     let table = TestTable::partitioned("part_wait", "1m").await;
@@ -347,7 +349,7 @@ async fn migrate_builds_the_waiting_index_of_a_version_5_table_partition_by_part
     let dead = insert_at(&table, "d-0", "0 s", "failed").await;
     let blocked = insert_at(&table, "d-0", "0 s", "pending").await;
 
-    assert_migrates_to_version_6(&table).await;
+    assert_migrates_from_version_5(&table).await;
     assert_eq!(
         partitions_without_index(&table, &waiting).await,
         Vec::<String>::new()
@@ -403,7 +405,7 @@ async fn migrate_finishes_a_partitioned_swap_whose_last_partition_without_the_in
         Vec::<String>::new()
     );
 
-    assert_migrates_to_version_6(&table).await;
+    assert_migrates_from_version_5(&table).await;
     table.drop_table().await;
 }
 

@@ -942,3 +942,140 @@ async fn a_split_claim_of_one_aggregate_takes_one_share_and_says_it_is_uneven() 
     );
     table.drop_table().await;
 }
+
+/// The table as schema version 6 left it: no `<table>_blocker_idx`, so the store's ordered
+/// claim probes each candidate's head instead (PostgreSQL).
+async fn before_version_7(table: &TestOutbox) {
+    table
+        .exec(&format!("DROP INDEX {}_blocker_idx", table.name()))
+        .await;
+}
+
+/// On a table before schema version 7 the ordered claim probes each candidate's head: it
+/// still skips the rows behind heads that cannot go out (a suspect, one past its deadline,
+/// one backing off) and stops a run at a row not ready.
+/// PostgreSQL only: the blocker index is PostgreSQL's.
+#[tokio::test]
+async fn an_ordered_claim_without_the_blocker_index_probes_each_head() {
+    let db = Db::Postgres;
+    let mut keys = ["S", "D", "B"].repeat(21);
+    keys.extend(["A", "A", "A", "Y"]);
+    let (table, config, inserted) = setup(db, "loop_claim_v6", "", &rows(&keys)).await;
+    before_version_7(&table).await;
+    let (t, later) = (table.name(), now_plus(db, 3600));
+    let seq = |i: usize| inserted[i].seq;
+    table
+        .exec(&format!(
+            "UPDATE {t} SET last_error = 'lease expired: relay gone stopped while holding the row', \
+               attempts = 1 WHERE seq = {}; \
+             UPDATE {t} SET expires_at = now() - interval '1 second' WHERE seq = {}; \
+             UPDATE {t} SET available_at = {later}, attempts = 1 WHERE seq IN ({}, {})",
+            seq(0),
+            seq(1),
+            seq(2),
+            seq(64)
+        ))
+        .await;
+    let got = ordered_claim(&config, 10).await;
+    assert_eq!(
+        got,
+        [seq(63), seq(66)],
+        "A's head and Y's row: A's third row waits behind the second, S, D and B behind their heads"
+    );
+    table.drop_table().await;
+}
+
+/// A row not ready that the blocker index cannot see (the application set its
+/// `created_at` as far ahead as its `available_at`) still stops its aggregate's run: the
+/// claim checks each candidate itself.
+/// PostgreSQL only: the blocker index is PostgreSQL's.
+#[tokio::test]
+async fn an_ordered_claim_stops_at_a_row_not_ready_that_the_blocker_index_misses() {
+    let db = Db::Postgres;
+    let (table, config, inserted) =
+        setup(db, "loop_claim_ahead", "", &rows(&["A", "A", "A", "B"])).await;
+    let ahead = format!(
+        "UPDATE {} SET available_at = {later}, created_at = {later} WHERE seq = {}",
+        table.name(),
+        inserted[1].seq,
+        later = now_plus(db, 3600),
+    );
+    table.exec(&ahead).await;
+    let got = ordered_claim(&config, 10).await;
+    assert_eq!(
+        got,
+        [inserted[0].seq, inserted[3].seq],
+        "A's head and B's row; A's third row waits behind the second"
+    );
+    table.drop_table().await;
+}
+
+/// A head that another claim holds locked (another relay claiming it right now) is invisible
+/// to a claim that skips locked rows; the rows behind it must wait all the same, and go out
+/// once the other claim is over. On the current schema and on one before version 7.
+/// PostgreSQL only: which rows an ordered claim picks is the store's own.
+#[tokio::test]
+async fn an_ordered_claim_leaves_an_aggregate_whose_head_another_claim_holds() {
+    for version_6 in [false, true] {
+        let (table, config, inserted) =
+            setup(Db::Postgres, "loop_claim_held", "", &rows(&["A", "A", "B"])).await;
+        if version_6 {
+            before_version_7(&table).await;
+        }
+        let mut other = outbox_testkit::pg_connect().await;
+        let tx = other.transaction().await.unwrap();
+        let hold = format!(
+            "SELECT id FROM {} WHERE seq = {} FOR UPDATE",
+            table.name(),
+            inserted[0].seq
+        );
+        tx.batch_execute(&hold).await.unwrap();
+        let got = ordered_claim(&config, 10).await;
+        assert_eq!(
+            got,
+            [inserted[2].seq],
+            "version 6: {version_6}: only B's row; A's second row waits behind its held head"
+        );
+        tx.rollback().await.unwrap();
+        let got = ordered_claim(&config, 10).await;
+        assert_eq!(
+            got,
+            [inserted[0].seq, inserted[1].seq],
+            "version 6: {version_6}: A's run once its head is free"
+        );
+        table.drop_table().await;
+    }
+}
+
+/// A dead letter holds back the rows behind it, among a thousand other aggregates' dead
+/// letters, on the current schema (the blocker index) and on one before version 7.
+/// PostgreSQL only: which rows an ordered claim picks is the store's own.
+#[tokio::test]
+async fn an_ordered_claim_leaves_the_rows_behind_a_dead_letter() {
+    for version_6 in [false, true] {
+        let (table, config, _) = setup(Db::Postgres, "loop_claim_dead", "", &[]).await;
+        let t = table.name();
+        table
+            .exec(&format!(
+                "INSERT INTO {t} (aggregate_type, aggregate_id, event_type, payload, status) \
+                 SELECT 'loop', 'dead-' || g, 'e', '{{}}', 'failed' FROM generate_series(1, 1000) g"
+            ))
+            .await;
+        if version_6 {
+            before_version_7(&table).await;
+        }
+        let inserted = table.insert(&rows(&["X", "X", "Y"])).await;
+        let dead = format!(
+            "UPDATE {t} SET status = 'failed', attempts = 10 WHERE seq = {}",
+            inserted[0].seq
+        );
+        table.exec(&dead).await;
+        let got = ordered_claim(&config, 10).await;
+        assert_eq!(
+            got,
+            [inserted[2].seq],
+            "version 6: {version_6}: Y's row; X's second row waits behind its dead letter"
+        );
+        table.drop_table().await;
+    }
+}

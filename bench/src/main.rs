@@ -68,7 +68,8 @@ use serde_json::{Map, Value, json};
 use tokio_postgres::Client;
 
 use crate::util::{
-    Rabbit, drop_table, full_pages, open_index, pg_connect, postmaster_start, scratch_dir,
+    Rabbit, drop_table, full_pages, no_blocker_index, open_index, pg_connect, postmaster_start,
+    scratch_dir,
 };
 
 /// Throughput, latency and claim-cost benchmark of outbox-relay against its ceilings.
@@ -150,6 +151,12 @@ struct Args {
     /// cases of its own).
     #[arg(long)]
     open_index: bool,
+    /// Drop schema version 7's blocker index from every PostgreSQL table the bench creates
+    /// with the library's migration: the relay's ordered claim (and pgbench's) then probes
+    /// each candidate's head as before version 7, an A/B against version 7 with one binary.
+    /// Not the tables of `retention` and `dbcost` (`dbcost` has a case of its own).
+    #[arg(long)]
+    no_blocker_index: bool,
     /// Give up a drain after this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -413,6 +420,9 @@ impl Ctx {
         }
         if self.args.open_index && !mysql {
             open_index(&self.pg, &table).await?;
+        }
+        if self.args.no_blocker_index && !mysql {
+            no_blocker_index(&self.pg, &table).await?;
         }
         Ok(table)
     }
@@ -830,7 +840,7 @@ async fn run(ctx: &mut Ctx) {
         .filter(|p| selected(*p))
         .collect();
     ctx.progress(format!(
-        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}{}{}",
+        "outbox-bench run {}: rows {}, naive rows {}, latency {}/s for {} s, phases {:?}{}{}{}{}",
         ctx.run_id,
         ctx.rows,
         ctx.naive_rows,
@@ -849,6 +859,11 @@ async fn run(ctx: &mut Ctx) {
         },
         if ctx.args.open_index {
             ", schema version 5's open index"
+        } else {
+            ""
+        },
+        if ctx.args.no_blocker_index {
+            ", no blocker index (schema version 6's probing ordered claim)"
         } else {
             ""
         }
@@ -1159,6 +1174,7 @@ fn finish(ctx: &mut Ctx) {
     out.insert("quick".into(), json!(ctx.args.quick));
     out.insert("full_pages".into(), json!(ctx.args.full_pages));
     out.insert("open_index".into(), json!(ctx.args.open_index));
+    out.insert("no_blocker_index".into(), json!(ctx.args.no_blocker_index));
     out.insert("latency_rate_per_s".into(), json!(ctx.lat_rate));
     out.insert("latency_seconds".into(), json!(ctx.lat_secs));
     for (k, v) in &report.json {

@@ -238,6 +238,14 @@ pub async fn open_index(pg: &Client, table: &str) -> Result<()> {
         .with_context(|| format!("cannot give {table} the open index"))
 }
 
+/// Drops schema version 7's blocker index from plain `table`, as version 6 left it: the
+/// relay's ordered claim then probes each candidate's head, for an A/B against version 7.
+pub async fn no_blocker_index(pg: &Client, table: &str) -> Result<()> {
+    pg.batch_execute(&format!("DROP INDEX {table}_blocker_idx"))
+        .await
+        .with_context(|| format!("cannot drop the blocker index of {table}"))
+}
+
 /// Average size in bytes of the payload as the relay sends it (jsonb's text form).
 pub async fn avg_payload_bytes(pg: &Client, table: &str) -> Result<f64> {
     let row = pg

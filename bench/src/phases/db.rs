@@ -208,7 +208,11 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Res
         ),
         Ordering::Aggregate => (
             bind_pgbench(
-                &sql.claim_aggregate,
+                if ctx.args.no_blocker_index {
+                    &sql.claim_aggregate_probing
+                } else {
+                    &sql.claim_aggregate
+                },
                 &[":batch", instance, ":mark", ":scan", ":parts", ":client_id"],
             ),
             "pgbench_claim_aggregate_mark_rows_per_s",

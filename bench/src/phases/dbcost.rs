@@ -21,6 +21,8 @@
 //!   wrote have ended (a backend flushes its statistics when it exits).
 //!
 //! The cases: the relay's defaults (ordering `aggregate`, retention 24h); the same on a table
+//! without schema version 7's blocker index (the ordered claim probes each candidate's head,
+//! as before version 7); the same on a table
 //! whose fillfactor is reset to 100 (the full pages of schema version 4, before version 5 left
 //! room on each page for the relay's updates); the defaults and ordering `none` with
 //! retention `0s` on a table whose waiting index is replaced by schema version 5's open index
@@ -44,8 +46,8 @@ use super::retention::{PARTITION_ENV, migrate};
 use super::steady::{mib, sample_health};
 use crate::Ctx;
 use crate::util::{
-    CpuSample, CpuUsage, Relay, aggregate_id, full_pages, open_index, payload, pg_connect,
-    verify_sent, wait_drained,
+    CpuSample, CpuUsage, Relay, aggregate_id, full_pages, no_blocker_index, open_index, payload,
+    pg_connect, verify_sent, wait_drained,
 };
 
 /// The phase's name in the report.
@@ -80,9 +82,11 @@ enum Earlier {
     /// Version 2's open index (every row neither sent nor expired, rows in flight included)
     /// in place of version 6's waiting index.
     OpenIndex,
+    /// No blocker index (schema version 6): the ordered claim probes each candidate's head.
+    NoBlockerIndex,
 }
 
-static CASES: [Case; 6] = [
+static CASES: [Case; 7] = [
     Case {
         key: "default",
         short: "df",
@@ -90,6 +94,14 @@ static CASES: [Case; 6] = [
         env: &[],
         partition_interval: None,
         earlier: Earlier::No,
+    },
+    Case {
+        key: "default_probing",
+        short: "pr",
+        label: "relay, defaults, schema version 6's probing ordered claim (no blocker index)",
+        env: &[],
+        partition_interval: None,
+        earlier: Earlier::NoBlockerIndex,
     },
     Case {
         key: "default_full_pages",
@@ -220,6 +232,7 @@ async fn case_run(ctx: &mut Ctx, case: &'static Case) -> Result<CaseResult> {
         Earlier::No => {}
         Earlier::FullPages => full_pages(&ctx.pg, &table).await?,
         Earlier::OpenIndex => open_index(&ctx.pg, &table).await?,
+        Earlier::NoBlockerIndex => no_blocker_index(&ctx.pg, &table).await?,
     }
     let sentinel = ctx.sentinel().await;
     if let Err(e) = ctx.pg.batch_execute("CHECKPOINT").await {

@@ -12,7 +12,8 @@ use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use super::predicates::{
-    SUSPECT, no_open_row_before, no_row_in_flight_before, not_due, not_suspect, waiting,
+    SUSPECT, blocker, no_open_row_before, no_row_in_flight_before, not_due, not_suspect, ready,
+    waiting,
 };
 use super::{PgStore, Result};
 use crate::config::{Ordering, TableName};
@@ -151,6 +152,9 @@ pub struct HotPathSql {
     /// number of parts the claim is split into, `$6` this part (`0..$5`); returns the claimed
     /// rows.
     pub claim_aggregate: String,
+    /// The ordered claim on a table before schema version 7 (no `<table>_blocker_idx`), with
+    /// the same parameters.
+    pub claim_aggregate_probing: String,
     /// Marking confirmed rows sent: `$1` ids (`uuid[]`), `$2` instance id.
     pub mark_sent: String,
     /// The expression (on the table's unqualified columns) whose value modulo `$5` is the part
@@ -175,6 +179,7 @@ pub fn hot_path_sql(table: &TableName) -> HotPathSql {
     HotPathSql {
         claim: claim_none(&t),
         claim_aggregate: claim_aggregate(&t),
+        claim_aggregate_probing: claim_aggregate_probing(&t),
         mark_sent: super::settle::mark_sent_sql(table),
         part_key: part_key(""),
     }
@@ -187,6 +192,7 @@ pub(super) struct ClaimSql {
     pub(super) suspects_waiting: String,
     pub(super) claim_suspect: String,
     pub(super) claim_aggregate: String,
+    pub(super) claim_aggregate_probing: String,
     pub(super) expire: String,
     pub(super) expire_delete: String,
 }
@@ -199,6 +205,7 @@ impl ClaimSql {
             suspects_waiting: suspects_waiting(&t),
             claim_suspect: claim_suspect(&t),
             claim_aggregate: claim_aggregate(&t),
+            claim_aggregate_probing: claim_aggregate_probing(&t),
             expire: expire(&t),
             expire_delete: expire_delete(&t),
         }
@@ -266,14 +273,18 @@ fn claim_suspect(t: &str) -> String {
 /// PostgreSQL 13 and 14 give a hash half the memory).
 const BUSY_CAP: u32 = 30_000;
 
-/// The claim with `ordering = "aggregate"`. `$1` batch size, `$2` instance id, `$3`
-/// watermark (the highest `seq` that is final), `$4` scan window ([`scan_window`]), `$5`
-/// parts, `$6` this part.
-///
-/// Invariant: a row with an aggregate is claimed only together with every open row of its
-/// aggregate before it, by this statement, so an aggregate's rows are held by one relay at a
-/// time and published in `seq` order. Candidates that another relay holds are skipped (SKIP
-/// LOCKED), which leaves a gap and so blocks every row after them.
+/// The most rows past their deadline and suspects the aggregate claim looks at (see
+/// [`claim_aggregate`]): the sweep removes the first within seconds, the second go out one at
+/// a time. Each candidate scans them; past the cap the rows left out still stop their
+/// aggregate's run in the scan window, they only take room in it.
+const STUCK_CAP: u32 = 1_000;
+
+/// The claim with `ordering = "aggregate"` on a table before schema version 7 (no
+/// `<table>_blocker_idx`): the same parameters, rows and invariant as [`claim_aggregate`],
+/// with a probe of each candidate's first waiting row in the aggregate index instead of the
+/// blocker index (about twice the work).
+/// Candidates that another relay holds are skipped (SKIP LOCKED), which leaves a gap and so
+/// blocks every row after them.
 ///
 /// How, step by step:
 /// - `busy`: aggregates with a row in flight (from the small processing index) are skipped
@@ -300,7 +311,7 @@ const BUSY_CAP: u32 = 30_000;
 ///   candidate, each run in `seq` order; a prefix of a run is still a run), so a backlog
 ///   spread over many aggregates goes out in long runs rather than one row per aggregate per
 ///   claim.
-fn claim_aggregate(t: &str) -> String {
+fn claim_aggregate_probing(t: &str) -> String {
     let part_c = part_key("c");
     let (not_suspect_c, not_due_c) = (not_suspect("c"), not_due("c"));
     let (not_suspect_h, not_due_h) = (not_suspect("h"), not_due("h"));
@@ -350,6 +361,99 @@ fn claim_aggregate(t: &str) -> String {
          UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
            locked_by = $2, locked_at = now() \
          WHERE t.id = ANY(ARRAY(SELECT id FROM picked)) \
+         RETURNING {RETURNING}"
+    )
+}
+
+/// The claim with `ordering = "aggregate"`. `$1` batch size, `$2` instance id, `$3`
+/// watermark (the highest `seq` that is final), `$4` scan window ([`scan_window`]), `$5`
+/// parts, `$6` this part.
+///
+/// Invariant: a row with an aggregate is claimed only together with every open row of its
+/// aggregate before it, by this statement, so an aggregate's rows are held by one relay at a
+/// time and published in `seq` order.
+///
+/// How, step by step:
+/// - `busy`: aggregates with a row in flight (from the small processing index), hashed once,
+///   capped at [`BUSY_CAP`] so that the planner keeps it hashed; past the cap each candidate
+///   also probes the rows in flight, slower but exact.
+/// - `stuck`: the pending rows past their deadline (until the sweep) and the suspects, from
+///   their small partial indexes, at most [`STUCK_CAP`] of them: each holds back its
+///   aggregate from its `seq` on, and neither kind has to be in the blocker index below.
+/// - `cand`: up to the scan window of pending rows in `seq` order, read without a lock: rows
+///   without an aggregate that are ready; rows with one at or below the watermark whose
+///   aggregate is not busy, has no [`blocker`] before them that is a dead letter or not
+///   ready (one probe of the small `<table>_blocker_idx`, which has no entry for an
+///   aggregate whose rows all went the ordinary way) and no `stuck` row up to them; all in
+///   this part (the aggregates that hash to it, rows without one by `seq`: no two parts
+///   contend for an aggregate). Every waiting row of an aggregate before a candidate that is
+///   not a dead letter is pending, so it is in the window itself, ready or not.
+/// - `chained`: a candidate is claimable when it and every candidate of its aggregate before
+///   it are ready: a row not ready that neither the blocker index nor `stuck` showed (one
+///   whose `created_at` the application set ahead, or past `STUCK_CAP`) stops the run there.
+/// - `picked`: the batch is filled run by run (aggregates in the order of their oldest
+///   candidate, each run in `seq` order; a prefix of a run is still a run), so a backlog
+///   spread over many aggregates goes out in long runs rather than one row per aggregate per
+///   claim.
+/// - `locked`: the picked rows are locked, skipping rows another claim holds and re-checking
+///   each against its newest version (pending and due), so a row another relay claimed or
+///   settled since this statement's snapshot is left out; `kept`: a run keeps its rows up to
+///   the first one left out, which holds back the rest of its aggregate (a head that another
+///   relay is claiming at this moment included).
+fn claim_aggregate(t: &str) -> String {
+    let part_c = part_key("c");
+    let (ready_c, ready_h, ready_l) = (ready("c"), ready("h"), ready("l"));
+    let in_flight_c = no_row_in_flight_before(t, "c");
+    let blocker_h = blocker("h");
+    format!(
+        "WITH busy AS MATERIALIZED ( \
+           SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
+           WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
+           LIMIT {BUSY_CAP}), \
+         stuck AS MATERIALIZED ( \
+           SELECT x.aggregate_type, x.aggregate_id, x.seq FROM {t} x \
+           WHERE x.status = 'pending' AND x.expires_at IS NOT NULL AND x.expires_at <= now() \
+             AND x.aggregate_id IS NOT NULL \
+           UNION ALL \
+           SELECT s.aggregate_type, s.aggregate_id, s.seq FROM {t} s \
+           WHERE s.status = 'pending' AND s.last_error LIKE '{SUSPECT}%' \
+             AND s.aggregate_id IS NOT NULL \
+           LIMIT {STUCK_CAP}), \
+         cand AS ( \
+           SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, ({ready_c}) AS ready FROM {t} c \
+           WHERE c.status = 'pending' \
+             AND {part_c} % $5 = $6 \
+             AND ((c.aggregate_id IS NULL AND {ready_c}) \
+               OR (c.aggregate_id IS NOT NULL AND c.seq <= $3 \
+                 AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) \
+                 AND ((SELECT count(*) FROM busy) < {BUSY_CAP} OR {in_flight_c}) \
+                 AND NOT EXISTS (SELECT 1 FROM {t} h WHERE ({blocker_h}) \
+                   AND h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
+                   AND h.seq < c.seq AND (h.status = 'failed' OR NOT ({ready_h}))) \
+                 AND NOT EXISTS (SELECT 1 FROM stuck k WHERE k.aggregate_type = c.aggregate_type \
+                   AND k.aggregate_id = c.aggregate_id AND k.seq <= c.seq))) \
+           ORDER BY c.seq LIMIT $4), \
+         chained AS ( \
+           SELECT id, seq, aggregate_type, aggregate_id, \
+             CASE WHEN aggregate_id IS NULL THEN true ELSE bool_and(ready) OVER w END AS ok, \
+             CASE WHEN aggregate_id IS NULL THEN seq ELSE min(seq) OVER w END AS head \
+           FROM cand \
+           WINDOW w AS (PARTITION BY aggregate_type, aggregate_id ORDER BY seq)), \
+         picked AS ( \
+           SELECT id, seq, aggregate_type, aggregate_id FROM chained WHERE ok \
+           ORDER BY head, seq LIMIT $1), \
+         locked AS ( \
+           SELECT l.id FROM {t} l \
+           WHERE l.id = ANY(ARRAY(SELECT id FROM picked)) AND l.status = 'pending' AND {ready_l} \
+           FOR UPDATE SKIP LOCKED), \
+         kept AS ( \
+           SELECT p.id, CASE WHEN p.aggregate_id IS NULL THEN l.id IS NOT NULL \
+             ELSE bool_and(l.id IS NOT NULL) OVER ( \
+               PARTITION BY p.aggregate_type, p.aggregate_id ORDER BY p.seq) END AS ok \
+           FROM picked p LEFT JOIN locked l ON l.id = p.id) \
+         UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+           locked_by = $2, locked_at = now() \
+         WHERE t.id = ANY(ARRAY(SELECT id FROM kept WHERE ok)) \
          RETURNING {RETURNING}"
     )
 }
@@ -522,7 +626,12 @@ impl PgStore {
                 client.query(&stmt, &[&limit, &self.instance_id]).await?
             }
             Ordering::Aggregate => {
-                let stmt = client.prepare_cached(&self.q.claim.claim_aggregate).await?;
+                let sql = if self.has_blocker_index(client).await? {
+                    &self.q.claim.claim_aggregate
+                } else {
+                    &self.q.claim.claim_aggregate_probing
+                };
+                let stmt = client.prepare_cached(sql).await?;
                 let scan = scan_window(limit);
                 let parts = i64::try_from(shares.len()).unwrap_or(1);
                 let this = i64::try_from(part).unwrap_or(0);

@@ -140,6 +140,7 @@ impl PgStore {
             instance_id: instance_id.to_owned(),
             partition_interval: None,
             query_timeout: DEFAULT_QUERY_TIMEOUT,
+            blocker_index: std::sync::Arc::default(),
             q: std::sync::Arc::new(Queries {
                 claim: ClaimSql::new(table),
                 settle: SettleSql::new(table),

@@ -24,8 +24,8 @@ pub struct Migration {
     pub on_partitions: Option<IndexSwap>,
 }
 
-/// A version that replaces one index by another: on a partitioned table `migrate` makes the
-/// new one partition by partition, then drops the old one (see
+/// A version that adds an index, or replaces one index by another: on a partitioned table
+/// `migrate` makes the new one partition by partition, then drops the old one, if any (see
 /// [`super::partitioned_index`]).
 #[derive(Debug, Clone, Copy)]
 pub struct IndexSwap {
@@ -33,8 +33,8 @@ pub struct IndexSwap {
     pub builds: &'static str,
     /// Its columns and predicate: `(…) WHERE …`.
     pub definition: &'static str,
-    /// The old index, schema-qualified (a template).
-    pub drops: &'static str,
+    /// The old index, schema-qualified (a template); `None` when the version only adds one.
+    pub drops: Option<&'static str>,
 }
 
 impl Migration {
@@ -120,6 +120,12 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0006_waiting_index.sql",
         statements: V6,
         on_partitions: Some(WAITING_INDEX),
+    },
+    Migration {
+        version: 7,
+        name: "0007_blocker_index.sql",
+        statements: V7,
+        on_partitions: Some(BLOCKER_INDEX),
     },
 ];
 
@@ -490,7 +496,43 @@ const V6: &[Statement] = &[
 pub const WAITING_INDEX: IndexSwap = IndexSwap {
     builds: "{{name}}_waiting_idx",
     definition: "(aggregate_type, aggregate_id, seq) WHERE status IN ('pending', 'failed')",
-    drops: "{{table}}_open_idx",
+    drops: Some("{{table}}_open_idx"),
+};
+
+/// Version 7 (`sql/0007_blocker_index.sql`): the rows that can hold back their aggregate for
+/// longer than a claim, by aggregate, so that the ordered claim probes a small index for each
+/// candidate instead of its aggregate's first waiting row.
+const V7: &[Statement] = &[alone(
+    r#"-- outbox-relay schema, version 7: the rows that can hold back the rest of their aggregate for
+-- longer than a claim, by aggregate: the dead letters, and the pending rows whose
+-- `available_at` was moved past their `created_at` (a failed attempt's backoff, a reclaim, an
+-- operator's retry, or the application's own choice).
+--
+-- The ordered claim reads the pending rows in `seq` order without a lock and probes this
+-- small index for each candidate, instead of fetching each candidate's first waiting row
+-- from the aggregate index: about half of the claim's work before. A row inserted with both
+-- columns left to their defaults has them equal, so the application's insert writes no entry
+-- here, and neither does the relay's claim or mark sent. (An application that sets
+-- `created_at` itself, earlier than the insert, puts each of its rows here: still correct,
+-- one index entry more per insert.)
+--
+-- Built concurrently (inserts go on). PostgreSQL builds no index concurrently on a
+-- partitioned table: there `outbox-relay migrate` makes it on the table alone (`CREATE INDEX
+-- … ON ONLY`), builds it concurrently on each partition and attaches each (this file fails
+-- there; docs/operations.md shows the statements by hand). A relay looks for the index when
+-- it starts; without it, its ordered claim probes the aggregate index as version 6's did.
+"#,
+    r#"CREATE INDEX {{concurrently}} IF NOT EXISTS {{name}}_blocker_idx
+    ON {{table}} (aggregate_type, aggregate_id, seq)
+    WHERE status = 'failed' OR (status = 'pending' AND available_at > created_at)"#,
+    Some("{{name}}_blocker_idx"),
+)];
+
+/// Version 7 on a partitioned table: the same index, made partition by partition.
+pub const BLOCKER_INDEX: IndexSwap = IndexSwap {
+    builds: "{{name}}_blocker_idx",
+    definition: "(aggregate_type, aggregate_id, seq)\n    WHERE status = 'failed' OR (status = 'pending' AND available_at > created_at)",
+    drops: None,
 };
 
 /// Version 1's NOTIFY trigger, dropped to be created again (version 1) or for good (version 3).

@@ -101,6 +101,10 @@ pub struct PgStore {
     // Shared with the pool's recycle hook and the LISTEN session: a read-only refusal makes
     // the relay give up its sessions on that server.
     stale: StaleSessions,
+    // Whether the table has schema version 7's `<table>_blocker_idx`, with which the ordered
+    // claim hashes the blocked aggregates instead of probing each candidate's head: see
+    // `PgStore::has_blocker_index`.
+    blocker_index: std::sync::Arc<std::sync::atomic::AtomicU8>,
 }
 
 impl PgStore {
@@ -214,6 +218,7 @@ mod tests {
         let catalog = [
             ("claim.claim_none", &c.claim_none),
             ("claim.claim_aggregate", &c.claim_aggregate),
+            ("claim.claim_aggregate_probing", &c.claim_aggregate_probing),
             ("claim.suspects_waiting", &c.suspects_waiting),
             ("claim.claim_suspect", &c.claim_suspect),
             ("claim.expire", &c.expire),

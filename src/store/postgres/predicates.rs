@@ -24,6 +24,28 @@ pub(super) fn waiting(alias: &str) -> String {
     format!("{a}status IN ('pending', 'failed')")
 }
 
+/// A row that may hold back the rest of its aggregate for longer than a claim: a dead letter,
+/// or a pending row whose `available_at` was moved past its `created_at` (by a failed
+/// attempt's backoff, a reclaim, an operator's retry, or the application). Spelled as the
+/// predicate of the `<table>_blocker_idx` partial index (schema version 7). A row inserted
+/// with both columns left to their defaults has them equal and is not one, so neither the
+/// application's insert nor the relay's claim or mark sent writes an entry there.
+pub(super) fn blocker(alias: &str) -> String {
+    let a = qualifier(alias);
+    format!("{a}status = 'failed' OR ({a}status = 'pending' AND {a}available_at > {a}created_at)")
+}
+
+/// A pending row an ordinary claim may take now, as far as the row itself goes: due
+/// (`available_at` passed), not a suspect, not past its deadline.
+pub(super) fn ready(alias: &str) -> String {
+    let a = qualifier(alias);
+    format!(
+        "{a}available_at <= now() AND {} AND {}",
+        not_suspect(alias),
+        not_due(alias)
+    )
+}
+
 /// Not a row reclaimed from a dead relay ([`SUSPECT`]): ordinary claims never take those.
 pub(super) fn not_suspect(alias: &str) -> String {
     let a = qualifier(alias);
@@ -75,6 +97,11 @@ mod tests {
             "(c.last_error IS NULL OR c.last_error NOT LIKE 'lease expired:%')"
         );
         assert_eq!(not_due(""), "(expires_at IS NULL OR expires_at > now())");
+        assert_eq!(
+            blocker("u"),
+            "u.status = 'failed' OR (u.status = 'pending' AND u.available_at > u.created_at)"
+        );
+        assert!(ready("c").starts_with("c.available_at <= now() AND (c.last_error IS NULL"));
         let head = no_open_row_before("app.t", "f");
         assert!(
             head.starts_with("NOT EXISTS (SELECT 1 FROM app.t e WHERE"),

@@ -208,7 +208,7 @@ async fn current_version<C: deadpool_postgres::GenericClient + Sync>(
 /// built and valid; 3 the waiters table; 4 a wake-up trigger with a `WHEN` condition; 5 a
 /// `fillfactor` set on the table (or, partitioned, on a partition): version 5 sets 50, and
 /// one an operator chose since counts as well; 6 `<table>_waiting_idx` built and valid and
-/// version 2's `<table>_open_idx` gone. (Versions 3 to 5 run in one transaction each.)
+/// version 2's `<table>_open_idx` gone; 7 `<table>_blocker_idx` built and valid. (Versions 3 to 5 run in one transaction each.)
 async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
     client: &C,
     table: &TableName,
@@ -229,7 +229,9 @@ async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
                                        WHERE o LIKE 'fillfactor=%')), \
                EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($5) \
                          AND indrelid = to_regclass($1) AND indisvalid) \
-                 AND to_regclass($6) IS NULL",
+                 AND to_regclass($6) IS NULL, \
+               EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($7) \
+                         AND indrelid = to_regclass($1) AND indisvalid)",
             &[
                 &table.qualified(),
                 &table.prefixed("_waiters"),
@@ -237,11 +239,12 @@ async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
                 &table.prefixed("_expired_idx"),
                 &table.prefixed("_waiting_idx"),
                 &table.prefixed("_open_idx"),
+                &table.prefixed("_blocker_idx"),
             ],
         )
         .await?;
     let mut version = 1;
-    for mark in 0..5 {
+    for mark in 0..6 {
         if !row.try_get::<_, bool>(mark)? {
             break;
         }
@@ -670,7 +673,8 @@ impl PgStore {
         Ok(())
     }
 
-    /// Checks that the table exists and returns its payload kind and oid.
+    /// Checks that the table exists and returns its payload kind and oid; notes whether it has
+    /// schema version 7's `<table>_blocker_idx` (see [`PgStore::has_blocker_index`]).
     pub async fn inspect(&self) -> Result<(PayloadKind, u32)> {
         let client = self.client().await?;
         let t = self.table.qualified();
@@ -692,6 +696,8 @@ impl PgStore {
         let oid: u32 = row.try_get(0)?;
         let ty: Option<String> = row.try_get(1)?;
         let has_expiry: bool = row.try_get(2)?;
+        // Looked at again: `migrate` may have just built it.
+        self.look_for_blocker_index(&client).await?;
         if !has_expiry {
             // Every claim would fail on the missing column (and look like a database outage).
             return Err(StoreError::Schema(format!(
@@ -730,7 +736,54 @@ pub struct SchemaPlan {
     pub partition: bool,
 }
 
+/// [`PgStore::has_blocker_index`] not looked at yet.
+const BLOCKER_UNKNOWN: u8 = 0;
+/// The table has no valid `<table>_blocker_idx`.
+const BLOCKER_ABSENT: u8 = 1;
+/// The table has a valid `<table>_blocker_idx`.
+const BLOCKER_PRESENT: u8 = 2;
+
 impl PgStore {
+    /// Whether the table has schema version 7's `<table>_blocker_idx`, which the ordered claim
+    /// then reads; a table below version 7 gets the claim that probes each candidate's head
+    /// instead. Looked at once per store (and again by [`PgStore::inspect`] at start): a table
+    /// migrated to version 7 while a relay runs gets the new claim at that relay's next start.
+    pub(super) async fn has_blocker_index(
+        &self,
+        client: &deadpool_postgres::Object,
+    ) -> Result<bool> {
+        match self
+            .blocker_index
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            BLOCKER_UNKNOWN => self.look_for_blocker_index(client).await,
+            known => Ok(known == BLOCKER_PRESENT),
+        }
+    }
+
+    /// Reads from the catalog whether the table has a valid `<table>_blocker_idx`, and notes it.
+    async fn look_for_blocker_index(&self, client: &deadpool_postgres::Object) -> Result<bool> {
+        let valid: bool = client
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) \
+                   AND indrelid = to_regclass($2) AND indisvalid)",
+                &[
+                    &self.table.prefixed("_blocker_idx"),
+                    &self.table.qualified(),
+                ],
+            )
+            .await?
+            .try_get(0)?;
+        let known = if valid {
+            BLOCKER_PRESENT
+        } else {
+            BLOCKER_ABSENT
+        };
+        self.blocker_index
+            .store(known, std::sync::atomic::Ordering::Relaxed);
+        Ok(valid)
+    }
+
     /// Decides what start-up does about the schema; an error when `run` could not start.
     pub async fn plan_schema(&self, auto_migrate: bool) -> Result<SchemaPlan> {
         let state = self.schema_state().await?;
@@ -758,6 +811,7 @@ mod tests {
             include_str!("../../../sql/0004_bulk_wakeup.sql"),
             include_str!("../../../sql/0005_room_for_updates.sql"),
             include_str!("../../../sql/0006_waiting_index.sql"),
+            include_str!("../../../sql/0007_blocker_index.sql"),
         ];
         assert_eq!(MIGRATIONS.len(), files.len());
         for (m, text) in MIGRATIONS.iter().zip(files) {
