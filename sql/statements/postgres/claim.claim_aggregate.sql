@@ -54,7 +54,7 @@ WITH busy AS MATERIALIZED (
             AND h.available_at > h.created_at))
         AND h.aggregate_type = c.aggregate_type
         AND h.aggregate_id = c.aggregate_id
-        AND h.seq < c.seq
+        AND h.seq <= c.seq
         AND (h.status = 'failed'
           OR NOT (h.available_at <= now()
             AND (h.last_error IS NULL

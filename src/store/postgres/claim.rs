@@ -382,9 +382,10 @@ fn claim_aggregate_probing(t: &str) -> String {
 ///   aggregate from its `seq` on, and neither kind has to be in the blocker index below.
 /// - `cand`: up to the scan window of pending rows in `seq` order, read without a lock: rows
 ///   without an aggregate that are ready; rows with one at or below the watermark whose
-///   aggregate is not busy, has no [`blocker`] before them that is a dead letter or not
+///   aggregate is not busy, has no [`blocker`] up to them that is a dead letter or not
 ///   ready (one probe of the small `<table>_blocker_idx`, which has no entry for an
-///   aggregate whose rows all went the ordinary way) and no `stuck` row up to them; all in
+///   aggregate whose rows all went the ordinary way; a row backing off thus takes no room in
+///   the window either) and no `stuck` row up to them; all in
 ///   this part (the aggregates that hash to it, rows without one by `seq`: no two parts
 ///   contend for an aggregate). Every waiting row of an aggregate before a candidate that is
 ///   not a dead letter is pending, so it is in the window itself, ready or not.
@@ -429,7 +430,7 @@ fn claim_aggregate(t: &str) -> String {
                  AND ((SELECT count(*) FROM busy) < {BUSY_CAP} OR {in_flight_c}) \
                  AND NOT EXISTS (SELECT 1 FROM {t} h WHERE ({blocker_h}) \
                    AND h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
-                   AND h.seq < c.seq AND (h.status = 'failed' OR NOT ({ready_h}))) \
+                   AND h.seq <= c.seq AND (h.status = 'failed' OR NOT ({ready_h}))) \
                  AND NOT EXISTS (SELECT 1 FROM stuck k WHERE k.aggregate_type = c.aggregate_type \
                    AND k.aggregate_id = c.aggregate_id AND k.seq <= c.seq))) \
            ORDER BY c.seq LIMIT $4), \
