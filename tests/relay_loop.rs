@@ -903,20 +903,25 @@ async fn a_split_claim_without_ordering_takes_the_oldest_rows_once() {
 /// stops the run there: the claim takes the head and another aggregate's row, never the row
 /// behind the gap.
 async fn an_ordered_claim_stops_an_aggregates_run_at_a_row_not_ready(db: Db) {
-    let (table, config, inserted) =
-        setup(db, "loop_claim_gap", "", &rows(&["A", "A", "A", "B"])).await;
-    let later = format!(
-        "UPDATE {} SET available_at = {} WHERE seq = {}",
+    let later = now_plus(db, 3600);
+    a_run_stops_at_its_second_row(db, "loop_claim_gap", &format!("available_at = {later}")).await;
+}
+
+/// Rows A, A, A, B; A's second row then updated with `set` (making it not ready): an ordered
+/// claim takes A's head and B's row, never A's third.
+async fn a_run_stops_at_its_second_row(db: Db, test: &str, set: &str) {
+    let (table, config, inserted) = setup(db, test, "", &rows(&["A", "A", "A", "B"])).await;
+    let not_ready = format!(
+        "UPDATE {} SET {set} WHERE seq = {}",
         table.name(),
-        now_plus(db, 3600),
         inserted[1].seq
     );
-    table.exec(&later).await;
+    table.exec(&not_ready).await;
     let got = ordered_claim(&config, 10).await;
     assert_eq!(
         got,
         [inserted[0].seq, inserted[3].seq],
-        "A's head and B's row; A's third row waits behind the second"
+        "{set}: A's head and B's row; A's third row waits behind the second"
     );
     table.drop_table().await;
 }
@@ -1054,23 +1059,9 @@ async fn heads_backing_off_take_no_room_in_an_ordered_claims_window() {
 /// PostgreSQL only: the blocker index is PostgreSQL's.
 #[tokio::test]
 async fn an_ordered_claim_stops_at_a_row_not_ready_that_the_blocker_index_misses() {
-    let db = Db::Postgres;
-    let (table, config, inserted) =
-        setup(db, "loop_claim_ahead", "", &rows(&["A", "A", "A", "B"])).await;
-    let ahead = format!(
-        "UPDATE {} SET available_at = {later}, created_at = {later} WHERE seq = {}",
-        table.name(),
-        inserted[1].seq,
-        later = now_plus(db, 3600),
-    );
-    table.exec(&ahead).await;
-    let got = ordered_claim(&config, 10).await;
-    assert_eq!(
-        got,
-        [inserted[0].seq, inserted[3].seq],
-        "A's head and B's row; A's third row waits behind the second"
-    );
-    table.drop_table().await;
+    let later = now_plus(Db::Postgres, 3600);
+    let ahead = format!("available_at = {later}, created_at = {later}");
+    a_run_stops_at_its_second_row(Db::Postgres, "loop_claim_ahead", &ahead).await;
 }
 
 /// A head that another claim holds locked (another relay claiming it right now) is invisible

@@ -279,6 +279,27 @@ const BUSY_CAP: u32 = 30_000;
 /// aggregate's run in the scan window, they only take room in it.
 const STUCK_CAP: u32 = 1_000;
 
+/// The ordered claims' `busy` CTE: the aggregates with a row in flight (from the small
+/// processing index), hashed once per statement, capped at [`BUSY_CAP`].
+fn busy(t: &str) -> String {
+    format!(
+        "busy AS MATERIALIZED ( \
+           SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
+           WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
+           LIMIT {BUSY_CAP})"
+    )
+}
+
+/// No row of the aggregate of the row `alias` is in flight: not in [`busy`], and, once `busy`
+/// reached its cap, none before it in the processing index either (slower but exact).
+fn not_busy(t: &str, alias: &str) -> String {
+    let in_flight = no_row_in_flight_before(t, alias);
+    format!(
+        "({alias}.aggregate_type, {alias}.aggregate_id) NOT IN (SELECT * FROM busy) \
+         AND ((SELECT count(*) FROM busy) < {BUSY_CAP} OR {in_flight})"
+    )
+}
+
 /// The claim with `ordering = "aggregate"` on a table before schema version 7 (no
 /// `<table>_blocker_idx`): the same parameters, rows and invariant as [`claim_aggregate`],
 /// with a probe of each candidate's first waiting row in the aggregate index instead of the
@@ -316,12 +337,9 @@ fn claim_aggregate_probing(t: &str) -> String {
     let (not_suspect_c, not_due_c) = (not_suspect("c"), not_due("c"));
     let (not_suspect_h, not_due_h) = (not_suspect("h"), not_due("h"));
     let (waiting_e, waiting_h) = (waiting("e"), waiting("h"));
-    let in_flight_c = no_row_in_flight_before(t, "c");
+    let (busy, not_busy_c) = (busy(t), not_busy(t, "c"));
     format!(
-        "WITH busy AS MATERIALIZED ( \
-           SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
-           WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
-           LIMIT {BUSY_CAP}), \
+        "WITH {busy}, \
          cand AS ( \
            SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq FROM {t} c \
            LEFT JOIN LATERAL ( \
@@ -334,8 +352,7 @@ fn claim_aggregate_probing(t: &str) -> String {
              AND {not_due_c} \
              AND {part_c} % $5 = $6 \
              AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
-               AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) \
-               AND ((SELECT count(*) FROM busy) < {BUSY_CAP} OR {in_flight_c}))) \
+               AND {not_busy_c})) \
              AND (c.aggregate_id IS NULL OR h.head_seq IS NOT NULL) \
            ORDER BY c.seq LIMIT $4 \
            FOR UPDATE OF c SKIP LOCKED), \
@@ -404,13 +421,10 @@ fn claim_aggregate_probing(t: &str) -> String {
 fn claim_aggregate(t: &str) -> String {
     let part_c = part_key("c");
     let (ready_c, ready_h, ready_l) = (ready("c"), ready("h"), ready("l"));
-    let in_flight_c = no_row_in_flight_before(t, "c");
+    let (busy, not_busy_c) = (busy(t), not_busy(t, "c"));
     let blocker_h = blocker("h");
     format!(
-        "WITH busy AS MATERIALIZED ( \
-           SELECT DISTINCT b.aggregate_type, b.aggregate_id FROM {t} b \
-           WHERE b.status = 'processing' AND b.aggregate_id IS NOT NULL \
-           LIMIT {BUSY_CAP}), \
+        "WITH {busy}, \
          stuck AS MATERIALIZED ( \
            SELECT x.aggregate_type, x.aggregate_id, x.seq FROM {t} x \
            WHERE x.status = 'pending' AND x.expires_at IS NOT NULL AND x.expires_at <= now() \
@@ -426,8 +440,7 @@ fn claim_aggregate(t: &str) -> String {
              AND {part_c} % $5 = $6 \
              AND ((c.aggregate_id IS NULL AND {ready_c}) \
                OR (c.aggregate_id IS NOT NULL AND c.seq <= $3 \
-                 AND (c.aggregate_type, c.aggregate_id) NOT IN (SELECT * FROM busy) \
-                 AND ((SELECT count(*) FROM busy) < {BUSY_CAP} OR {in_flight_c}) \
+                 AND {not_busy_c} \
                  AND NOT EXISTS (SELECT 1 FROM {t} h WHERE ({blocker_h}) \
                    AND h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
                    AND h.seq <= c.seq AND (h.status = 'failed' OR NOT ({ready_h}))) \
