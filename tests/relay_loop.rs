@@ -1133,3 +1133,26 @@ async fn an_ordered_claim_leaves_the_rows_behind_a_dead_letter() {
         table.drop_table().await;
     }
 }
+
+/// Two relays claiming at the same moment read the same window and pick the same runs: the
+/// one whose picked heads the other holds claims the rest of its share further on (here the
+/// other holds the two oldest aggregates' heads; a claim of two rows takes C's).
+/// PostgreSQL only: which rows an ordered claim picks is the store's own.
+#[tokio::test]
+async fn an_ordered_claim_that_loses_its_picked_runs_to_another_claims_the_next_ones() {
+    let (table, config, inserted) =
+        setup(Db::Postgres, "loop_claim_lost", "", &rows(&["A", "B", "C"])).await;
+    let mut other = outbox_testkit::pg_connect().await;
+    let tx = other.transaction().await.unwrap();
+    let hold = format!(
+        "SELECT id FROM {} WHERE seq IN ({}, {}) FOR UPDATE",
+        table.name(),
+        inserted[0].seq,
+        inserted[1].seq
+    );
+    tx.batch_execute(&hold).await.unwrap();
+    let got = ordered_claim(&config, 2).await;
+    assert_eq!(got, [inserted[2].seq], "C's row, past the two held heads");
+    tx.rollback().await.unwrap();
+    table.drop_table().await;
+}

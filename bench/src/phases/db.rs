@@ -200,30 +200,33 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Res
         i64::MAX,
         scan_window(limit)
     );
+    // The claim, answering one row `ids` (the claimed ids) for `\gset`.
+    let ids = |claim: String| {
+        format!(
+            "WITH claimed AS ({claim}) SELECT coalesce(array_agg(id), '{{}}')::text AS ids FROM claimed"
+        )
+    };
+    let ordered = [":batch", instance, ":mark", ":scan", ":parts", ":client_id"];
     let (claim, key, what) = match ordering {
         Ordering::None => (
-            bind_pgbench(&sql.claim, &[":batch", instance]),
+            ids(bind_pgbench(&sql.claim, &[":batch", instance])),
             "pgbench_claim_mark_rows_per_s",
             "claim",
         ),
+        Ordering::Aggregate if ctx.args.no_blocker_index => (
+            ids(bind_pgbench(&sql.claim_aggregate_probing, &ordered)),
+            "pgbench_claim_aggregate_mark_rows_per_s",
+            "ordered claim",
+        ),
         Ordering::Aggregate => (
-            bind_pgbench(
-                if ctx.args.no_blocker_index {
-                    &sql.claim_aggregate_probing
-                } else {
-                    &sql.claim_aggregate
-                },
-                &[":batch", instance, ":mark", ":scan", ":parts", ":client_id"],
-            ),
+            bind_pgbench(&sql.claim_aggregate_ids, &ordered),
             "pgbench_claim_aggregate_mark_rows_per_s",
             "ordered claim",
         ),
     };
     // Prepared (`-M prepared`): pgbench sends `:ids` and `:client_id` as parameters.
     let mark = bind_pgbench(&sql.mark_sent, &[":ids::uuid[]", instance]);
-    let script = format!(
-        "{params}WITH claimed AS ({claim}) SELECT coalesce(array_agg(id), '{{}}')::text AS ids FROM claimed \\gset\n{mark};\n"
-    );
+    let script = format!("{params}{claim} \\gset\n{mark};\n");
     let path = ctx.dir.join(format!("pgbench-{key}.sql"));
     std::fs::write(&path, &script).with_context(|| format!("cannot write {}", path.display()))?;
     // Enough transactions for the clients to drain the table (with ordering `aggregate`, the

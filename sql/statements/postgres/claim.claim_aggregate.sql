@@ -92,11 +92,17 @@ WITH busy AS MATERIALIZED (
   SELECT p.id, CASE WHEN p.aggregate_id IS NULL THEN l.id IS NOT NULL ELSE bool_and(l.id IS NOT NULL) OVER ( PARTITION BY p.aggregate_type, p.aggregate_id
     ORDER BY p.seq) END AS ok
   FROM picked p
-  LEFT JOIN locked l ON l.id = p.id)
-UPDATE outbox_messages AS t
-SET status = 'processing', attempts = t.attempts + 1, locked_by = $2, locked_at = now()
-WHERE t.id = ANY(ARRAY(
-    SELECT id
-    FROM kept
-    WHERE ok))
-RETURNING t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_type, t.payload, t.headers, t.destination, t.attempts, t.created_at, t.expires_at
+  LEFT JOIN locked l ON l.id = p.id), claimed AS (
+  UPDATE outbox_messages AS t
+  SET status = 'processing', attempts = t.attempts + 1, locked_by = $2, locked_at = now()
+  WHERE t.id = ANY(ARRAY(
+      SELECT id
+      FROM kept
+      WHERE ok))
+  RETURNING t.id, t.seq, t.aggregate_type, t.aggregate_id, t.event_type, t.payload, t.headers, t.destination, t.attempts, t.created_at, t.expires_at)
+SELECT c.*, l.lost
+FROM (
+  SELECT count(*) FILTER (
+    WHERE NOT ok) AS lost
+  FROM kept) l
+LEFT JOIN claimed c ON true

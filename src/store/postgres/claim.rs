@@ -152,6 +152,10 @@ pub struct HotPathSql {
     /// number of parts the claim is split into, `$6` this part (`0..$5`); returns the claimed
     /// rows.
     pub claim_aggregate: String,
+    /// The same statement answering one row, `ids`: the claimed ids as a `uuid[]` text (for a
+    /// pgbench script's `\gset`: a statement that updates in a `WITH` cannot be wrapped in
+    /// another).
+    pub claim_aggregate_ids: String,
     /// The ordered claim on a table before schema version 7 (no `<table>_blocker_idx`), with
     /// the same parameters.
     pub claim_aggregate_probing: String,
@@ -179,6 +183,10 @@ pub fn hot_path_sql(table: &TableName) -> HotPathSql {
     HotPathSql {
         claim: claim_none(&t),
         claim_aggregate: claim_aggregate(&t),
+        claim_aggregate_ids: claim_aggregate_then(
+            &t,
+            "SELECT coalesce(array_agg(id), '{}')::text AS ids FROM claimed",
+        ),
         claim_aggregate_probing: claim_aggregate_probing(&t),
         mark_sent: super::settle::mark_sent_sql(table),
         part_key: part_key(""),
@@ -418,7 +426,23 @@ fn claim_aggregate_probing(t: &str) -> String {
 ///   settled since this statement's snapshot is left out; `kept`: a run keeps its rows up to
 ///   the first one left out, which holds back the rest of its aggregate (a head that another
 ///   relay is claiming at this moment included).
+/// - `claimed`: the update; the answer ([`CLAIMED_AND_LOST`]) also says how many picked rows
+///   were left out. Two relays claiming at the same moment read the same window and pick the
+///   same runs; the one that comes second then claims the rest of its share with
+///   [`claim_aggregate_probing`], whose locked scan skips to the rows further on.
 fn claim_aggregate(t: &str) -> String {
+    claim_aggregate_then(t, CLAIMED_AND_LOST)
+}
+
+/// What [`claim_aggregate`] answers: the claimed rows ([`RETURNING`]), each with `lost`, the
+/// number of picked rows it left out because another claim holds or has just changed them (a
+/// run cut at such a row included); when it claimed none, one row of NULLs with `lost`.
+const CLAIMED_AND_LOST: &str = "SELECT c.*, l.lost \
+    FROM (SELECT count(*) FILTER (WHERE NOT ok) AS lost FROM kept) l LEFT JOIN claimed c ON true";
+
+/// [`claim_aggregate`]'s statement with `answer` as its last `SELECT`, which reads the
+/// `claimed` rows (and `kept`).
+fn claim_aggregate_then(t: &str, answer: &str) -> String {
     let part_c = part_key("c");
     let (ready_c, ready_h, ready_l) = (ready("c"), ready("h"), ready("l"));
     let (busy, not_busy_c) = (busy(t), not_busy(t, "c"));
@@ -464,11 +488,13 @@ fn claim_aggregate(t: &str) -> String {
            SELECT p.id, CASE WHEN p.aggregate_id IS NULL THEN l.id IS NOT NULL \
              ELSE bool_and(l.id IS NOT NULL) OVER ( \
                PARTITION BY p.aggregate_type, p.aggregate_id ORDER BY p.seq) END AS ok \
-           FROM picked p LEFT JOIN locked l ON l.id = p.id) \
-         UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
-           locked_by = $2, locked_at = now() \
-         WHERE t.id = ANY(ARRAY(SELECT id FROM kept WHERE ok)) \
-         RETURNING {RETURNING}"
+           FROM picked p LEFT JOIN locked l ON l.id = p.id), \
+         claimed AS ( \
+           UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
+             locked_by = $2, locked_at = now() \
+           WHERE t.id = ANY(ARRAY(SELECT id FROM kept WHERE ok)) \
+           RETURNING {RETURNING}) \
+         {answer}"
     )
 }
 
@@ -640,21 +666,34 @@ impl PgStore {
                 client.query(&stmt, &[&limit, &self.instance_id]).await?
             }
             Ordering::Aggregate => {
-                let sql = if self.has_blocker_index(client).await? {
-                    &self.q.claim.claim_aggregate
-                } else {
-                    &self.q.claim.claim_aggregate_probing
-                };
-                let stmt = client.prepare_cached(sql).await?;
-                let scan = scan_window(limit);
                 let parts = i64::try_from(shares.len()).unwrap_or(1);
                 let this = i64::try_from(part).unwrap_or(0);
-                client
-                    .query(
-                        &stmt,
-                        &[&limit, &self.instance_id, &watermark, &scan, &parts, &this],
-                    )
-                    .await?
+                let ordered = |sql, limit: i64| async move {
+                    let stmt = client.prepare_cached(sql).await?;
+                    let scan = scan_window(limit);
+                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+                        [&limit, &self.instance_id, &watermark, &scan, &parts, &this];
+                    client.query(&stmt, &params).await
+                };
+                let probing = &self.q.claim.claim_aggregate_probing;
+                if !self.has_blocker_index(client).await? {
+                    return Ok(ordered(probing, limit).await?);
+                }
+                let mut rows = ordered(&self.q.claim.claim_aggregate, limit).await?;
+                let lost = rows
+                    .first()
+                    .map(|r| r.try_get::<_, i64>("lost"))
+                    .transpose()?
+                    .unwrap_or(0);
+                // The row of NULLs a claim that took nothing answers.
+                rows.retain(|r| matches!(r.try_get::<_, Option<Uuid>>(0), Ok(Some(_))));
+                let short = limit - i64::try_from(rows.len()).unwrap_or(limit);
+                if lost > 0 && short > 0 {
+                    // Another relay claimed the same runs at the same moment: the probing
+                    // claim's locked scan skips its rows and takes the ones further on.
+                    rows.extend(ordered(probing, short).await?);
+                }
+                rows
             }
         };
         Ok(rows)
