@@ -15,7 +15,7 @@ use super::predicates::{
     SUSPECT, blocker, no_open_row_before, no_row_in_flight_before, not_due, not_suspect, ready,
     waiting,
 };
-use super::{PgStore, Result};
+use super::{PgStore, Result, StoreError};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
 
@@ -98,8 +98,9 @@ pub struct Claim {
     /// Some part filled its share while another came back short: the ready rows sit in fewer
     /// aggregates than there were parts, and splitting the next claim would not pay.
     pub uneven: bool,
-    /// A part of a split claim failed while other parts claimed rows: the failed part may
-    /// have committed before its answer was lost (see [`PgStore::hand_back_unheld`]).
+    /// A part of a split claim (or an ordered claim's second statement, after a lost race)
+    /// failed while other statements claimed rows: the failed one may have committed before
+    /// its answer was lost (see [`PgStore::hand_back_unheld`]).
     pub answer_lost: bool,
     /// MySQL: rows the claim read but could not (a value no transport could carry), made
     /// dead letters at once. Always 0 on PostgreSQL, whose column types the schema check
@@ -658,45 +659,61 @@ impl PgStore {
         ordering: Ordering,
         watermark: i64,
         (part, shares): (usize, &[usize]),
-    ) -> Result<Vec<tokio_postgres::Row>> {
+    ) -> PartAnswer {
         let limit = i64::try_from(shares[part]).unwrap_or(i64::MAX);
-        let rows = match ordering {
-            Ordering::None => {
-                let stmt = client.prepare_cached(&self.q.claim.claim_none).await?;
-                client.query(&stmt, &[&limit, &self.instance_id]).await?
-            }
-            Ordering::Aggregate => {
-                let parts = i64::try_from(shares.len()).unwrap_or(1);
-                let this = i64::try_from(part).unwrap_or(0);
-                let ordered = |sql, limit: i64| async move {
-                    let stmt = client.prepare_cached(sql).await?;
-                    let scan = scan_window(limit);
-                    let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
-                        [&limit, &self.instance_id, &watermark, &scan, &parts, &this];
-                    client.query(&stmt, &params).await
-                };
-                let probing = &self.q.claim.claim_aggregate_probing;
-                if !self.has_blocker_index(client).await? {
-                    return Ok(ordered(probing, limit).await?);
+        let parts = i64::try_from(shares.len()).unwrap_or(1);
+        let this = i64::try_from(part).unwrap_or(0);
+        let ordered = |sql, limit: i64| async move {
+            let stmt = client.prepare_cached(sql).await?;
+            let scan = scan_window(limit);
+            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
+                [&limit, &self.instance_id, &watermark, &scan, &parts, &this];
+            Ok::<_, StoreError>(client.query(&stmt, &params).await?)
+        };
+        let probing = &self.q.claim.claim_aggregate_probing;
+        let first = async {
+            match ordering {
+                Ordering::None => {
+                    let stmt = client.prepare_cached(&self.q.claim.claim_none).await?;
+                    let rows = client.query(&stmt, &[&limit, &self.instance_id]).await?;
+                    Ok((rows, 0))
                 }
-                let mut rows = ordered(&self.q.claim.claim_aggregate, limit).await?;
-                let lost = rows
-                    .first()
-                    .map(|r| r.try_get::<_, i64>("lost"))
-                    .transpose()?
-                    .unwrap_or(0);
-                // The row of NULLs a claim that took nothing answers.
-                rows.retain(|r| matches!(r.try_get::<_, Option<Uuid>>(0), Ok(Some(_))));
-                let short = limit - i64::try_from(rows.len()).unwrap_or(limit);
-                if lost > 0 && short > 0 {
-                    // Another relay claimed the same runs at the same moment: the probing
-                    // claim's locked scan skips its rows and takes the ones further on.
-                    rows.extend(ordered(probing, short).await?);
+                Ordering::Aggregate if !self.has_blocker_index(client).await? => {
+                    Ok((ordered(probing, limit).await?, 0))
                 }
-                rows
+                Ordering::Aggregate => {
+                    let mut rows = ordered(&self.q.claim.claim_aggregate, limit).await?;
+                    let lost = rows
+                        .first()
+                        .map(|r| r.try_get::<_, i64>("lost"))
+                        .transpose()?
+                        .unwrap_or(0);
+                    // The row of NULLs a claim that took nothing answers.
+                    rows.retain(|r| matches!(r.try_get::<_, Option<Uuid>>(0), Ok(Some(_))));
+                    Ok((rows, lost))
+                }
             }
         };
-        Ok(rows)
+        let (mut rows, lost) = match first.await {
+            Ok(answer) => answer,
+            Err(e) => return PartAnswer::failed(e),
+        };
+        let short = limit - i64::try_from(rows.len()).unwrap_or(limit);
+        if lost > 0 && short > 0 {
+            // Another relay claimed the same runs at the same moment: the probing claim's
+            // locked scan skips its rows and takes the ones further on. The rows claimed
+            // already are this relay's whatever that claim answers.
+            match ordered(probing, short).await {
+                Ok(more) => rows.extend(more),
+                Err(e) => {
+                    return PartAnswer {
+                        rows,
+                        failed: Some(e),
+                    };
+                }
+            }
+        }
+        PartAnswer { rows, failed: None }
     }
 
     /// Whether a row reclaimed from a dead relay is ready to be claimed (see `SUSPECT`).
@@ -729,15 +746,28 @@ struct Parts {
     /// Some part came back short of its share.
     short: bool,
     /// The first error of a part that failed.
-    failed: Option<super::StoreError>,
+    failed: Option<StoreError>,
+}
+
+/// What one part of a claim answered: the rows it claimed, and the error of a statement that
+/// failed (after others of the part claimed `rows`, or with `rows` empty).
+struct PartAnswer {
+    rows: Vec<tokio_postgres::Row>,
+    failed: Option<StoreError>,
+}
+
+impl PartAnswer {
+    fn failed(e: StoreError) -> Self {
+        Self {
+            rows: Vec::new(),
+            failed: Some(e),
+        }
+    }
 }
 
 impl Parts {
     /// Gathers each part's answer with its share of the batch.
-    fn gather(
-        answers: impl Iterator<Item = Result<Vec<tokio_postgres::Row>>>,
-        shares: &[usize],
-    ) -> Self {
+    fn gather(answers: impl Iterator<Item = PartAnswer>, shares: &[usize]) -> Self {
         let mut parts = Self {
             rows: Vec::with_capacity(shares.iter().sum()),
             more: false,
@@ -745,17 +775,23 @@ impl Parts {
             failed: None,
         };
         for (answer, share) in answers.zip(shares) {
-            let got = answer.and_then(|got| {
-                let messages = got.iter().map(message_of).collect::<Result<Vec<_>, _>>();
-                Ok((got.len(), messages?))
-            });
-            match got {
-                Ok((n, messages)) => {
+            let n = answer.rows.len();
+            let messages = answer
+                .rows
+                .iter()
+                .map(message_of)
+                .collect::<Result<Vec<_>, _>>();
+            let failed = match messages {
+                Ok(messages) => {
                     parts.more |= n >= *share;
                     parts.short |= n < *share;
                     parts.rows.extend(messages);
+                    answer.failed
                 }
-                Err(e) => parts.failed = parts.failed.take().or(Some(e)),
+                Err(e) => Some(e.into()),
+            };
+            if let Some(e) = failed {
+                parts.failed = parts.failed.take().or(Some(e));
             }
         }
         parts
