@@ -48,6 +48,11 @@ use uuid::Uuid;
 /// How long any single wait may take before the test fails (the scenarios take well under 2 s).
 const WAIT: Duration = Duration::from_secs(15);
 
+/// How long the rows of `connection_failures_never_spend_attempts` may take to go out: up to
+/// 18 lost connections, whose pauses before reconnecting double while no message is confirmed
+/// (`Backoff::reconnect`, capped at 30 s).
+const RECONNECTS: Duration = Duration::from_secs(120);
+
 on_both_databases!(
     rejection_hands_back_the_rest_of_the_chain,
     reclaimed_rows_go_out_one_at_a_time,
@@ -634,7 +639,10 @@ async fn connection_failures_never_spend_attempts(db: Db) {
     assert_eq!(broker.publishes().len(), 0);
 
     broker.reachable.store(true, SeqCst);
-    table.wait_all_sent(WAIT).await;
+    // Each connection lost before the broker confirmed anything on it doubles the pause before
+    // the next connect (100 ms, 200 ms, …): when the rows' lost connections come one after
+    // another with no confirm between them, the pauses add up to tens of seconds.
+    table.wait_all_sent(RECONNECTS).await;
     stop(relay).await;
 
     // (attempts as claimed, answer) of each publish, by seq.
