@@ -12,8 +12,7 @@ use tokio_postgres::types::{FromSql, Type};
 use uuid::Uuid;
 
 use super::predicates::{
-    SUSPECT, blocker, no_open_row_before, no_row_in_flight_before, not_due, not_suspect, ready,
-    waiting,
+    SUSPECT, blocker, no_open_row_before, no_row_in_flight_before, not_due, ready, waiting,
 };
 use super::{PgStore, Result, StoreError};
 use crate::config::{Ordering, TableName};
@@ -226,11 +225,11 @@ impl ClaimSql {
 /// Reclaimed rows (suspects) and rows past their deadline are never taken. `$1` batch size,
 /// `$2` instance id.
 fn claim_none(t: &str) -> String {
-    let (not_suspect, not_due) = (not_suspect(""), not_due(""));
+    let ready = ready("");
     format!(
         "WITH cand AS ( \
            SELECT id FROM {t} \
-           WHERE status = 'pending' AND available_at <= now() AND {not_suspect} AND {not_due} \
+           WHERE status = 'pending' AND {ready} \
            ORDER BY seq LIMIT $1 \
            FOR UPDATE SKIP LOCKED) \
          UPDATE {t} AS t SET status = 'processing', attempts = t.attempts + 1, \
@@ -343,8 +342,7 @@ fn not_busy(t: &str, alias: &str) -> String {
 ///   claim.
 fn claim_aggregate_probing(t: &str) -> String {
     let part_c = part_key("c");
-    let (not_suspect_c, not_due_c) = (not_suspect("c"), not_due("c"));
-    let (not_suspect_h, not_due_h) = (not_suspect("h"), not_due("h"));
+    let (ready_c, ready_h) = (ready("c"), ready("h"));
     let (waiting_e, waiting_h) = (waiting("e"), waiting("h"));
     let (busy, not_busy_c) = (busy(t), not_busy(t, "c"));
     format!(
@@ -352,13 +350,11 @@ fn claim_aggregate_probing(t: &str) -> String {
          cand AS ( \
            SELECT c.id, c.seq, c.aggregate_type, c.aggregate_id, h.head_seq FROM {t} c \
            LEFT JOIN LATERAL ( \
-             SELECT CASE WHEN h.status = 'pending' AND h.available_at <= now() \
-                 AND {not_suspect_h} AND {not_due_h} THEN h.seq END AS head_seq \
+             SELECT CASE WHEN h.status = 'pending' AND {ready_h} THEN h.seq END AS head_seq \
              FROM {t} h \
              WHERE h.aggregate_type = c.aggregate_type AND h.aggregate_id = c.aggregate_id \
                AND {waiting_h} ORDER BY h.seq LIMIT 1) h ON true \
-           WHERE c.status = 'pending' AND c.available_at <= now() AND {not_suspect_c} \
-             AND {not_due_c} \
+           WHERE c.status = 'pending' AND {ready_c} \
              AND {part_c} % $5 = $6 \
              AND (c.aggregate_id IS NULL OR (c.seq <= $3 \
                AND {not_busy_c})) \
