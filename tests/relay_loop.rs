@@ -1072,6 +1072,20 @@ async fn an_ordered_claim_stops_at_a_row_not_ready_that_the_blocker_index_misses
     a_run_stops_at_its_second_row(Db::Postgres, "loop_claim_ahead", &ahead).await;
 }
 
+/// A second session that holds the rows `seqs` of `table` locked (`FOR UPDATE`, as another
+/// relay's claim does) until it runs `ROLLBACK`.
+async fn hold(table: &TestOutbox, seqs: &[i64]) -> tokio_postgres::Client {
+    let other = outbox_testkit::pg_connect().await;
+    let seqs: Vec<String> = seqs.iter().map(i64::to_string).collect();
+    let hold = format!(
+        "BEGIN; SELECT id FROM {} WHERE seq IN ({}) FOR UPDATE",
+        table.name(),
+        seqs.join(", ")
+    );
+    other.batch_execute(&hold).await.unwrap();
+    other
+}
+
 /// A head that another claim holds locked (another relay claiming it right now) is invisible
 /// to a claim that skips locked rows; the rows behind it must wait all the same, and go out
 /// once the other claim is over. On the current schema and on one before version 7.
@@ -1084,21 +1098,14 @@ async fn an_ordered_claim_leaves_an_aggregate_whose_head_another_claim_holds() {
         if version_6 {
             before_version_7(&table).await;
         }
-        let mut other = outbox_testkit::pg_connect().await;
-        let tx = other.transaction().await.unwrap();
-        let hold = format!(
-            "SELECT id FROM {} WHERE seq = {} FOR UPDATE",
-            table.name(),
-            inserted[0].seq
-        );
-        tx.batch_execute(&hold).await.unwrap();
+        let other = hold(&table, &[inserted[0].seq]).await;
         let got = ordered_claim(&config, 10).await;
         assert_eq!(
             got,
             [inserted[2].seq],
             "version 6: {version_6}: only B's row; A's second row waits behind its held head"
         );
-        tx.rollback().await.unwrap();
+        other.batch_execute("ROLLBACK").await.unwrap();
         let got = ordered_claim(&config, 10).await;
         assert_eq!(
             got,
@@ -1150,17 +1157,9 @@ async fn an_ordered_claim_leaves_the_rows_behind_a_dead_letter() {
 async fn an_ordered_claim_that_loses_its_picked_runs_to_another_claims_the_next_ones() {
     let (table, config, inserted) =
         setup(Db::Postgres, "loop_claim_lost", "", &rows(&["A", "B", "C"])).await;
-    let mut other = outbox_testkit::pg_connect().await;
-    let tx = other.transaction().await.unwrap();
-    let hold = format!(
-        "SELECT id FROM {} WHERE seq IN ({}, {}) FOR UPDATE",
-        table.name(),
-        inserted[0].seq,
-        inserted[1].seq
-    );
-    tx.batch_execute(&hold).await.unwrap();
+    let other = hold(&table, &[inserted[0].seq, inserted[1].seq]).await;
     let got = ordered_claim(&config, 2).await;
     assert_eq!(got, [inserted[2].seq], "C's row, past the two held heads");
-    tx.rollback().await.unwrap();
+    other.batch_execute("ROLLBACK").await.unwrap();
     table.drop_table().await;
 }
