@@ -440,6 +440,40 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
     finish(relay, table, rabbit).await;
 }
 
+/// Statistics younger than ten minutes are left alone: the relay's vacuum is then a plain
+/// `VACUUM` (sampling the table again costs about twice the vacuum), which still empties the
+/// table of dead tuples.
+#[tokio::test]
+async fn a_vacuum_leaves_statistics_younger_than_ten_minutes_alone() {
+    let (table, rabbit) = table_and_exchange("ops_vacuum_fresh").await;
+    let off = format!("ALTER TABLE {} SET (autovacuum_enabled = off)", table.name);
+    table.db.batch_execute(&off).await.unwrap();
+    // The backlog first, then statistics that have seen it: the relay has no reason to
+    // analyze before its vacuum.
+    for chunk in NewRow::numbered(8_000, "fresh", None, "tick").chunks(2_000) {
+        table.insert(chunk).await;
+    }
+    let analyze = format!("ANALYZE {}", table.name);
+    table.db.batch_execute(&analyze).await.unwrap();
+    let analyses = async || table_stat::<i64>(&table, "analyze_count + autoanalyze_count").await;
+    assert_eq!(analyses().await.unwrap(), 1);
+
+    let relay = relay(&table, &rabbit, None)
+        .set("cleanup.retention", "0s")
+        .spawn();
+    relay
+        .wait_for_log("vacuumed the outbox table", 1, WAIT)
+        .await;
+    let log = relay.stderr();
+    assert!(log.contains("analyzed=false"), "{log}");
+    assert!(!log.contains("analyzed=true"), "{log}");
+    table.wait_count("true", 0, WAIT).await;
+    assert_eq!(analyses().await.unwrap(), 1, "the table was analyzed again");
+    let vacuums: i64 = table_stat(&table, "vacuum_count").await.unwrap();
+    assert!(vacuums >= 1, "{vacuums} vacuums counted");
+    finish(relay, table, rabbit).await;
+}
+
 /// A backlog in a table the planner has no statistics for (autovacuum off, never analyzed):
 /// the relay analyzes it before its first vacuum would, and every row goes out.
 #[tokio::test]

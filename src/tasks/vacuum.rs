@@ -13,7 +13,10 @@
 //! It also runs `ANALYZE` when the planner's statistics predate a backlog (the table was never
 //! analyzed, or holds ten times the rows they counted). The ordered claim's generic plan is
 //! chosen from them (without statistics it sorts every pending row for each claim), and with
-//! autovacuum off nothing else would analyze the table before the relay's first vacuum.
+//! autovacuum off nothing else would analyze the table before the relay's first vacuum. A
+//! vacuum analyzes too when the statistics are older than [`ANALYZE_EVERY`]: sampling the
+//! table costs about twice what vacuuming it does, and a vacuum every few seconds need not
+//! repeat it each time.
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +43,17 @@ const ANALYZE_FROM: i64 = 1_000;
 
 /// How many times the rows the statistics counted make them stale (see [`should_analyze`]).
 const STALE_GROWTH: f64 = 10.0;
+
+/// Statistics older than this are refreshed by the next vacuum (`VACUUM (ANALYZE)`); younger
+/// ones are left as they are (a plain `VACUUM`, which still updates the row count).
+pub const ANALYZE_EVERY: Duration = Duration::from_secs(10 * 60);
+
+/// Whether a vacuum due now should analyze the table as well: it was never analyzed, or last
+/// more than [`ANALYZE_EVERY`] ago.
+pub fn vacuum_analyzes(h: &TableHealth) -> bool {
+    h.since_analyze
+        .is_none_or(|s| s.is_nan() || s >= ANALYZE_EVERY.as_secs_f64())
+}
 
 /// Whether to analyze now: at least [`ANALYZE_FROM`] live rows and [`STALE_GROWTH`] times
 /// what the statistics counted (or none yet), and no vacuum or analyze running.
@@ -176,7 +190,8 @@ impl Keeper {
     async fn vacuum(&mut self, h: &TableHealth, reason: &str) {
         let started = Instant::now();
         let store = &self.store;
-        if let Err(e) = store.bounded_maintenance(store.vacuum()).await {
+        let analyzed = vacuum_analyzes(h);
+        if let Err(e) = store.bounded_maintenance(store.vacuum(analyzed)).await {
             return tracing::warn!(error = %e, "vacuum of the outbox table failed");
         }
         self.metrics.vacuumed();
@@ -186,6 +201,7 @@ impl Keeper {
         tracing::info!(
             table = %self.store.table(),
             reason,
+            analyzed,
             dead_tuples_before = h.dead_tuples,
             dead_tuples_after = after.map(|a| a.dead_tuples),
             bytes = after.map(|a| a.total_bytes),
@@ -224,6 +240,27 @@ mod tests {
             may_vacuum: true,
             vacuum_running: false,
             stats_rows: Some(live as f64),
+            since_analyze: None,
+        }
+    }
+
+    #[test]
+    fn a_vacuum_analyzes_only_statistics_older_than_ten_minutes() {
+        let aged = |since_analyze| TableHealth {
+            since_analyze,
+            ..health(20_000, 100, false)
+        };
+        for (since, expected) in [
+            (None, true),
+            (Some(0.0), false),
+            (Some(599.0), false),
+            (Some(600.0), true),
+            (Some(86_400.0), true),
+            // A clock step backwards makes the age negative: still fresh.
+            (Some(-5.0), false),
+            (Some(f64::NAN), true),
+        ] {
+            assert_eq!(vacuum_analyzes(&aged(since)), expected, "{since:?}");
         }
     }
 

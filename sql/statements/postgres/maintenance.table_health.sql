@@ -18,10 +18,11 @@ OR CASE WHEN current_setting('server_version_num')::int >= 170000 THEN has_table
 OR EXISTS (
   SELECT 1
   FROM pg_stat_progress_analyze a
-  WHERE a.relid = c.oid), CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END
+  WHERE a.relid = c.oid), CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END, extract(epoch
+  FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8
 FROM pg_class c
 LEFT JOIN LATERAL (
-  SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum
+  SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum, max(t.last_analyze) AS last_analyze, max(t.last_autoanalyze) AS last_autoanalyze
   FROM pg_stat_user_tables t
   WHERE t.relid = c.oid
   OR t.relid IN (

@@ -1,1 +1,1 @@
-VACUUM (ANALYZE, TRUNCATE false) outbox_messages
+VACUUM (TRUNCATE false) outbox_messages

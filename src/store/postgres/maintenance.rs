@@ -28,6 +28,9 @@ pub struct TableHealth {
     /// The row count the planner's statistics last saw (`pg_class.reltuples`, as of the last
     /// vacuum or analyze); `None` before the first.
     pub stats_rows: Option<f64>,
+    /// Seconds since the table (or a partition of it) was last analyzed (manually, by a
+    /// relay's vacuum or by autovacuum), if ever.
+    pub since_analyze: Option<f64>,
 }
 
 /// `text` as an SQL string literal.
@@ -43,6 +46,7 @@ pub(super) struct MaintenanceSql {
     pub(super) any_pending: String,
     pub(super) table_health: String,
     pub(super) vacuum: String,
+    pub(super) vacuum_analyze: String,
     pub(super) analyze: String,
 }
 
@@ -127,10 +131,12 @@ impl MaintenanceSql {
                           THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END, \
                    EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
                      OR EXISTS (SELECT 1 FROM pg_stat_progress_analyze a WHERE a.relid = c.oid), \
-                   CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END \
+                   CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END, \
+                   extract(epoch FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8 \
                  FROM pg_class c LEFT JOIN LATERAL ( \
                    SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, \
-                          max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum \
+                          max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum, \
+                          max(t.last_analyze) AS last_analyze, max(t.last_autoanalyze) AS last_autoanalyze \
                      FROM pg_stat_user_tables t \
                     WHERE t.relid = c.oid OR t.relid IN (SELECT p.relid FROM pg_partition_tree(c.oid) p)) s ON true \
                  WHERE c.oid = coalesce(to_regclass({})::oid, $1)",
@@ -138,7 +144,8 @@ impl MaintenanceSql {
             ),
             // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
             // would stall inserts and claims (and is replayed on standbys).
-            vacuum: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
+            vacuum: format!("VACUUM (TRUNCATE false) {t}"),
+            vacuum_analyze: format!("VACUUM (ANALYZE, TRUNCATE false) {t}"),
             // SKIP_LOCKED: an analyze or vacuum the health check did not see (statistics of
             // other users' backends are hidden) would make it wait; the next check retries.
             analyze: format!("ANALYZE (SKIP_LOCKED) {t}"),
@@ -161,15 +168,21 @@ impl PgStore {
             may_vacuum: r.try_get(5)?,
             vacuum_running: r.try_get(6)?,
             stats_rows: r.try_get(7)?,
+            since_analyze: r.try_get(8)?,
         })
     }
 
-    /// Runs a plain `VACUUM (ANALYZE)` of the table on a pooled connection outside any
-    /// transaction. It takes a SHARE UPDATE EXCLUSIVE lock, which claims, settles and inserts
-    /// do not conflict with.
-    pub async fn vacuum(&self) -> Result<()> {
+    /// Runs a plain `VACUUM` of the table (`VACUUM (ANALYZE)` with `analyze`) on a pooled
+    /// connection outside any transaction. It takes a SHARE UPDATE EXCLUSIVE lock, which
+    /// claims, settles and inserts do not conflict with.
+    pub async fn vacuum(&self, analyze: bool) -> Result<()> {
         let client = self.client().await?;
-        client.batch_execute(&self.q.maintenance.vacuum).await?;
+        let sql = if analyze {
+            &self.q.maintenance.vacuum_analyze
+        } else {
+            &self.q.maintenance.vacuum
+        };
+        client.batch_execute(sql).await?;
         Ok(())
     }
 
@@ -240,7 +253,11 @@ mod tests {
     fn statements_name_the_schema_qualified_table() {
         let q =
             MaintenanceSql::new(&TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}")));
-        assert_eq!(q.vacuum, "VACUUM (ANALYZE, TRUNCATE false) app.events");
+        assert_eq!(q.vacuum, "VACUUM (TRUNCATE false) app.events");
+        assert_eq!(
+            q.vacuum_analyze,
+            "VACUUM (ANALYZE, TRUNCATE false) app.events"
+        );
         for backlog in [&q.backlog_none, &q.backlog_aggregate, &q.any_pending] {
             let pending = "FROM app.events WHERE status = 'pending'";
             assert!(backlog.contains(pending), "{backlog}");

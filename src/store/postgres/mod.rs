@@ -242,6 +242,7 @@ mod tests {
             ("maintenance.any_pending", &m.any_pending),
             ("maintenance.table_health", &m.table_health),
             ("maintenance.vacuum", &m.vacuum),
+            ("maintenance.vacuum_analyze", &m.vacuum_analyze),
             ("maintenance.analyze", &m.analyze),
             ("operator.status", &op.status),
             ("operator.blocked_by_type", &op.blocked_by_type),

@@ -1,0 +1,1 @@
+VACUUM (ANALYZE, TRUNCATE false) outbox_messages
