@@ -67,6 +67,21 @@ struct Names {
     suffix: String,
 }
 
+/// How many steps a version that makes `swap` has on a partitioned table, as its log lines
+/// count them: the table's index (`ON ONLY`), the partitions' indexes (one step, however many
+/// partitions), the drop of the index it replaces if it replaces one, and the version's
+/// record.
+fn swap_phases(swap: &IndexSwap) -> usize {
+    3 + usize::from(swap.drops.is_some())
+}
+
+/// Where the record of version `version`, which makes `swap`, is among its steps on a
+/// partitioned table: the last.
+pub(super) fn record_at(version: i32, swap: &IndexSwap) -> StepAt {
+    let steps = swap_phases(swap);
+    StepAt::of(version, steps - 1, steps)
+}
+
 /// A step of `kind` running `sql`.
 fn step(kind: StepKind, sql: String, builds_index: Option<String>) -> Step {
     Step {
@@ -103,8 +118,14 @@ impl PgStore {
             names.index, swap.definition
         );
         let on_only = step(StepKind::Transaction, on_only, None);
-        self.run_step(client, Some(schema), StepAt::of(version, 0, 3), &on_only)
-            .await?;
+        let phases = swap_phases(swap);
+        self.run_step(
+            client,
+            Some(schema),
+            StepAt::of(version, 0, phases),
+            &on_only,
+        )
+        .await?;
         for _ in 0..ROUNDS {
             if !self
                 .index_partitions(client, schema, version, swap, &names)
@@ -113,7 +134,10 @@ impl PgStore {
                 break;
             }
         }
-        if !self.revalidated(client, schema, version, &names).await? {
+        if !self
+            .revalidated(client, schema, StepAt::of(version, 1, phases), &names)
+            .await?
+        {
             return Err(StoreError::Schema(format!(
                 "index {} of {t} is not valid after {ROUNDS} rounds of attaching the \
                  partitions' indexes (partitions kept appearing, or one of them is partitioned \
@@ -126,7 +150,7 @@ impl PgStore {
         };
         let drop = format!("DROP INDEX IF EXISTS {};", render(drops, &self.table, true));
         let drop = step(StepKind::Transaction, drop, None);
-        self.run_step(client, Some(schema), StepAt::of(version, 2, 3), &drop)
+        self.run_step(client, Some(schema), StepAt::of(version, 2, phases), &drop)
             .await
     }
 
@@ -138,7 +162,7 @@ impl PgStore {
         &self,
         client: &mut deadpool_postgres::Object,
         schema: &str,
-        version: i32,
+        at: StepAt,
         names: &Names,
     ) -> Result<bool> {
         if client
@@ -154,8 +178,7 @@ impl PgStore {
         let child: String = row.try_get(0)?;
         let attach = format!("ALTER INDEX {} ATTACH PARTITION {child};", names.qualified);
         let attach = step(StepKind::Transaction, attach, None);
-        self.run_step(client, Some(schema), StepAt::of(version, 1, 3), &attach)
-            .await?;
+        self.run_step(client, Some(schema), at, &attach).await?;
         Ok(client
             .query_one(VALID, &[&names.qualified])
             .await?
@@ -174,13 +197,12 @@ impl PgStore {
     ) -> Result<bool> {
         let t = self.table.qualified();
         let missing = client.query(WITHOUT_INDEX, &[&t, &names.qualified]).await?;
-        let count = missing.len();
-        for (at, row) in missing.iter().enumerate() {
+        for row in &missing {
             let name: String = row.try_get(0)?;
             let partition: String = row.try_get(1)?;
             let own = partition_index_name(&name, row.try_get(2)?, &names.suffix);
             let own_schema: String = row.try_get(3)?;
-            let at = StepAt::of(version, at + 1, count + 2);
+            let at = StepAt::of(version, 1, swap_phases(swap));
             let build = format!(
                 "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {partition} {};",
                 quoted(&own),
@@ -196,7 +218,7 @@ impl PgStore {
             let attach = step(StepKind::Transaction, attach, None);
             self.run_step(client, Some(schema), at, &attach).await?;
         }
-        Ok(count > 0)
+        Ok(!missing.is_empty())
     }
 }
 

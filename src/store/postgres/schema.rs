@@ -411,7 +411,7 @@ impl PgStore {
                     .await?;
                 // The last of its steps: the ones before it stay applied if it fails.
                 let record = record_step(m, &self.table, &versions);
-                let at = StepAt::of(m.version, 3, 4);
+                let at = super::partitioned_index::record_at(m.version, swap);
                 self.run_step(client, Some(&schema), at, &record).await?;
                 applied.push(m.version);
                 continue;
