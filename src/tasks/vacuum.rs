@@ -45,14 +45,16 @@ const ANALYZE_FROM: i64 = 1_000;
 const STALE_GROWTH: f64 = 10.0;
 
 /// Statistics older than this are refreshed by the next vacuum (`VACUUM (ANALYZE)`); younger
-/// ones are left as they are (a plain `VACUUM`, which still updates the row count).
+/// ones are left as they are (a plain `VACUUM`).
 pub const ANALYZE_EVERY: Duration = Duration::from_secs(10 * 60);
 
-/// Whether a vacuum due now should analyze the table as well: it was never analyzed, or last
-/// more than [`ANALYZE_EVERY`] ago.
+/// Whether a vacuum due now should analyze the table as well: some part of it that holds
+/// rows was never analyzed or last more than [`ANALYZE_EVERY`] ago, or the statistics predate
+/// the backlog ([`should_analyze`], which a due vacuum would otherwise put off).
 pub fn vacuum_analyzes(h: &TableHealth) -> bool {
-    h.since_analyze
-        .is_none_or(|s| s.is_nan() || s >= ANALYZE_EVERY.as_secs_f64())
+    should_analyze(h)
+        || h.since_analyze
+            .is_none_or(|s| s.is_nan() || s >= ANALYZE_EVERY.as_secs_f64())
 }
 
 /// Whether to analyze now: at least [`ANALYZE_FROM`] live rows and [`STALE_GROWTH`] times
@@ -262,6 +264,13 @@ mod tests {
         ] {
             assert_eq!(vacuum_analyzes(&aged(since)), expected, "{since:?}");
         }
+        // Fresh statistics that predate a backlog ten times their count: analyzed all the same.
+        let behind = TableHealth {
+            live_tuples: 50_000,
+            stats_rows: Some(1_000.0),
+            ..aged(Some(60.0))
+        };
+        assert!(vacuum_analyzes(&behind));
     }
 
     #[test]

@@ -18,11 +18,14 @@ OR CASE WHEN current_setting('server_version_num')::int >= 170000 THEN has_table
 OR EXISTS (
   SELECT 1
   FROM pg_stat_progress_analyze a
-  WHERE a.relid = c.oid), CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END, extract(epoch
-  FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8
+  WHERE a.relid = c.oid), CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END, CASE WHEN NOT s.unanalyzed THEN extract(epoch
+  FROM now() - s.analyzed_at)::float8 END
 FROM pg_class c
 LEFT JOIN LATERAL (
-  SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum, max(t.last_analyze) AS last_analyze, max(t.last_autoanalyze) AS last_autoanalyze
+  SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum, coalesce(bool_or(t.n_live_tup + t.n_dead_tup > 0
+      AND t.last_analyze IS NULL
+      AND t.last_autoanalyze IS NULL), false) AS unanalyzed, min(greatest(t.last_analyze, t.last_autoanalyze)) FILTER (
+    WHERE t.n_live_tup + t.n_dead_tup > 0) AS analyzed_at
   FROM pg_stat_user_tables t
   WHERE t.relid = c.oid
   OR t.relid IN (

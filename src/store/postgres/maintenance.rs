@@ -28,8 +28,9 @@ pub struct TableHealth {
     /// The row count the planner's statistics last saw (`pg_class.reltuples`, as of the last
     /// vacuum or analyze); `None` before the first.
     pub stats_rows: Option<f64>,
-    /// Seconds since the table (or a partition of it) was last analyzed (manually, by a
-    /// relay's vacuum or by autovacuum), if ever.
+    /// Seconds since the least recently analyzed part of the table that holds rows (the
+    /// table itself, or each partition) was analyzed, manually, by a relay's vacuum or by
+    /// autovacuum; `None` when one of them never was.
     pub since_analyze: Option<f64>,
 }
 
@@ -113,7 +114,7 @@ impl MaintenanceSql {
             any_pending: format!("SELECT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending')"),
             // $1 the table's oid at start (the name is looked up first: it finds the table again
             // once `migrate` has partitioned it). Dead tuples and vacuum history of the table and
-            // its partitions; whether
+            // its partitions, and the age of the oldest analyze among those holding rows; whether
             // autovacuum may run on it (server setting and the table's own option); whether this
             // role may vacuum it (`MAINTAIN` exists from PostgreSQL 17 on: the CASE keeps older
             // servers from parsing the privilege name).
@@ -132,11 +133,15 @@ impl MaintenanceSql {
                    EXISTS (SELECT 1 FROM pg_stat_progress_vacuum v WHERE v.relid = c.oid) \
                      OR EXISTS (SELECT 1 FROM pg_stat_progress_analyze a WHERE a.relid = c.oid), \
                    CASE WHEN c.reltuples >= 0 THEN c.reltuples::float8 END, \
-                   extract(epoch FROM now() - greatest(s.last_analyze, s.last_autoanalyze))::float8 \
+                   CASE WHEN NOT s.unanalyzed THEN \
+                     extract(epoch FROM now() - s.analyzed_at)::float8 END \
                  FROM pg_class c LEFT JOIN LATERAL ( \
                    SELECT sum(t.n_dead_tup)::bigint AS n_dead_tup, sum(t.n_live_tup)::bigint AS n_live_tup, \
                           max(t.last_vacuum) AS last_vacuum, max(t.last_autovacuum) AS last_autovacuum, \
-                          max(t.last_analyze) AS last_analyze, max(t.last_autoanalyze) AS last_autoanalyze \
+                          coalesce(bool_or(t.n_live_tup + t.n_dead_tup > 0 \
+                            AND t.last_analyze IS NULL AND t.last_autoanalyze IS NULL), false) AS unanalyzed, \
+                          min(greatest(t.last_analyze, t.last_autoanalyze)) \
+                            FILTER (WHERE t.n_live_tup + t.n_dead_tup > 0) AS analyzed_at \
                      FROM pg_stat_user_tables t \
                     WHERE t.relid = c.oid OR t.relid IN (SELECT p.relid FROM pg_partition_tree(c.oid) p)) s ON true \
                  WHERE c.oid = coalesce(to_regclass({})::oid, $1)",
