@@ -441,8 +441,8 @@ async fn the_relay_vacuums_its_table_when_autovacuum_is_off() {
 }
 
 /// Statistics younger than ten minutes are left alone: the relay's vacuum is then a plain
-/// `VACUUM` (sampling the table again costs about twice the vacuum), which still empties the
-/// table of dead tuples.
+/// `VACUUM` (sampling the table again costs several times the vacuum), which still empties
+/// the table of dead tuples.
 #[tokio::test]
 async fn a_vacuum_leaves_statistics_younger_than_ten_minutes_alone() {
     let (table, rabbit) = table_and_exchange("ops_vacuum_fresh").await;

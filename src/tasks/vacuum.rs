@@ -14,9 +14,9 @@
 //! analyzed, or holds ten times the rows they counted). The ordered claim's generic plan is
 //! chosen from them (without statistics it sorts every pending row for each claim), and with
 //! autovacuum off nothing else would analyze the table before the relay's first vacuum. A
-//! vacuum analyzes too when the statistics are older than [`ANALYZE_EVERY`]: sampling the
-//! table costs about twice what vacuuming it does, and a vacuum every few seconds need not
-//! repeat it each time.
+//! vacuum analyzes too when the statistics are older than [`ANALYZE_EVERY`]: sampling a
+//! drained table costs several times what vacuuming it does, and a vacuum every few seconds
+//! need not repeat it each time.
 
 use std::time::{Duration, Instant};
 
