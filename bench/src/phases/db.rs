@@ -13,7 +13,7 @@ use outbox_relay::config::{Ordering, TableName};
 use outbox_relay::message::OutboxMessage;
 use outbox_relay::publish::envelope::EnvelopeConfig;
 use outbox_relay::publish::{ConnectError, Outcome, Publisher};
-use outbox_relay::store::bench::{SESSION_SETTINGS, hot_path_sql, scan_window};
+use outbox_relay::store::bench::{CLAIMED_IDS, SESSION_SETTINGS, hot_path_sql, scan_window};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
@@ -201,11 +201,7 @@ async fn pgbench_ceiling(ctx: &mut Ctx, batch: usize, ordering: Ordering) -> Res
         scan_window(limit)
     );
     // The claim, answering one row `ids` (the claimed ids) for `\gset`.
-    let ids = |claim: String| {
-        format!(
-            "WITH claimed AS ({claim}) SELECT coalesce(array_agg(id), '{{}}')::text AS ids FROM claimed"
-        )
-    };
+    let ids = |claim: String| format!("WITH claimed AS ({claim}) {CLAIMED_IDS}");
     let ordered = [":batch", instance, ":mark", ":scan", ":parts", ":client_id"];
     let (claim, key, what) = match ordering {
         Ordering::None => (

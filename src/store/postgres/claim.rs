@@ -176,6 +176,11 @@ pub fn scan_window(limit: i64) -> i64 {
     limit.saturating_add((limit / 4).max(SCAN_SLACK))
 }
 
+/// The last `SELECT` of a claim answering one row, `ids`: the ids of its `claimed` rows as a
+/// `uuid[]` text (for a pgbench script's `\gset`).
+#[cfg(any(test, feature = "bench"))]
+pub const CLAIMED_IDS: &str = "SELECT coalesce(array_agg(id), '{}')::text AS ids FROM claimed";
+
 /// Renders [`HotPathSql`] for `table`.
 #[cfg(any(test, feature = "bench"))]
 pub fn hot_path_sql(table: &TableName) -> HotPathSql {
@@ -183,10 +188,7 @@ pub fn hot_path_sql(table: &TableName) -> HotPathSql {
     HotPathSql {
         claim: claim_none(&t),
         claim_aggregate: claim_aggregate(&t),
-        claim_aggregate_ids: claim_aggregate_then(
-            &t,
-            "SELECT coalesce(array_agg(id), '{}')::text AS ids FROM claimed",
-        ),
+        claim_aggregate_ids: claim_aggregate_then(&t, CLAIMED_IDS),
         claim_aggregate_probing: claim_aggregate_probing(&t),
         mark_sent: super::settle::mark_sent_sql(table),
         part_key: part_key(""),

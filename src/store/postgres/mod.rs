@@ -61,7 +61,7 @@ pub use settle::{FailOutcome, Failure, OnConfirm};
 /// benchmark turns on: they are not part of the library's API.
 #[cfg(feature = "bench")]
 pub mod bench {
-    pub use super::claim::{HotPathSql, hot_path_sql, scan_window};
+    pub use super::claim::{CLAIMED_IDS, HotPathSql, hot_path_sql, scan_window};
     pub use super::connect::SESSION_SETTINGS;
 }
 
