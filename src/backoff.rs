@@ -7,6 +7,9 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
+/// The longest pause between two connects to a broker that is down ([`Backoff::broker`]).
+pub const BROKER_MAX: Duration = Duration::from_secs(5);
+
 /// Exponential reconnect delays (doubling up to a cap, 0–20% jitter off each), reset by making
 /// a new one on success.
 #[derive(Debug)]
@@ -21,9 +24,17 @@ impl Backoff {
         Self { next: first, max }
     }
 
-    /// The claim loop's and settling's: 100 ms doubling to 30 s.
+    /// The claim loop's (for the database) and settling's: 100 ms doubling to 30 s.
     pub fn reconnect() -> Self {
         Self::new(Duration::from_millis(100), Duration::from_secs(30))
+    }
+
+    /// The claim loop's between failed broker connects: 100 ms doubling to 5 s, so that the
+    /// relay resumes within about 5 s of the broker's return however long it was gone. A
+    /// connect attempt costs a broker little; a sink that asks for longer says so itself (an
+    /// HTTP `Retry-After`, the webhook sink's own pause).
+    pub fn broker() -> Self {
+        Self::new(Duration::from_millis(100), BROKER_MAX)
     }
 
     /// Start-up's and the LISTEN session's: 200 ms doubling to 30 s.
@@ -99,5 +110,15 @@ mod tests {
         b = Backoff::reconnect();
         assert!(jittered(b.next_delay(), 100));
         assert!(jittered(Backoff::session().next_delay(), 200));
+    }
+
+    #[test]
+    fn a_broker_that_stays_down_is_tried_again_every_five_seconds() {
+        let mut b = Backoff::broker();
+        assert!(jittered(b.next_delay(), 100));
+        for _ in 0..20 {
+            b.next_delay();
+        }
+        assert!(jittered(b.next_delay(), 5_000));
     }
 }

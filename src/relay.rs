@@ -515,7 +515,7 @@ impl<'a> Dispatch<'a> {
             waiter,
             watermark: Watermark::new(),
             blocking_warning: BlockingWarning::default(),
-            broker_backoff: Backoff::reconnect(),
+            broker_backoff: Backoff::broker(),
             db_backoff: Backoff::reconnect(),
             suspect_checks: SuspectChecks::new(cfg.lease_timeout, Instant::now()),
             refill: Refill::new(cfg.batch_size, cfg.max_in_flight),
@@ -577,7 +577,7 @@ impl<'a> Dispatch<'a> {
                 .swap(false, AtomicOrdering::Relaxed);
             if confirmed || up_for >= PROVEN_AFTER {
                 tracing::warn!(publisher = %publisher.describe(), "lost the broker connection; reconnecting");
-                self.broker_backoff = Backoff::reconnect();
+                self.broker_backoff = Backoff::broker();
             } else {
                 // A connection that broke soon, before the broker confirmed anything on it
                 // (the broker closes it on what the relay sends, say): reconnecting at once
