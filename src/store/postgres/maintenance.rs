@@ -1,7 +1,7 @@
 //! The background tasks' statements: the backlog gauges, the table's health (dead tuples,
 //! autovacuum) and the relay's own `VACUUM`.
 
-use super::predicates::no_open_row_before;
+use super::predicates::{no_open_row_before, quote_literal};
 use super::{PgStore, Result};
 use crate::config::{Ordering, TableName};
 use crate::store::HEAD_REACH;
@@ -32,11 +32,6 @@ pub struct TableHealth {
     /// table itself, or each partition) was analyzed, manually, by a relay's vacuum or by
     /// autovacuum; `None` when one of them never was.
     pub since_analyze: Option<f64>,
-}
-
-/// `text` as an SQL string literal.
-fn quote(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
 }
 
 /// The background tasks' SQL text, rendered once for the configured table.
@@ -145,7 +140,7 @@ impl MaintenanceSql {
                      FROM pg_stat_user_tables t \
                     WHERE t.relid = c.oid OR t.relid IN (SELECT p.relid FROM pg_partition_tree(c.oid) p)) s ON true \
                  WHERE c.oid = coalesce(to_regclass({})::oid, $1)",
-                quote(&t)
+                quote_literal(&t)
             ),
             // No truncation: it takes an ACCESS EXCLUSIVE lock at the end of the table, which
             // would stall inserts and claims (and is replayed on standbys).

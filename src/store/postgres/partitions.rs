@@ -29,6 +29,7 @@ use tokio_postgres::error::SqlState;
 
 use super::migrations::{DROP_WAKEUP_TRIGGER, ROOM_FOR_UPDATES, STORAGE_SETTINGS, WAKEUP_TRIGGER};
 use super::operator::cleanup_sql;
+use super::predicates::quote_literal;
 use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
 
@@ -263,11 +264,6 @@ impl PartitionSql {
             ),
         }
     }
-}
-
-/// `text` as an SQL string literal.
-fn quote_literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
 }
 
 /// The storage settings of a queue table (schema version 3's autovacuum settings and version

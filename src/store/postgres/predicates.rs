@@ -1,10 +1,25 @@
 //! The SQL predicates several statements share, each rendered for a table alias (`""` for
 //! none), so that every statement spells them alike, and like the partial indexes of `sql/`
-//! that the planner must match them with.
+//! that the planner must match them with; and the one way to write a string literal.
 
 /// `last_error` prefix of rows reclaimed from a relay that died while holding them (suspects
 /// of the crash, claimed one at a time).
 pub(super) const SUSPECT: &str = "lease expired:";
+
+/// `text` as an SQL string literal, `'` doubled (the relay quotes only names it validated and
+/// texts it made itself this way).
+pub(super) fn quote_literal(text: &str) -> String {
+    format!("'{}'", text.replace('\'', "''"))
+}
+
+/// The index named by the parameter `index` is a valid index of the table named by the
+/// parameter `table` (both resolved with `to_regclass`: a missing one is no index).
+pub(super) fn valid_index(index: &str, table: &str) -> String {
+    format!(
+        "EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass({index}) \
+         AND indrelid = to_regclass({table}) AND indisvalid)"
+    )
+}
 
 /// `alias.`, or nothing for no alias.
 fn qualifier(alias: &str) -> String {

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tokio_postgres::error::SqlState;
 
+use super::predicates::{quote_literal, valid_index};
 use super::steps::{Step, StepKind};
 use super::{PgStore, Result, StoreError};
 use crate::config::TableName;
@@ -36,11 +37,6 @@ const MIGRATE_LOCK_POLL: Duration = Duration::from_millis(200);
 const MIGRATE_UNLOCK: &str = "SELECT pg_advisory_unlock(hashtext('outbox-relay:migrate'))";
 
 pub use super::migrations::{MIGRATIONS, Migration};
-
-/// `text` as an SQL string literal.
-fn quote_literal(text: &str) -> String {
-    format!("'{}'", text.replace('\'', "''"))
-}
 
 /// The table that records which version each outbox table is at.
 pub const VERSION_TABLE_DDL: &str = "CREATE TABLE IF NOT EXISTS outbox_relay_schema_version (\n    \
@@ -213,25 +209,26 @@ async fn found_version<C: deadpool_postgres::GenericClient + Sync>(
     client: &C,
     table: &TableName,
 ) -> Result<i32> {
+    let sql = format!(
+        "SELECT {}, \
+           to_regclass($2) IS NOT NULL, \
+           EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) \
+                     AND tgname = $3 AND tgqual IS NOT NULL), \
+           EXISTS (SELECT 1 FROM pg_class c \
+                    WHERE (c.oid = to_regclass($1) \
+                           OR c.oid IN (SELECT inhrelid FROM pg_inherits \
+                                         WHERE inhparent = to_regclass($1))) \
+                      AND EXISTS (SELECT 1 FROM unnest(c.reloptions) o \
+                                   WHERE o LIKE 'fillfactor=%')), \
+           {} AND to_regclass($6) IS NULL, \
+           {}",
+        valid_index("$4", "$1"),
+        valid_index("$5", "$1"),
+        valid_index("$7", "$1"),
+    );
     let row = client
         .query_one(
-            "SELECT \
-               EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($4) \
-                         AND indrelid = to_regclass($1) AND indisvalid), \
-               to_regclass($2) IS NOT NULL, \
-               EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = to_regclass($1) \
-                         AND tgname = $3 AND tgqual IS NOT NULL), \
-               EXISTS (SELECT 1 FROM pg_class c \
-                        WHERE (c.oid = to_regclass($1) \
-                               OR c.oid IN (SELECT inhrelid FROM pg_inherits \
-                                             WHERE inhparent = to_regclass($1))) \
-                          AND EXISTS (SELECT 1 FROM unnest(c.reloptions) o \
-                                       WHERE o LIKE 'fillfactor=%')), \
-               EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($5) \
-                         AND indrelid = to_regclass($1) AND indisvalid) \
-                 AND to_regclass($6) IS NULL, \
-               EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($7) \
-                         AND indrelid = to_regclass($1) AND indisvalid)",
+            &sql,
             &[
                 &table.qualified(),
                 &table.prefixed("_waiters"),
@@ -765,8 +762,7 @@ impl PgStore {
     async fn look_for_blocker_index(&self, client: &deadpool_postgres::Object) -> Result<bool> {
         let valid: bool = client
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM pg_index WHERE indexrelid = to_regclass($1) \
-                   AND indrelid = to_regclass($2) AND indisvalid)",
+                &format!("SELECT {}", valid_index("$1", "$2")),
                 &[
                     &self.table.prefixed("_blocker_idx"),
                     &self.table.qualified(),
