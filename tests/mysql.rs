@@ -378,6 +378,100 @@ async fn a_relay_frozen_in_a_claim_holds_the_others_back_for_a_minute_at_most() 
     table.drop_table().await;
 }
 
+/// Relays sharing a MySQL table take turns at ordered claims under the table's claim lock
+/// (`GET_LOCK`, the statement checked in as `sql/statements/mysql/claim.lock.sql`): while
+/// another session holds it, the relay waits for it and claims nothing; once it is free, the
+/// relay drains the table and gives the lock back after each claim (an idle relay leaves it
+/// free, so it is not kept on a pooled connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ordered_claims_wait_for_the_tables_claim_lock_and_give_it_back() {
+    let table = MysqlTable::new("my_claim_lock").await;
+    table
+        .insert(&NewRow::numbered(
+            200,
+            "order",
+            Some(("k", 20)),
+            "order.changed",
+        ))
+        .await;
+    let take = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/sql/statements/mysql/claim.lock.sql"
+    ))
+    .unwrap();
+    let key = take
+        .trim()
+        .strip_prefix("SELECT GET_LOCK(")
+        .and_then(|k| k.strip_suffix(", ?)"))
+        .expect("claim.lock.sql is SELECT GET_LOCK(<key>, ?)")
+        .to_owned();
+    let mut holder = mysql_conn().await;
+    let taken: Option<i64> = holder
+        .exec_first(take.trim(), (None::<String>, table.name.as_str(), 0))
+        .await
+        .unwrap();
+    assert_eq!(taken, Some(1), "the test takes the claim lock first");
+
+    let relay = RelayBuilder::for_mysql(&table, "my-claim-lock")
+        .set("publisher.kind", "stdout")
+        .set("relay.ordering", "aggregate")
+        .set("relay.poll_interval", "100ms")
+        .quiet()
+        .spawn();
+    let mut watch = mysql_conn().await;
+    common::wait_until(WAIT, "the relay waits for the claim lock", async || {
+        let waiting: Option<i64> = watch
+            .query_first(
+                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = 'User lock'",
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        match waiting {
+            Some(n) if n > 0 => Ok(()),
+            other => Err(format!("{other:?} sessions wait for a named lock")),
+        }
+    })
+    .await;
+    assert_eq!(
+        table.count_where("status = 'pending'").await,
+        200,
+        "nothing is claimed while another session holds the claim lock"
+    );
+
+    holder
+        .exec_drop(
+            format!("DO RELEASE_LOCK({key})"),
+            (None::<String>, table.name.as_str()),
+        )
+        .await
+        .unwrap();
+    common::wait_until(WAIT, "the relay sends every row", async || {
+        match table.count_where("status <> 'sent'").await {
+            0 => Ok(()),
+            n => Err(format!("{n} rows not sent")),
+        }
+    })
+    .await;
+    let free = format!("SELECT IS_FREE_LOCK({key})");
+    common::wait_until(
+        WAIT,
+        "the idle relay leaves the claim lock free",
+        async || {
+            let free: Option<i64> = watch
+                .exec_first(free.as_str(), (None::<String>, table.name.as_str()))
+                .await
+                .map_err(|e| e.to_string())?;
+            match free {
+                Some(1) => Ok(()),
+                other => Err(format!("IS_FREE_LOCK answered {other:?}")),
+            }
+        },
+    )
+    .await;
+    relay.stop().await;
+    table.drop_table().await;
+}
+
 /// Rows an application wrote that the relay cannot take as they are never stop the others:
 /// a zero `created_at` (a server without `NO_ZERO_DATE` stores it) reads as the epoch and goes
 /// out; NULL `headers` (a table that lets them be) are no headers; a NULL `event_type` (a

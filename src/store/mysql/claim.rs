@@ -20,7 +20,7 @@
 use std::collections::{HashMap, HashSet};
 
 use mysql_async::prelude::{FromValue, Queryable};
-use mysql_async::{Row, Transaction, TxOpts};
+use mysql_async::{Conn, Row, Transaction, TxOpts};
 
 use super::{MysqlStore, Result, StoreError, parse_id, seq_list, utc};
 use crate::config::{Ordering, TableName};
@@ -709,7 +709,9 @@ impl ClaimSql {
 impl MysqlStore {
     /// Expires pending rows past their deadline (up to `limit`, as `sweep` says), then claims
     /// up to `limit` ready rows in one transaction; with [`Ordering::Aggregate`], only rows
-    /// whose aggregate has no open row before them but rows claimed with them.
+    /// whose aggregate has no open row before them but rows claimed with them, under the
+    /// table's claim lock (see `claim_lock`): nothing is claimed this round when another
+    /// relay's claims kept it too long.
     pub async fn claim_and_expire(
         &self,
         ordering: Ordering,
@@ -717,6 +719,28 @@ impl MysqlStore {
         sweep: ExpirySweep,
     ) -> Result<Claim> {
         let mut conn = self.conn().await?;
+        if ordering == Ordering::None {
+            return self.claim_on(&mut conn, ordering, limit, sweep).await;
+        }
+        let Some(mut lock) = self.q.claim_lock.take(conn).await? else {
+            return Ok(Claim::default());
+        };
+        let claim = match lock.conn() {
+            Some(conn) => self.claim_on(conn, ordering, limit, sweep).await,
+            None => Ok(Claim::default()),
+        };
+        lock.give_back().await;
+        claim
+    }
+
+    /// [`MysqlStore::claim_and_expire`]'s transaction, on `conn`.
+    async fn claim_on(
+        &self,
+        conn: &mut Conn,
+        ordering: Ordering,
+        limit: usize,
+        sweep: ExpirySweep,
+    ) -> Result<Claim> {
         let mut tx = conn.start_transaction(TxOpts::default()).await?;
         let expired = match sweep {
             ExpirySweep::Skip => Vec::new(),

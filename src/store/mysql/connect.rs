@@ -7,6 +7,7 @@ use std::time::Duration;
 use mysql_async::{Opts, OptsBuilder, Pool, PoolConstraints, PoolOpts};
 
 use super::claim::ClaimSql;
+use super::claim_lock::ClaimLockSql;
 use super::operator::OperatorSql;
 use super::settle::SettleSql;
 use super::{MysqlStore, Queries, Result, StoreError};
@@ -87,6 +88,7 @@ impl MysqlStore {
             instance_id: instance_id.to_owned(),
             q: Arc::new(Queries {
                 claim: ClaimSql::new(table),
+                claim_lock: ClaimLockSql::new(table),
                 settle: SettleSql::new(table),
                 operator: OperatorSql::new(table),
             }),

@@ -4,6 +4,8 @@
 //!   version, columns);
 //! - `claim`: the claims by ordering mode (the ordering guard's gate and probe), a suspect on
 //!   its own, and the expiry sweep;
+//! - `claim_lock`: the named lock (`GET_LOCK`) under which the relays sharing a table take
+//!   turns at ordered claims;
 //! - `settle`: sent, rejected and handed-back rows, lease renewal and reclaim;
 //! - `operator`: `status`, dead letters, the backlog gauges and retention;
 //! - `console`: the web console's bounded reads;
@@ -15,6 +17,7 @@
 //! safe); ids and `seq` values spliced into `IN (…)` lists are the relay's own typed values.
 
 mod claim;
+mod claim_lock;
 mod connect;
 mod console;
 mod instance;
@@ -38,6 +41,7 @@ use crate::config::TableName;
 #[derive(Debug)]
 struct Queries {
     claim: claim::ClaimSql,
+    claim_lock: claim_lock::ClaimLockSql,
     settle: settle::SettleSql,
     operator: operator::OperatorSql,
 }
@@ -236,6 +240,7 @@ mod tests {
         let table = TableName::parse("outbox_messages").unwrap_or_else(|e| panic!("{e}"));
         let catalog: Vec<(String, String)> = [
             claim::ClaimSql::new(&table).catalog(),
+            claim_lock::ClaimLockSql::new(&table).catalog(),
             settle::SettleSql::new(&table).catalog(),
             operator::OperatorSql::new(&table).catalog(),
         ]
