@@ -380,7 +380,8 @@ async fn a_relay_frozen_in_a_claim_holds_the_others_back_for_a_minute_at_most() 
 
 /// Relays sharing a MySQL table take turns at ordered claims under the table's claim lock
 /// (`GET_LOCK`, the statement checked in as `sql/statements/mysql/claim.lock.sql`): while
-/// another session holds it, the relay waits for it and claims nothing; once it is free, the
+/// another session holds it, the relay waits for it, gives up the round and claims nothing;
+/// once it is free, the
 /// relay drains the table and gives the lock back after each claim (an idle relay leaves it
 /// free, so it is not kept on a pooled connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -413,25 +414,19 @@ async fn ordered_claims_wait_for_the_tables_claim_lock_and_give_it_back() {
     assert_eq!(taken, Some(1), "the test takes the claim lock first");
 
     let relay = RelayBuilder::for_mysql(&table, "my-claim-lock")
+        .env("RUST_LOG", "outbox_relay=debug")
         .set("publisher.kind", "stdout")
         .set("relay.ordering", "aggregate")
         .set("relay.poll_interval", "100ms")
         .quiet()
         .spawn();
-    let mut watch = mysql_conn().await;
-    common::wait_until(WAIT, "the relay waits for the claim lock", async || {
-        let waiting: Option<i64> = watch
-            .query_first(
-                "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE STATE = 'User lock'",
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        match waiting {
-            Some(n) if n > 0 => Ok(()),
-            other => Err(format!("{other:?} sessions wait for a named lock")),
-        }
-    })
-    .await;
+    relay
+        .wait_for_log(
+            "held the table's claim lock; nothing claimed this round",
+            1,
+            WAIT,
+        )
+        .await;
     assert_eq!(
         table.count_where("status = 'pending'").await,
         200,
@@ -452,6 +447,7 @@ async fn ordered_claims_wait_for_the_tables_claim_lock_and_give_it_back() {
         }
     })
     .await;
+    let mut watch = mysql_conn().await;
     let free = format!("SELECT IS_FREE_LOCK({key})");
     common::wait_until(
         WAIT,

@@ -722,7 +722,8 @@ impl MysqlStore {
         if ordering == Ordering::None {
             return self.claim_on(&mut conn, ordering, limit, sweep).await;
         }
-        let Some(mut lock) = self.q.claim_lock.take(conn).await? else {
+        let Some(mut lock) = self.q.claim_lock.take(conn, self.query_timeout).await? else {
+            tracing::debug!(table = %self.table, "another relay's claims held the table's claim lock; nothing claimed this round");
             return Ok(Claim::default());
         };
         let claim = match lock.conn() {

@@ -22,7 +22,8 @@ use super::Result;
 use crate::config::TableName;
 
 /// How long a claim waits for another relay's claim on the table to end before it gives up
-/// this round (and the loop tries again on its next poll).
+/// this round (and the loop tries again on its next poll); at most half of
+/// `database.query_timeout`, which bounds the whole claim.
 const WAIT: Duration = Duration::from_secs(2);
 
 /// The lock's name: `outbox-relay:claim:` and 40 hex digits of the SHA-256 of
@@ -44,6 +45,7 @@ pub(super) struct ClaimLockSql {
 }
 
 impl ClaimLockSql {
+    /// The statements for `table`.
     pub(super) fn new(table: &TableName) -> Self {
         Self {
             take: format!("SELECT GET_LOCK({KEY}, ?)"),
@@ -62,13 +64,18 @@ impl ClaimLockSql {
         ]
     }
 
-    /// Takes the table's claim lock on `conn`, waiting up to [`WAIT`]; `None` when another
-    /// relay's claim kept it that long.
-    pub(super) async fn take(&self, mut conn: Conn) -> Result<Option<ClaimLock<'_>>> {
+    /// Takes the table's claim lock on `conn`, waiting up to [`WAIT`] (whole seconds, at
+    /// most half of `query_timeout`); `None` when another relay's claim kept it that long.
+    pub(super) async fn take(
+        &self,
+        mut conn: Conn,
+        query_timeout: Duration,
+    ) -> Result<Option<ClaimLock<'_>>> {
+        let wait = WAIT.min(query_timeout / 2).as_secs();
         let taken: Option<Option<i64>> = conn
             .exec_first(
                 &self.take,
-                (self.schema.as_deref(), self.name.as_str(), WAIT.as_secs()),
+                (self.schema.as_deref(), self.name.as_str(), wait),
             )
             .await?;
         if taken.flatten() == Some(1) {
