@@ -3,10 +3,11 @@
 //!
 //! Without it, replicas claiming at the same moment meet each other's row locks: each one's
 //! gate (`FOR UPDATE NOWAIT` over the pending rows before its candidates) fails on the rows
-//! another is claiming, and falls back to probing aggregate by aggregate. Measured on
-//! MariaDB (30,000 ready rows, 1,000 aggregates, stdout sink, medians of 3): one relay
-//! drained them in 2.9 s, two in 29 s, three in 19 s; taking turns, in 2.6, 2.9 and 2.9 s
-//! (docs/mysql.md). A claim takes milliseconds and publishing is not under the lock.
+//! another is claiming, and falls back to probing aggregate by aggregate. Measured with
+//! `bench/scripts/mysql-replicas.sh` on MariaDB (30,000 ready rows, 1,000 aggregates, medians
+//! of 3): one relay drained them in 2.4 s, two in 19 s, three in 8.4 s; taking turns, in 2.5,
+//! 2.9 and 2.7 s (docs/mysql.md). A claim takes milliseconds and publishing is not under the
+//! lock.
 //!
 //! The lock is taken on the claim's own pooled connection and given back after the
 //! transaction ends. A claim cut short (its timeout, a lost connection) closes that
