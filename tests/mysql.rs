@@ -381,9 +381,8 @@ async fn a_relay_frozen_in_a_claim_holds_the_others_back_for_a_minute_at_most() 
 /// Relays sharing a MySQL table take turns at ordered claims under the table's claim lock
 /// (`GET_LOCK`, the statement checked in as `sql/statements/mysql/claim.lock.sql`): while
 /// another session holds it, the relay waits for it, gives up the round and claims nothing;
-/// once it is free, the
-/// relay drains the table and gives the lock back after each claim (an idle relay leaves it
-/// free, so it is not kept on a pooled connection).
+/// once it is free, the relay drains the table and gives the lock back after each claim (an
+/// idle relay leaves it free, so it is not kept on a pooled connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ordered_claims_wait_for_the_tables_claim_lock_and_give_it_back() {
     let table = MysqlTable::new("my_claim_lock").await;
@@ -440,13 +439,7 @@ async fn ordered_claims_wait_for_the_tables_claim_lock_and_give_it_back() {
         )
         .await
         .unwrap();
-    common::wait_until(WAIT, "the relay sends every row", async || {
-        match table.count_where("status <> 'sent'").await {
-            0 => Ok(()),
-            n => Err(format!("{n} rows not sent")),
-        }
-    })
-    .await;
+    table.wait_all_sent(WAIT).await;
     let mut watch = mysql_conn().await;
     let free = format!("SELECT IS_FREE_LOCK({key})");
     common::wait_until(
