@@ -166,6 +166,11 @@ struct Args {
     /// Profile each relay drain with `perf record -e cpu-clock` (files kept in the scratch dir).
     #[arg(long)]
     perf: bool,
+    /// Only these cases of phase `dbcost` (comma-separated keys: default, default_probing,
+    /// default_full_pages, default_open_index, none_0s_open_index, none_0s, partitioned)
+    /// [default: all].
+    #[arg(long, value_delimiter = ',')]
+    dbcost_cases: Vec<String>,
     /// Give each relay process a metrics port and record its claim and publish histograms
     /// (scraped just before SIGTERM) in the JSON details.
     #[arg(long)]

@@ -215,7 +215,24 @@ struct CaseResult {
 pub async fn dbcost(ctx: &mut Ctx) -> Result<()> {
     let mut done = Vec::new();
     let mut errors = Vec::new();
-    for case in &CASES {
+    let unknown: Vec<&String> = ctx
+        .args
+        .dbcost_cases
+        .iter()
+        .filter(|k| !CASES.iter().any(|c| c.key == k.as_str()))
+        .collect();
+    if !unknown.is_empty() {
+        let known: Vec<&str> = CASES.iter().map(|c| c.key).collect();
+        anyhow::bail!(
+            "--dbcost-cases: no case named {unknown:?}; the cases are {}",
+            known.join(", ")
+        );
+    }
+    let chosen = |c: &&Case| {
+        ctx.args.dbcost_cases.is_empty() || ctx.args.dbcost_cases.iter().any(|k| k == c.key)
+    };
+    let cases: Vec<&'static Case> = CASES.iter().filter(chosen).collect();
+    for case in cases {
         let what = format!("dbcost {}", case.label);
         let run = async |ctx: &mut Ctx| case_run(ctx, case).await;
         done.extend(super::measure(ctx, &what, &mut errors, run, report_case).await);
