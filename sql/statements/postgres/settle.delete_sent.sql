@@ -1,5 +1,5 @@
 DELETE
 FROM outbox_messages
 WHERE id = ANY($1)
-AND status = 'processing'
+AND (status = 'processing') IS TRUE
 AND locked_by = $2

@@ -74,23 +74,37 @@ pub(super) fn mark_sent_sql(table: &TableName) -> String {
     mark_sent(&table.qualified())
 }
 
+/// The row `alias` (`""` or `"t."`) is in flight in the name of the instance id `by`, for the
+/// statements that name their rows by id. `status = 'processing'` is written `IS TRUE` (the
+/// same, `status` being `NOT NULL`) so that it does not match the predicate of
+/// `<table>_processing_idx`: with it, the plan of such a statement may read every row in flight
+/// through that index and compare each with every id given (it does once the table was
+/// analyzed with no row in flight, as after a bulk load), which cost a 500-row mark-sent with
+/// 2,000 rows in flight 7-10 ms against 4 ms by the primary key.
+fn held(alias: &str, by: &str) -> String {
+    format!("({alias}status = 'processing') IS TRUE AND {alias}locked_by = {by}")
+}
+
 /// Confirmed rows become `sent`. `$1` ids, `$2` instance id.
 fn mark_sent(t: &str) -> String {
+    let held = held("", "$2");
     format!(
         "UPDATE {t} SET status = 'sent', sent_at = now(), locked_by = NULL, locked_at = NULL, last_error = NULL \
-         WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+         WHERE id = ANY($1) AND {held}"
     )
 }
 
 /// Confirmed rows are deleted (retention 0). `$1` ids, `$2` instance id.
 fn delete_sent(t: &str) -> String {
-    format!("DELETE FROM {t} WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2")
+    let held = held("", "$2");
+    format!("DELETE FROM {t} WHERE id = ANY($1) AND {held}")
 }
 
 /// Rejected rows go back to `pending` after their delay, or become `failed` (a dead letter,
 /// `available_at` kept) once they used `$5` attempts; `last_error` says why. `$1` ids, `$2`
 /// errors, `$3` delays (ms), `$4` instance id, `$5` max attempts.
 fn fail(t: &str) -> String {
+    let held = held("t.", "$4");
     format!(
         "UPDATE {t} AS t SET \
            status = CASE WHEN t.attempts >= $5 THEN 'failed' ELSE 'pending' END, \
@@ -98,7 +112,7 @@ fn fail(t: &str) -> String {
                           ELSE now() + f.delay_ms * interval '1 millisecond' END, \
            last_error = f.error, locked_by = NULL, locked_at = NULL \
          FROM unnest($1::uuid[], $2::text[], $3::bigint[]) AS f(id, error, delay_ms) \
-         WHERE t.id = f.id AND t.status = 'processing' AND t.locked_by = $4 \
+         WHERE t.id = f.id AND {held} \
          RETURNING t.id, t.status"
     )
 }
@@ -106,10 +120,11 @@ fn fail(t: &str) -> String {
 /// The rows back to `pending` without spending the attempt the claim counted. `$1` ids, `$2`
 /// instance id.
 fn hand_back(t: &str) -> String {
+    let held = held("", "$2");
     format!(
         "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
            locked_by = NULL, locked_at = NULL \
-         WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+         WHERE id = ANY($1) AND {held}"
     )
 }
 
@@ -131,9 +146,10 @@ fn hand_back_unheld(t: &str) -> String {
 /// name whose answer was lost is handed back ([`PgStore::hand_back_unheld`]) or, if this relay
 /// stops first, expires. `$1` ids, `$2` instance id.
 fn heartbeat(t: &str) -> String {
+    let held = held("", "$2");
     format!(
         "UPDATE {t} SET locked_at = now() \
-         WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2"
+         WHERE id = ANY($1) AND {held}"
     )
 }
 
@@ -261,16 +277,17 @@ mod tests {
             ("mark_sent", &q.mark_sent),
             ("delete_sent", &q.delete_sent),
             ("hand_back", &q.hand_back),
-            ("hand_back_unheld", &q.hand_back_unheld),
             ("heartbeat", &q.heartbeat),
         ] {
             assert!(sql.contains("app.events "), "{name}: {sql}");
-            let ours = "status = 'processing' AND locked_by = $2";
+            let ours = "WHERE id = ANY($1) AND (status = 'processing') IS TRUE AND locked_by = $2";
             assert!(sql.contains(ours), "{name}: {sql}");
         }
+        let ours = "status = 'processing' AND locked_by = $2";
+        assert!(q.hand_back_unheld.contains(ours), "{}", q.hand_back_unheld);
         assert!(
             q.fail
-                .contains("t.status = 'processing' AND t.locked_by = $4"),
+                .contains("(t.status = 'processing') IS TRUE AND t.locked_by = $4"),
             "{}",
             q.fail
         );
