@@ -796,7 +796,7 @@ impl<'a> Dispatch<'a> {
                 parts,
             }))
             .await;
-        let (rows, expired, more) = match claimed {
+        let (rows, expired, more, contended) = match claimed {
             Ok(claim) => {
                 self.lost_claims.answer_lost(claim.answer_lost);
                 relay.metrics.dead_lettered(claim.unreadable as u64);
@@ -804,7 +804,7 @@ impl<'a> Dispatch<'a> {
                 if claim.uneven {
                     self.split.uneven(now);
                 }
-                (claim.rows, claim.expired.len(), claim.more)
+                (claim.rows, claim.expired.len(), claim.more, claim.contended)
             }
             Err(e) => {
                 drop(permit);
@@ -817,14 +817,19 @@ impl<'a> Dispatch<'a> {
         }
         self.db_backoff = Backoff::reconnect();
         // Full: some part filled its share, so more rows are likely ready (with ordering
-        // `aggregate` the aggregates of one part may run out before the other's).
-        let full = more;
+        // `aggregate` the aggregates of one part may run out before the other's). A claim
+        // that found the claim lock taken (MySQL) counts as full: another relay is claiming,
+        // so this one tries again at once rather than after a poll interval, and its sweep,
+        // which did not run, stays due.
+        let full = more || contended;
         self.refill.claimed(full);
         // Nothing claimed, and nothing held when the claim began (a batch settled while the
         // claim ran may not be in its snapshot, and its settle wakes the loop anyway): the
         // relay is idle.
-        let idle = rows.is_empty() && held_nothing;
-        self.sweeps.ran(sweep, expired, limit, idle, now);
+        let idle = rows.is_empty() && held_nothing && !contended;
+        if !contended {
+            self.sweeps.ran(sweep, expired, limit, idle, now);
+        }
         let claimed_rows = rows.len();
         let found = claimed_rows > 0;
         if found {

@@ -711,7 +711,7 @@ impl MysqlStore {
     /// up to `limit` ready rows in one transaction; with [`Ordering::Aggregate`], only rows
     /// whose aggregate has no open row before them but rows claimed with them, under the
     /// table's claim lock (see `claim_lock`): nothing is claimed this round when another
-    /// relay's claims kept it too long.
+    /// relay's claims kept it too long ([`Claim::contended`]).
     pub async fn claim_and_expire(
         &self,
         ordering: Ordering,
@@ -724,7 +724,10 @@ impl MysqlStore {
         }
         let Some(mut lock) = self.q.claim_lock.take(conn, self.query_timeout).await? else {
             tracing::debug!(table = %self.table, "another relay's claims held the table's claim lock; nothing claimed this round");
-            return Ok(Claim::default());
+            return Ok(Claim {
+                contended: true,
+                ..Claim::default()
+            });
         };
         let claim = match lock.conn() {
             Some(conn) => self.claim_on(conn, ordering, limit, sweep).await,
@@ -773,6 +776,7 @@ impl MysqlStore {
             uneven: false,
             answer_lost: false,
             unreadable,
+            contended: false,
         })
     }
 

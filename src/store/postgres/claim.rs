@@ -105,6 +105,10 @@ pub struct Claim {
     /// dead letters at once. Always 0 on PostgreSQL, whose column types the schema check
     /// holds to.
     pub unreadable: usize,
+    /// MySQL: another relay's claims held the table's claim lock for as long as this claim
+    /// waited, so it neither claimed nor swept; the loop claims again at once. Always false
+    /// on PostgreSQL.
+    pub contended: bool,
 }
 
 /// The fewest candidates an ordered claim looks at beyond its batch (see [`scan_window`]).
@@ -572,6 +576,7 @@ fn claim_of(
         uneven: more && short,
         answer_lost,
         unreadable: 0,
+        contended: false,
     })
 }
 
