@@ -12,12 +12,13 @@
 //!   without spending an attempt.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use futures::{FutureExt as _, StreamExt};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -263,7 +264,8 @@ impl Relay {
 
     /// Publishes a chain in order ([`Publisher::publish_run`], or its traced form when tracing
     /// is on), stopping at the first row that does not go through: the rows after it are
-    /// handed back without spending an attempt.
+    /// handed back without spending an attempt. A panic on the way is caught
+    /// ([`Relay::after_panic`]).
     async fn publish_chain(
         &self,
         mut chain: Vec<OutboxMessage>,
@@ -275,33 +277,78 @@ impl Relay {
             crate::fault_injection::crash_switch(msg);
         }
         let started = Instant::now();
-        let mut spans = Vec::new();
-        let publishing = async {
-            match &self.tracer {
-                None => self.publisher.publish_run(&chain, &self.envelope).await,
-                Some(tracer) => {
-                    let publisher = &*self.publisher;
-                    tracer
-                        .publish_run(
-                            publisher,
-                            &mut chain,
-                            &self.envelope,
-                            claimed_at,
-                            &mut spans,
-                        )
-                        .await
+        let run = async {
+            let mut spans = Vec::new();
+            let publishing = async {
+                match &self.tracer {
+                    None => self.publisher.publish_run(&chain, &self.envelope).await,
+                    Some(tracer) => {
+                        let publisher = &*self.publisher;
+                        tracer
+                            .publish_run(
+                                publisher,
+                                &mut chain,
+                                &self.envelope,
+                                claimed_at,
+                                &mut spans,
+                            )
+                            .await
+                    }
                 }
+            };
+            let outcomes = tokio::select! {
+                o = publishing => o,
+                () = hard_stop.cancelled() => vec![Outcome::Unavailable("shutting down".into())],
+            };
+            // Spans still open: the run was cut short (shutdown) before their answer.
+            for (i, span) in spans.iter_mut().enumerate() {
+                span.finish(outcomes.get(i));
+            }
+            outcomes
+        };
+        let outcomes = match AssertUnwindSafe(run).catch_unwind().await {
+            Ok(outcomes) => outcomes,
+            Err(panic) => {
+                let what = panic_message(panic.as_ref());
+                self.after_panic(&chain, &what, hard_stop).await
             }
         };
-        let outcomes = tokio::select! {
-            o = publishing => o,
-            () = hard_stop.cancelled() => vec![Outcome::Unavailable("shutting down".into())],
-        };
-        // Spans still open: the run was cut short (shutdown) before their answer.
-        for (i, span) in spans.iter_mut().enumerate() {
-            span.finish(outcomes.get(i));
-        }
         self.results(chain, outcomes, started, hard_stop)
+    }
+
+    /// The outcomes of a chain whose run panicked with the message `panic` (a bug in the relay
+    /// or in a client library): its rows are published again one at a time, untraced, each
+    /// under the same guard, up to the first that panics again, which counts as refused (it
+    /// spends its attempt, so a row that panics every time ends a dead letter) while the rows
+    /// after it are handed back. The rows before it go out twice: duplicates, never a gap in
+    /// order. Unwinding the batch's task instead would leave its rows held, their leases
+    /// renewed for as long as the relay runs.
+    async fn after_panic(
+        &self,
+        chain: &[OutboxMessage],
+        panic: &str,
+        hard_stop: &CancellationToken,
+    ) -> Vec<Outcome> {
+        let first = chain.first().map(|m| m.seq);
+        tracing::error!(rows = chain.len(), first_seq = ?first, panic, "the relay panicked while publishing a run of rows; publishing them again one at a time");
+        let mut outcomes = Vec::with_capacity(chain.len());
+        for msg in chain {
+            let alone = AssertUnwindSafe(self.publisher.publish(msg, &self.envelope));
+            let outcome = tokio::select! {
+                answer = alone.catch_unwind() => answer.unwrap_or_else(|panic| {
+                    let what = panic_message(panic.as_ref());
+                    tracing::error!(id = %msg.id, seq = msg.seq, panic = %what, "the relay panicked while publishing this row alone; it counts as refused");
+                    Outcome::Rejected(format!("the relay panicked while publishing this row: {what}"))
+                }),
+                () = hard_stop.cancelled() => Outcome::Unavailable("shutting down".into()),
+            };
+            let confirmed = matches!(outcome, Outcome::Confirmed);
+            outcomes.push(outcome);
+            if !confirmed {
+                break;
+            }
+        }
+        outcomes
     }
 
     /// Each row of a chain with what became of it: confirmed (counted), rejected (the first
@@ -1149,6 +1196,17 @@ impl BlockingWarning {
             self.last = Some(now);
         }
         due
+    }
+}
+
+/// What a caught panic said: its message when it was a string, a placeholder otherwise.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
     }
 }
 

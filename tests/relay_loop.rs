@@ -55,6 +55,7 @@ const RECONNECTS: Duration = Duration::from_secs(120);
 
 on_both_databases!(
     rejection_hands_back_the_rest_of_the_chain,
+    a_publisher_that_panics_fails_only_its_row,
     reclaimed_rows_go_out_one_at_a_time,
     in_flight_window_bounds_concurrent_publishes,
     the_window_holds_published_rows_until_they_are_settled,
@@ -77,6 +78,8 @@ enum Answer {
     Reject,
     /// Connection-level failure: answer `Unavailable` and drop the connection.
     Disconnect,
+    /// A bug in the publisher: panic instead of answering.
+    Panic,
 }
 
 /// What the fake answers for one publish, and after how long (a broker's latency).
@@ -233,13 +236,16 @@ impl Publisher for FakeBroker {
         if answer == Answer::Disconnect {
             self.connected.store(false, SeqCst);
         }
-        let p = &mut self.log.lock().unwrap()[index];
-        (p.ended, p.outcome) = (Some(Instant::now()), Some(answer));
+        {
+            let p = &mut self.log.lock().unwrap()[index];
+            (p.ended, p.outcome) = (Some(Instant::now()), Some(answer));
+        }
         self.in_flight.fetch_sub(1, SeqCst);
         match answer {
             Answer::Confirm => Outcome::Confirmed,
             Answer::Reject => Outcome::Rejected("fake broker refused the message".into()),
             Answer::Disconnect => Outcome::Unavailable("fake broker connection lost".into()),
+            Answer::Panic => panic!("fake publisher bug on seq {}", msg.seq),
         }
     }
 
@@ -404,6 +410,62 @@ async fn rejection_hands_back_the_rest_of_the_chain(db: Db) {
         (2, 1, None),
         "b spent one attempt on the rejection, c none on it; sent rows carry no error"
     );
+    table.drop_table().await;
+}
+
+/// A publisher that panics takes down neither the relay nor the rows beside it. Aggregate A's
+/// run a1, a2 panics once at a2: both go out again one at a time, in order (a1 twice, as
+/// at-least-once allows), and neither spends an attempt on it. B's b1 panics every time: it
+/// counts as refused, backs off and ends a dead letter whose `last_error` says the relay
+/// panicked; the relay runs on and stops cleanly.
+async fn a_publisher_that_panics_fails_only_its_row(db: Db) {
+    let settings = "[retry]\nbase_delay = \"100ms\"\njitter = 0.0\nmax_attempts = 2\n";
+    let (table, config, inserted) =
+        setup(db, "loop_panic", settings, &rows(&["A", "A", "B"])).await;
+    let [a1, a2, b1]: [Inserted; 3] = inserted.try_into().unwrap();
+    let broker = FakeBroker::new(move |m, n| {
+        let panics = (m.id == a2.id && n == 0) || m.id == b1.id;
+        answer_if(panics, Answer::Panic)
+    });
+    let relay = start(config, &broker);
+    wait_until(WAIT, "a1 and a2 sent, b1 a dead letter", async || {
+        let sent = table.count_where("status = 'sent'").await;
+        let failed = table.count_where("status = 'failed'").await;
+        if (sent, failed) == (2, 1) {
+            Ok(())
+        } else {
+            Err(format!("sent {sent}, failed {failed}"))
+        }
+    })
+    .await;
+    stop(relay).await;
+
+    let seen: Vec<(Uuid, Option<Answer>)> = broker
+        .of_aggregate("A")
+        .into_iter()
+        .map(|p| (p.msg.id, p.outcome))
+        .collect();
+    let confirmed = Some(Answer::Confirm);
+    assert_eq!(
+        seen,
+        vec![
+            (a1.id, confirmed),
+            (a2.id, Some(Answer::Panic)),
+            (a1.id, confirmed),
+            (a2.id, confirmed),
+        ],
+        "A's run panics at a2, then goes out again one row at a time, in order"
+    );
+    let state = table.rows_by_id(&[a1.id, a2.id, b1.id]).await;
+    assert_eq!(
+        (state[&a1.id].attempts, state[&a2.id].attempts),
+        (1, 1),
+        "the panic spent no attempt of A's rows"
+    );
+    let b = &state[&b1.id];
+    assert_eq!(b.attempts, 2, "b1 spent its two attempts");
+    let error = b.last_error.as_deref().unwrap_or_default();
+    assert!(error.contains("panicked"), "b1's last_error: {error:?}");
     table.drop_table().await;
 }
 
