@@ -834,25 +834,34 @@ async fn a_claimed_row_stays_on_its_page() {
 /// PostgreSQL only: partial indexes and their plans are PostgreSQL's.
 #[tokio::test]
 async fn a_settle_reads_its_rows_by_primary_key_not_every_row_in_flight() {
-    let keys: Vec<String> = (0..200).map(|i| format!("s{i}")).collect();
-    let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-    let (table, config, _) = setup(Db::Postgres, "loop_settle_plan", "", &rows(&keys)).await;
+    // Rows of about the bench's size (a 300-byte payload), enough of them that reading a
+    // batch by primary key costs the planner less than reading the whole table.
+    let new: Vec<NewRow> = (0..1000)
+        .map(|i| {
+            let payload = json!({ "i": i, "note": "x".repeat(300) });
+            NewRow::new("settle", Some(&format!("order-{i}")), "placed", payload)
+        })
+        .collect();
+    let (table, config, _) = setup(Db::Postgres, "loop_settle_plan", "", &new).await;
     table.exec(&format!("ANALYZE {}", table.name())).await;
     let TestOutbox::Postgres(pg) = &table else {
         panic!("PostgreSQL only");
     };
     let counters = format!(
-        "SELECT t.n_tup_upd, i.idx_scan FROM pg_stat_user_tables t, pg_stat_user_indexes i \
-          WHERE t.relid = to_regclass('{0}') AND i.indexrelid = to_regclass('{0}_processing_idx')",
+        "SELECT t.n_tup_upd, t.seq_scan, i.idx_scan, k.idx_scan \
+           FROM pg_stat_user_tables t, pg_stat_user_indexes i, pg_stat_user_indexes k \
+          WHERE t.relid = to_regclass('{0}') \
+            AND i.indexrelid = to_regclass('{0}_processing_idx') \
+            AND k.indexrelid = to_regclass('{0}_pkey')",
         table.name()
     );
-    // The statistics once `updated` rows' updates have been counted: (updates, processing
-    // index scans).
+    // The statistics once `updated` rows' updates have been counted: (updates, sequential
+    // scans of the table, scans of the processing index, scans of the primary key).
     let flushed = async |updated: i64| {
-        let mut seen: (i64, i64) = (0, 0);
+        let mut seen: (i64, i64, i64, i64) = (0, 0, 0, 0);
         wait_until(WAIT, "the closed sessions' statistics", async || {
             let row = pg.db.query_one(&counters, &[]).await.unwrap();
-            seen = (row.get(0), row.get(1));
+            seen = (row.get(0), row.get(1), row.get(2), row.get(3));
             if seen.0 >= updated {
                 Ok(())
             } else {
@@ -863,26 +872,31 @@ async fn a_settle_reads_its_rows_by_primary_key_not_every_row_in_flight() {
         seen
     };
 
-    let claimed = claim(&config, Ordering::None, keys.len(), 1).await;
-    assert_eq!(claimed.rows.len(), keys.len());
-    let (_, scans_before) = flushed(200).await;
+    let claimed = claim(&config, Ordering::None, new.len(), 1).await;
+    assert_eq!(claimed.rows.len(), new.len());
+    let (_, seq_before, processing_before, pkey_before) = flushed(1000).await;
     let ids: Vec<Uuid> = claimed.rows.iter().map(|m| m.id).collect();
     let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
     let sent = store
-        .mark_sent(&ids[..100], OnConfirm::MarkSent)
+        .mark_sent(&ids[..500], OnConfirm::MarkSent)
         .await
         .unwrap();
-    assert_eq!(sent, 100);
-    let handed_back = store.hand_back(&ids[100..]).await.unwrap();
-    assert_eq!(handed_back, 100);
+    assert_eq!(sent, 500);
+    let handed_back = store.hand_back(&ids[500..]).await.unwrap();
+    assert_eq!(handed_back, 500);
     drop(store);
-    let (_, scans_after) = flushed(400).await;
+    let (_, seq_after, processing_after, pkey_after) = flushed(2000).await;
     assert_eq!(
-        scans_after, scans_before,
+        processing_after, processing_before,
         "the settles scanned the processing index"
     );
-    assert_eq!(table.count_where("status = 'sent'").await, 100);
-    assert_eq!(table.count_where("status = 'pending'").await, 100);
+    assert_eq!(seq_after, seq_before, "the settles scanned the whole table");
+    assert!(
+        pkey_after >= pkey_before + 2,
+        "the two settles read their rows by primary key: {pkey_before} -> {pkey_after} scans"
+    );
+    assert_eq!(table.count_where("status = 'sent'").await, 500);
+    assert_eq!(table.count_where("status = 'pending'").await, 500);
     table.drop_table().await;
 }
 

@@ -112,8 +112,8 @@ impl PgStore {
             }))
             .build()
             .map_err(|e| StoreError::Build(e.to_string()))?;
-        let mut store = Self::with_pool(pool, stale, &cfg.table, instance_id);
-        store.partition_interval = cfg.partition_interval;
+        let mut store =
+            Self::with_pool(pool, stale, &cfg.table, instance_id, cfg.partition_interval);
         store.query_timeout = cfg.query_timeout;
         Ok(store)
     }
@@ -126,24 +126,32 @@ impl PgStore {
             self.stale.clone(),
             table,
             &self.instance_id,
+            self.partition_interval,
         );
-        store.partition_interval = self.partition_interval;
         store.query_timeout = self.query_timeout;
         store
     }
 
-    fn with_pool(pool: Pool, stale: StaleSessions, table: &TableName, instance_id: &str) -> Self {
+    /// The store of `table` on `pool`; its settles are rendered for a partitioned table when
+    /// `partition_interval` is set.
+    fn with_pool(
+        pool: Pool,
+        stale: StaleSessions,
+        table: &TableName,
+        instance_id: &str,
+        partition_interval: Option<std::time::Duration>,
+    ) -> Self {
         Self {
             pool,
             stale,
             table: table.clone(),
             instance_id: instance_id.to_owned(),
-            partition_interval: None,
+            partition_interval,
             query_timeout: DEFAULT_QUERY_TIMEOUT,
             blocker_index: std::sync::Arc::default(),
             q: std::sync::Arc::new(Queries {
                 claim: ClaimSql::new(table),
-                settle: SettleSql::new(table),
+                settle: SettleSql::new(table, partition_interval.is_some()),
                 observe: ObserveSql::new(table),
                 waiting: WaitingSql::new(table),
                 maintenance: MaintenanceSql::new(table),

@@ -209,7 +209,7 @@ mod tests {
     #[test]
     fn statements_are_checked_in() {
         let t = TableName::parse("outbox_messages").unwrap_or_else(|e| panic!("{e}"));
-        let (c, s) = (claim::ClaimSql::new(&t), settle::SettleSql::new(&t));
+        let (c, s) = (claim::ClaimSql::new(&t), settle::SettleSql::new(&t, false));
         let (o, w) = (observe::ObserveSql::new(&t), waiting::WaitingSql::new(&t));
         let (m, op) = (
             maintenance::MaintenanceSql::new(&t),

@@ -54,40 +54,47 @@ pub(super) struct SettleSql {
 }
 
 impl SettleSql {
-    pub(super) fn new(table: &TableName) -> Self {
+    /// The statements for `table`, `partitioned` or not (see [`held`]).
+    pub(super) fn new(table: &TableName, partitioned: bool) -> Self {
         let t = table.qualified();
         Self {
-            mark_sent: mark_sent(&t),
-            delete_sent: delete_sent(&t),
-            fail: fail(&t),
-            hand_back: hand_back(&t),
+            mark_sent: mark_sent(&t, partitioned),
+            delete_sent: delete_sent(&t, partitioned),
+            fail: fail(&t, partitioned),
+            hand_back: hand_back(&t, partitioned),
             hand_back_unheld: hand_back_unheld(&t),
-            heartbeat: heartbeat(&t),
+            heartbeat: heartbeat(&t, partitioned),
             reclaim: reclaim(&t),
         }
     }
 }
 
-/// [`mark_sent`] for `table`, for the benchmark's replay of the hot path.
+/// [`mark_sent`] for the plain `table`, for the benchmark's replay of the hot path.
 #[cfg(any(test, feature = "bench"))]
 pub(super) fn mark_sent_sql(table: &TableName) -> String {
-    mark_sent(&table.qualified())
+    mark_sent(&table.qualified(), false)
 }
 
 /// The row `alias` (`""` or `"t."`) is in flight in the name of the instance id `by`, for the
-/// statements that name their rows by id. `status = 'processing'` is written `IS TRUE` (the
-/// same, `status` being `NOT NULL`) so that it does not match the predicate of
+/// statements that name their rows by id. On a plain table `status = 'processing'` is written
+/// `IS TRUE` (the same condition) so that it does not match the predicate of
 /// `<table>_processing_idx`: with it, the plan of such a statement may read every row in flight
 /// through that index and compare each with every id given (it does once the table was
 /// analyzed with no row in flight, as after a bulk load), which cost a 500-row mark-sent with
-/// 2,000 rows in flight 7-10 ms against 4 ms by the primary key.
-fn held(alias: &str, by: &str) -> String {
-    format!("({alias}status = 'processing') IS TRUE AND {alias}locked_by = {by}")
+/// 2,000 rows in flight 7-10 ms against 4 ms by the primary key. A `partitioned` table keeps
+/// the plain condition: by primary key every partition would be probed for every id, where
+/// the processing index of a partition with nothing in flight is empty.
+fn held(alias: &str, by: &str, partitioned: bool) -> String {
+    if partitioned {
+        format!("{alias}status = 'processing' AND {alias}locked_by = {by}")
+    } else {
+        format!("({alias}status = 'processing') IS TRUE AND {alias}locked_by = {by}")
+    }
 }
 
 /// Confirmed rows become `sent`. `$1` ids, `$2` instance id.
-fn mark_sent(t: &str) -> String {
-    let held = held("", "$2");
+fn mark_sent(t: &str, partitioned: bool) -> String {
+    let held = held("", "$2", partitioned);
     format!(
         "UPDATE {t} SET status = 'sent', sent_at = now(), locked_by = NULL, locked_at = NULL, last_error = NULL \
          WHERE id = ANY($1) AND {held}"
@@ -95,16 +102,16 @@ fn mark_sent(t: &str) -> String {
 }
 
 /// Confirmed rows are deleted (retention 0). `$1` ids, `$2` instance id.
-fn delete_sent(t: &str) -> String {
-    let held = held("", "$2");
+fn delete_sent(t: &str, partitioned: bool) -> String {
+    let held = held("", "$2", partitioned);
     format!("DELETE FROM {t} WHERE id = ANY($1) AND {held}")
 }
 
 /// Rejected rows go back to `pending` after their delay, or become `failed` (a dead letter,
 /// `available_at` kept) once they used `$5` attempts; `last_error` says why. `$1` ids, `$2`
 /// errors, `$3` delays (ms), `$4` instance id, `$5` max attempts.
-fn fail(t: &str) -> String {
-    let held = held("t.", "$4");
+fn fail(t: &str, partitioned: bool) -> String {
+    let held = held("t.", "$4", partitioned);
     format!(
         "UPDATE {t} AS t SET \
            status = CASE WHEN t.attempts >= $5 THEN 'failed' ELSE 'pending' END, \
@@ -119,8 +126,8 @@ fn fail(t: &str) -> String {
 
 /// The rows back to `pending` without spending the attempt the claim counted. `$1` ids, `$2`
 /// instance id.
-fn hand_back(t: &str) -> String {
-    let held = held("", "$2");
+fn hand_back(t: &str, partitioned: bool) -> String {
+    let held = held("", "$2", partitioned);
     format!(
         "UPDATE {t} SET status = 'pending', attempts = greatest(attempts - 1, 0), \
            locked_by = NULL, locked_at = NULL \
@@ -145,8 +152,8 @@ fn hand_back_unheld(t: &str) -> String {
 /// stopped ever has its rows reclaimed. Only the ids the relay holds: a row claimed in its
 /// name whose answer was lost is handed back ([`PgStore::hand_back_unheld`]) or, if this relay
 /// stops first, expires. `$1` ids, `$2` instance id.
-fn heartbeat(t: &str) -> String {
-    let held = held("", "$2");
+fn heartbeat(t: &str, partitioned: bool) -> String {
+    let held = held("", "$2", partitioned);
     format!(
         "UPDATE {t} SET locked_at = now() \
          WHERE id = ANY($1) AND {held}"
@@ -272,7 +279,7 @@ mod tests {
     #[test]
     fn settles_touch_only_rows_still_locked_in_our_name() {
         let table = TableName::parse("app.events").unwrap_or_else(|e| panic!("{e}"));
-        let q = SettleSql::new(&table);
+        let q = SettleSql::new(&table, false);
         for (name, sql) in [
             ("mark_sent", &q.mark_sent),
             ("delete_sent", &q.delete_sent),
@@ -285,6 +292,18 @@ mod tests {
         }
         let ours = "status = 'processing' AND locked_by = $2";
         assert!(q.hand_back_unheld.contains(ours), "{}", q.hand_back_unheld);
+        // Partitioned: each partition's processing index, not every partition's primary key.
+        let p = SettleSql::new(&table, true);
+        for sql in [&p.mark_sent, &p.delete_sent, &p.hand_back, &p.heartbeat] {
+            let ours = "WHERE id = ANY($1) AND status = 'processing' AND locked_by = $2";
+            assert!(sql.contains(ours), "{sql}");
+        }
+        let ours = "t.status = 'processing' AND t.locked_by = $4";
+        assert!(
+            p.fail.contains(ours) && !p.fail.contains("IS TRUE"),
+            "{}",
+            p.fail
+        );
         assert!(
             q.fail
                 .contains("(t.status = 'processing') IS TRUE AND t.locked_by = $4"),
