@@ -22,6 +22,7 @@ use std::collections::{HashMap, HashSet};
 use mysql_async::prelude::{FromValue, Queryable};
 use mysql_async::{Conn, Row, Transaction, TxOpts};
 
+use super::claim_lock::ClaimLockSql;
 use super::{MysqlStore, Result, StoreError, parse_id, seq_list, utc};
 use crate::config::{Ordering, TableName};
 use crate::message::OutboxMessage;
@@ -724,8 +725,11 @@ impl MysqlStore {
         }
         let Some(mut lock) = self.q.claim_lock.take(conn, self.query_timeout).await? else {
             tracing::debug!(table = %self.table, "another relay's claims held the table's claim lock; nothing claimed this round");
+            // Claiming again at once is the point only after a wait: without one (a
+            // `query_timeout` under 2 s) the loop would ask again without a pause.
+            let waited = ClaimLockSql::wait_secs(self.query_timeout) > 0;
             return Ok(Claim {
-                contended: true,
+                contended: waited,
                 ..Claim::default()
             });
         };

@@ -23,8 +23,8 @@ use super::Result;
 use crate::config::TableName;
 
 /// How long a claim waits for another relay's claim on the table to end before it gives up
-/// this round (and the loop tries again on its next poll); at most half of
-/// `database.query_timeout`, which bounds the whole claim.
+/// this round (and the loop tries again at once); at most half of `database.query_timeout`,
+/// which bounds the whole claim.
 const WAIT: Duration = Duration::from_secs(2);
 
 /// The lock's name: `outbox-relay:claim:` and 40 hex digits of the SHA-256 of
@@ -65,14 +65,20 @@ impl ClaimLockSql {
         ]
     }
 
-    /// Takes the table's claim lock on `conn`, waiting up to [`WAIT`] (whole seconds, at
-    /// most half of `query_timeout`); `None` when another relay's claim kept it that long.
+    /// How long [`ClaimLockSql::take`] waits, in whole seconds: [`WAIT`], at most half of
+    /// `query_timeout` (0 below 2 s: it does not wait).
+    pub(super) fn wait_secs(query_timeout: Duration) -> u64 {
+        WAIT.min(query_timeout / 2).as_secs()
+    }
+
+    /// Takes the table's claim lock on `conn`, waiting up to [`ClaimLockSql::wait_secs`];
+    /// `None` when another relay's claim kept it that long.
     pub(super) async fn take(
         &self,
         mut conn: Conn,
         query_timeout: Duration,
     ) -> Result<Option<ClaimLock<'_>>> {
-        let wait = WAIT.min(query_timeout / 2).as_secs();
+        let wait = Self::wait_secs(query_timeout);
         let taken: Option<Option<i64>> = conn
             .exec_first(
                 &self.take,
