@@ -317,12 +317,15 @@ impl Relay {
     }
 
     /// The outcomes of a chain whose run panicked with the message `panic` (a bug in the relay
-    /// or in a client library): its rows are published again one at a time, untraced, each
-    /// under the same guard, up to the first that panics again, which counts as refused (it
-    /// spends its attempt, so a row that panics every time ends a dead letter) while the rows
-    /// after it are handed back. The rows before it go out twice: duplicates, never a gap in
-    /// order. Unwinding the batch's task instead would leave its rows held, their leases
-    /// renewed for as long as the relay runs.
+    /// or in a client library). A transport that pipelines runs may have sent rows past the
+    /// panic already: the run is handed back like one cut by a lost connection (no attempt
+    /// spent, so no row of it fails behind a later one that went out). Otherwise the rows are
+    /// published again one at a time, untraced, each under the same guard, up to the first
+    /// that panics again, which counts as refused (it spends its attempt, so a row that panics
+    /// every time ends a dead letter; the publisher is then closed, so that a client left in a
+    /// bad state is replaced), while the rows after it are handed back. The rows before it go
+    /// out twice: duplicates, never a gap in order. Unwinding the batch's task instead would
+    /// leave its rows held, their leases renewed for as long as the relay runs.
     async fn after_panic(
         &self,
         chain: &[OutboxMessage],
@@ -330,14 +333,22 @@ impl Relay {
         hard_stop: &CancellationToken,
     ) -> Vec<Outcome> {
         let first = chain.first().map(|m| m.seq);
+        if self.publisher.pipelines_runs() {
+            tracing::error!(rows = chain.len(), first_seq = ?first, panic, "the relay panicked while publishing a run of rows; handing them back");
+            return vec![Outcome::Unavailable(format!(
+                "the relay panicked while publishing: {panic}"
+            ))];
+        }
         tracing::error!(rows = chain.len(), first_seq = ?first, panic, "the relay panicked while publishing a run of rows; publishing them again one at a time");
         let mut outcomes = Vec::with_capacity(chain.len());
+        let mut panicked_alone = false;
         for msg in chain {
             let alone = AssertUnwindSafe(self.publisher.publish(msg, &self.envelope));
             let outcome = tokio::select! {
                 answer = alone.catch_unwind() => answer.unwrap_or_else(|panic| {
                     let what = panic_message(panic.as_ref());
                     tracing::error!(id = %msg.id, seq = msg.seq, panic = %what, "the relay panicked while publishing this row alone; it counts as refused");
+                    panicked_alone = true;
                     Outcome::Rejected(format!("the relay panicked while publishing this row: {what}"))
                 }),
                 () = hard_stop.cancelled() => Outcome::Unavailable("shutting down".into()),
@@ -347,6 +358,9 @@ impl Relay {
             if !confirmed {
                 break;
             }
+        }
+        if panicked_alone {
+            self.publisher.close().await;
         }
         outcomes
     }
