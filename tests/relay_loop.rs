@@ -310,6 +310,21 @@ fn rows(keys: &[&str]) -> Vec<NewRow> {
     keys.iter().map(row).collect()
 }
 
+/// `n` rows of about the bench's size (a 300-byte payload) in `aggregate_type`, each in an
+/// aggregate of its own.
+fn bench_sized_rows(aggregate_type: &str, n: usize) -> Vec<NewRow> {
+    let row = |i| {
+        let payload = json!({ "i": i, "note": "x".repeat(300) });
+        NewRow::new(
+            aggregate_type,
+            Some(&format!("order-{i}")),
+            "placed",
+            payload,
+        )
+    };
+    (0..n).map(row).collect()
+}
+
 /// `ids` as an SQL list, `('…', '…')`, read the same on both databases.
 fn id_list(ids: &[Uuid]) -> String {
     let quoted: Vec<String> = ids.iter().map(|id| format!("'{id}'")).collect();
@@ -776,13 +791,8 @@ async fn an_ordered_claim_takes_a_prefix_of_each_aggregates_run(db: Db) {
 /// PostgreSQL only: pages and fillfactor are PostgreSQL's storage (InnoDB updates in place).
 #[tokio::test]
 async fn a_claimed_row_stays_on_its_page() {
-    // Rows of about the bench's size (a 300-byte payload): a page holds a few of them.
-    let rows: Vec<NewRow> = (0..200)
-        .map(|i| {
-            let payload = json!({ "i": i, "note": "x".repeat(300) });
-            NewRow::new("page", Some(&format!("order-{i}")), "placed", payload)
-        })
-        .collect();
+    // A page holds a few rows of the bench's size.
+    let rows = bench_sized_rows("page", 200);
     let (table, config, _) = setup(Db::Postgres, "loop_page", "", &rows).await;
     let name = table.name();
     let room = format!(
@@ -834,14 +844,9 @@ async fn a_claimed_row_stays_on_its_page() {
 /// PostgreSQL only: partial indexes and their plans are PostgreSQL's.
 #[tokio::test]
 async fn a_settle_reads_its_rows_by_primary_key_not_every_row_in_flight() {
-    // Rows of about the bench's size (a 300-byte payload), enough of them that reading a
-    // batch by primary key costs the planner less than reading the whole table.
-    let new: Vec<NewRow> = (0..1000)
-        .map(|i| {
-            let payload = json!({ "i": i, "note": "x".repeat(300) });
-            NewRow::new("settle", Some(&format!("order-{i}")), "placed", payload)
-        })
-        .collect();
+    // Enough rows of the bench's size that reading a batch by primary key costs the planner
+    // less than reading the whole table.
+    let new = bench_sized_rows("settle", 1000);
     let (table, config, _) = setup(Db::Postgres, "loop_settle_plan", "", &new).await;
     table.exec(&format!("ANALYZE {}", table.name())).await;
     let TestOutbox::Postgres(pg) = &table else {
