@@ -31,7 +31,7 @@ use crate::publish::{Outcome, Publisher};
 use crate::retry::RetryPolicy;
 use crate::store::{ClaimRequest, Expired, ExpirySweep, Failure, OnConfirm, Store, StoreError};
 use crate::tasks::instance::LockHeld;
-use crate::tasks::lease::Held;
+use crate::tasks::lease::{Held, Holding};
 use crate::telemetry::{self, DatabaseHealth, Health, OutboxMetrics};
 use crate::wakeup::{Idle, Waiter};
 use crate::watermark::Watermark;
@@ -222,14 +222,23 @@ impl Relay {
         hard_stop: &CancellationToken,
         tasks: &TaskTracker,
     ) {
-        self.held.hold(rows.iter().map(|r| r.id));
+        let holding = self.held.holding(rows.iter().map(|r| r.id).collect());
         let relay = Arc::clone(self);
         let hard_stop = hard_stop.clone();
         let claimed_at = chrono::Utc::now();
         tasks.spawn(async move {
-            relay
-                .process_batch(rows, permit, claimed_at, hard_stop)
-                .await
+            let first = rows.first().map(|m| m.seq);
+            let count = rows.len();
+            let batch = relay.process_batch(rows, holding, permit, claimed_at, hard_stop);
+            // A panic outside the publish (`publish_chain` catches those) unwinds the task:
+            // its `Holding` stops renewing the rows' leases, so they come back after
+            // `lease_timeout` like those of a relay that stopped, an attempt spent (a row that
+            // panics every time ends a dead letter), and its permit returns to the window.
+            if let Err(panic) = AssertUnwindSafe(batch).catch_unwind().await {
+                let what = panic_message(panic.as_ref());
+                tracing::error!(rows = count, first_seq = ?first, panic = %what, lease = ?relay.settings.relay.lease_timeout, "the relay panicked while settling a batch; its rows are no longer renewed and come back when their lease runs out");
+                relay.wake.notify_one();
+            }
         });
     }
 
@@ -240,8 +249,9 @@ impl Relay {
     /// back at its last answer would let the loop claim and publish more while the batch's
     /// answered rows still wait for their settle.)
     async fn process_batch(
-        self: Arc<Self>,
+        self: &Arc<Self>,
         rows: Vec<OutboxMessage>,
+        holding: Holding,
         permit: Permit,
         claimed_at: chrono::DateTime<chrono::Utc>,
         hard_stop: CancellationToken,
@@ -256,7 +266,7 @@ impl Relay {
             results.extend(chain);
         }
         drop(running);
-        self.settle(results).await;
+        self.settle(results, holding).await;
         drop(permit);
         // The next rows of these aggregates may be claimable now.
         self.wake.notify_one();
@@ -421,11 +431,12 @@ impl Relay {
 
     /// Records outcomes, retrying while the database is unreachable (up to the lease: after
     /// that another relay may have reclaimed the rows, and they will be published again).
-    async fn settle(&self, results: Vec<(OutboxMessage, RowResult)>) {
-        let ids: Vec<uuid::Uuid> = results.iter().map(|(m, _)| m.id).collect();
+    async fn settle(&self, results: Vec<(OutboxMessage, RowResult)>, holding: Holding) {
+        #[cfg(feature = "fault-injection")]
+        crate::fault_injection::settle_panic_switch(results.iter().map(|(m, _)| m));
         self.record_outcomes(results).await;
         // Recorded, or given up on: either way this relay no longer renews their leases.
-        self.held.release(&ids);
+        drop(holding);
     }
 
     /// `results` sorted into the ids sent, the failures (each with its retry delay; logged),

@@ -27,6 +27,8 @@
 //! 5. A row that crashes the relay (the crash switch of the `fault-injection` feature, which the
 //!    tests' dev-dependency turns on) under a supervisor that restarts it: dead-lettered after
 //!    `retry.max_attempts` crash cycles, its batch-mates sent, each charged for one crash at most.
+//!    And a row that makes the relay panic while settling its batch (the settle panic switch):
+//!    the same end, in one relay process that never stops.
 //! 6. Secrets on failure paths (`check`, `status`, `dead-letters list`, `run` logs in text and
 //!    JSON), PostgreSQL TLS with `sslmode=require`, the metrics server on loopback by default.
 //!
@@ -1856,6 +1858,102 @@ async fn a_row_that_crashes_the_relay_is_dead_lettered_after_max_attempts_crash_
     summary("crash-loop", crashes, others.len() + 2, &analysis, &note);
     relay.stop().await;
     audit.drop_all(table, rabbit).await;
+}
+
+/// A bug outside the publish: the relay panics while recording the outcomes of every batch
+/// that holds one row (the settle panic switch `OUTBOX_RELAY_TEST_SETTLE_PANIC_HEADER`, behind
+/// the `fault-injection` feature). The batch's task unwinds, its rows stop being renewed and
+/// come back when their lease runs out (an attempt spent), each then claimed alone as a
+/// suspect: the panicker ends a dead letter after `retry.max_attempts`, every other row is
+/// sent, and the one relay process keeps running throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_while_settling_gives_the_batch_back_after_its_lease() {
+    const HEADER: &str = "x-fault-settle-panic";
+    const MAX_ATTEMPTS: i32 = 3;
+    let _shared = SERVICES.read().await;
+    let label = "f_settle_panic";
+    let (table, rabbit) = table_and_exchange(label).await;
+    let mut rows = NewRow::numbered(30, "settle", None, "e");
+    let panicker = NewRow::new("settle", None, "boom", json!({}));
+    rows.insert(10, panicker.headers(json!({ HEADER: "1" })));
+    let inserted = table.insert(&rows).await;
+    let panicker = inserted[10].id;
+
+    let mut relay = RelayBuilder::for_test(&table, &rabbit, label)
+        .env("OUTBOX_RELAY_TEST_SETTLE_PANIC_HEADER", HEADER)
+        .set("relay.lease_timeout", "1s")
+        .set("relay.poll_interval", "100ms")
+        .set("retry.max_attempts", MAX_ATTEMPTS.to_string())
+        .set("retry.base_delay", "100ms")
+        .spawn();
+    let others_open =
+        format!("id <> '{panicker}' AND status IN ('pending', 'processing', 'failed')");
+    wait_until(
+        secs(120),
+        "the panicker dead-lettered and every other row sent",
+        async || {
+            let logs = relay.stderr();
+            assert!(relay.is_running(), "the relay stopped:\n{logs}");
+            let state = table.row(panicker).await;
+            let open = table.count_where(&others_open).await;
+            if state.status == "failed" && open == 0 {
+                Ok(state)
+            } else {
+                Err(format!("panicker {state:?}, {open} other rows not sent"))
+            }
+        },
+    )
+    .await;
+    let logs = relay.stderr();
+    let caught = "the relay panicked while settling a batch";
+    assert!(logs.contains(caught), "no {caught:?} in the logs:\n{logs}");
+    let panicked = table.row(panicker).await;
+    assert_eq!(status_attempts(&panicked), ("failed", MAX_ATTEMPTS));
+    let last = panicked.last_error.unwrap_or_default();
+    assert!(
+        last.contains("lease expired"),
+        "panicker last_error {last:?}"
+    );
+
+    // The relay goes on: a new row is published and settled.
+    let late = table
+        .insert_ids(&[NewRow::new("settle", None, "late", json!({}))])
+        .await;
+    rabbit.wait_for_ids(&late, secs(30)).await;
+    // The 30 other rows and the late one.
+    let every_other_row_sent = |c: &Counts| c.get("sent") == Some(&31);
+    table
+        .wait_for_counts(secs(30), "every other row sent", every_other_row_sent)
+        .await;
+    assert!(relay.is_running(), "the relay died:\n{}", relay.stderr());
+
+    let mut others = table.rows().await;
+    others.retain(|f| f.id != panicker);
+    // Each row shared at most the panicker's first batch: one attempt spent by its lease, one
+    // by the claim that sent it.
+    let over: Vec<(Uuid, i32)> = others
+        .iter()
+        .filter(|f| f.attempts > 2)
+        .map(|f| (f.id, f.attempts))
+        .collect();
+    assert_none(
+        "rows charged for more than one of the panicker's batches",
+        &over,
+    );
+    rabbit.barrier().await;
+    let analysis = rabbit.analyse(&table.rows().await);
+    // The panic comes after the publish: the panicker went out once per attempt.
+    let delivered = analysis.counts.get(&panicker).copied();
+    let attempts = usize::try_from(MAX_ATTEMPTS).unwrap();
+    assert_eq!(delivered, Some(attempts), "deliveries of the panicker");
+    let note = format!(
+        "other_rows_by_attempts={:?}",
+        tally(others.iter().map(|f| f.attempts))
+    );
+    let panics = logs.matches(caught).count();
+    summary("settle-panic", panics, others.len() + 1, &analysis, &note);
+    relay.stop().await;
+    drop_both(table, rabbit).await;
 }
 
 // ---------------------------------------------------------------------------------------------

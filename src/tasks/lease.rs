@@ -40,6 +40,18 @@ impl Held {
         self.lock().extend(ids);
     }
 
+    /// Starts renewing the leases of `ids` until the returned [`Holding`] is dropped: when a
+    /// batch's task ends, however it ends (settled, given up on, or unwound by a panic), its
+    /// rows are no longer renewed, so a row it could not settle comes back when its lease runs
+    /// out instead of staying `processing` for as long as the relay runs.
+    pub fn holding(&self, ids: Vec<Uuid>) -> Holding {
+        self.hold(ids.iter().copied());
+        Holding {
+            held: self.clone(),
+            ids,
+        }
+    }
+
     /// Stops renewing the leases of `ids` (settled, or given up on).
     pub fn release(&self, ids: &[Uuid]) {
         let mut held = self.lock();
@@ -73,6 +85,26 @@ impl Held {
     // the set), so a poisoned lock is used as is.
     fn lock(&self) -> MutexGuard<'_, HashSet<Uuid>> {
         self.0.ids.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One batch's share of [`Held`]: its rows' leases are renewed while it lives.
+#[derive(Debug)]
+pub struct Holding {
+    held: Held,
+    ids: Vec<Uuid>,
+}
+
+impl Holding {
+    /// The ids held.
+    pub fn ids(&self) -> &[Uuid] {
+        &self.ids
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        self.held.release(&self.ids);
     }
 }
 
@@ -138,6 +170,26 @@ mod tests {
         other.release(&[a]);
         assert_eq!(held.ids(), vec![b]);
         held.release(&[b, a]);
+        assert!(held.is_empty());
+    }
+
+    #[test]
+    fn a_holding_releases_its_rows_when_dropped_even_by_a_panic() {
+        let held = Held::default();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        let first = held.holding(vec![a]);
+        assert_eq!(first.ids(), [a]);
+        let unwound = std::panic::catch_unwind({
+            let held = held.clone();
+            move || {
+                let _second = held.holding(vec![b]);
+                assert_eq!(held.ids().len(), 2);
+                panic!("a batch task panics");
+            }
+        });
+        assert!(unwound.is_err());
+        assert_eq!(held.ids(), vec![a], "the unwound holding released b");
+        drop(first);
         assert!(held.is_empty());
     }
 
