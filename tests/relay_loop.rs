@@ -905,6 +905,39 @@ async fn a_settle_reads_its_rows_by_primary_key_not_every_row_in_flight() {
     table.drop_table().await;
 }
 
+/// The relay's PostgreSQL sessions, as its pool makes them: commits that do not wait for the
+/// WAL flush, generic plans, no JIT and no parallel workers (docs/design.md: the relay's reads
+/// of many rows do not take the application's cores).
+#[tokio::test]
+async fn the_relays_sessions_are_set_for_short_statements_on_one_core() {
+    let (table, config, _) = setup(Db::Postgres, "loop_session_settings", "", &[]).await;
+    let store = Store::new(&config.database, &config.relay.instance_id).unwrap();
+    let client = store.as_postgres().unwrap().client().await.unwrap();
+    let mut seen = Vec::new();
+    for name in [
+        "synchronous_commit",
+        "plan_cache_mode",
+        "jit",
+        "max_parallel_workers_per_gather",
+    ] {
+        let row = client
+            .query_one(&format!("SHOW {name}"), &[])
+            .await
+            .unwrap();
+        seen.push((name, row.get::<_, String>(0)));
+    }
+    let want = [
+        ("synchronous_commit", "off"),
+        ("plan_cache_mode", "force_generic_plan"),
+        ("jit", "off"),
+        ("max_parallel_workers_per_gather", "0"),
+    ];
+    let seen: Vec<(&str, &str)> = seen.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    assert_eq!(seen, want);
+    drop(client);
+    table.drop_table().await;
+}
+
 /// An ordered claim fills its batch run by run: the aggregates whose oldest claimable row is
 /// oldest come first, each with its whole run in `seq` order, rather than one row of every
 /// aggregate in `seq` order. A row without aggregate is its own run.
