@@ -13,14 +13,15 @@ mod checked_in;
 mod instance;
 pub mod mysql;
 pub mod postgres;
+mod round;
 
 pub use instance::{LockHolder, LockSession, SessionId};
+pub use round::{Claim, ClaimRequest, Expired, ExpirySweep};
 
 pub use postgres::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use postgres::{
-    Backlog, Claim, ClaimRequest, DeadLetter, Expired, ExpirySweep, FailOutcome, Failure,
-    OnConfirm, SchemaPlan, SchemaState, Selection, StatusCounts, StatusReport, TableHealth,
-    WriterSnapshot,
+    Backlog, DeadLetter, FailOutcome, Failure, OnConfirm, SchemaPlan, SchemaState, Selection,
+    StatusCounts, StatusReport, TableHealth, WriterSnapshot,
 };
 pub use postgres::{
     COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,

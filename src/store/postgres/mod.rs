@@ -44,7 +44,6 @@ pub mod steps;
 mod waiting;
 
 pub(crate) use claim::scan_window;
-pub use claim::{Claim, ClaimRequest, Expired, ExpirySweep};
 pub use connect::{BACKEND_PID_SQL, StaleSessions, listen_sql, make_tls, pg_config, tls_required};
 pub use console::{
     COUNT_CAP, ConsoleCounts, DeadLetterPage, DeadLetterRow, MessageRow, PageRequest,
