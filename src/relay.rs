@@ -287,8 +287,9 @@ impl Relay {
             crate::fault_injection::crash_switch(msg);
         }
         let started = Instant::now();
+        // Outside the run, so that the spans a panic left open can still be ended.
+        let mut spans = Vec::new();
         let run = async {
-            let mut spans = Vec::new();
             let publishing = async {
                 match &self.tracer {
                     None => self.publisher.publish_run(&chain, &self.envelope).await,
@@ -320,6 +321,9 @@ impl Relay {
             Ok(outcomes) => outcomes,
             Err(panic) => {
                 let what = panic_message(panic.as_ref());
+                for span in &mut spans {
+                    span.finish_panicked(&what);
+                }
                 self.after_panic(&chain, &what, hard_stop).await
             }
         };

@@ -33,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use common::otlp::{OtlpReceiver, STATUS_ERROR};
 use common::{Db, DbConn, Inserted, NewRow, TestOutbox, on_both_databases, wait_until};
 use figment::Figment;
 use figment::providers::{Format, Serialized, Toml};
@@ -481,6 +482,52 @@ async fn a_publisher_that_panics_fails_only_its_row(db: Db) {
     assert_eq!(b.attempts, 2, "b1 spent its two attempts");
     let error = b.last_error.as_deref().unwrap_or_default();
     assert!(error.contains("panicked"), "b1's last_error: {error:?}");
+    table.drop_table().await;
+}
+
+/// With tracing on, a panic while publishing ends the span of the publish it cut short with an
+/// error of type `panic` (not a span dropped without a status); the row then goes out again
+/// untraced. PostgreSQL only: the spans are the relay's, whatever the database.
+#[tokio::test]
+async fn a_panic_while_publishing_ends_its_span_with_an_error() {
+    let receiver = OtlpReceiver::start().await;
+    let settings = format!(
+        "[tracing]\notlp_endpoint = \"{}\"\nprotocol = \"{}\"\n",
+        receiver.endpoint(),
+        receiver.protocol().config_value()
+    );
+    let (table, config, inserted) =
+        setup(Db::Postgres, "loop_panic_span", &settings, &rows(&["A"])).await;
+    let a1 = inserted[0].id;
+    let broker = FakeBroker::new(move |m, n| answer_if(m.id == a1 && n == 0, Answer::Panic));
+    let relay = start(config, &broker);
+    wait_until(WAIT, "a1 sent", async || {
+        match table.count_where("status = 'sent'").await {
+            1 => Ok(()),
+            n => Err(format!("{n} sent")),
+        }
+    })
+    .await;
+    // Stopping the relay exports the spans it holds.
+    stop(relay).await;
+    let spans = receiver
+        .wait_for_spans_with("messaging.message.id", &a1.to_string(), 1, WAIT)
+        .await;
+    let [span] = spans.as_slice() else {
+        panic!("one span (the republish is untraced): {spans:#?}");
+    };
+    assert_eq!(
+        (span.status_code, span.attr("error.type")),
+        (STATUS_ERROR, "panic"),
+        "{span:#?}"
+    );
+    assert!(span.status_message.contains("panicked"), "{span:#?}");
+    let published = broker.of_aggregate("A");
+    let outcomes: Vec<Option<Answer>> = published.iter().map(|p| p.outcome).collect();
+    assert_eq!(outcomes, vec![Some(Answer::Panic), Some(Answer::Confirm)]);
+    // The untraced republish carries the context of the span that ended in error.
+    let carried = published[1].msg.traceparent.as_deref();
+    assert_eq!(carried, Some(span.traceparent().as_str()));
     table.drop_table().await;
 }
 

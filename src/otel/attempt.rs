@@ -48,7 +48,8 @@ impl Tracing {
 }
 
 /// The span of one attempt, ended with the attempt's outcome ([`AttemptSpan::finish`]); a span
-/// dropped unfinished ends without a status.
+/// dropped unfinished ends without a status (a run cut by a panic ends its spans with
+/// [`AttemptSpan::finish_panicked`]).
 #[derive(Debug)]
 pub struct AttemptSpan(Option<opentelemetry_sdk::trace::Span>);
 
@@ -74,6 +75,20 @@ impl AttemptSpan {
         };
         span.set_attribute(KeyValue::new("error.type", kind));
         span.set_status(Status::error(reason.to_owned()));
+        span.end();
+    }
+
+    /// Ends the span of a publish cut short by a panic (the message `panic`): an error of type
+    /// `panic`. The relay then publishes the run again untraced ([`crate::relay`]). Idempotent,
+    /// and a no-op on a span already finished.
+    pub fn finish_panicked(&mut self, panic: &str) {
+        let Some(mut span) = self.0.take() else {
+            return;
+        };
+        span.set_attribute(KeyValue::new("error.type", "panic"));
+        span.set_status(Status::error(format!(
+            "the relay panicked while publishing: {panic}"
+        )));
         span.end();
     }
 }
