@@ -5,7 +5,7 @@
 //! relay renews is exactly [`Held`], so a row it lost track of expires and is published again
 //! (at least once), never silently kept.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -22,6 +22,9 @@ use crate::telemetry::OutboxMetrics;
 /// The ids this relay has claimed and not yet settled: the only rows whose leases it renews.
 /// A row it lost track of (a claim whose answer never arrived, an outcome it gave up
 /// recording) is not renewed, so its lease runs out and another relay (or this one) reclaims it.
+/// Each batch holds its ids through a [`Holding`]; an id is counted once per batch holding it
+/// (a batch that gave up on a row whose lease ran out may still be settling when this relay
+/// claims the row again in another), and renewed until the last of them lets go.
 /// It also carries the lease task's note that it reclaimed rows, so the loop looks for them at
 /// once. Clones share both.
 #[derive(Debug, Clone, Default)]
@@ -30,33 +33,38 @@ pub struct Held(Arc<HeldState>);
 /// What the clones of a [`Held`] share.
 #[derive(Debug, Default)]
 struct HeldState {
-    ids: Mutex<HashSet<Uuid>>,
+    /// Each held id with the number of batches holding it.
+    ids: Mutex<HashMap<Uuid, u32>>,
     reclaimed: AtomicBool,
 }
 
 impl Held {
-    /// Starts renewing the leases of `ids`.
-    pub fn hold(&self, ids: impl IntoIterator<Item = Uuid>) {
-        self.lock().extend(ids);
-    }
-
     /// Starts renewing the leases of `ids` until the returned [`Holding`] is dropped: when a
     /// batch's task ends, however it ends (settled, given up on, or unwound by a panic), its
     /// rows are no longer renewed, so a row it could not settle comes back when its lease runs
     /// out instead of staying `processing` for as long as the relay runs.
     pub fn holding(&self, ids: Vec<Uuid>) -> Holding {
-        self.hold(ids.iter().copied());
+        let mut held = self.lock();
+        for id in &ids {
+            *held.entry(*id).or_insert(0) += 1;
+        }
+        drop(held);
         Holding {
             held: self.clone(),
             ids,
         }
     }
 
-    /// Stops renewing the leases of `ids` (settled, or given up on).
-    pub fn release(&self, ids: &[Uuid]) {
+    /// Lets go of `ids` once (a [`Holding`] dropped).
+    fn release(&self, ids: &[Uuid]) {
         let mut held = self.lock();
         for id in ids {
-            held.remove(id);
+            if let Some(count) = held.get_mut(id) {
+                *count -= 1;
+                if *count == 0 {
+                    held.remove(id);
+                }
+            }
         }
     }
 
@@ -67,7 +75,7 @@ impl Held {
 
     /// The held ids, copied out so the lock is not kept across a database call.
     pub fn ids(&self) -> Vec<Uuid> {
-        self.lock().iter().copied().collect()
+        self.lock().keys().copied().collect()
     }
 
     /// The lease task returned rows of a stopped relay to `pending`.
@@ -83,23 +91,17 @@ impl Held {
 
     // A panic while the set was locked leaves it consistent (every operation is one call on
     // the set), so a poisoned lock is used as is.
-    fn lock(&self) -> MutexGuard<'_, HashSet<Uuid>> {
+    fn lock(&self) -> MutexGuard<'_, HashMap<Uuid, u32>> {
         self.0.ids.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 /// One batch's share of [`Held`]: its rows' leases are renewed while it lives.
 #[derive(Debug)]
+#[must_use = "the rows are renewed only while the Holding lives"]
 pub struct Holding {
     held: Held,
     ids: Vec<Uuid>,
-}
-
-impl Holding {
-    /// The ids held.
-    pub fn ids(&self) -> &[Uuid] {
-        &self.ids
-    }
 }
 
 impl Drop for Holding {
@@ -165,11 +167,31 @@ mod tests {
         let held = Held::default();
         let other = held.clone();
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-        held.hold([a, b]);
+        let first = held.holding(vec![a, b]);
         assert!(!other.is_empty());
-        other.release(&[a]);
-        assert_eq!(held.ids(), vec![b]);
-        held.release(&[b, a]);
+        let mut ids = other.ids();
+        ids.sort();
+        let mut want = vec![a, b];
+        want.sort();
+        assert_eq!(ids, want);
+        drop(first);
+        assert!(held.is_empty());
+    }
+
+    #[test]
+    fn a_row_held_by_two_batches_is_renewed_until_both_let_go() {
+        let held = Held::default();
+        let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+        // A batch that gave up on `a`, still settling, and a later batch that claimed it again.
+        let gave_up = held.holding(vec![a]);
+        let again = held.holding(vec![a, b]);
+        drop(gave_up);
+        let mut ids = held.ids();
+        ids.sort();
+        let mut want = vec![a, b];
+        want.sort();
+        assert_eq!(ids, want, "the later batch still holds a");
+        drop(again);
         assert!(held.is_empty());
     }
 
@@ -178,7 +200,6 @@ mod tests {
         let held = Held::default();
         let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
         let first = held.holding(vec![a]);
-        assert_eq!(first.ids(), [a]);
         let unwound = std::panic::catch_unwind({
             let held = held.clone();
             move || {
