@@ -236,7 +236,7 @@ impl Relay {
             // panics every time ends a dead letter), and its permit returns to the window.
             if let Err(panic) = AssertUnwindSafe(batch).catch_unwind().await {
                 let what = panic_message(panic.as_ref());
-                tracing::error!(rows = count, first_seq = ?first, panic = %what, lease = ?relay.settings.relay.lease_timeout, "the relay panicked while settling a batch; its rows are no longer renewed and come back when their lease runs out");
+                tracing::error!(rows = count, first_seq = ?first, panic = %what, lease = ?relay.settings.relay.lease_timeout, "the relay panicked outside the publish (while sorting or settling a batch); its rows are no longer renewed and come back when their lease runs out");
                 relay.wake.notify_one();
             }
         });
@@ -338,8 +338,9 @@ impl Relay {
     /// that panics again, which counts as refused (it spends its attempt, so a row that panics
     /// every time ends a dead letter; the publisher is then closed, so that a client left in a
     /// bad state is replaced), while the rows after it are handed back. The rows before it go
-    /// out twice: duplicates, never a gap in order. Unwinding the batch's task instead would
-    /// leave its rows held, their leases renewed for as long as the relay runs.
+    /// out twice: duplicates, never a gap in order. Letting the panic unwind the batch's task
+    /// instead would charge every row of the batch an attempt and a wait of `lease_timeout`
+    /// (see [`Relay::launch`]), and keep the client that panicked.
     async fn after_panic(
         &self,
         chain: &[OutboxMessage],

@@ -1905,7 +1905,7 @@ async fn a_panic_while_settling_gives_the_batch_back_after_its_lease() {
     )
     .await;
     let logs = relay.stderr();
-    let caught = "the relay panicked while settling a batch";
+    let caught = "the relay panicked outside the publish";
     assert!(logs.contains(caught), "no {caught:?} in the logs:\n{logs}");
     let panicked = table.row(panicker).await;
     assert_eq!(status_attempts(&panicked), ("failed", MAX_ATTEMPTS));
@@ -1946,6 +1946,13 @@ async fn a_panic_while_settling_gives_the_batch_back_after_its_lease() {
     let delivered = analysis.counts.get(&panicker).copied();
     let attempts = usize::try_from(MAX_ATTEMPTS).unwrap();
     assert_eq!(delivered, Some(attempts), "deliveries of the panicker");
+    // A batch-mate went out with the panicker's first batch and once more on its own.
+    let over: Vec<(&Uuid, &usize)> = analysis
+        .counts
+        .iter()
+        .filter(|(id, n)| **id != panicker && **n > 2)
+        .collect();
+    assert_none("rows delivered more than twice", &over);
     let note = format!(
         "other_rows_by_attempts={:?}",
         tally(others.iter().map(|f| f.attempts))
